@@ -1,0 +1,77 @@
+"""Files on disk: content hashes, JSON, and directories that appear whole or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def hash_tree(root: Path) -> dict:
+    """{relative path: sha256} of every file under root, sorted."""
+    return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def hash_files(paths: Iterable[Path]) -> dict:
+    return {str(p): sha256_file(p) for p in paths}
+
+
+def write_json(path: Path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path, replace: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory next to ``final``; on success rename it into
+    place, so readers never see half of it. With replace=False an existing ``final``
+    wins (another writer finished first) and the temporary copy is dropped."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield temp
+        if final.exists() and replace:
+            shutil.rmtree(final)
+        try:
+            os.rename(temp, final)
+        except OSError:
+            if not final.exists():
+                raise
+    finally:
+        if temp.exists():
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def atomic_write_bytes(final: Path, writer) -> None:
+    """Call writer(temp_path) and rename the result onto ``final``."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
+    os.close(handle)
+    try:
+        writer(Path(temp))
+        os.replace(temp, final)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)

@@ -1,0 +1,29 @@
+"""One module per runtime, each behind the same small protocol.
+
+Module-level constants describe what a backend can do (importing the runtime is
+deferred to the functions, so that config validation stays fast and a missing
+optional runtime is reported, not crashed on):
+
+    NAME, PRECISIONS, MEMORY_MODES, DEVICES
+    available() -> (bool, reason)
+    versions() -> {package: version}
+    build(onnx_path, ir_dir, out_dir, target, precision) -> (artifact files, settings)
+    load(artifact_dir, settings) -> Session
+
+A Session has ``inputs`` / ``outputs`` (names), ``run(feeds) -> {name: array}`` and
+``effective() -> {"device": ..., "precision": ...}``: what really ran.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+MODULES = {
+    "onnxruntime": "pipeline.backends.onnxruntime",
+    "openvino": "pipeline.backends.openvino",
+}
+
+
+def spec(name: str) -> ModuleType:
+    return importlib.import_module(MODULES[name])

@@ -1,0 +1,96 @@
+"""OpenVINO: the ``openvino_cpu`` target (IR model, explicit precision hint)."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+NAME = "openvino"
+PRECISIONS = ("fp32", "bf16")
+MEMORY_MODES = ("auto",)
+DEVICES = ("CPU",)
+
+# Without an explicit hint the CPU plugin runs bf16 on CPUs that have it (shared/findings.md).
+PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+_RUNTIME_PRECISIONS = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "u8": "int8", "i8": "int8"}
+_COMPUTE_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution"}
+
+
+def available() -> Tuple[bool, str]:
+    try:
+        import openvino  # noqa: F401
+    except ImportError as err:
+        return False, f"openvino cannot be imported ({err}): pip install openvino"
+    return True, ""
+
+
+def versions() -> Dict[str, str]:
+    import openvino
+
+    return {"openvino": openvino.get_version()}
+
+
+def convert(onnx_path: Path, out_dir: Path) -> List[str]:
+    """ONNX -> IR through Core.read_model (the ovc converter path sends telemetry)."""
+    import openvino as ov
+
+    model = ov.Core().read_model(str(onnx_path))
+    ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
+    return ["model.xml", "model.bin"]
+
+
+def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
+    for name in ("model.xml", "model.bin"):
+        shutil.copyfile(ir_dir / name, out_dir / name)
+    options = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision]}
+    if target.threads:
+        options["INFERENCE_NUM_THREADS"] = target.threads
+    return ["model.xml", "model.bin"], {"model": "model.xml", "options": options}
+
+
+class Session:
+    def __init__(self, model_path: Path, device: str, options: dict, output_names: List[str]):
+        import openvino as ov
+
+        core = ov.Core()
+        self._compiled = core.compile_model(core.read_model(str(model_path)), device, dict(options))
+        self._request = self._compiled.create_infer_request()
+        self.inputs = [_pick_name(i.get_names(), []) for i in self._compiled.inputs]
+        self.outputs = [_pick_name(o.get_names(), output_names) for o in self._compiled.outputs]
+
+    def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        result = self._request.infer(feeds)
+        return {name: np.array(result[port]) for name, port in zip(self.outputs, self._compiled.outputs)}
+
+    def effective(self) -> Dict[str, str]:
+        """Device and the precision the compute layers of the compiled model really run in."""
+        devices = list(self._compiled.get_property("EXECUTION_DEVICES"))
+        counts: Counter = Counter()
+        for op in self._compiled.get_runtime_model().get_ordered_ops():
+            info = op.get_rt_info()
+            if info["layerType"].astype(str) in _COMPUTE_LAYERS:
+                counts[info["runtimePrecision"].astype(str)] += 1
+        if counts:
+            precision = _RUNTIME_PRECISIONS.get(counts.most_common(1)[0][0], counts.most_common(1)[0][0])
+        else:
+            hint = str(self._compiled.get_property("INFERENCE_PRECISION_HINT"))
+            precision = _RUNTIME_PRECISIONS.get(hint, hint)
+        return {"device": ",".join(devices), "precision": precision,
+                "layers": ", ".join(f"{_RUNTIME_PRECISIONS.get(k, k)}: {v}" for k, v in sorted(counts.items()))}
+
+
+def _pick_name(names, preferred: List[str]) -> str:
+    for name in preferred:
+        if name in names:
+            return name
+    return sorted(names)[0]
+
+
+def load(artifact_dir: Path, settings: dict) -> Session:
+    outputs = [o["name"] for o in settings.get("outputs", [])]
+    return Session(Path(artifact_dir) / settings["model"], settings.get("device", "CPU"),
+                   settings.get("options", {}), outputs)

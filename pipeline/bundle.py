@@ -1,0 +1,75 @@
+"""Loading a packaged bundle: integrity against its manifest, then a backend session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import yaml
+
+from pipeline import backends
+from pipeline.artifacts import read_json, sha256_file
+from pipeline.data import TensorSpec, conform
+from pipeline.errors import BackendUnavailable, InputError
+
+MANIFEST = "manifest.json"
+
+
+def check_integrity(bundle: Path) -> dict:
+    """The manifest, once every file in it is present with its recorded sha256 and no
+    file was added; otherwise an InputError naming the first offending file."""
+    bundle = Path(bundle)
+    if not bundle.is_dir():
+        raise InputError(f"bundle: {bundle} is not a bundle directory")
+    try:
+        manifest = read_json(bundle / MANIFEST)
+        listed = manifest["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise InputError(f"bundle: {bundle / MANIFEST} is missing or unreadable ({err})") from err
+    for name, entry in sorted(listed.items()):
+        path = bundle / name
+        if not path.is_file():
+            raise InputError(f"bundle: {name} is listed in the manifest but missing")
+        if sha256_file(path) != entry["sha256"]:
+            raise InputError(f"bundle: {name} does not match its sha256 in the manifest (tampered or corrupt)")
+    extra = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and p.relative_to(bundle).as_posix() not in listed)
+    if extra:
+        raise InputError(f"bundle: {extra[0]} is not listed in the manifest (added after packaging)")
+    return manifest
+
+
+def runtime_settings(bundle: Path) -> dict:
+    return yaml.safe_load((Path(bundle) / "runtime.yaml").read_text())
+
+
+def open_session(bundle: Path):
+    settings = runtime_settings(bundle)
+    backend = backends.spec(settings["backend"])
+    ok, reason = backend.available()
+    if not ok:
+        raise BackendUnavailable(reason)
+    return backend.load(Path(bundle), settings), settings
+
+
+def read_inputs(path: Path, settings: dict) -> Dict[str, np.ndarray]:
+    """Feeds from a .npy (one-input models) or .npz (keys = input names) file."""
+    specs: List[TensorSpec] = [TensorSpec(**spec) for spec in settings["inputs"]]
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--input: {path} does not exist")
+    try:
+        if path.suffix == ".npy":
+            arrays = {specs[0].name: np.load(path, allow_pickle=False)} if len(specs) == 1 else {}
+        else:
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {key: archive[key] for key in archive.files}
+    except (ValueError, OSError, EOFError) as err:
+        raise InputError(f"--input: {path} cannot be read as a NumPy file ({err})") from err
+    if len(specs) == 1 and len(arrays) == 1:
+        arrays = {specs[0].name: next(iter(arrays.values()))}
+    missing = [s.name for s in specs if s.name not in arrays]
+    if missing:
+        raise InputError(f"--input: {path} lacks {missing}; the bundle's inputs are {[s.name for s in specs]}")
+    return {s.name: conform(arrays[s.name], s, str(path)) for s in specs}

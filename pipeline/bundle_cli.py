@@ -1,0 +1,63 @@
+"""``parity-bundle``: check and run a packaged bundle.
+
+    parity-bundle verify BUNDLE
+    parity-bundle run BUNDLE --input x.npy [--output y.npz]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.markup import escape
+
+from pipeline.bundle import check_integrity, open_session, read_inputs
+from pipeline.console import stderr_console, stdout_console
+from pipeline.errors import ExitCode, ParityError
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="parity-bundle", description="Check and run a parity bundle.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    verify = commands.add_parser("verify", help="check every file against the manifest's sha256")
+    verify.add_argument("bundle", type=Path)
+    run = commands.add_parser("run", help="check the bundle, then run it on its backend")
+    run.add_argument("bundle", type=Path)
+    run.add_argument("--input", type=Path, required=True, help=".npy (one input) or .npz (keys = input names)")
+    run.add_argument("--output", type=Path, help="write the outputs to this .npz")
+    args = parser.parse_args(argv)
+    try:
+        code = _verify(args) if args.command == "verify" else _run(args)
+    except ParityError as err:
+        stderr_console().print(f"[bold red]parity-bundle:[/] {escape(str(err))}", soft_wrap=True)
+        code = err.exit_code
+    except Exception as err:  # noqa: BLE001
+        stderr_console().print(f"[bold red]parity-bundle: internal error:[/] {escape(type(err).__name__)}: "
+                               f"{escape(str(err))}", soft_wrap=True)
+        code = ExitCode.INTERNAL
+    sys.exit(int(code))
+
+
+def _verify(args) -> ExitCode:
+    manifest = check_integrity(args.bundle)
+    stdout_console().print(f"bundle {escape(manifest['name'])}: {len(manifest['files'])} files match the manifest "
+                           f"(verdict at packaging: {manifest['verdict']})")
+    return ExitCode.OK
+
+
+def _run(args) -> ExitCode:
+    check_integrity(args.bundle)
+    session, settings = open_session(args.bundle)
+    outputs = session.run(read_inputs(args.input, settings))
+    console = stdout_console()
+    for name, value in outputs.items():
+        flat = value.reshape(-1)
+        console.print(f"{escape(name)}: shape {list(value.shape)} {value.dtype}, argmax {int(np.argmax(flat))}, "
+                      f"first values {np.array2string(flat[:5], precision=4)}")
+    if args.output:
+        np.savez(args.output, **outputs)
+        console.print(f"outputs written to {escape(str(args.output))}")
+    console.print(f"ran on: {escape(str(session.effective()))}")
+    return ExitCode.OK

@@ -1,0 +1,250 @@
+"""Every config schema of parity, in one place.
+
+The dataclasses are registered in Hydra's ConfigStore (``parity_schema`` at the root),
+so composition rejects unknown keys and wrong enum values. ``validate`` then turns the
+composed config into typed objects and checks what a schema cannot say (missing values,
+a precision the target's backend cannot run, stage names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib import resources
+from pathlib import Path
+from typing import Dict, List, Optional, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from pipeline.errors import ConfigError
+
+
+class Backend(Enum):
+    onnxruntime = "onnxruntime"
+    openvino = "openvino"
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    int8 = "int8"
+    mixed = "mixed"
+
+
+class MemoryMode(Enum):
+    auto = "auto"
+    buffer = "buffer"
+    image = "image"
+
+
+class DataKind(Enum):
+    tensors = "tensors"
+    images = "images"
+    random = "random"
+
+
+class Color(Enum):
+    rgb = "rgb"
+    bgr = "bgr"
+    gray = "gray"
+
+
+class Layout(Enum):
+    nchw = "nchw"
+    nhwc = "nhwc"
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # the ONNX file
+    name: Optional[str] = None  # bundle and report name; default: the file's stem
+    input_shapes: Dict[str, List[int]] = field(default_factory=dict)  # fix dynamic dims
+    min_opset: int = 13  # models below are upgraded to this opset
+
+
+@dataclass
+class PreprocessConfig:
+    resize: Optional[List[int]] = None  # [height, width]; default: the model input's
+    keep_aspect: bool = False  # resize to fit, then pad bottom/right
+    pad_value: float = 0.0  # in normalized units (after mean/std)
+    color: Color = Color.rgb
+    scale: float = 255.0  # x = (pixel / scale - mean) / std
+    mean: List[float] = field(default_factory=lambda: [0.0])
+    std: List[float] = field(default_factory=lambda: [1.0])
+    layout: Layout = Layout.nchw
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.tensors
+    path: Optional[str] = None  # directory, or an .npz file (tensors only)
+    calibration_size: int = 32
+    validation_size: int = 64
+    labels: str = "labels.csv"  # per split directory: "sample,class" rows
+    seed: int = 0  # random data only
+    low: float = 0.0  # random data only
+    high: float = 1.0  # random data only
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    backend: Backend = MISSING
+    device: str = "CPU"
+    threads: int = 0  # 0: the runtime's default
+    memory_mode: MemoryMode = MemoryMode.auto
+
+
+@dataclass
+class PrecisionConfig:
+    name: Precision = MISSING
+    min_cosine: float = 0.9999  # the default threshold for builds at this precision
+    max_metric_drop: float = 0.0  # the default allowed task-metric drop
+
+
+@dataclass
+class OutputThresholds:
+    min_cosine: Optional[float] = None
+    max_abs_error: Optional[float] = None
+    max_mean_abs_error: Optional[float] = None
+    min_sqnr_db: Optional[float] = None
+
+
+@dataclass
+class ValidationConfig:
+    min_cosine: float = 0.9999
+    max_abs_error: Optional[float] = None
+    max_mean_abs_error: Optional[float] = None
+    min_sqnr_db: Optional[float] = None
+    max_metric_drop: float = 0.0  # top-1 accuracy points (0.01 = 1 %), when labels exist
+    task_output: Optional[str] = None  # output holding class scores; default: the first
+    outputs: Dict[str, OutputThresholds] = field(default_factory=dict)  # per-output overrides
+
+    def thresholds_for(self, output: str) -> OutputThresholds:
+        base = OutputThresholds(self.min_cosine, self.max_abs_error,
+                                self.max_mean_abs_error, self.min_sqnr_db)
+        override = self.outputs.get(output)
+        if override is None:
+            return base
+        return OutputThresholds(*(o if o is not None else b for o, b in zip(
+            (override.min_cosine, override.max_abs_error, override.max_mean_abs_error, override.min_sqnr_db),
+            (base.min_cosine, base.max_abs_error, base.max_mean_abs_error, base.min_sqnr_db))))
+
+
+@dataclass
+class PackageConfig:
+    name: Optional[str] = None  # default: <model>-<target>-<precision>
+    archive: bool = True  # also write <bundle>.tar.gz
+
+
+@dataclass
+class PipelineConfig:
+    stages: List[str] = field(default_factory=lambda: ["convert", "build", "verify", "package"])
+    cache: bool = True
+    cache_dir: str = "outputs/.cache"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    package: PackageConfig = field(default_factory=PackageConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+def asset_path(name: str) -> str:
+    """Absolute path of a file shipped in pipeline/assets (the embedded default)."""
+    return str(resources.files("pipeline") / "assets" / name)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="parity_schema", node=RunConfig)
+    if not OmegaConf.has_resolver("parity_asset"):
+        OmegaConf.register_new_resolver("parity_asset", asset_path)
+
+
+def validate(cfg: DictConfig) -> RunConfig:
+    """Typed config, or a ConfigError naming the key and what is allowed."""
+    try:
+        run: RunConfig = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"{err.full_key}: a value is required (set {err.full_key}=...)") from err
+    except OmegaConfBaseException as err:
+        raise ConfigError(describe_config_error(err)) from err
+    _check_combinations(run)
+    return run
+
+
+def _check_combinations(run: RunConfig) -> None:
+    from pipeline import backends
+    from stages import STAGE_NAMES
+
+    backend = backends.spec(run.target.backend.value)
+    if run.precision.name.value not in backend.PRECISIONS:
+        raise ConfigError(
+            f"precision={run.precision.name.value} is not supported by target {run.target.name} "
+            f"(backend {backend.NAME}); allowed: {', '.join(backend.PRECISIONS)}")
+    if run.target.memory_mode.value not in backend.MEMORY_MODES:
+        raise ConfigError(
+            f"target.memory_mode={run.target.memory_mode.value}: backend {backend.NAME} has no "
+            f"such memory mode; allowed: {', '.join(backend.MEMORY_MODES)}")
+    if run.target.device.upper() not in backend.DEVICES:
+        raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
+                          f"{', '.join(backend.DEVICES)}")
+    unknown = [s for s in run.pipeline.stages if s not in STAGE_NAMES]
+    if unknown:
+        raise ConfigError(f"pipeline.stages: unknown stage {unknown[0]!r}; allowed: {', '.join(STAGE_NAMES)}")
+    if run.data.kind is not DataKind.random and not run.data.path:
+        raise ConfigError(f"data.path: a value is required for data.kind={run.data.kind.value} "
+                          "(or use data.kind=random)")
+    if run.data.calibration_size < 0 or run.data.validation_size < 1:
+        raise ConfigError("data.validation_size must be >= 1 and data.calibration_size >= 0")
+    if run.target.threads < 0:
+        raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
+
+
+def describe_config_error(err: BaseException) -> str:
+    """One line from a Hydra/OmegaConf error chain: the key and the complaint."""
+    chain = []
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for item in chain:
+        if isinstance(item, OmegaConfBaseException) and getattr(item, "full_key", None):
+            msg = str(getattr(item, "msg", "") or item).splitlines()[0]
+            allowed = _allowed_keys(item.full_key) if isinstance(item, ConfigKeyError) else None
+            return f"{item.full_key}: {msg}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
+    first = str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__]
+    return first[0]
+
+
+def plain(obj):
+    """A config dataclass as JSON-able data (enums by value)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def _allowed_keys(full_key: str) -> Optional[List[str]]:
+    """The schema's field names at the parent of ``full_key`` (None if not a schema node)."""
+    node = RunConfig
+    for part in full_key.split(".")[:-1]:
+        hints = get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        node = hints.get(part)
+        if node is None:
+            return None
+    return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else None

@@ -1,0 +1,26 @@
+"""The rich consoles parity prints to: results on stdout, logs and errors on stderr."""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+
+@lru_cache(maxsize=1)
+def stdout_console() -> Console:
+    return Console()
+
+
+@lru_cache(maxsize=1)
+def stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+def rich_handler(level: str = "INFO") -> logging.Handler:
+    """Console log handler (used by conf/hydra/job_logging/parity.yaml)."""
+    handler = RichHandler(console=stderr_console(), show_path=False, markup=False, rich_tracebacks=False)
+    handler.setLevel(level)
+    return handler

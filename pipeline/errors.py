@@ -1,0 +1,31 @@
+"""Errors users can act on, each with the exit code the CLI returns for it."""
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    INTERNAL = 1
+    USAGE = 2  # usage, config or input error
+    THRESHOLD = 3  # an accuracy threshold failed
+    BACKEND = 4  # a backend could not run
+
+
+class ParityError(Exception):
+    """An error with a one-line message meant for the user."""
+
+    exit_code = ExitCode.INTERNAL
+
+
+class ConfigError(ParityError):
+    exit_code = ExitCode.USAGE
+
+
+class InputError(ParityError):
+    """A model, data or bundle file that cannot be used as it is."""
+
+    exit_code = ExitCode.USAGE
+
+
+class BackendUnavailable(ParityError):
+    exit_code = ExitCode.BACKEND

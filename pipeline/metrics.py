@@ -1,0 +1,122 @@
+"""Output agreement metrics, accumulated one sample at a time (memory does not grow
+with the number of samples), and their comparison with thresholds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+from pipeline.config import OutputThresholds
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    norm = math.sqrt(float(a @ a) * float(b @ b))
+    if norm == 0.0:
+        return 1.0 if not a.any() and not b.any() else 0.0
+    return float(a @ b) / norm
+
+
+@dataclass
+class OutputStats:
+    """Streaming agreement between a reference output and a target output."""
+
+    dot: float = 0.0
+    ref_sq: float = 0.0
+    out_sq: float = 0.0
+    err_sq: float = 0.0
+    err_abs: float = 0.0
+    max_abs: float = 0.0
+    elements: int = 0
+    nan: int = 0
+    inf: int = 0
+    reference_nan: int = 0
+    reference_inf: int = 0
+    sample_cosine: List[float] = field(default_factory=list)
+    sample_max_abs: List[float] = field(default_factory=list)
+
+    def update(self, reference: np.ndarray, output: np.ndarray) -> None:
+        ref = np.asarray(reference, dtype=np.float64).ravel()
+        out = np.asarray(output, dtype=np.float64).ravel()
+        if ref.shape != out.shape:
+            raise ValueError(f"shape {np.shape(output)} differs from the reference's {np.shape(reference)}")
+        self.nan += int(np.isnan(out).sum())
+        self.inf += int(np.isinf(out).sum())
+        self.reference_nan += int(np.isnan(ref).sum())
+        self.reference_inf += int(np.isinf(ref).sum())
+        finite = np.isfinite(ref) & np.isfinite(out)
+        ref, out = ref[finite], out[finite]
+        diff = np.abs(ref - out)
+        self.dot += float(ref @ out)
+        self.ref_sq += float(ref @ ref)
+        self.out_sq += float(out @ out)
+        self.err_sq += float(diff @ diff)
+        self.err_abs += float(diff.sum())
+        sample_max = float(diff.max()) if diff.size else 0.0
+        self.max_abs = max(self.max_abs, sample_max)
+        self.elements += int(finite.size)
+        self.sample_cosine.append(cosine(ref, out))
+        self.sample_max_abs.append(sample_max)
+
+    def result(self) -> dict:
+        norm = math.sqrt(self.ref_sq * self.out_sq)
+        total_cos = self.dot / norm if norm else (1.0 if self.ref_sq == self.out_sq == 0 else 0.0)
+        return {
+            "cosine": total_cos,
+            "min_sample_cosine": min(self.sample_cosine) if self.sample_cosine else None,
+            "max_abs": self.max_abs,
+            "mean_abs": self.err_abs / self.elements if self.elements else None,
+            "rel_l2": math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq else (0.0 if self.err_sq == 0 else None),
+            # None: infinite, the outputs are identical
+            "sqnr_db": 10 * math.log10(self.ref_sq / self.err_sq) if self.err_sq and self.ref_sq else None,
+            "nan": self.nan, "inf": self.inf,
+            "reference_nan": self.reference_nan, "reference_inf": self.reference_inf,
+            "elements": self.elements,
+        }
+
+
+def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
+    """Which thresholds the metrics miss; NaN/Inf never pass."""
+    failed = []
+    if metrics["nan"] or metrics["inf"]:
+        failed.append(f"{metrics['nan']} NaN and {metrics['inf']} Inf values in the output")
+    if limits.min_cosine is not None and not metrics["cosine"] >= limits.min_cosine:
+        failed.append(f"cosine {metrics['cosine']:.6f} < {limits.min_cosine}")
+    if limits.max_abs_error is not None and not metrics["max_abs"] <= limits.max_abs_error:
+        failed.append(f"max abs error {metrics['max_abs']:.3g} > {limits.max_abs_error}")
+    if limits.max_mean_abs_error is not None and not (metrics["mean_abs"] or 0.0) <= limits.max_mean_abs_error:
+        failed.append(f"mean abs error {metrics['mean_abs']:.3g} > {limits.max_mean_abs_error}")
+    sqnr = metrics["sqnr_db"]
+    if limits.min_sqnr_db is not None and sqnr is not None and not sqnr >= limits.min_sqnr_db:
+        failed.append(f"SQNR {sqnr:.1f} dB < {limits.min_sqnr_db} dB")
+    return failed
+
+
+@dataclass
+class Top1:
+    """Top-1 accuracy of reference and target, and how often the two agree."""
+
+    reference_correct: int = 0
+    target_correct: int = 0
+    agree: int = 0
+    count: int = 0
+
+    def update(self, reference: np.ndarray, output: np.ndarray, label: int) -> None:
+        ref_class = int(np.argmax(np.asarray(reference).reshape(-1)))
+        out_class = int(np.argmax(np.asarray(output).reshape(-1)))
+        self.reference_correct += ref_class == label
+        self.target_correct += out_class == label
+        self.agree += ref_class == out_class
+        self.count += 1
+
+    def result(self, max_drop: float, output: str) -> Optional[dict]:
+        if not self.count:
+            return None
+        reference, target = self.reference_correct / self.count, self.target_correct / self.count
+        drop = reference - target
+        return {"metric": "top1", "output": output, "samples": self.count, "reference": reference,
+                "target": target, "drop": drop, "agreement": self.agree / self.count,
+                "max_drop": max_drop, "passed": drop <= max_drop + 1e-12}

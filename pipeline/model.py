@@ -1,0 +1,100 @@
+"""Reading ONNX files safely: precise errors for the ways a model file goes wrong,
+external data kept inside the model's directory, and the model's signature."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+
+from pipeline.data import TensorSpec
+from pipeline.errors import InputError
+
+
+def load_onnx(path: Path, key: str = "model.path") -> onnx.ModelProto:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise InputError(f"{key}: {path} does not exist (set {key}=... to an ONNX file)")
+    if path.is_dir():
+        raise InputError(f"{key}: {path} is a directory, not an ONNX file")
+    head = path.read_bytes()[:512] if path.stat().st_size else b""
+    if not head:
+        raise InputError(f"{key}: {path} is empty (0 bytes): re-export or re-download the model")
+    if _looks_like_text(head):
+        raise InputError(f"{key}: {path} is a text file, not an ONNX model (binary protobuf)")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError) as err:
+        raise InputError(f"{key}: {path} cannot be parsed as ONNX, the file is truncated or not a model "
+                         f"({_first_line(err)})") from err
+    if not model.graph.node or not model.graph.output or not model.opset_import:
+        raise InputError(f"{key}: {path} is not a complete ONNX model (no graph nodes, outputs or opset): "
+                         "the file is truncated or not a model")
+    _load_external_data(model, path, key)
+    return model
+
+
+def _looks_like_text(head: bytes) -> bool:
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(ch.isprintable() or ch in "\r\n\t" for ch in text)
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path, key: str) -> None:
+    base = path.parent.resolve()
+    external = [t for t in _all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
+    for tensor in external:
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        target = (base / location).resolve()
+        if Path(location).is_absolute() or not target.is_relative_to(base):
+            raise InputError(f"{key}: external data '{location}' of tensor '{tensor.name}' points outside "
+                             f"the model's directory {base}; refusing to read it")
+        if not target.is_file():
+            raise InputError(f"{key}: external data file '{location}' of tensor '{tensor.name}' is missing "
+                             f"(expected at {target})")
+        needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if target.stat().st_size < needed:
+            raise InputError(f"{key}: external data file '{location}' is truncated "
+                             f"({target.stat().st_size} bytes, tensor '{tensor.name}' needs {needed})")
+    if external:
+        onnx.load_external_data_for_model(model, str(base))
+
+
+def _all_tensors(model: onnx.ModelProto):
+    yield from model.graph.initializer
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def check(model: onnx.ModelProto, key: str = "model.path") -> None:
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+        raise InputError(f"{key}: the ONNX checker rejects the model: {_first_line(err)}") from err
+
+
+def signature(model: onnx.ModelProto, outputs: bool = False) -> List[TensorSpec]:
+    """The graph's real inputs (initializers excluded) or outputs, with dims as ints
+    (0 for an unknown dim) and numpy dtype names."""
+    initializers = {t.name for t in model.graph.initializer}
+    values = model.graph.output if outputs else [v for v in model.graph.input if v.name not in initializers]
+    specs = []
+    for value in values:
+        tensor_type = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tensor_type.shape.dim]
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)).name
+        specs.append(TensorSpec(value.name, dims, dtype))
+    return specs

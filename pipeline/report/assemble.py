@@ -1,0 +1,42 @@
+"""The report model: one JSON-able dict built from the stage results of a run.
+Renderers (render.py) turn it into Markdown and HTML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import pipeline
+from pipeline import environment
+from pipeline.config import RunConfig
+
+
+def model_name(cfg: RunConfig) -> str:
+    return cfg.model.name or Path(cfg.model.path).stem
+
+
+def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
+    verify = results["verify"].summary if "verify" in results else None
+    convert = results["convert"].summary if "convert" in results else None
+    warnings = list(verify["data"]["warnings"]) if verify else []
+    if convert:
+        warnings += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in convert["preflight"]
+                     if f["severity"] != "info"]
+    return {
+        "parity_version": pipeline.__version__,
+        "verdict": verify["verdict"] if verify else "unverified",
+        "exit_code": verify["exit_code"] if verify else 0,
+        "reasons": verify["reasons"] if verify else ["the verify stage was not run"],
+        "warnings": warnings,
+        "model": {"name": model_name(cfg), "path": str(Path(cfg.model.path).expanduser().resolve()),
+                  "sha256": convert["source_sha256"] if convert else None},
+        "target": {"name": cfg.target.name, "backend": cfg.target.backend.value, "device": cfg.target.device,
+                   "threads": cfg.target.threads, "memory_mode": cfg.target.memory_mode.value},
+        "precision": cfg.precision.name.value,
+        "stages": [{k: v for k, v in r.items() if k != "key"} for r in records],
+        "convert": convert,
+        "build": results["build"].summary if "build" in results else None,
+        "data": verify["data"] if verify else None,
+        "verify": verify,
+        "environment": environment.describe(),
+    }

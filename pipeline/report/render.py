@@ -1,0 +1,852 @@
+"""Render a parity report dict as Markdown or as a self-contained HTML page.
+
+Both renderers share one description of the document: the section functions
+below turn parts of the report into a flat list of blocks (heading, banner,
+paragraph, bullet list, key/value list, table, charts) and each renderer only
+knows how to write blocks. Charts are hand-written inline SVG and appear in the
+HTML page only.
+
+The HTML page has inline CSS and inline SVG, no JavaScript and no external
+resources. Every dynamic string is escaped with ``html.escape``. Output is
+deterministic: same report in, byte-identical text out (no timestamps, no
+randomness; dicts are shown in the order they were given).
+
+Every section is optional: a section whose key is missing or None is skipped.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+NA = "n/a"
+
+# ---------------------------------------------------------------------------
+# Value formatting
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fmt_number(value: Any, spec: str) -> str:
+    if value is None:
+        return NA
+    if not _is_number(value):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "∞" if value > 0 else "-∞"
+    return format(value, spec)
+
+
+def fmt_cosine(value: Any) -> str:
+    return _fmt_number(value, ".6f")
+
+
+def fmt_error(value: Any) -> str:
+    return _fmt_number(value, ".3g")
+
+
+def fmt_seconds(value: Any) -> str:
+    return _fmt_number(value, ".2f")
+
+
+def fmt_ratio(value: Any) -> str:
+    return _fmt_number(value, ".4f")
+
+
+def fmt_sqnr(value: Any) -> str:
+    """SQNR in dB; None means the outputs were identical (infinite SQNR)."""
+    if value is None:
+        return "∞ (identical)"
+    return _fmt_number(value, ".1f")
+
+
+def fmt_value(value: Any) -> str:
+    """Any JSON-able value as short text (options, versions, ...)."""
+    if value is None:
+        return NA
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if _is_number(value):
+        return str(value)
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def fmt_shape(shape: Any) -> str:
+    if shape is None:
+        return "?"
+    if isinstance(shape, (list, tuple)):
+        return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+    return str(shape)
+
+
+def fmt_from_to(value: Any, fmt: Callable[[Any], str] = fmt_value) -> str:
+    """``{"from": a, "to": b}`` as ``a → b`` (or ``b (unchanged)``)."""
+    if not isinstance(value, dict):
+        return fmt(value)
+    before, after = value.get("from"), value.get("to")
+    if before == after:
+        return f"{fmt(after)} (unchanged)"
+    return f"{fmt(before)} → {fmt(after)}"
+
+
+def fmt_yes_no(value: Any) -> str:
+    if value is None:
+        return NA
+    return "yes" if value else "no"
+
+
+def fmt_pass(value: Any) -> str:
+    if value is None:
+        return NA
+    return "PASS" if value else "FAIL"
+
+
+def short_hash(value: Any, length: int = 12) -> str:
+    if not value:
+        return NA
+    text = str(value)
+    return text if len(text) <= length else text[:length] + "…"
+
+
+def _as_dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+def _finite(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------
+# Document blocks
+
+
+@dataclass
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass
+class Banner:
+    verdict: str  # "pass" | "fail" | "unverified" (anything else renders grey)
+    detail: str
+
+
+@dataclass
+class Para:
+    text: str
+    css: str = ""
+
+
+@dataclass
+class Items:
+    items: List[str]
+    css: str = ""
+
+
+@dataclass
+class KeyValues:
+    pairs: List[Tuple[str, str]]
+
+
+@dataclass
+class Table:
+    headers: List[str]
+    rows: List[List[str]]
+    row_classes: List[str] = field(default_factory=list)  # HTML only, one per row or empty
+
+
+@dataclass
+class Charts:
+    svgs: List[str]  # HTML only
+
+
+VERDICT_LABELS = {"pass": "PASS", "fail": "FAIL", "unverified": "UNVERIFIED"}
+VERDICT_ICONS = {"pass": "🟢", "fail": "🔴", "unverified": "⚪"}
+
+
+def _verdict(report: dict) -> str:
+    return str(report.get("verdict") or "unverified").lower()
+
+
+def _title(report: dict) -> str:
+    model = _as_dict(report.get("model")).get("name") or "unknown model"
+    target = _as_dict(report.get("target")).get("name") or "unknown target"
+    precision = report.get("precision") or "?"
+    return f"parity report: {model} on {target} ({precision})"
+
+
+# ---------------------------------------------------------------------------
+# Sections: report dict -> blocks
+
+
+def _header_section(report: dict) -> list:
+    blocks: list = [Heading(1, _title(report))]
+    exit_code = report.get("exit_code")
+    detail = f"exit code {exit_code}" if exit_code is not None else ""
+    blocks.append(Banner(_verdict(report), detail))
+    if report.get("parity_version"):
+        blocks.append(Para(f"parity {report['parity_version']}", css="muted"))
+
+    target = _as_dict(report.get("target"))
+    if target:
+        pairs = [("target", fmt_value(target.get("name")))]
+        for key, label in (("backend", "backend"), ("device", "device"),
+                           ("threads", "threads"), ("memory_mode", "memory mode")):
+            if key in target:
+                pairs.append((label, fmt_value(target[key])))
+        blocks.append(KeyValues(pairs))
+
+    reasons = [str(r) for r in _as_list(report.get("reasons"))]
+    if reasons:
+        blocks += [Heading(3, "Reasons"), Items(reasons, css="reasons")]
+    warnings = [str(w) for w in _as_list(report.get("warnings"))]
+    if warnings:
+        blocks += [Heading(3, "Warnings"), Items(warnings, css="warnings")]
+    return blocks
+
+
+def _verification_section(verify: dict) -> list:
+    blocks: list = [Heading(2, "Verification")]
+    if verify.get("samples") is not None:
+        blocks.append(Para(f"samples compared: {verify['samples']}"))
+    outputs = [o for o in _as_list(verify.get("outputs")) if isinstance(o, dict)]
+    if outputs:
+        blocks.append(_output_metrics_table(outputs))
+        blocks += _thresholds_blocks(outputs)
+        blocks += _per_sample_blocks(outputs)
+    else:
+        blocks.append(Para("no outputs were compared"))
+    if isinstance(verify.get("task"), dict):
+        blocks += _task_blocks(verify["task"])
+    if verify.get("requested") or verify.get("effective"):
+        blocks += _device_precision_blocks(_as_dict(verify.get("requested")),
+                                           _as_dict(verify.get("effective")))
+    return blocks
+
+
+def _count_with_reference(count: Any, reference: Any) -> str:
+    text = fmt_value(count)
+    if _is_number(reference) and reference:
+        text += f" (reference: {reference})"
+    return text
+
+
+def _output_metrics_table(outputs: list) -> Table:
+    headers = ["output", "result", "cosine", "min sample cosine", "max abs", "mean abs",
+               "rel L2", "SQNR dB", "NaN", "Inf", "failed checks"]
+    rows, classes = [], []
+    for out in outputs:
+        m = _as_dict(out.get("metrics"))
+        failures = [str(f) for f in _as_list(out.get("failures"))]
+        rows.append([
+            fmt_value(out.get("name")),
+            fmt_pass(out.get("passed")),
+            fmt_cosine(m.get("cosine")),
+            fmt_cosine(m.get("min_sample_cosine")),
+            fmt_error(m.get("max_abs")),
+            fmt_error(m.get("mean_abs")),
+            fmt_error(m.get("rel_l2")),
+            fmt_sqnr(m["sqnr_db"]) if "sqnr_db" in m else NA,
+            _count_with_reference(m.get("nan"), m.get("reference_nan")),
+            _count_with_reference(m.get("inf"), m.get("reference_inf")),
+            "; ".join(failures) if failures else "none",
+        ])
+        classes.append("row-fail" if out.get("passed") is False else "")
+    return Table(headers, rows, classes)
+
+
+THRESHOLD_LABELS = {
+    "min_cosine": "min cosine",
+    "max_abs_error": "max abs error",
+    "max_mean_abs_error": "max mean abs error",
+    "min_sqnr_db": "min SQNR dB",
+}
+
+
+def _fmt_threshold(key: str, value: Any) -> str:
+    if value is None:
+        return "not checked"
+    if "cosine" in key:
+        return fmt_cosine(value)
+    if "sqnr" in key:
+        return _fmt_number(value, ".1f")
+    return fmt_error(value)
+
+
+def _thresholds_blocks(outputs: list) -> list:
+    keys: List[str] = []
+    for out in outputs:
+        for key in _as_dict(out.get("thresholds")):
+            if key not in keys:
+                keys.append(key)
+    if not keys:
+        return []
+    headers = ["output"] + [THRESHOLD_LABELS.get(k, k.replace("_", " ")) for k in keys]
+    rows = []
+    for out in outputs:
+        thresholds = _as_dict(out.get("thresholds"))
+        rows.append([fmt_value(out.get("name"))]
+                    + [_fmt_threshold(k, thresholds.get(k)) for k in keys])
+    return [Heading(3, "Thresholds"), Table(headers, rows)]
+
+
+def _worst(values: list, pick: Callable, fmt: Callable[[Any], str]) -> str:
+    """'value (sample i)' for the worst finite value, picked by min or max."""
+    finite = [(v, i) for i, v in enumerate(values) if _finite(v)]
+    if not finite:
+        return NA
+    value, index = pick(finite, key=lambda pair: pair[0])
+    return f"{fmt(value)} (sample {index})"
+
+
+def _per_sample_blocks(outputs: list) -> list:
+    rows, charts = [], []
+    for out in outputs:
+        per_sample = _as_dict(out.get("per_sample"))
+        cosines = _as_list(per_sample.get("cosine"))
+        max_abs = _as_list(per_sample.get("max_abs"))
+        if not cosines and not max_abs:
+            continue
+        name = fmt_value(out.get("name"))
+        non_finite = sum(1 for v in cosines + max_abs if not _finite(v))
+        rows.append([
+            name,
+            str(max(len(cosines), len(max_abs))),
+            _worst(cosines, min, fmt_cosine),
+            _worst(max_abs, max, fmt_error),
+            str(non_finite),
+        ])
+        thresholds = _as_dict(out.get("thresholds"))
+        if cosines:
+            charts.append(svg_line_chart(
+                cosines, title=f"{name}: per-sample cosine", x_label="sample index",
+                y_label="cosine", value_format=fmt_cosine,
+                threshold=thresholds.get("min_cosine"), threshold_label="min cosine"))
+        if max_abs:
+            charts.append(svg_line_chart(
+                max_abs, title=f"{name}: per-sample max abs error", x_label="sample index",
+                y_label="max abs error", value_format=fmt_error, include_zero=True,
+                threshold=thresholds.get("max_abs_error"), threshold_label="max abs error",
+                color="#bc4c00"))
+    if not rows:
+        return []
+    headers = ["output", "samples", "worst cosine", "worst max abs", "non-finite values"]
+    return [Heading(3, "Per-sample errors"), Table(headers, rows), Charts(charts)]
+
+
+def _task_blocks(task: dict) -> list:
+    headers = ["metric", "output", "reference", "target", "drop", "max drop",
+               "top-1 agreement", "result"]
+    row = [
+        fmt_value(task.get("metric")),
+        fmt_value(task.get("output")),
+        fmt_ratio(task.get("reference")),
+        fmt_ratio(task.get("target")),
+        fmt_ratio(task.get("drop")),
+        fmt_ratio(task.get("max_drop")),
+        fmt_ratio(task.get("agreement")),
+        fmt_pass(task.get("passed")),
+    ]
+    row_class = "row-fail" if task.get("passed") is False else ""
+    return [Heading(3, "Task metric"), Table(headers, [row], [row_class])]
+
+
+def _device_precision_blocks(requested: dict, effective: dict) -> list:
+    keys = list(requested) + [k for k in effective if k not in requested]
+    rows, classes = [], []
+    for key in keys:
+        if key in requested and key in effective:
+            same = str(requested[key]).lower() == str(effective[key]).lower()
+            match = "yes" if same else "⚠ MISMATCH"
+        else:
+            same, match = True, "—"
+        rows.append([key, fmt_value(requested.get(key)) if key in requested else "—",
+                     fmt_value(effective.get(key)) if key in effective else "—", match])
+        classes.append("" if same else "row-mismatch")
+    return [Heading(3, "Requested vs effective"),
+            Table(["setting", "requested", "effective", "match"], rows, classes)]
+
+
+def _stages_section(stages: list) -> list:
+    stages = [s for s in stages if isinstance(s, dict)]
+    blocks: list = [Heading(2, "Stages")]
+    if not stages:
+        return blocks + [Para("no stages recorded")]
+    rows, classes = [], []
+    for stage in stages:
+        rows.append([fmt_value(stage.get("stage")), fmt_value(stage.get("status")),
+                     fmt_seconds(stage.get("seconds")), fmt_seconds(stage.get("computed_seconds"))])
+        classes.append("row-cached" if stage.get("status") == "cached" else "")
+    blocks.append(Table(["stage", "status", "seconds", "computed seconds"], rows, classes))
+    total = sum(s["seconds"] for s in stages if _finite(s.get("seconds")))
+    cached = sum(1 for s in stages if s.get("status") == "cached")
+    blocks.append(Para(f"total: {fmt_seconds(total)} s over {len(stages)} stages ({cached} cached)"))
+    colors = [CACHED_COLOR if s.get("status") == "cached" else COMPUTED_COLOR for s in stages]
+    blocks.append(Charts([svg_bar_chart(
+        [fmt_value(s.get("stage")) for s in stages],
+        [s.get("seconds") for s in stages],
+        title="stage wall time", x_label="seconds", colors=colors,
+        legend=[(COMPUTED_COLOR, "computed"), (CACHED_COLOR, "cached")])]))
+    return blocks
+
+
+def _io_rows(role: str, tensors: Any) -> list:
+    return [[role, fmt_value(t.get("name")), fmt_shape(t.get("shape")), fmt_value(t.get("dtype"))]
+            for t in _as_list(tensors) if isinstance(t, dict)]
+
+
+def _model_section(model: dict, convert: dict) -> list:
+    blocks: list = [Heading(2, "Model & conversion")]
+    pairs = []
+    if model:
+        pairs += [("model", fmt_value(model.get("name"))), ("path", fmt_value(model.get("path"))),
+                  ("sha256", short_hash(model.get("sha256")))]
+    if convert:
+        pairs += [("source", fmt_value(convert.get("source"))),
+                  ("source sha256", short_hash(convert.get("source_sha256")))]
+        for key, label in (("opset", "opset"), ("ir_version", "IR version"), ("nodes", "nodes")):
+            if key in convert:
+                pairs.append((label, fmt_from_to(convert[key])))
+    blocks.append(KeyValues(pairs))
+
+    io_rows = _io_rows("input", convert.get("inputs")) + _io_rows("output", convert.get("outputs"))
+    if io_rows:
+        blocks += [Heading(3, "Inputs and outputs"), Table(["role", "name", "shape", "dtype"], io_rows)]
+
+    op_types = _as_dict(convert.get("op_types"))
+    if op_types:
+        ranked = sorted(op_types.items(), key=lambda kv: (-kv[1] if _is_number(kv[1]) else 0, str(kv[0])))
+        blocks += [Heading(3, "Op types (top 10 by count)"),
+                   Table(["op type", "count"], [[str(op), fmt_value(n)] for op, n in ranked[:10]])]
+        if len(ranked) > 10:
+            rest = sum(n for _, n in ranked[10:] if _is_number(n))
+            blocks.append(Para(f"+{len(ranked) - 10} more op types ({rest} nodes)", css="muted"))
+
+    fixed = _as_dict(convert.get("fixed_shapes"))
+    if fixed:
+        rows = [[str(name), fmt_shape(_as_dict(s).get("from")), fmt_shape(_as_dict(s).get("to"))]
+                for name, s in fixed.items()]
+        blocks += [Heading(3, "Fixed shapes"), Table(["tensor", "from", "to"], rows)]
+    return blocks
+
+
+SEVERITY_CLASSES = {"error": "row-fail", "warning": "row-mismatch"}
+
+
+def _preflight_section(findings: list) -> list:
+    blocks: list = [Heading(2, "Pre-flight findings")]
+    findings = [f for f in findings if isinstance(f, dict)]
+    if not findings:
+        return blocks + [Para("no findings")]
+    rows = [[fmt_value(f.get("tensor")), fmt_value(f.get("check")), fmt_value(f.get("count")),
+             fmt_value(f.get("detail")), fmt_value(f.get("severity"))] for f in findings]
+    classes = [SEVERITY_CLASSES.get(str(f.get("severity")).lower(), "") for f in findings]
+    return blocks + [Table(["tensor", "check", "count", "detail", "severity"], rows, classes)]
+
+
+def _data_section(data: dict) -> list:
+    blocks: list = [Heading(2, "Data")]
+    if "kind" in data:
+        blocks.append(KeyValues([("kind", fmt_value(data.get("kind")))]))
+    warnings = [str(w) for w in _as_list(data.get("warnings"))]
+    if warnings:
+        blocks.append(Items(warnings, css="warnings"))
+    splits = _as_dict(data.get("splits"))
+    if splits:
+        rows = []
+        for name, split in splits.items():
+            split = _as_dict(split)
+            rows.append([str(name), fmt_value(split.get("samples")),
+                         fmt_yes_no(split.get("labeled")), fmt_value(split.get("source"))])
+        blocks.append(Table(["split", "samples", "labeled", "source"], rows))
+    return blocks
+
+
+def _build_section(build: dict) -> list:
+    blocks: list = [Heading(2, "Build")]
+    if "backend" in build:
+        blocks.append(KeyValues([("backend", fmt_value(build.get("backend")))]))
+    files = [str(f) for f in _as_list(build.get("files"))]
+    if files:
+        blocks += [Heading(3, "Artifact files"), Items(files)]
+    if "options" in build:
+        options = _as_dict(build.get("options"))
+        blocks.append(Heading(3, "Runtime options"))
+        if options:
+            rows = [[str(k), fmt_value(v)] for k, v in options.items()]
+            blocks.append(Table(["option", "value"], rows))
+        else:
+            blocks.append(Para("runtime defaults (no options set)"))
+    return blocks
+
+
+def _environment_section(env: dict) -> list:
+    blocks: list = [Heading(2, "Environment")]
+    cpu = _as_dict(env.get("cpu"))
+    pairs = []
+    if env.get("platform") is not None:
+        pairs.append(("platform", fmt_value(env["platform"])))
+    if cpu.get("model") is not None:
+        pairs.append(("CPU", fmt_value(cpu["model"])))
+    if pairs:
+        blocks.append(KeyValues(pairs))
+    versions = _as_dict(env.get("versions"))
+    if versions:
+        rows = [[str(k), fmt_value(v)] for k, v in versions.items()]
+        blocks.append(Table(["component", "version"], rows))
+    flags = [str(f) for f in _as_list(cpu.get("flags"))]
+    if flags:
+        blocks.append(Para(f"CPU flags ({len(flags)}): " + " ".join(flags), css="flags"))
+    return blocks
+
+
+def build_document(report: dict) -> list:
+    """The report as a list of blocks, shared by both renderers."""
+    if not isinstance(report, dict):
+        raise TypeError(f"report must be a dict, got {type(report).__name__}")
+    blocks = _header_section(report)
+    if isinstance(report.get("verify"), dict):
+        blocks += _verification_section(report["verify"])
+    if isinstance(report.get("stages"), (list, tuple)):
+        blocks += _stages_section(list(report["stages"]))
+    model, convert = _as_dict(report.get("model")), _as_dict(report.get("convert"))
+    if model or convert:
+        blocks += _model_section(model, convert)
+    if convert.get("preflight") is not None:
+        blocks += _preflight_section(_as_list(convert["preflight"]))
+    if isinstance(report.get("data"), dict):
+        blocks += _data_section(report["data"])
+    if isinstance(report.get("build"), dict):
+        blocks += _build_section(report["build"])
+    if isinstance(report.get("environment"), dict):
+        blocks += _environment_section(report["environment"])
+    return blocks
+
+
+# ---------------------------------------------------------------------------
+# SVG charts
+
+
+COMPUTED_COLOR = "#0969da"
+CACHED_COLOR = "#8c959f"
+GRID_COLOR = "#d0d7de"
+TEXT_COLOR = "#1f2328"
+CHAR_WIDTH = 7  # rough width of one 12px character, for layout only
+
+
+def _nice_step(raw: float) -> float:
+    exponent = math.floor(math.log10(raw))
+    fraction = raw / 10 ** exponent
+    for nice in (1, 2, 5):
+        if fraction <= nice:
+            return nice * 10 ** exponent
+    return 10 * 10 ** exponent
+
+
+def nice_ticks(lo: float, hi: float, count: int = 5, integer: bool = False) -> Tuple[list, float]:
+    """Round tick values covering [lo, hi], and the step between them."""
+    if hi < lo:
+        lo, hi = hi, lo
+    if hi - lo <= abs(hi) * 1e-12:
+        pad = abs(hi) * 1e-3 or 1.0
+        lo, hi = lo - pad, hi + pad
+    step = _nice_step((hi - lo) / max(count - 1, 1))
+    if integer:
+        step = max(1.0, step)
+    first = math.floor(lo / step + 1e-9)
+    last = math.ceil(hi / step - 1e-9)
+    return [k * step for k in range(first, last + 1)], step
+
+
+def tick_labels(ticks: Sequence[float], step: float) -> List[str]:
+    """Labels precise enough to tell neighbouring ticks apart."""
+    biggest = max(abs(t) for t in ticks)
+    smallest = min((abs(t) for t in ticks if t), default=0.0)
+    if biggest < 1e6 and (smallest == 0.0 or smallest >= 1e-3):
+        decimals = min(15, max(0, -math.floor(math.log10(step))))
+        return [f"{t:.{decimals}f}" for t in ticks]
+    digits = max(3, 1 + math.ceil(math.log10(biggest / step)))
+    return [f"{t:.{digits}g}" for t in ticks]
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _svg_open(width: int, height: int, title: str) -> List[str]:
+    return [
+        f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'role="img" aria-label="{_e(title)}" font-family="system-ui, sans-serif" '
+        f'font-size="12" fill="{TEXT_COLOR}">',
+        f"<title>{_e(title)}</title>",
+        f'<text x="{width / 2:.1f}" y="18" text-anchor="middle" font-size="14" '
+        f'font-weight="600">{_e(title)}</text>',
+    ]
+
+
+def svg_bar_chart(labels: Sequence[str], values: Sequence[Any], *, title: str, x_label: str,
+                  colors: Optional[Sequence[str]] = None,
+                  legend: Sequence[Tuple[str, str]] = (),
+                  value_format: Callable[[Any], str] = fmt_seconds) -> str:
+    """Horizontal bar chart: one bar per label, value axis along x.
+
+    ``colors`` gives one fill per bar; ``legend`` is a list of (colour, text).
+    Missing or non-finite values are drawn as empty bars labelled n/a.
+    """
+    bar_h, gap = 18, 8
+    label_w = min(240, 16 + CHAR_WIDTH * max((len(str(l)) for l in labels), default=4))
+    plot_w, value_w = 380, 70
+    top = 34 + (22 if legend else 0)
+    plot_h = len(labels) * (bar_h + gap) + gap
+    width = label_w + plot_w + value_w
+    height = top + plot_h + 44
+    numbers = [v if _finite(v) and v > 0 else 0.0 for v in values]
+    ticks, step = nice_ticks(0.0, max(numbers, default=0.0) or 1.0)
+    x_max = ticks[-1]
+
+    def x_of(value: float) -> float:
+        return label_w + value / x_max * plot_w
+
+    parts = _svg_open(width, height, title)
+    for i, (color, text) in enumerate(legend):
+        lx = label_w + i * 110
+        parts.append(f'<rect x="{lx}" y="28" width="12" height="12" fill="{_e(color)}"/>')
+        parts.append(f'<text x="{lx + 17}" y="38">{_e(text)}</text>')
+    axis_y = top + plot_h
+    for tick, text in zip(ticks, tick_labels(ticks, step)):
+        x = x_of(tick)
+        parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{axis_y}" '
+                     f'stroke="{GRID_COLOR}"/>')
+        parts.append(f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle">{_e(text)}</text>')
+    for i, (label, value) in enumerate(zip(labels, values)):
+        y = top + gap + i * (bar_h + gap)
+        color = colors[i] if colors and i < len(colors) else COMPUTED_COLOR
+        bar_w = x_of(numbers[i]) - label_w
+        parts.append(f'<text x="{label_w - 6}" y="{y + bar_h - 5}" text-anchor="end">{_e(label)}</text>')
+        parts.append(f'<rect x="{label_w}" y="{y}" width="{bar_w:.1f}" height="{bar_h}" '
+                     f'fill="{_e(color)}"/>')
+        shown = value_format(value) if _finite(value) else NA
+        parts.append(f'<text x="{label_w + bar_w + 5:.1f}" y="{y + bar_h - 5}">{_e(shown)}</text>')
+    parts.append(f'<line x1="{label_w}" y1="{top}" x2="{label_w}" y2="{axis_y}" stroke="{TEXT_COLOR}"/>')
+    parts.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + plot_w}" y2="{axis_y}" '
+                 f'stroke="{TEXT_COLOR}"/>')
+    parts.append(f'<text x="{label_w + plot_w / 2:.1f}" y="{axis_y + 36}" '
+                 f'text-anchor="middle">{_e(x_label)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: str,
+                   value_format: Callable[[Any], str] = fmt_error, include_zero: bool = False,
+                   threshold: Any = None, threshold_label: str = "threshold",
+                   color: str = COMPUTED_COLOR) -> str:
+    """Line/point chart of one series against its index (x = 0 .. n-1).
+
+    Non-finite values are not drawn (their count is stated under the title).
+    A threshold inside the value range is drawn as a dashed red line.
+    """
+    width, height = 520, 300
+    left, right, top, bottom = 84, 16, 48, 48
+    plot_w, plot_h = width - left - right, height - top - bottom
+    points = [(i, float(v)) for i, v in enumerate(values) if _finite(v)]
+    skipped = len(values) - len(points)
+
+    parts = _svg_open(width, height, title)
+    if points:
+        y_values = [v for _, v in points]
+        lo, hi = min(y_values), max(y_values)
+        subtitle = f"range {value_format(lo)} … {value_format(hi)}"
+    else:
+        lo, hi = 0.0, 1.0
+        subtitle = "no finite values"
+    if skipped:
+        subtitle += f" · {skipped} non-finite not drawn"
+    parts.append(f'<text x="{width / 2:.1f}" y="36" text-anchor="middle" fill="#57606a">'
+                 f'{_e(subtitle)}</text>')
+    if include_zero:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        if hi == lo:
+            hi = 1.0
+    y_ticks, y_step = nice_ticks(lo, hi)
+    x_ticks, x_step = nice_ticks(0, max(len(values) - 1, 1), integer=True)
+    y0, y1, x1 = y_ticks[0], y_ticks[-1], x_ticks[-1]
+
+    def px(index: float) -> float:
+        return left + index / x1 * plot_w
+
+    def py(value: float) -> float:
+        return top + plot_h - (value - y0) / (y1 - y0) * plot_h
+
+    bottom_y = top + plot_h
+    for tick, text in zip(y_ticks, tick_labels(y_ticks, y_step)):
+        y = py(tick)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" '
+                     f'stroke="{GRID_COLOR}"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(text)}</text>')
+    for tick, text in zip(x_ticks, tick_labels(x_ticks, x_step)):
+        x = px(tick)
+        parts.append(f'<line x1="{x:.1f}" y1="{bottom_y}" x2="{x:.1f}" y2="{bottom_y + 4}" '
+                     f'stroke="{TEXT_COLOR}"/>')
+        parts.append(f'<text x="{x:.1f}" y="{bottom_y + 17}" text-anchor="middle">{_e(text)}</text>')
+    parts.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom_y}" stroke="{TEXT_COLOR}"/>')
+    parts.append(f'<line x1="{left}" y1="{bottom_y}" x2="{left + plot_w}" y2="{bottom_y}" '
+                 f'stroke="{TEXT_COLOR}"/>')
+
+    if _finite(threshold) and y0 <= threshold <= y1:
+        y = py(threshold)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" '
+                     f'stroke="#cf222e" stroke-dasharray="6 4"/>')
+        parts.append(f'<text x="{left + plot_w - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#cf222e">'
+                     f'{_e(threshold_label)} {_e(value_format(threshold))}</text>')
+    if points:
+        coords = " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in points)
+        parts.append(f'<polyline points="{coords}" fill="none" stroke="{_e(color)}" stroke-width="1.5"/>')
+        if len(points) <= 300:
+            parts += [f'<circle cx="{px(i):.1f}" cy="{py(v):.1f}" r="2" fill="{_e(color)}"/>'
+                      for i, v in points]
+
+    parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle">'
+                 f'{_e(x_label)}</text>')
+    cy = top + plot_h / 2
+    parts.append(f'<text x="14" y="{cy:.1f}" text-anchor="middle" '
+                 f'transform="rotate(-90 14 {cy:.1f})">{_e(y_label)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Markdown
+
+
+def _md_text(text: str) -> str:
+    return str(text).replace("\r", " ").replace("\n", " ")
+
+
+def _md_cell(text: str) -> str:
+    return _md_text(text).replace("|", "\\|")
+
+
+def _md_table(table: Table) -> List[str]:
+    lines = ["| " + " | ".join(_md_cell(h) for h in table.headers) + " |",
+             "|" + "|".join("---" for _ in table.headers) + "|"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table.rows]
+    return lines
+
+
+def _md_block(block: Any) -> List[str]:
+    if isinstance(block, Heading):
+        return ["#" * block.level + " " + _md_text(block.text)]
+    if isinstance(block, Banner):
+        label = VERDICT_LABELS.get(block.verdict, block.verdict.upper())
+        icon = VERDICT_ICONS.get(block.verdict, "⚪")
+        line = f"> **{icon} {_md_text(label)}**"
+        return [line + (f" · {_md_text(block.detail)}" if block.detail else "")]
+    if isinstance(block, Para):
+        return [_md_text(block.text)]
+    if isinstance(block, Items):
+        return [f"- {_md_text(item)}" for item in block.items]
+    if isinstance(block, KeyValues):
+        return [f"- **{_md_text(k)}:** {_md_text(v)}" for k, v in block.pairs]
+    if isinstance(block, Table):
+        return _md_table(block)
+    return []  # charts are HTML only
+
+
+def render_markdown(report: dict) -> str:
+    """The report as a Markdown document (tables, no charts)."""
+    chunks = [_md_block(block) for block in build_document(report)]
+    return "\n\n".join("\n".join(lines) for lines in chunks if lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# HTML
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1f2328;
+       max-width: 1180px; margin: 0 auto; padding: 1.5rem; line-height: 1.45; }
+h1 { font-size: 1.5rem; margin-bottom: .6rem; }
+h2 { font-size: 1.25rem; border-bottom: 1px solid #d0d7de; padding-bottom: .3rem; margin-top: 2rem; }
+h3 { font-size: 1.05rem; margin-top: 1.3rem; }
+.banner { color: #fff; border-radius: 6px; padding: .8rem 1.2rem; font-size: 1.5rem;
+          font-weight: 700; display: flex; gap: 1rem; align-items: baseline; }
+.banner .detail { font-size: 1rem; font-weight: 400; opacity: .9; }
+.verdict-pass { background: #1a7f37; }
+.verdict-fail { background: #cf222e; }
+.verdict-other { background: #6e7781; }
+.muted { color: #57606a; }
+ul.reasons li { color: #a40e26; font-weight: 600; }
+ul.warnings li { color: #7d4e00; }
+table { border-collapse: collapse; margin: .5rem 0 1rem; font-size: .9rem; }
+th, td { border: 1px solid #d0d7de; padding: .3rem .6rem; text-align: left; vertical-align: top; }
+th { background: #f6f8fa; }
+td { font-variant-numeric: tabular-nums; }
+table.kv th { width: 9rem; }
+tr.row-fail td { background: #ffebe9; }
+tr.row-mismatch td { background: #fff8c5; }
+tr.row-cached td { color: #57606a; }
+.charts { display: flex; flex-wrap: wrap; gap: 1rem; }
+svg.chart { border: 1px solid #d0d7de; border-radius: 6px; background: #fff; }
+p.flags { font-family: ui-monospace, monospace; font-size: .8rem; word-break: break-word; }
+"""
+
+
+def _html_table(table: Table) -> str:
+    lines = ["<table>", "<thead><tr>" + "".join(f"<th>{_e(h)}</th>" for h in table.headers)
+             + "</tr></thead>", "<tbody>"]
+    for i, row in enumerate(table.rows):
+        css = table.row_classes[i] if i < len(table.row_classes) else ""
+        attr = f' class="{_e(css)}"' if css else ""
+        lines.append(f"<tr{attr}>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>")
+    lines += ["</tbody>", "</table>"]
+    return "\n".join(lines)
+
+
+def _html_block(block: Any) -> str:
+    if isinstance(block, Heading):
+        return f"<h{block.level}>{_e(block.text)}</h{block.level}>"
+    if isinstance(block, Banner):
+        css = block.verdict if block.verdict in ("pass", "fail") else "other"
+        label = VERDICT_LABELS.get(block.verdict, block.verdict.upper())
+        detail = f'<span class="detail">{_e(block.detail)}</span>' if block.detail else ""
+        return f'<div class="banner verdict-{css}"><span class="verdict">{_e(label)}</span>{detail}</div>'
+    if isinstance(block, Para):
+        attr = f' class="{_e(block.css)}"' if block.css else ""
+        return f"<p{attr}>{_e(block.text)}</p>"
+    if isinstance(block, Items):
+        attr = f' class="{_e(block.css)}"' if block.css else ""
+        return f"<ul{attr}>" + "".join(f"<li>{_e(item)}</li>" for item in block.items) + "</ul>"
+    if isinstance(block, KeyValues):
+        rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in block.pairs)
+        return f'<table class="kv"><tbody>{rows}</tbody></table>'
+    if isinstance(block, Table):
+        return _html_table(block)
+    if isinstance(block, Charts):
+        return '<div class="charts">\n' + "\n".join(block.svgs) + "\n</div>" if block.svgs else ""
+    raise TypeError(f"unknown block {type(block).__name__}")
+
+
+def render_html(report: dict) -> str:
+    """The report as one self-contained HTML page (inline CSS and SVG, no scripts)."""
+    blocks = build_document(report)
+    body = "\n".join(part for part in (_html_block(b) for b in blocks) if part)
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{_e(_title(report))}</title>\n"
+        f"<style>{CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n"
+    )

@@ -1,0 +1,106 @@
+"""Runs the configured stages in order, each one computed or served from the cache.
+
+The cache key of a stage is a hash of: the stage's name and version, the parity and
+runtime versions, the config the stage declares it depends on, the files every earlier
+stage produced, and the external files it reads (model, data). A hit copies the cached
+output folder into the run; a miss runs the stage and stores its output atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import stages
+from pipeline import environment
+from pipeline.artifacts import atomic_directory, hash_files, hash_tree, read_json, sha256_json, write_json
+from pipeline.config import RunConfig, plain
+from pipeline.errors import ExitCode
+from stages import StageContext, StageResult
+
+log = logging.getLogger("parity")
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    results: Dict[str, StageResult] = field(default_factory=dict)
+    records: List[dict] = field(default_factory=list)
+
+    @property
+    def verify(self) -> Optional[dict]:
+        result = self.results.get("verify")
+        return result.summary if result else None
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode(self.verify["exit_code"]) if self.verify else ExitCode.OK
+
+
+def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
+    outcome = RunOutcome(Path(run_dir))
+    cache_root = Path(cfg.pipeline.cache_dir).expanduser() if cfg.pipeline.cache else None
+    for name in cfg.pipeline.stages:
+        stage = stages.load(name)
+        out_dir = outcome.run_dir / "stages" / name
+        ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records)
+        started = time.perf_counter()
+        key = _stage_key(stage, ctx) if cache_root and stage.CACHEABLE else None
+        cached = _from_cache(cache_root / name / key, out_dir) if key else None
+        if cached is not None:
+            result, computed_seconds = cached
+            status = "cached"
+        else:
+            log.info("stage %s: running", name)
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            out_dir.mkdir(parents=True)
+            result = stage.run(ctx)
+            computed_seconds = time.perf_counter() - started
+            write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
+            if key:
+                _to_cache(out_dir, cache_root / name / key)
+            status = "computed"
+        seconds = time.perf_counter() - started
+        log.info("stage %s: %s in %.2f s", name, status, seconds)
+        outcome.results[name] = result
+        outcome.records.append({"stage": name, "status": status, "seconds": round(seconds, 4),
+                                "computed_seconds": round(computed_seconds, 4), "key": key})
+    return outcome
+
+
+def _stage_key(stage, ctx: StageContext) -> str:
+    earlier = {name: hash_tree(result.out_dir) for name, result in ctx.results.items()}
+    for files in earlier.values():
+        files.pop("result.json", None)
+    material = {
+        "stage": stage.NAME,
+        "version": stage.VERSION,
+        "runtimes": environment.versions(),
+        "config": plain(stage.key_config(ctx.cfg)),
+        "earlier": earlier,
+        "external": list(hash_files(stage.external_files(ctx)).values()),
+    }
+    return sha256_json(material)[:32]
+
+
+def _from_cache(entry: Path, out_dir: Path):
+    if not (entry / "result.json").is_file():
+        return None
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(entry, out_dir)
+    saved = read_json(out_dir / "result.json")
+    return StageResult(out_dir, saved["files"], saved["summary"]), saved.get("computed_seconds", 0.0)
+
+
+def _to_cache(out_dir: Path, entry: Path) -> None:
+    try:
+        with atomic_directory(entry) as temp:
+            shutil.copytree(out_dir, temp, dirs_exist_ok=True)
+    except OSError as err:  # a full or read-only cache never fails the run
+        log.warning("could not store %s in the stage cache: %s", out_dir.name, err)

@@ -1,0 +1,181 @@
+"""convert: the user's ONNX file -> a normalized, checked ONNX model (static input
+shapes, opset >= model.min_opset, an IR version every runtime here loads, shapes
+inferred), a numeric pre-flight of its weights, and OpenVINO IR for OpenVINO targets."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, version_converter
+
+from pipeline import backends
+from pipeline.artifacts import sha256_file
+from pipeline.errors import InputError
+from pipeline.model import check, load_onnx, signature
+from stages import StageContext, StageResult
+
+NAME = "convert"
+VERSION = 1
+CACHEABLE = True
+
+# ONNX Runtime 1.31 loads IR <= 13 and OpenVINO reads IR 10 files; IR 10 covers opsets up to 21.
+MAX_IR_VERSION = 10
+FP16_MAX = float(np.finfo(np.float16).max)
+FP16_SMALLEST = float(2.0 ** -24)  # smaller nonzero magnitudes become 0 in fp16
+FP32_TINY = float(np.finfo(np.float32).tiny)  # smaller nonzero magnitudes are fp32 denormals
+
+
+def key_config(cfg):
+    return {"model": {k: v for k, v in vars(cfg.model).items() if k != "name"},
+            "ir": cfg.target.backend.value == "openvino"}
+
+
+def external_files(ctx: StageContext) -> List[Path]:
+    path = Path(ctx.cfg.model.path).expanduser()
+    if not path.is_file():
+        return []
+    base = path.parent
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # corrupt models are reported by run()
+        return [path]
+    extra = {entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"}
+    return [path] + sorted(base / e for e in extra if (base / e).is_file())
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg = ctx.cfg.model
+    source = Path(cfg.path).expanduser()
+    model = load_onnx(source)
+    before = {"opset": _default_opset(model), "ir_version": model.ir_version}
+    fixed = _fix_input_shapes(model, cfg.input_shapes)
+    model = _upgrade_opset(model, cfg.min_opset)
+    model.ir_version = _ir_version(model)
+    model = _infer_shapes(model)
+    check(model)
+    onnx.save(model, str(ctx.out_dir / "model.onnx"))
+    files = {"model": "model.onnx"}
+    if ctx.cfg.target.backend.value == "openvino":
+        ir_files = backends.spec("openvino").convert(ctx.out_dir / "model.onnx", ctx.out_dir)
+        files.update({"ir_xml": ir_files[0], "ir_bin": ir_files[1]})
+    summary = {
+        "source": str(source.resolve()),
+        "source_sha256": sha256_file(source),
+        "opset": {"from": before["opset"], "to": _default_opset(model)},
+        "ir_version": {"from": before["ir_version"], "to": model.ir_version},
+        "nodes": len(model.graph.node),
+        "op_types": dict(Counter(n.op_type for n in model.graph.node).most_common()),
+        "inputs": [vars(s) for s in signature(model)],
+        "outputs": [vars(s) for s in signature(model, outputs=True)],
+        "fixed_shapes": fixed,
+        "preflight": preflight(model),
+    }
+    return StageResult(ctx.out_dir, files, summary)
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _fix_input_shapes(model: onnx.ModelProto, requested: Dict[str, List[int]]) -> dict:
+    """Make every input shape static: config first, then batch 1; other unknown dims are an error."""
+    inputs = {s.name: s for s in signature(model)}
+    unknown = sorted(set(requested) - set(inputs))
+    if unknown:
+        raise InputError(f"model.input_shapes: the model has no input {unknown[0]!r}; inputs: {', '.join(inputs)}")
+    fixed = {}
+    initializers = {t.name for t in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        before = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or "?") for d in dims]
+        wanted = list(requested.get(value.name, []))
+        if wanted and len(wanted) != len(dims):
+            raise InputError(f"model.input_shapes.{value.name}: {wanted} has {len(wanted)} dims, "
+                             f"the input has {len(dims)} ({before})")
+        after = []
+        for index, dim in enumerate(before):
+            if wanted:
+                after.append(int(wanted[index]))
+            elif isinstance(dim, int):
+                after.append(dim)
+            elif index == 0:
+                after.append(1)
+            else:
+                raise InputError(f"model input '{value.name}' has dynamic dims {before}: set "
+                                 f"model.input_shapes.{value.name}=[...] with every dim (e.g. batch 1)")
+        if after != before:
+            for dim, size in zip(dims, after):
+                dim.Clear()
+                dim.dim_value = size
+            fixed[value.name] = {"from": before, "to": after}
+    if fixed:  # stale intermediate and output shapes would contradict the new input shapes
+        del model.graph.value_info[:]
+        for output in model.graph.output:
+            output.type.tensor_type.ClearField("shape")
+    return fixed
+
+
+def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> onnx.ModelProto:
+    current = _default_opset(model)
+    if current >= min_opset:
+        return model
+    try:
+        return version_converter.convert_version(model, min_opset)
+    except Exception as err:  # the converter raises bare RuntimeErrors/IndexErrors
+        raise InputError(f"model: cannot upgrade opset {current} to {min_opset} "
+                         f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+                         "export the model at opset >= 13 or set model.min_opset") from err
+
+
+def _ir_version(model: onnx.ModelProto) -> int:
+    required = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    return max(required, min(model.ir_version, MAX_IR_VERSION))
+
+
+def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"model: shape inference fails on the model: {first}") from err
+
+
+def preflight(model: onnx.ModelProto) -> List[dict]:
+    """Weights that will not survive as they are: NaN/Inf, beyond fp16, denormals."""
+    findings = []
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
+                                                for a in n.attribute if a.HasField("t")]
+    for tensor in tensors:
+        if tensor.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
+            continue
+        values = numpy_helper.to_array(tensor).astype(np.float64, copy=False).ravel()
+        name = tensor.name or "<Constant>"
+        nonfinite = ~np.isfinite(values)
+        if nonfinite.any():
+            findings.append(_finding(name, "nan_inf", int(nonfinite.sum()),
+                                     f"{int(np.isnan(values).sum())} NaN, {int(np.isinf(values).sum())} Inf", "error"))
+        magnitude = np.abs(values[~nonfinite])
+        over = magnitude > FP16_MAX
+        if over.any():
+            findings.append(_finding(name, "fp16_overflow", int(over.sum()),
+                                     f"max |x| {magnitude.max():.3g} > {FP16_MAX:.0f}", "warning"))
+        nonzero = magnitude[magnitude > 0]
+        denormal = nonzero < FP32_TINY
+        if denormal.any():
+            findings.append(_finding(name, "fp32_denormal", int(denormal.sum()),
+                                     f"smallest |x| {nonzero.min():.3g} < {FP32_TINY:.3g}", "warning"))
+        underflow = (nonzero < FP16_SMALLEST) & ~denormal
+        if underflow.any():
+            findings.append(_finding(name, "fp16_underflow", int(underflow.sum()),
+                                     f"{int(underflow.sum())} values below {FP16_SMALLEST:.3g} become 0 in fp16", "info"))
+    return findings
+
+
+def _finding(tensor: str, check_name: str, count: int, detail: str, severity: str) -> dict:
+    return {"tensor": tensor, "check": check_name, "count": count, "detail": detail, "severity": severity}

@@ -1,0 +1,90 @@
+"""package: the deployable bundle (artifact, runtime.yaml, manifest.json with sha256 of
+every file, report.json/.md/.html) written to a temporary folder and renamed into place,
+plus a .tar.gz of it."""
+
+from __future__ import annotations
+
+import shutil
+import tarfile
+from pathlib import Path
+from typing import List
+
+import yaml
+
+from pipeline import environment
+from pipeline.config import plain
+from pipeline.artifacts import atomic_directory, atomic_write_bytes, hash_tree, write_json
+from pipeline.report import render_html, render_markdown
+from pipeline.report.assemble import assemble, model_name
+from stages import StageContext, StageResult
+
+NAME = "package"
+VERSION = 1
+CACHEABLE = False  # cheap, and it must reflect this run's report
+MANIFEST = "manifest.json"
+
+
+def key_config(cfg):
+    return {"package": cfg.package}
+
+
+def external_files(ctx: StageContext) -> List[Path]:
+    return []
+
+
+def bundle_name(cfg) -> str:
+    return cfg.package.name or f"{model_name(cfg)}-{cfg.target.name}-{cfg.precision.name.value}"
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg = ctx.cfg
+    build = ctx.results["build"]
+    name = bundle_name(cfg)
+    final = ctx.run_dir / "bundle" / name
+    report = assemble(cfg, ctx.records, ctx.results)
+    with atomic_directory(final, replace=True) as temp:
+        runtime = yaml.safe_load(build.path("runtime").read_text())
+        if cfg.data.kind.value == "images":
+            runtime["preprocess"] = plain(cfg.data.preprocess)
+        (temp / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
+        for artifact in runtime["files"]:
+            shutil.copyfile(build.out_dir / artifact, temp / artifact)
+        write_json(temp / "report.json", report)
+        (temp / "report.md").write_text(render_markdown(report))
+        (temp / "report.html").write_text(render_html(report))
+        write_json(temp / MANIFEST, manifest(temp, name, cfg, report))
+    files = {"bundle": f"../../bundle/{name}"}
+    if cfg.package.archive:
+        archive = final.parent / f"{name}.tar.gz"
+        atomic_write_bytes(archive, lambda temp: _tar(final, temp))
+        files["archive"] = f"../../bundle/{name}.tar.gz"
+    summary = {"bundle": str(final), "archive": str(final.parent / f"{name}.tar.gz") if cfg.package.archive else None,
+               "files": sorted(p.name for p in final.iterdir())}
+    return StageResult(ctx.out_dir, files, summary)
+
+
+def manifest(bundle: Path, name: str, cfg, report: dict) -> dict:
+    files = hash_tree(bundle)
+    files.pop(MANIFEST, None)
+    return {
+        "format": 1,
+        "name": name,
+        "verdict": report["verdict"],
+        "files": {path: {"sha256": digest, "bytes": (bundle / path).stat().st_size} for path, digest in files.items()},
+        "versions": environment.versions(),
+        "cpu": environment.cpu(),
+        "config": plain(cfg),
+    }
+
+
+def _tar(bundle: Path, destination: Path) -> None:
+    def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mtime = 0
+        return info
+
+    with tarfile.open(destination, "w:gz") as archive:
+        for path in sorted(bundle.rglob("*")):
+            archive.add(path, arcname=f"{bundle.name}/{path.relative_to(bundle).as_posix()}",
+                        recursive=False, filter=normalize)
