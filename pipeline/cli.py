@@ -107,8 +107,9 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
     if verify:
         table = Table(title=f"verify: {report['target']['name']} {report['precision']} vs ONNX Runtime fp32 "
                             f"({verify['samples']} samples)", title_justify="left")
-        for column in ("output", "cosine", "max abs", "mean abs", "SQNR dB", "NaN/Inf", "result"):
-            table.add_column(column)
+        table.add_column("output", overflow="fold")
+        for column in ("cosine", "max abs", "mean abs", "SQNR dB", "NaN/Inf", "result"):
+            table.add_column(column, no_wrap=True)
         for output in verify["outputs"]:
             m = output["metrics"]
             sqnr = "inf" if m["sqnr_db"] is None else f"{m['sqnr_db']:.1f}"
@@ -120,7 +121,9 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
             task = verify["task"]
             console.print(f"top-1: reference {task['reference']:.4f}, target {task['target']:.4f}, "
                           f"drop {task['drop'] * 100:.2f} points, agreement {task['agreement']:.4f}")
-        console.print(f"ran on: {escape(str(verify['effective']))}")
+        effective = verify["effective"]
+        console.print(f"ran on: {escape(effective['device'])}, {escape(effective['precision'])}"
+                      + (f" (layers: {escape(effective['layers'])})" if effective.get("layers") else ""))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     colour = {"pass": "green", "fail": "red"}.get(report["verdict"], "yellow")

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from pipeline.errors import ConfigError
 
@@ -174,7 +174,9 @@ def register() -> None:
 def validate(cfg: DictConfig) -> RunConfig:
     """Typed config, or a ConfigError naming the key and what is allowed."""
     try:
-        run: RunConfig = OmegaConf.to_object(cfg)
+        # Re-merging onto the schema also rejects keys added with Hydra's '+key=value'.
+        checked = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=False))
+        run: RunConfig = OmegaConf.to_object(checked)
     except MissingMandatoryValue as err:
         raise ConfigError(f"{err.full_key}: a value is required (set {err.full_key}=...)") from err
     except OmegaConfBaseException as err:
@@ -220,7 +222,7 @@ def describe_config_error(err: BaseException) -> str:
     for item in chain:
         if isinstance(item, OmegaConfBaseException) and getattr(item, "full_key", None):
             msg = str(getattr(item, "msg", "") or item).splitlines()[0]
-            allowed = _allowed_keys(item.full_key) if isinstance(item, ConfigKeyError) else None
+            allowed = _allowed_keys(item.full_key) if isinstance(item, (ConfigKeyError, ConfigAttributeError)) else None
             return f"{item.full_key}: {msg}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
     first = str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__]
     return first[0]

@@ -11,16 +11,16 @@ from rich.logging import RichHandler
 
 @lru_cache(maxsize=1)
 def stdout_console() -> Console:
-    return Console()
+    return Console(soft_wrap=True)
 
 
 @lru_cache(maxsize=1)
 def stderr_console() -> Console:
-    return Console(stderr=True)
+    return Console(stderr=True, soft_wrap=True)
 
 
 def rich_handler(level: str = "INFO") -> logging.Handler:
     """Console log handler (used by conf/hydra/job_logging/parity.yaml)."""
-    handler = RichHandler(console=stderr_console(), show_path=False, markup=False, rich_tracebacks=False)
+    handler = RichHandler(console=stderr_console(), show_path=False, show_time=False, markup=False, rich_tracebacks=False)
     handler.setLevel(level)
     return handler

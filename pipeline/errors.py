@@ -15,17 +15,24 @@ class ParityError(Exception):
     """An error with a one-line message meant for the user."""
 
     exit_code = ExitCode.INTERNAL
+    label = "error"
+
+    def __str__(self) -> str:
+        return f"{self.label}: {super().__str__()}"
 
 
 class ConfigError(ParityError):
     exit_code = ExitCode.USAGE
+    label = "config error"
 
 
 class InputError(ParityError):
     """A model, data or bundle file that cannot be used as it is."""
 
     exit_code = ExitCode.USAGE
+    label = "input error"
 
 
 class BackendUnavailable(ParityError):
     exit_code = ExitCode.BACKEND
+    label = "backend unavailable"

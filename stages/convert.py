@@ -117,7 +117,9 @@ def _fix_input_shapes(model: onnx.ModelProto, requested: Dict[str, List[int]]) -
     if fixed:  # stale intermediate and output shapes would contradict the new input shapes
         del model.graph.value_info[:]
         for output in model.graph.output:
-            output.type.tensor_type.ClearField("shape")
+            for dim in output.type.tensor_type.shape.dim:
+                if not (dim.HasField("dim_value") and dim.dim_value > 0):
+                    dim.Clear()
     return fixed
 
 

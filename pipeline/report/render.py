@@ -587,6 +587,10 @@ def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:max(limit - 1, 1)] + "…"
+
+
 def _svg_open(width: int, height: int, title: str) -> List[str]:
     return [
         f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
@@ -636,7 +640,8 @@ def svg_bar_chart(labels: Sequence[str], values: Sequence[Any], *, title: str, x
         y = top + gap + i * (bar_h + gap)
         color = colors[i] if colors and i < len(colors) else COMPUTED_COLOR
         bar_w = x_of(numbers[i]) - label_w
-        parts.append(f'<text x="{label_w - 6}" y="{y + bar_h - 5}" text-anchor="end">{_e(label)}</text>')
+        parts.append(f'<text x="{label_w - 6}" y="{y + bar_h - 5}" text-anchor="end">'
+                     f'{_e(_truncate(str(label), (label_w - 16) // CHAR_WIDTH))}</text>')
         parts.append(f'<rect x="{label_w}" y="{y}" width="{bar_w:.1f}" height="{bar_h}" '
                      f'fill="{_e(color)}"/>')
         shown = value_format(value) if _finite(value) else NA
@@ -657,7 +662,8 @@ def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: 
     """Line/point chart of one series against its index (x = 0 .. n-1).
 
     Non-finite values are not drawn (their count is stated under the title).
-    A threshold inside the value range is drawn as a dashed red line.
+    The threshold, if any, is stated under the title and, when it falls inside
+    the plotted range, drawn as a dashed red line.
     """
     width, height = 520, 300
     left, right, top, bottom = 84, 16, 48, 48
@@ -675,6 +681,8 @@ def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: 
         subtitle = "no finite values"
     if skipped:
         subtitle += f" · {skipped} non-finite not drawn"
+    if _finite(threshold):
+        subtitle += f" · {threshold_label} {value_format(threshold)}"
     parts.append(f'<text x="{width / 2:.1f}" y="36" text-anchor="middle" fill="#57606a">'
                  f'{_e(subtitle)}</text>')
     if include_zero:
@@ -710,7 +718,8 @@ def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: 
         y = py(threshold)
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" '
                      f'stroke="#cf222e" stroke-dasharray="6 4"/>')
-        parts.append(f'<text x="{left + plot_w - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#cf222e">'
+        label_y = y + 15 if y < top + plot_h / 2 else y - 5  # keep the label inside the plot
+        parts.append(f'<text x="{left + plot_w - 4}" y="{label_y:.1f}" text-anchor="end" fill="#cf222e">'
                      f'{_e(threshold_label)} {_e(value_format(threshold))}</text>')
     if points:
         coords = " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in points)
@@ -786,7 +795,7 @@ h3 { font-size: 1.05rem; margin-top: 1.3rem; }
 .banner .detail { font-size: 1rem; font-weight: 400; opacity: .9; }
 .verdict-pass { background: #1a7f37; }
 .verdict-fail { background: #cf222e; }
-.verdict-other { background: #6e7781; }
+.verdict-unverified, .verdict-other { background: #6e7781; }
 .muted { color: #57606a; }
 ul.reasons li { color: #a40e26; font-weight: 600; }
 ul.warnings li { color: #7d4e00; }
@@ -819,7 +828,7 @@ def _html_block(block: Any) -> str:
     if isinstance(block, Heading):
         return f"<h{block.level}>{_e(block.text)}</h{block.level}>"
     if isinstance(block, Banner):
-        css = block.verdict if block.verdict in ("pass", "fail") else "other"
+        css = block.verdict if block.verdict in VERDICT_LABELS else "other"
         label = VERDICT_LABELS.get(block.verdict, block.verdict.upper())
         detail = f'<span class="detail">{_e(block.detail)}</span>' if block.detail else ""
         return f'<div class="banner verdict-{css}"><span class="verdict">{_e(label)}</span>{detail}</div>'

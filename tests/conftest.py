@@ -1,0 +1,46 @@
+"""Shared fixtures: the CLIs run as a user runs them, in a subprocess, in a scratch folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args, cwd, program="parity", timeout=300) -> subprocess.CompletedProcess:
+    """Run `parity ARGS` (or `parity-bundle`) through the installed console script."""
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    script = Path(sys.executable).parent / program  # the console script pip installed
+    command = [str(script), *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_dirs(cwd: Path):
+    return sorted((Path(cwd) / "outputs").glob("*/*_*"))
+
+
+def single_bundle(run_dir: Path) -> Path:
+    bundles = [p for p in (run_dir / "bundle").iterdir() if p.is_dir()]
+    assert len(bundles) == 1, bundles
+    return bundles[0]
+
+
+def read_report(run_dir: Path) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The default job (`parity`, no arguments), run once for the session."""
+    cwd = tmp_path_factory.mktemp("default")
+    result = run_cli([], cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = run_dirs(cwd)
+    return cwd, run_dir, result
