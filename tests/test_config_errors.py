@@ -1,0 +1,47 @@
+"""Config validation through the real CLI: each kind of mistake is exit code 2 with one
+line naming the key and what is allowed, before any work starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+
+CASES = [
+    # (overrides, phrases the one-line message must contain)
+    (["target.threadz=2"], ["target.threadz", "allowed keys: name, backend, device, threads, memory_mode"]),
+    (["+target.extra=1"], ["target.extra", "allowed keys"]),
+    (["target.memory_mode=texture"], ["target.memory_mode", "expected one of [auto, buffer, image]"]),
+    (["target.memory_mode=image"], ["target.memory_mode=image", "onnxruntime", "allowed: auto"]),
+    (["target=openvino_cpu", "target.memory_mode=buffer"], ["target.memory_mode=buffer", "openvino"]),
+    (["precision=bf16"], ["precision=bf16", "ort_cpu", "allowed: fp32"]),
+    (["precision=fp64"], ["precision=fp64", "no such config", "allowed: bf16, fp32"]),
+    (["target=tpu"], ["target=tpu", "allowed: openvino_cpu, ort_cpu"]),
+    (["model.path=???"], ["model.path", "a value is required"]),
+    (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random]"]),
+    (["data.path=null"], ["data.path", "required"]),
+    (["target.threads=many"], ["target.threads", "many"]),
+    (["pipeline.stages=[convert,deploy]"], ["pipeline.stages", "deploy", "allowed: convert, build, verify, package"]),
+    (["validation.min_cosine=high"], ["validation.min_cosine"]),
+]
+
+
+@pytest.mark.parametrize("overrides,phrases", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_config_error_is_exit_2_with_one_line(tmp_path, overrides, phrases):
+    result = run_cli(overrides, tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("parity: config error:")
+    for phrase in phrases:
+        assert phrase in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not list(tmp_path.glob("outputs/*/*/bundle")), "no work may start on a config error"
+
+
+def test_help_lists_groups_and_options(tmp_path):
+    result = run_cli(["--help"], tmp_path)
+    assert result.returncode == 0
+    for phrase in ("target: openvino_cpu, ort_cpu", "precision: bf16, fp32", "model: digits", "data: digits, random"):
+        assert phrase in result.stdout
+    assert "parity_schema" not in result.stdout.split("== Config ==")[0]

@@ -1,0 +1,102 @@
+"""The embedded default job end to end through the CLI, and the stage cache."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+from conftest import read_report, run_cli, run_dirs, single_bundle
+from pipeline.artifacts import sha256_file
+
+
+def manifest_of(bundle):
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def test_default_job_packages_a_passing_bundle(default_run):
+    cwd, run_dir, result = default_run
+    assert "verdict: PASS (exit 0)" in result.stdout
+    bundle = single_bundle(run_dir)
+    assert bundle.name == "digits_cnn-ort_cpu-fp32"
+    manifest = manifest_of(bundle)
+    assert manifest["verdict"] == "pass"
+    assert set(manifest["files"]) == {"model.onnx", "runtime.yaml", "report.json", "report.md", "report.html"}
+    for name, entry in manifest["files"].items():
+        assert sha256_file(bundle / name) == entry["sha256"], name
+    assert {"onnx", "onnxruntime", "openvino", "numpy", "python"} <= set(manifest["versions"])
+    assert "flags" in manifest["cpu"]
+    assert manifest["config"]["target"]["name"] == "ort_cpu"
+    report = json.loads((bundle / "report.json").read_text())
+    assert report["verdict"] == "pass"
+    assert report["verify"]["task"]["target"] > 0.95  # the shipped digits CNN
+    assert report["verify"]["samples"] == 200
+    assert "PASS" in (bundle / "report.md").read_text()
+    assert "<svg" in (bundle / "report.html").read_text()
+    with tarfile.open(bundle.parent / f"{bundle.name}.tar.gz") as archive:
+        names = sorted(archive.getnames())
+    assert names == sorted(f"{bundle.name}/{n}" for n in list(manifest["files"]) + ["manifest.json"])
+    assert (run_dir / "parity.log").read_text().count("stage verify") >= 1
+
+
+def test_second_run_reuses_stages_and_artifacts(default_run):
+    cwd, first_dir, _ = default_run
+    result = run_cli([], cwd)
+    assert result.returncode == 0, result.stderr
+    second_dir = run_dirs(cwd)[-1]
+    assert second_dir != first_dir
+    statuses = {s["stage"]: s["status"] for s in read_report(second_dir)["stages"]}
+    assert statuses == {"convert": "cached", "build": "cached", "verify": "cached", "package": "computed"}
+    first, second = manifest_of(single_bundle(first_dir)), manifest_of(single_bundle(second_dir))
+    for name in ("model.onnx", "runtime.yaml"):
+        assert first["files"][name]["sha256"] == second["files"][name]["sha256"]
+
+
+def test_changing_one_option_reruns_only_what_depends_on_it(default_run):
+    cwd, _, _ = default_run
+    result = run_cli(["validation.min_cosine=0.999"], cwd)
+    assert result.returncode == 0, result.stderr
+    statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
+    assert statuses == {"convert": "cached", "build": "cached", "verify": "computed", "package": "computed"}
+    result = run_cli(["target.threads=1"], cwd)
+    statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
+    assert statuses == {"convert": "cached", "build": "computed", "verify": "computed", "package": "computed"}
+
+
+def test_default_model_on_openvino(tmp_path):
+    result = run_cli(["target=openvino_cpu"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    bundle = single_bundle(run_dir)
+    assert {"model.xml", "model.bin"} <= set(manifest_of(bundle)["files"])
+    report = read_report(run_dir)
+    assert report["build"]["options"]["INFERENCE_PRECISION_HINT"] == "f32"  # never left to the CPU's default
+    assert report["verify"]["effective"] == {**report["verify"]["effective"], "device": "CPU", "precision": "fp32"}
+    assert report["verify"]["verdict"] == "pass"
+
+
+def test_threshold_failure_is_exit_3_and_still_packaged(default_run):
+    cwd, _, _ = default_run
+    result = run_cli(["validation.max_abs_error=1e-12"], cwd)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "max abs error" in result.stdout
+    run_dir = run_dirs(cwd)[-1]
+    assert manifest_of(single_bundle(run_dir))["verdict"] == "fail"
+
+
+def test_random_data_warns_in_report(tmp_path):
+    result = run_cli(["data=random"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = read_report(run_dirs(tmp_path)[-1])
+    assert report["verify"]["task"] is None  # no labels, no task metric
+    assert any("not representative" in w for w in report["warnings"])
+    assert "not representative" in result.stdout
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "pipeline", "--cfg", "job"], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "backend: onnxruntime" in result.stdout

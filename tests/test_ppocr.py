@@ -1,0 +1,81 @@
+"""A real model: the PP-OCR text-direction classifier from the rapidocr-onnxruntime wheel,
+fed rendered text lines rotated 0 or 180 degrees, configured from a user config directory
+(--config-dir) as a user would."""
+
+from __future__ import annotations
+
+import importlib.resources
+
+import pytest
+
+from conftest import read_report, run_cli, run_dirs
+from textlines import FONT, write_dataset
+
+MODEL = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
+VALIDATION = 24
+
+pytestmark = pytest.mark.skipif(not FONT.exists(), reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
+
+
+@pytest.fixture(scope="module")
+def user_configs(tmp_path_factory):
+    """A config directory with the user's own model and data options, and the data."""
+    root = tmp_path_factory.mktemp("ppocr")
+    data = write_dataset(root / "textlines", calibration=4, validation=VALIDATION)
+    (root / "conf" / "model").mkdir(parents=True)
+    (root / "conf" / "data").mkdir(parents=True)
+    (root / "conf" / "model" / "ppocr_cls.yaml").write_text(
+        f"path: {MODEL}\nname: ppocr_cls\ninput_shapes:\n  x: [1, 3, 48, 192]\n")
+    (root / "conf" / "data" / "textlines.yaml").write_text(
+        f"kind: images\npath: {data}\ncalibration_size: 4\nvalidation_size: {VALIDATION}\n"
+        "preprocess:\n  keep_aspect: true\n  color: bgr\n  mean: [0.5]\n  std: [0.5]\n  pad_value: 0.0\n")
+    return root
+
+
+def run_ppocr(user_configs, *overrides):
+    result = run_cli(["--config-dir", user_configs / "conf", "model=ppocr_cls", "data=textlines", *overrides],
+                     user_configs)
+    return result, run_dirs(user_configs)[-1]
+
+
+@pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
+def test_fp32_passes_with_top1_reported(user_configs, target):
+    result, run_dir = run_ppocr(user_configs, f"target={target}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(run_dir)
+    assert report["verdict"] == "pass"
+    convert = report["convert"]
+    assert convert["opset"] == {"from": 11, "to": 13}
+    assert convert["fixed_shapes"]["x"]["to"] == [1, 3, 48, 192]
+    assert convert["inputs"][0]["shape"] == [1, 3, 48, 192]
+    verify = report["verify"]
+    assert verify["samples"] == VALIDATION
+    assert verify["effective"]["precision"] == "fp32"
+    (output,) = verify["outputs"]
+    assert output["metrics"]["cosine"] > 0.9999
+    task = verify["task"]
+    assert task["samples"] == VALIDATION
+    assert task["target"] >= 0.75, task  # rendered text lines are easy for the real classifier
+    assert task["agreement"] == 1.0
+    assert "top-1: reference" in result.stdout
+    bundle = run_dir / "bundle" / f"ppocr_cls-{target}-fp32"
+    runtime = (bundle / "runtime.yaml").read_text()
+    assert "keep_aspect: true" in runtime  # a loader learns the preprocessing from the bundle
+
+
+def test_openvino_bf16_reports_what_ran(user_configs):
+    """With a bf16 hint the report states the precision that really ran: bf16 on CPUs that
+    have it natively, otherwise a failed verdict (exit 4) naming the fallback."""
+    import openvino as ov
+
+    native_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    result, run_dir = run_ppocr(user_configs, "target=openvino_cpu", "precision=bf16")
+    verify = read_report(run_dir)["verify"]
+    assert verify["requested"]["precision"] == "bf16"
+    if native_bf16:
+        assert verify["effective"]["precision"] == "bf16"
+        assert result.returncode == 0, result.stdout + result.stderr
+    else:
+        assert verify["effective"]["precision"] == "fp32"
+        assert result.returncode == 4
+        assert "requested precision bf16 but fp32 ran" in result.stdout
