@@ -40,6 +40,9 @@ def main() -> None:
         _hydra_app()
     except SystemExit:
         raise
+    except BrokenPipeError:  # `parity --help | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(int(ExitCode.OK))
     except (HydraException, OmegaConfBaseException) as err:
         _fail(f"config error: {_describe_composition_error(err)}", ExitCode.USAGE)
     except ParityError as err:

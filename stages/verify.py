@@ -15,7 +15,7 @@ from pipeline import backends
 from pipeline.backends import onnxruntime as ort_backend
 from pipeline.console import stderr_console
 from pipeline.data import Dataset, TensorSpec, open_dataset
-from pipeline.errors import BackendUnavailable, ExitCode
+from pipeline.errors import BackendUnavailable, ConfigError, ExitCode
 from pipeline.metrics import OutputStats, Top1, failures
 from stages import StageContext, StageResult
 
@@ -54,6 +54,7 @@ def run(ctx: StageContext) -> StageResult:
         raise BackendUnavailable(f"target {cfg.target.name}: {backend.NAME} failed to load the artifact: "
                                  f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from err
 
+    _check_output_names(cfg.validation, reference.outputs)
     task_output = cfg.validation.task_output or reference.outputs[0]
     stats = {name: OutputStats() for name in reference.outputs}
     top1 = Top1()
@@ -88,6 +89,13 @@ def run(ctx: StageContext) -> StageResult:
         "reasons": reasons,
     }
     return StageResult(ctx.out_dir, {}, summary)
+
+
+def _check_output_names(validation, outputs: List[str]) -> None:
+    named = list(validation.outputs) + ([validation.task_output] if validation.task_output else [])
+    for name in named:
+        if name not in outputs:
+            raise ConfigError(f"validation: the model has no output {name!r}; outputs: {', '.join(outputs)}")
 
 
 def _judge(name: str, stats: OutputStats, validation) -> dict:

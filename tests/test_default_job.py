@@ -100,3 +100,13 @@ def test_python_dash_m_entry_point(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "backend: onnxruntime" in result.stdout
+
+
+def test_per_output_threshold_override(default_run):
+    cwd, _, _ = default_run
+    result = run_cli(["+validation.outputs={logits:{max_abs_error:1e-12}}"], cwd)
+    assert result.returncode == 3
+    assert "output logits: max abs error" in result.stdout
+    result = run_cli(["+validation.outputs={scores:{max_abs_error:1e-3}}"], cwd)
+    assert result.returncode == 2
+    assert "the model has no output 'scores'; outputs: logits" in result.stderr

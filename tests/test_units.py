@@ -1,0 +1,121 @@
+"""Functions under the CLI: metrics, data sources, model loading, atomic writes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.artifacts import atomic_directory
+from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig, ValidationConfig
+from pipeline.data import TensorSpec, load_image, open_dataset
+from pipeline.errors import InputError
+from pipeline.metrics import OutputStats, Top1, cosine, failures
+
+SPEC = TensorSpec("x", [1, 2, 3], "float32")
+
+
+def test_stats_match_closed_form():
+    ref = np.array([3.0, 4.0, 0.0])
+    out = np.array([3.0, 4.0, 1.0])
+    stats = OutputStats()
+    stats.update(ref, out)
+    stats.update(ref, ref)
+    result = stats.result()
+    assert result["max_abs"] == 1.0
+    assert result["mean_abs"] == pytest.approx(1 / 6)
+    assert result["sqnr_db"] == pytest.approx(10 * math.log10(50 / 1))
+    assert result["cosine"] == pytest.approx(50 / math.sqrt(50 * 51))
+    assert result["min_sample_cosine"] == pytest.approx(25 / math.sqrt(25 * 26))
+    assert stats.sample_max_abs == [1.0, 0.0]
+
+
+def test_identical_outputs_have_infinite_sqnr_and_nan_never_passes():
+    stats = OutputStats()
+    stats.update(np.ones(4), np.ones(4))
+    assert stats.result()["sqnr_db"] is None and stats.result()["cosine"] == 1.0
+    stats.update(np.ones(4), np.array([1.0, np.nan, 1.0, np.inf]))
+    result = stats.result()
+    assert (result["nan"], result["inf"]) == (1, 1)
+    assert any("NaN" in f for f in failures(result, ValidationConfig().thresholds_for("y")))
+    assert cosine(np.zeros(3), np.zeros(3)) == 1.0 and cosine(np.zeros(3), np.ones(3)) == 0.0
+
+
+def test_per_output_thresholds_override_the_defaults():
+    validation = ValidationConfig(min_cosine=0.9, max_abs_error=1.0)
+    validation.outputs["b"] = type(validation.thresholds_for("a"))(max_abs_error=0.5)
+    assert validation.thresholds_for("a").max_abs_error == 1.0
+    assert validation.thresholds_for("b").max_abs_error == 0.5
+    assert validation.thresholds_for("b").min_cosine == 0.9
+
+
+def test_top1_drop_and_agreement():
+    top1 = Top1()
+    top1.update(np.array([0.1, 0.9]), np.array([0.9, 0.1]), label=1)
+    top1.update(np.array([0.9, 0.1]), np.array([0.9, 0.1]), label=0)
+    result = top1.result(max_drop=0.0, output="y")
+    assert (result["reference"], result["target"], result["agreement"]) == (1.0, 0.5, 0.5)
+    assert not result["passed"]
+
+
+def test_npz_file_with_splits_and_labels(tmp_path):
+    path = tmp_path / "d.npz"
+    np.savez(path, **{"calibration/x": np.zeros((3, 1, 2, 3)), "validation/x": np.ones((5, 2, 3)),
+                      "validation/labels": np.arange(5)})
+    data = open_dataset(DataConfig(path=str(path), calibration_size=2, validation_size=4), [SPEC])
+    assert (len(data.calibration), len(data.validation)) == (2, 4)
+    samples = list(data.validation)
+    assert samples[3].label == 3 and samples[0].feeds["x"].shape == (1, 2, 3)
+    assert samples[0].feeds["x"].dtype == np.float32
+
+
+def test_directory_without_splits_serves_both_and_warns(tmp_path):
+    for index in range(3):
+        np.save(tmp_path / f"{index}.npy", np.full((1, 2, 3), index, dtype=np.float32))
+    (tmp_path / "labels.csv").write_text("sample,class\n0.npy,7\n1,8\n2.npy,9\n")
+    data = open_dataset(DataConfig(path=str(tmp_path), calibration_size=2, validation_size=3), [SPEC])
+    assert [s.label for s in data.validation] == [7, 8, 9]
+    assert len(data.calibration) == 2
+    assert any("serve both" in w for w in data.warnings)
+    assert tmp_path / "labels.csv" in data.files
+
+
+def test_missing_label_is_named(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros((1, 2, 3), dtype=np.float32))
+    (tmp_path / "labels.csv").write_text("b.npy,1\n")
+    with pytest.raises(InputError, match="no label for a.npy"):
+        open_dataset(DataConfig(path=str(tmp_path)), [SPEC])
+
+
+def test_random_data_is_seeded_and_shaped():
+    spec = TensorSpec("x", [1, 3, 4, 4], "float32")
+    cfg = DataConfig(kind=DataKind.random, calibration_size=2, validation_size=2, seed=5)
+    first = [s.feeds["x"] for s in open_dataset(cfg, [spec]).validation]
+    again = [s.feeds["x"] for s in open_dataset(cfg, [spec]).validation]
+    assert first[0].shape == (1, 3, 4, 4) and np.array_equal(first[0], again[0])
+    assert not np.array_equal(first[0], first[1])
+
+
+def test_image_keep_aspect_pads_in_normalized_units(tmp_path):
+    path = tmp_path / "wide.png"
+    Image.new("RGB", (40, 10), (255, 0, 0)).save(path)
+    pre = PreprocessConfig(keep_aspect=True, color=Color.bgr, mean=[0.5], std=[0.5], pad_value=-7.0)
+    tensor = load_image(path, TensorSpec("x", [1, 3, 8, 16], "float32"), pre)
+    assert tensor.shape == (1, 3, 8, 16)
+    # 40x10 fits 16x4: rows 0-3 hold the image, the rest is padding
+    assert np.allclose(tensor[0, 2, :4], 1.0) and np.allclose(tensor[0, 0, :4], -1.0)  # BGR: red is channel 2
+    assert np.allclose(tensor[0, :, 4:], -7.0)
+
+
+def test_atomic_directory_leaves_nothing_on_failure(tmp_path):
+    final = tmp_path / "bundle"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final) as temp:
+            (temp / "half").write_text("x")
+            raise RuntimeError("crash")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_directory(final) as temp:
+        (temp / "whole").write_text("x")
+    assert [p.name for p in final.iterdir()] == ["whole"]
