@@ -34,7 +34,7 @@ def check_integrity(bundle: Path) -> dict:
         if sha256_file(path) != entry["sha256"]:
             raise InputError(f"bundle: {name} does not match its sha256 in the manifest (tampered or corrupt)")
     extra = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
-                   if p.is_file() and p.name != MANIFEST and p.relative_to(bundle).as_posix() not in listed)
+                   if p.is_file() and p.relative_to(bundle).as_posix() not in (MANIFEST, *listed))
     if extra:
         raise InputError(f"bundle: {extra[0]} is not listed in the manifest (added after packaging)")
     return manifest
@@ -72,4 +72,4 @@ def read_inputs(path: Path, settings: dict) -> Dict[str, np.ndarray]:
     missing = [s.name for s in specs if s.name not in arrays]
     if missing:
         raise InputError(f"--input: {path} lacks {missing}; the bundle's inputs are {[s.name for s in specs]}")
-    return {s.name: conform(arrays[s.name], s, str(path)) for s in specs}
+    return {s.name: conform(arrays[s.name], s, str(path), label="--input") for s in specs}

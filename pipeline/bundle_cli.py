@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from pipeline.bundle import check_integrity, open_session, read_inputs
 from pipeline.console import stderr_console, stdout_console
-from pipeline.errors import ExitCode, ParityError
+from pipeline.errors import ExitCode, InputError, ParityError
 
 
 def main(argv=None) -> None:
@@ -49,6 +49,8 @@ def _verify(args) -> ExitCode:
 
 def _run(args) -> ExitCode:
     check_integrity(args.bundle)
+    if args.output and not args.output.parent.is_dir():
+        raise InputError(f"--output: folder {args.output.parent} does not exist")
     session, settings = open_session(args.bundle)
     outputs = session.run(read_inputs(args.input, settings))
     console = stdout_console()
@@ -57,7 +59,8 @@ def _run(args) -> ExitCode:
         console.print(f"{escape(name)}: shape {list(value.shape)} {value.dtype}, argmax {int(np.argmax(flat))}, "
                       f"first values {np.array2string(flat[:5], precision=4)}")
     if args.output:
-        np.savez(args.output, **outputs)
+        with open(args.output, "wb") as handle:  # the exact path: np.savez would append .npz
+            np.savez(handle, **outputs)
         console.print(f"outputs written to {escape(str(args.output))}")
     console.print(f"ran on: {escape(str(session.effective()))}")
     return ExitCode.OK

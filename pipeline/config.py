@@ -223,7 +223,8 @@ def describe_config_error(err: BaseException) -> str:
         if isinstance(item, OmegaConfBaseException) and getattr(item, "full_key", None):
             msg = str(getattr(item, "msg", "") or item).splitlines()[0]
             allowed = _allowed_keys(item.full_key) if isinstance(item, (ConfigKeyError, ConfigAttributeError)) else None
-            return f"{item.full_key}: {msg}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
+            hint = f"; to add a key use +{item.full_key}=..." if "not in struct" in msg else ""
+            return f"{item.full_key}: {msg}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "") + hint
     first = str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__]
     return first[0]
 

@@ -82,20 +82,20 @@ def open_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
 
 # --- checks shared by every source -------------------------------------------------
 
-def conform(array: np.ndarray, spec: TensorSpec, where: str) -> np.ndarray:
+def conform(array: np.ndarray, spec: TensorSpec, where: str, label: str = "data") -> np.ndarray:
     """The array with the model's batch axis and dtype, or an InputError naming the sample."""
     array = np.asarray(array)
     shape = list(spec.shape)
     if list(array.shape) == shape[1:] and shape and shape[0] == 1:
         array = array[np.newaxis]
     if list(array.shape) != shape:
-        raise InputError(f"data: {where} has shape {list(array.shape)} but model input "
+        raise InputError(f"{label}: {where} has shape {list(array.shape)} but model input "
                          f"'{spec.name}' expects {shape}")
     if array.dtype.kind == "f" or np.dtype(spec.dtype).kind == "f":
         bad = ~np.isfinite(array.astype(np.float64, copy=False)) if array.dtype.kind in "fc" else None
         if bad is not None and bad.any():
             kind = "NaN" if np.isnan(array).any() else "Inf"
-            raise InputError(f"data: {where} contains {kind} ({int(bad.sum())} non-finite values); "
+            raise InputError(f"{label}: {where} contains {kind} ({int(bad.sum())} non-finite values); "
                              "fix or remove that sample")
     return np.ascontiguousarray(array.astype(spec.dtype, copy=False))
 

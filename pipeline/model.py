@@ -66,6 +66,22 @@ def _load_external_data(model: onnx.ModelProto, path: Path, key: str) -> None:
         onnx.load_external_data_for_model(model, str(base))
 
 
+def external_data_files(path: Path) -> List[Path]:
+    """The external data files a model file refers to, inside its directory (cache keys)."""
+    base = Path(path).parent.resolve()
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - a corrupt model is reported by load_onnx
+        return []
+    found = set()
+    for tensor in _all_tensors(model):
+        for entry in tensor.external_data:
+            target = (base / entry.value).resolve()
+            if entry.key == "location" and target.is_relative_to(base) and target.is_file():
+                found.add(target)
+    return sorted(found)
+
+
 def _all_tensors(model: onnx.ModelProto):
     yield from model.graph.initializer
     for node in model.graph.node:

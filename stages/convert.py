@@ -15,7 +15,7 @@ from onnx import numpy_helper, version_converter
 from pipeline import backends
 from pipeline.artifacts import sha256_file
 from pipeline.errors import InputError
-from pipeline.model import check, load_onnx, signature
+from pipeline.model import check, external_data_files, load_onnx, signature
 from stages import StageContext, StageResult
 
 NAME = "convert"
@@ -36,15 +36,7 @@ def key_config(cfg):
 
 def external_files(ctx: StageContext) -> List[Path]:
     path = Path(ctx.cfg.model.path).expanduser()
-    if not path.is_file():
-        return []
-    base = path.parent
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # corrupt models are reported by run()
-        return [path]
-    extra = {entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"}
-    return [path] + sorted(base / e for e in extra if (base / e).is_file())
+    return [path, *external_data_files(path)] if path.is_file() else []
 
 
 def run(ctx: StageContext) -> StageResult:
