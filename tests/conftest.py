@@ -36,11 +36,15 @@ def read_report(run_dir: Path) -> dict:
     return json.loads((run_dir / "report.json").read_text())
 
 
-@pytest.fixture(scope="session")
-def default_run(tmp_path_factory):
-    """The default job (`parity`, no arguments), run once for the session."""
-    cwd = tmp_path_factory.mktemp("default")
+def run_default_job(cwd: Path):
+    """`parity` with no arguments in an empty folder: (cwd, run folder, completed process)."""
     result = run_cli([], cwd)
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = run_dirs(cwd)
     return cwd, run_dir, result
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The default job, run once for the session."""
+    return run_default_job(tmp_path_factory.mktemp("default"))
