@@ -89,13 +89,24 @@ def _stage_key(stage, ctx: StageContext) -> str:
 
 
 def _from_cache(entry: Path, out_dir: Path):
+    """The cached result, or None on a miss. An unreadable entry is a miss, never an error."""
     if not (entry / "result.json").is_file():
         return None
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    shutil.copytree(entry, out_dir)
-    saved = read_json(out_dir / "result.json")
-    return StageResult(out_dir, saved["files"], saved["summary"]), saved.get("computed_seconds", 0.0)
+    try:
+        shutil.copytree(entry, out_dir)
+        saved = read_json(out_dir / "result.json")
+        result = StageResult(out_dir, saved["files"], saved["summary"])
+        missing = [f for f in result.files.values() if not (out_dir / f).exists() and not f.startswith("..")]
+        if missing:
+            raise OSError(f"missing {missing[0]}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("ignoring broken stage cache entry %s: %s", entry, err)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.rmtree(entry, ignore_errors=True)  # the recomputed output takes its place
+        return None
+    return result, saved.get("computed_seconds", 0.0)
 
 
 def _to_cache(out_dir: Path, entry: Path) -> None:

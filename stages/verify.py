@@ -47,12 +47,16 @@ def run(ctx: StageContext) -> StageResult:
     ok, reason = backend.available()
     if not ok:
         raise BackendUnavailable(f"target {cfg.target.name}: {reason}")
-    reference = ort_backend.reference(ctx.results["convert"].path("model"))
+    try:
+        reference = ort_backend.reference(ctx.results["convert"].path("model"))
+    except Exception as err:  # noqa: BLE001 - e.g. an op ONNX Runtime does not implement
+        raise BackendUnavailable(f"the reference (ONNX Runtime fp32) cannot load the converted model: "
+                                 f"{_first_line(err)}") from err
     try:
         session = backend.load(build.out_dir, settings)
     except Exception as err:  # the runtime refused the artifact: not the user's input
         raise BackendUnavailable(f"target {cfg.target.name}: {backend.NAME} failed to load the artifact: "
-                                 f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from err
+                                 f"{_first_line(err)}") from err
 
     _check_output_names(cfg.validation, reference.outputs)
     task_output = cfg.validation.task_output or reference.outputs[0]
@@ -89,6 +93,11 @@ def run(ctx: StageContext) -> StageResult:
         "reasons": reasons,
     }
     return StageResult(ctx.out_dir, {}, summary)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _check_output_names(validation, outputs: List[str]) -> None:

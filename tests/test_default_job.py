@@ -110,3 +110,17 @@ def test_per_output_threshold_override(default_run):
     result = run_cli(["+validation.outputs={scores:{max_abs_error:1e-3}}"], cwd)
     assert result.returncode == 2
     assert "the model has no output 'scores'; outputs: logits" in result.stderr
+
+
+def test_broken_cache_entry_is_recomputed_not_fatal(tmp_path):
+    run_cli([], tmp_path)
+    for result_json in (tmp_path / "outputs" / ".cache" / "convert").glob("*/result.json"):
+        result_json.write_text("{ truncated")
+    result = run_cli([], tmp_path)
+    assert result.returncode == 0, result.stderr
+    statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
+    assert statuses["convert"] == "computed" and statuses["build"] == "cached"
+    assert "ignoring broken stage cache entry" in result.stderr
+    run_cli([], tmp_path)
+    statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
+    assert statuses["convert"] == "cached"  # the entry was replaced by the recomputed output
