@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
-from pathlib import Path
 from typing import Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore

@@ -36,3 +36,9 @@ class InputError(ParityError):
 class BackendUnavailable(ParityError):
     exit_code = ExitCode.BACKEND
     label = "backend unavailable"
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (runtimes raise multi-page ones)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -11,7 +11,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from pipeline.data import TensorSpec
-from pipeline.errors import InputError
+from pipeline.errors import InputError, first_line
 
 
 def load_onnx(path: Path, key: str = "model.path") -> onnx.ModelProto:
@@ -29,7 +29,7 @@ def load_onnx(path: Path, key: str = "model.path") -> onnx.ModelProto:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError) as err:
         raise InputError(f"{key}: {path} cannot be parsed as ONNX, the file is truncated or not a model "
-                         f"({_first_line(err)})") from err
+                         f"({first_line(err)})") from err
     if not model.graph.node or not model.graph.output or not model.opset_import:
         raise InputError(f"{key}: {path} is not a complete ONNX model (no graph nodes, outputs or opset): "
                          "the file is truncated or not a model")
@@ -90,16 +90,12 @@ def _all_tensors(model: onnx.ModelProto):
                 yield attribute.t
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
 
 def check(model: onnx.ModelProto, key: str = "model.path") -> None:
     try:
         onnx.checker.check_model(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
-        raise InputError(f"{key}: the ONNX checker rejects the model: {_first_line(err)}") from err
+        raise InputError(f"{key}: the ONNX checker rejects the model: {first_line(err)}") from err
 
 
 def signature(model: onnx.ModelProto, outputs: bool = False) -> List[TensorSpec]:

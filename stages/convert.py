@@ -14,7 +14,7 @@ from onnx import numpy_helper, version_converter
 
 from pipeline import backends
 from pipeline.artifacts import sha256_file
-from pipeline.errors import InputError
+from pipeline.errors import InputError, first_line
 from pipeline.model import check, external_data_files, load_onnx, signature
 from stages import StageContext, StageResult
 
@@ -123,7 +123,7 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> onnx.ModelProto:
         return version_converter.convert_version(model, min_opset)
     except Exception as err:  # the converter raises bare RuntimeErrors/IndexErrors
         raise InputError(f"model: cannot upgrade opset {current} to {min_opset} "
-                         f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+                         f"({first_line(err)}); "
                          "export the model at opset >= 13 or set model.min_opset") from err
 
 
@@ -136,8 +136,7 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InputError(f"model: shape inference fails on the model: {first}") from err
+        raise InputError(f"model: shape inference fails on the model: {first_line(err)}") from err
 
 
 def preflight(model: onnx.ModelProto) -> List[dict]:

@@ -15,7 +15,7 @@ from pipeline import backends
 from pipeline.backends import onnxruntime as ort_backend
 from pipeline.console import stderr_console
 from pipeline.data import Dataset, TensorSpec, open_dataset
-from pipeline.errors import BackendUnavailable, ConfigError, ExitCode
+from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, first_line
 from pipeline.metrics import OutputStats, Top1, failures
 from stages import StageContext, StageResult
 
@@ -51,12 +51,12 @@ def run(ctx: StageContext) -> StageResult:
         reference = ort_backend.reference(ctx.results["convert"].path("model"))
     except Exception as err:  # noqa: BLE001 - e.g. an op ONNX Runtime does not implement
         raise BackendUnavailable(f"the reference (ONNX Runtime fp32) cannot load the converted model: "
-                                 f"{_first_line(err)}") from err
+                                 f"{first_line(err)}") from err
     try:
         session = backend.load(build.out_dir, settings)
     except Exception as err:  # the runtime refused the artifact: not the user's input
         raise BackendUnavailable(f"target {cfg.target.name}: {backend.NAME} failed to load the artifact: "
-                                 f"{_first_line(err)}") from err
+                                 f"{first_line(err)}") from err
 
     _check_output_names(cfg.validation, reference.outputs)
     task_output = cfg.validation.task_output or reference.outputs[0]
@@ -94,10 +94,6 @@ def run(ctx: StageContext) -> StageResult:
     }
     return StageResult(ctx.out_dir, {}, summary)
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _check_output_names(validation, outputs: List[str]) -> None:
