@@ -34,6 +34,19 @@ class Precision(Enum):
     mixed = "mixed"
 
 
+class CalibrationMethod(Enum):
+    max = "max"
+    percentile = "percentile"
+    kl = "kl"
+    mse = "mse"
+    auto = "auto"
+
+
+class QuantType(Enum):
+    int8 = "int8"
+    uint8 = "uint8"
+
+
 class MemoryMode(Enum):
     auto = "auto"
     buffer = "buffer"
@@ -104,6 +117,24 @@ class PrecisionConfig:
     name: Precision = MISSING
     min_cosine: float = 0.9999  # the default threshold for builds at this precision
     max_metric_drop: float = 0.0  # the default allowed task-metric drop
+    # int8 builds only:
+    activations: QuantType = QuantType.uint8  # u8 activations x s8 weights: the x86 VNNI kernels
+    per_channel: bool = True  # per-channel weight scales for Conv/Gemm/MatMul
+
+
+@dataclass
+class CalibrationConfig:
+    method: CalibrationMethod = CalibrationMethod.kl
+    percentile: float = 99.99
+    bins: int = 2048  # histogram of |x|
+    quantized_levels: int = 128  # KL: levels of the quantized distribution
+    min_samples: int = 32  # fewer calibration samples are warned about
+    batch_size: int = 16  # samples per inference during statistics, where the model allows it
+    auto_samples: int = 4  # samples kept to compare methods for method=auto
+    table: Optional[str] = None  # import this TPU-MLIR calibration table instead of computing one
+    # Model inputs already carry the data's own quantization (8-bit images...): clipping them
+    # corrupts every later tensor, and KL on their spiky histograms clips hard. null: use method.
+    inputs: Optional[CalibrationMethod] = CalibrationMethod.max
 
 
 @dataclass
@@ -143,7 +174,7 @@ class PackageConfig:
 
 @dataclass
 class PipelineConfig:
-    stages: List[str] = field(default_factory=lambda: ["convert", "build", "verify", "package"])
+    stages: List[str] = field(default_factory=lambda: ["convert", "calibrate", "build", "verify", "package"])
     cache: bool = True
     cache_dir: str = "outputs/.cache"
 
@@ -154,6 +185,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     package: PackageConfig = field(default_factory=PackageConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -208,6 +240,11 @@ def _check_combinations(run: RunConfig) -> None:
                           "(or use data.kind=random)")
     if run.data.calibration_size < 0 or run.data.validation_size < 1:
         raise ConfigError("data.validation_size must be >= 1 and data.calibration_size >= 0")
+    cal = run.calibration
+    if not 0 < cal.percentile <= 100:
+        raise ConfigError(f"calibration.percentile={cal.percentile}: must be in (0, 100]")
+    if cal.bins < cal.quantized_levels or cal.quantized_levels < 2 or cal.batch_size < 1:
+        raise ConfigError("calibration: need bins >= quantized_levels >= 2 and batch_size >= 1")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
 

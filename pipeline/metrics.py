@@ -120,3 +120,18 @@ class Top1:
         return {"metric": "top1", "output": output, "samples": self.count, "reference": reference,
                 "target": target, "drop": drop, "agreement": self.agree / self.count,
                 "max_drop": max_drop, "passed": drop <= max_drop + 1e-12}
+
+
+def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
+    """Median and spread of repeated single-sample runs, after warm-up runs."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        run(feeds)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run(feeds)
+        times.append((time.perf_counter() - started) * 1000)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": repeats}

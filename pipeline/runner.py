@@ -47,7 +47,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
     for name in cfg.pipeline.stages:
         stage = stages.load(name)
         out_dir = outcome.run_dir / "stages" / name
-        ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records)
+        ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records, cache_root)
         started = time.perf_counter()
         key = _stage_key(stage, ctx) if cache_root and stage.CACHEABLE else None
         cached = _from_cache(cache_root / name / key, out_dir) if key else None

@@ -19,11 +19,13 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
+from pipeline.artifacts import atomic_directory, sha256_json
 from pipeline.config import RunConfig
 
-STAGE_NAMES = ("convert", "build", "verify", "package")
+STAGE_NAMES = ("convert", "calibrate", "build", "verify", "package")
+COMPLETE = ".complete"
 
 
 @dataclass
@@ -46,6 +48,26 @@ class StageContext:
     out_dir: Path
     results: Dict[str, StageResult]  # earlier stages of this run, by name
     records: List[dict]  # timing records of earlier stages
+    cache_root: Optional[Path] = None  # the stage cache, when enabled
+
+    def memo(self, name: str, material: dict, produce: Callable[[Path], None]) -> Tuple[Path, bool]:
+        """A folder holding what ``produce(folder)`` writes, reused from the cache when the
+        same ``material`` (JSON) produced it before: for work a stage shares between its
+        config variants (e.g. calibration statistics for every threshold method).
+        Returns (folder, reused)."""
+        key = sha256_json({"memo": name, "material": material})[:32]
+        if self.cache_root is None:
+            folder = self.out_dir / f"{name}-{key}"
+            folder.mkdir(parents=True, exist_ok=True)
+            produce(folder)
+            return folder, False
+        entry = self.cache_root / "memo" / name / key
+        if (entry / COMPLETE).is_file():
+            return entry, True
+        with atomic_directory(entry, replace=True) as temp:
+            produce(temp)
+            (temp / COMPLETE).touch()
+        return entry, False
 
 
 def load(name: str) -> ModuleType:

@@ -9,7 +9,9 @@ from typing import List
 import yaml
 
 from pipeline import backends
-from pipeline.errors import BackendUnavailable
+from pipeline.artifacts import read_json
+from pipeline.errors import BackendUnavailable, ConfigError, first_line
+from pipeline.quantize import build_qdq
 from stages import StageContext, StageResult
 
 NAME = "build"
@@ -18,7 +20,10 @@ CACHEABLE = True
 
 
 def key_config(cfg):
-    return {"target": cfg.target, "precision": cfg.precision.name}
+    precision = cfg.precision
+    quantized = precision.name.value == "int8"
+    return {"target": cfg.target, "precision": precision.name,
+            "int8": (precision.activations, precision.per_channel) if quantized else None}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -32,8 +37,12 @@ def run(ctx: StageContext) -> StageResult:
     if not ok:
         raise BackendUnavailable(f"target {target.name}: {reason}")
     convert = ctx.results["convert"]
-    ir_dir = convert.out_dir if "ir_xml" in convert.files else None
-    artifacts, settings = backend.build(convert.path("model"), ir_dir, ctx.out_dir, target, precision)
+    onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
+    if precision == "int8":
+        onnx_path, ir_dir = _quantize(ctx, onnx_path), None
+    artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
+    if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
+        onnx_path.unlink()
     runtime = {
         "format": 1,
         "backend": backend.NAME,
@@ -50,5 +59,21 @@ def run(ctx: StageContext) -> StageResult:
     (ctx.out_dir / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
     files = {"runtime": "runtime.yaml", **{f"artifact:{name}": name for name in artifacts}}
     summary = {"backend": backend.NAME, "files": artifacts, "options": runtime["options"],
-               "versions": backend.versions()}
+               "versions": backend.versions(),
+               "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts)}
     return StageResult(ctx.out_dir, files, summary)
+
+
+def _quantize(ctx: StageContext, model_path: Path) -> Path:
+    """The QDQ int8 model built from the calibrate stage's table."""
+    calibrate = ctx.results.get("calibrate")
+    if calibrate is None or "table" not in calibrate.files:
+        raise ConfigError("precision=int8 needs the calibrate stage: add it to pipeline.stages before build")
+    table = read_json(calibrate.path("table"))["tensors"]
+    quantized = ctx.out_dir / "quantized.onnx"
+    precision = ctx.cfg.precision
+    try:
+        build_qdq(model_path, table, quantized, precision.activations.value, precision.per_channel)
+    except Exception as err:  # noqa: BLE001 - ORT's quantizer rejects some graphs
+        raise BackendUnavailable(f"int8: ONNX Runtime's quantizer cannot quantize the model: {first_line(err)}") from err
+    return quantized

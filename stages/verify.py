@@ -5,6 +5,7 @@ the task metric when labels exist, and read back what the backend really ran."""
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import List
 
@@ -16,7 +17,7 @@ from pipeline.backends import onnxruntime as ort_backend
 from pipeline.console import stderr_console
 from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, first_line
-from pipeline.metrics import OutputStats, Top1, failures
+from pipeline.metrics import OutputStats, Top1, failures, latency
 from stages import StageContext, StageResult
 
 NAME = "verify"
@@ -77,6 +78,7 @@ def run(ctx: StageContext) -> StageResult:
 
     requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value}
     effective = session.effective()
+    comparison = _compare_with_fp32(ctx, backend, session, sample.feeds, build, top1) if len(dataset.validation) else None
     outputs = [_judge(name, stats[name], cfg.validation) for name in reference.outputs if name not in missing]
     task = top1.result(cfg.validation.max_metric_drop, task_output)
     reasons, exit_code = _verdict(outputs, missing, task, requested, effective, len(dataset.validation))
@@ -87,6 +89,7 @@ def run(ctx: StageContext) -> StageResult:
         "outputs": outputs,
         "missing_outputs": missing,
         "task": task,
+        "comparison": comparison,
         "data": dataset.summary(),
         "verdict": "pass" if exit_code == ExitCode.OK else "fail",
         "exit_code": int(exit_code),
@@ -94,6 +97,26 @@ def run(ctx: StageContext) -> StageResult:
     }
     return StageResult(ctx.out_dir, {}, summary)
 
+
+
+def _compare_with_fp32(ctx, backend, session, feeds, build, top1) -> dict:
+    """The build side by side with an fp32 build on the same backend: latency, size, top-1."""
+    precision = ctx.cfg.precision.name.value
+    row = {"latency": latency(session.run, feeds), "bytes": build.summary.get("bytes"),
+           "top1": top1.target_correct / top1.count if top1.count else None}
+    if precision == "fp32":
+        return {"fp32": row}
+    convert = ctx.results["convert"]
+    ir_dir = convert.out_dir if "ir_xml" in convert.files else None
+    with tempfile.TemporaryDirectory(prefix="parity-fp32-") as scratch:
+        files, settings = backend.build(convert.path("model"), ir_dir, Path(scratch), ctx.cfg.target, "fp32")
+        settings = {**settings, "device": ctx.cfg.target.device.upper(), "precision": "fp32",
+                    "outputs": convert.summary["outputs"]}
+        baseline = backend.load(Path(scratch), settings)
+        fp32 = {"latency": latency(baseline.run, feeds),
+                "bytes": sum((Path(scratch) / f).stat().st_size for f in files),
+                "top1": top1.reference_correct / top1.count if top1.count else None}
+    return {"fp32": fp32, precision: row}
 
 
 def _check_output_names(validation, outputs: List[str]) -> None:

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 NAME = "onnxruntime"
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "int8")
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU",)
 
 _ONNX_FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16"}
+_INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "MatMulIntegerToFloat",
+                "DynamicQuantizeMatMul", "QLinearAdd", "QLinearMul", "QLinearConcat", "QLinearGlobalAveragePool"}
+_FLOAT_COMPUTE_OPS = {"Conv", "Gemm", "MatMul", "ConvTranspose", "FusedConv", "FusedGemm", "FusedMatMul"}
 
 
 def available() -> Tuple[bool, str]:
@@ -49,6 +54,9 @@ class Session:
         options.graph_optimization_level = levels[graph_optimization_level]
         options.intra_op_num_threads = intra_op_num_threads
         options.log_severity_level = 3
+        self._scratch = tempfile.TemporaryDirectory(prefix="parity-ort-")
+        self._optimized = Path(self._scratch.name) / "optimized.onnx"
+        options.optimized_model_filepath = str(self._optimized)  # what ORT really executes
         self._session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
         self._model_path = Path(model_path)
         self.inputs = [i.name for i in self._session.get_inputs()]
@@ -61,18 +69,28 @@ class Session:
     def effective(self) -> Dict[str, str]:
         providers = self._session.get_providers()
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
-        return {"device": device, "precision": compute_precision(self._model_path)}
+        precision, layers = executed_precision(self._optimized)
+        return {"device": device, "precision": precision, "layers": layers}
 
 
-def compute_precision(model_path: Path) -> str:
-    """The float type the model's weights are stored and computed in."""
+def executed_precision(optimized_path: Path) -> Tuple[str, str]:
+    """Precision of the compute ops in the graph ORT executes after its optimizations:
+    integer kernels (QLinearConv, MatMulInteger...) count as int8, float ones by their type."""
     import onnx
 
-    model = onnx.load(str(model_path), load_external_data=False)
-    kinds = {_ONNX_FLOAT_TYPES[t.data_type] for t in model.graph.initializer if t.data_type in _ONNX_FLOAT_TYPES}
-    if not kinds:
-        return "fp32"
-    return "fp32" if "fp32" in kinds and len(kinds) == 1 else "+".join(sorted(kinds))
+    model = onnx.load(str(optimized_path), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.value_info) + list(model.graph.input)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    counts: Counter = Counter()
+    for node in model.graph.node:
+        if node.op_type in _INTEGER_OPS:
+            counts["int8"] += 1
+        elif node.op_type in _FLOAT_COMPUTE_OPS or node.op_type.startswith("Fused"):
+            elem = types.get(node.input[1] if len(node.input) > 1 else node.input[0], 1)
+            counts[_ONNX_FLOAT_TYPES.get(elem, "fp32")] += 1
+    if not counts:
+        return "fp32", ""
+    return counts.most_common(1)[0][0], ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
 
 
 def load(artifact_dir: Path, settings: dict) -> Session:

@@ -10,12 +10,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 NAME = "openvino"
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "int8")
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU",)
 
 # Without an explicit hint the CPU plugin runs bf16 on CPUs that have it (shared/findings.md).
-PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32"}  # int8: f32 between quantized ops
 _RUNTIME_PRECISIONS = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "u8": "int8", "i8": "int8"}
 _COMPUTE_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution"}
 
@@ -44,8 +44,12 @@ def convert(onnx_path: Path, out_dir: Path) -> List[str]:
 
 
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
-    for name in ("model.xml", "model.bin"):
-        shutil.copyfile(ir_dir / name, out_dir / name)
+    """The IR from convert when there is one, else converted here (e.g. a QDQ int8 model)."""
+    if ir_dir is None:
+        convert(onnx_path, out_dir)
+    else:
+        for name in ("model.xml", "model.bin"):
+            shutil.copyfile(ir_dir / name, out_dir / name)
     options = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision]}
     if target.threads:
         options["INFERENCE_NUM_THREADS"] = target.threads

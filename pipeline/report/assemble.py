@@ -19,6 +19,9 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
     verify = results["verify"].summary if "verify" in results else None
     convert = results["convert"].summary if "convert" in results else None
     warnings = list(verify["data"]["warnings"]) if verify else []
+    calibration = _calibration(results)
+    if calibration:
+        warnings += [f"calibration: {w}" for w in calibration.get("warnings", []) if w not in warnings]
     if convert:
         warnings += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in convert["preflight"]
                      if f["severity"] != "info"]
@@ -35,8 +38,16 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         "precision": cfg.precision.name.value,
         "stages": [{k: v for k, v in r.items() if k != "key"} for r in records],
         "convert": convert,
+        "calibration": _calibration(results),
         "build": results["build"].summary if "build" in results else None,
         "data": verify["data"] if verify else None,
         "verify": verify,
         "environment": environment.describe(),
     }
+
+
+def _calibration(results: Dict):
+    """The calibrate stage's summary without the per-tensor method errors (kept in the stage folder)."""
+    if "calibrate" not in results:
+        return None
+    return {k: v for k, v in results["calibrate"].summary.items() if k != "auto"}

@@ -235,6 +235,44 @@ def _verification_section(verify: dict) -> list:
     if verify.get("requested") or verify.get("effective"):
         blocks += _device_precision_blocks(_as_dict(verify.get("requested")),
                                            _as_dict(verify.get("effective")))
+    if isinstance(verify.get("comparison"), dict):
+        blocks += _comparison_blocks(verify["comparison"])
+    return blocks
+
+
+def _comparison_blocks(comparison: dict) -> list:
+    """The build next to an fp32 build on the same backend."""
+    rows = []
+    for precision, row in comparison.items():
+        row = _as_dict(row)
+        timing = _as_dict(row.get("latency"))
+        size = row.get("bytes")
+        rows.append([str(precision), _fmt_number(timing.get("median_ms"), ".3f"),
+                     f"{_fmt_number(timing.get('min_ms'), '.3f')} - {_fmt_number(timing.get('max_ms'), '.3f')}",
+                     f"{size / 1024:.1f}" if _is_number(size) else "n/a", fmt_ratio(row.get("top1"))])
+    title = "Latency and size" if len(rows) == 1 else "Side by side with fp32 on the same backend"
+    headers = ["precision", "median latency ms", "range ms", "artifact KiB", "top-1"]
+    return [Heading(3, title), Table(headers, rows),
+            Para("latency: one sample, median of 20 runs after 3 warm-up runs")]
+
+
+def _calibration_section(calibration: dict) -> list:
+    blocks: list = [Heading(2, "Calibration")]
+    if calibration.get("skipped"):
+        return blocks + [Para(str(calibration["skipped"]))]
+    pairs = [(key.replace("_", " "), fmt_value(calibration.get(key)))
+             for key in ("method", "tensors", "samples", "batch_size", "statistics", "statistics_seconds",
+                         "thresholds_seconds", "source") if calibration.get(key) is not None]
+    blocks.append(KeyValues(pairs))
+    chosen = _as_dict(calibration.get("methods_chosen"))
+    if chosen:
+        blocks.append(Table(["method", "tensors"], [[str(k), str(v)] for k, v in chosen.items()]))
+    zero = [str(z) for z in _as_list(calibration.get("zero_tensors"))]
+    if zero:
+        blocks += [Heading(3, "Always-zero tensors (threshold floor)"), Items(zero[:20])]
+    warnings = [str(w) for w in _as_list(calibration.get("warnings"))]
+    if warnings:
+        blocks += [Heading(3, "Calibration warnings"), Items(warnings)]
     return blocks
 
 
@@ -528,6 +566,8 @@ def build_document(report: dict) -> list:
         blocks += _model_section(model, convert)
     if convert.get("preflight") is not None:
         blocks += _preflight_section(_as_list(convert["preflight"]))
+    if isinstance(report.get("calibration"), dict):
+        blocks += _calibration_section(report["calibration"])
     if isinstance(report.get("data"), dict):
         blocks += _data_section(report["data"])
     if isinstance(report.get("build"), dict):

@@ -1,0 +1,1 @@
+"""INT8 calibration math: streaming |x| histograms, clipping thresholds, calibration tables."""

@@ -1,0 +1,92 @@
+"""calibration.method=auto: per tensor, the threshold method whose quantization gives
+the lowest error at the output of the op that consumes the tensor, on a few kept
+calibration samples. Weighted consumers (Conv, Gemm, MatMul) are run as single-node
+ONNX Runtime models on the fake-quantized tensor; for any other consumer the tensor's
+own quantization error is what propagates, so that is measured instead."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import onnx
+
+from pipeline.quantize import activation_range
+
+WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
+
+
+def fake_quantize(values: np.ndarray, entry: dict, activations: str) -> np.ndarray:
+    """Quantize-dequantize over the range the int8 build will use for this tensor."""
+    low, high = activation_range(entry, activations)
+    qmin, qmax = (-128, 127) if activations == "int8" else (0, 255)
+    scale = (high - low) / (qmax - qmin)
+    zero = 0 if activations == "int8" else int(round(qmin - low / scale))
+    quantized = np.clip(np.round(values / scale) + zero, qmin, qmax)
+    return ((quantized - zero) * scale).astype(values.dtype)
+
+
+def choose(model: onnx.ModelProto, kept: Dict[str, np.ndarray], candidates: Dict[str, Dict[str, dict]],
+           activations: str) -> Dict[str, dict]:
+    """{tensor: {"method": best, "errors": {method: mse}}} for every tensor with kept samples."""
+    consumers = _weighted_consumers(model)
+    sessions: Dict[str, Optional[object]] = {}
+    chosen = {}
+    for name, entries in candidates.items():
+        values = kept.get(name)
+        if values is None:
+            continue
+        errors = {method: 0.0 for method in entries}
+        measured = False
+        for node in consumers.get(name, []):
+            if node.name not in sessions:
+                sessions[node.name] = _single_node_session(model, node, kept)
+            session = sessions[node.name]
+            if session is None:
+                continue
+            measured = True
+            feeds = {i.name: kept[i.name] for i in session.get_inputs()}
+            reference = session.run(None, feeds)[0]
+            for method, entry in entries.items():
+                output = session.run(None, {**feeds, name: fake_quantize(values, entry, activations)})[0]
+                errors[method] += float(np.mean((output - reference) ** 2))
+        if not measured:
+            errors = {m: float(np.mean((fake_quantize(values, e, activations) - values) ** 2))
+                      for m, e in entries.items()}
+        chosen[name] = {"method": min(errors, key=errors.get), "errors": errors}
+    return chosen
+
+
+def _weighted_consumers(model: onnx.ModelProto) -> Dict[str, List[onnx.NodeProto]]:
+    found: Dict[str, List[onnx.NodeProto]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type in WEIGHTED_OPS:
+            if not node.name:
+                node.name = f"{node.op_type}_{index}"
+            for name in node.input[:1] if node.op_type != "MatMul" else node.input[:2]:
+                found.setdefault(name, []).append(node)
+    return found
+
+
+def _single_node_session(model: onnx.ModelProto, node: onnx.NodeProto, kept: Dict[str, np.ndarray]):
+    """The node alone as an ONNX Runtime session, or None when an input was not kept."""
+    import onnxruntime as ort
+
+    initializers = {t.name: t for t in model.graph.initializer}
+    inputs, weights = [], []
+    for name in node.input:
+        if not name:
+            continue
+        if name in initializers:
+            weights.append(initializers[name])
+        elif name in kept:
+            inputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+        else:
+            return None
+    output = onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)
+    graph = onnx.helper.make_graph([node], "consumer", inputs, [output], initializer=weights)
+    single = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
+    single.ir_version = model.ir_version
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    return ort.InferenceSession(single.SerializeToString(), options, providers=["CPUExecutionProvider"])

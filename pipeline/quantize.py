@@ -1,0 +1,70 @@
+"""INT8 QDQ models from parity's calibration table, through ONNX Runtime's quantizer
+(fed parity's ranges via its calibration-cache file, so ORT computes no ranges itself)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, Tuple
+
+import numpy as np
+
+RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
+
+
+def activation_range(entry: dict, activations: str) -> Tuple[float, float]:
+    """The [low, high] an activation is quantized over: symmetric +-threshold for int8;
+    for uint8 the observed [min, max] clipped to +-threshold, always containing 0."""
+    threshold = max(float(entry["threshold"]), RANGE_FLOOR)
+    if activations == "int8":
+        return -threshold, threshold
+    low = min(max(float(entry["min"]), -threshold), 0.0)
+    high = max(min(float(entry["max"]), threshold), 0.0)
+    if high - low < RANGE_FLOOR:
+        high = low + RANGE_FLOOR
+    return low, high
+
+
+def ort_tensors_data(table: Dict[str, dict], activations: str):
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+
+    ranges = {}
+    for name, entry in table.items():
+        low, high = activation_range(entry, activations)
+        ranges[name] = TensorData(lowest=np.float32(low), highest=np.float32(high))
+    return TensorsData(CalibrationMethod.MinMax, ranges)
+
+
+def write_ort_cache(table: Dict[str, dict], activations: str, path: Path) -> None:
+    """ONNX Runtime's own calibration-cache JSON (quantize_static(calibration_cache_path=...))."""
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    save_tensors_data(ort_tensors_data(table, activations), path)
+
+
+def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activations: str = "uint8",
+              per_channel: bool = True, keep_float: Iterable[str] = ()) -> None:
+    """Weights symmetric int8 (per channel by default), activations per tensor, bias int32;
+    nodes named in keep_float stay in float."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
+        cache = Path(scratch) / "ranges.json"
+        write_ort_cache(table, activations, cache)
+        quiet = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)  # ORT logs advice on the root logger
+        try:
+            quantize_static(
+                str(model_path), str(out_path), None,
+                calibration_cache_path=str(cache),
+                calibrate_method=CalibrationMethod.MinMax,
+                quant_format=QuantFormat.QDQ,
+                per_channel=per_channel,
+                activation_type=QuantType.QInt8 if activations == "int8" else QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=list(keep_float),
+                extra_options={"WeightSymmetric": True, "ActivationSymmetric": activations == "int8"},
+            )
+        finally:
+            logging.getLogger().setLevel(quiet)

@@ -1,0 +1,146 @@
+"""calibrate: activation statistics from one streaming pass over the calibration set
+(shared by every threshold method through the cache), thresholds per tensor with the
+configured method, and the calibration table with its TPU-MLIR and ONNX Runtime exports.
+Runs only for precisions that quantize (int8)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List
+
+import onnx
+
+from pipeline.artifacts import hash_files, sha256_file, write_json
+from pipeline.calibration import auto, statistics, tables, thresholds
+from pipeline.data import TensorSpec, open_dataset
+from pipeline.errors import ConfigError, InputError
+from pipeline.quantize import write_ort_cache
+from stages import StageContext, StageResult
+
+NAME = "calibrate"
+VERSION = 1
+CACHEABLE = True
+QUANTIZED_PRECISIONS = ("int8", "mixed")
+AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
+
+
+def needed(cfg) -> bool:
+    return cfg.precision.name.value in QUANTIZED_PRECISIONS
+
+
+def key_config(cfg):
+    if not needed(cfg):
+        return {"needed": False}
+    return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
+            "activations": cfg.precision.activations}
+
+
+def external_files(ctx: StageContext) -> List[Path]:
+    if not needed(ctx.cfg):
+        return []
+    table = [Path(ctx.cfg.calibration.table).expanduser()] if ctx.cfg.calibration.table else []
+    return _dataset(ctx).files + [t for t in table if t.is_file()]
+
+
+def _dataset(ctx: StageContext):
+    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
+    return open_dataset(ctx.cfg.data, inputs)
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg = ctx.cfg
+    if not needed(cfg):
+        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.name.value} needs no calibration"})
+    model_path = ctx.results["convert"].path("model")
+    if cfg.calibration.table:
+        table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
+    else:
+        table, summary = _computed_table(ctx, model_path)
+    activations = cfg.precision.activations.value
+    write_json(ctx.out_dir / "calibration.json", {"method": summary["method"], "tensors": table})
+    (ctx.out_dir / "calibration_table.txt").write_text(tables.to_tpu_mlir(table))
+    write_ort_cache(table, activations, ctx.out_dir / "ort_calibration.json")
+    files = {"table": "calibration.json", "tpu_mlir": "calibration_table.txt", "ort_cache": "ort_calibration.json"}
+    return StageResult(ctx.out_dir, files, summary)
+
+
+def _computed_table(ctx: StageContext, model_path: Path):
+    cfg = ctx.cfg.calibration
+    dataset = _dataset(ctx)
+    split = dataset.calibration
+    if len(split) == 0:
+        raise InputError("calibration: no calibration samples (set data.calibration_size >= 1)")
+    warnings = list(dataset.warnings)
+    if len(split) < cfg.min_samples:
+        warnings.append(f"only {len(split)} calibration samples (calibration.min_samples={cfg.min_samples}): "
+                        "thresholds may not represent real inputs")
+    material = {"model": sha256_file(model_path), "data": hash_files(dataset.files), "split": split.names,
+                "data_config": str(ctx.cfg.data), "bins": cfg.bins, "batch_size": cfg.batch_size,
+                "keep": cfg.auto_samples}
+    started = time.perf_counter()
+    folder, reused = ctx.memo("calibration-statistics", material, lambda out: statistics.collect(
+        model_path, split, len(split), cfg.bins, cfg.batch_size, cfg.auto_samples).save(out))
+    stats = statistics.Statistics.load(folder)
+    collected = time.perf_counter() - started
+    table, choices = _thresholds(stats, ctx, model_path)
+    zero = sorted(name for name, h in stats.histograms.items() if h.abs_max == 0)
+    if zero:
+        warnings.append(f"{len(zero)} tensors are always zero (threshold floor {thresholds.MIN_THRESHOLD:g}): "
+                        + ", ".join(zero[:5]) + (" ..." if len(zero) > 5 else ""))
+    summary = {
+        "method": cfg.method.value,
+        "tensors": len(table),
+        "samples": stats.samples,
+        "batch_size": stats.batch_size,
+        "statistics": "reused" if reused else "computed",
+        "statistics_seconds": round(collected, 4),
+        "thresholds_seconds": round(time.perf_counter() - started - collected, 4),
+        "methods_chosen": dict(Counter(entry["method"] for entry in table.values())),
+        "zero_tensors": zero,
+        "warnings": warnings,
+        "auto": choices,
+    }
+    return table, summary
+
+
+def _thresholds(stats, ctx: StageContext, model_path: Path):
+    cfg = ctx.cfg.calibration
+    options = {"percentile": {"percentile": cfg.percentile}, "kl": {"quantized_levels": cfg.quantized_levels}}
+    model = onnx.load(str(model_path), load_external_data=False)
+    inputs = {i.name for i in model.graph.input}
+    candidates: Dict[str, Dict[str, dict]] = {}
+    for name, histogram in stats.histograms.items():
+        method = cfg.inputs.value if name in inputs and cfg.inputs else cfg.method.value
+        methods = AUTO_CANDIDATES if method == "auto" else (method,)
+        candidates[name] = {m: _entry(histogram, m, thresholds.compute(histogram, m, **options.get(m, {})))
+                            for m in methods}
+    undecided = {name: entries for name, entries in candidates.items() if len(entries) > 1}
+    choices = auto.choose(model, stats.kept, undecided, ctx.cfg.precision.activations.value) if undecided else {}
+    table = {name: entries[choices[name]["method"]] if name in choices else next(iter(entries.values()))
+             for name, entries in candidates.items()}
+    return table, {name: c["errors"] for name, c in list(choices.items())[:200]} or None
+
+
+def _entry(histogram, method: str, threshold: float) -> dict:
+    return {"threshold": float(threshold), "min": float(histogram.min or 0.0), "max": float(histogram.max or 0.0),
+            "method": method, "histogram": {"bins": histogram.bins, "width": float(histogram.width),
+                                            "count": int(histogram.count), "abs_max": float(histogram.abs_max)}}
+
+
+def _imported_table(path: Path, model_path: Path):
+    if not path.is_file():
+        raise ConfigError(f"calibration.table: {path} does not exist")
+    try:
+        table = tables.from_tpu_mlir(path.read_text())
+    except ValueError as err:
+        raise InputError(f"calibration.table: {path}: {err}") from err
+    known = set(statistics.activation_names(onnx.load(str(model_path), load_external_data=False)))
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise InputError(f"calibration.table: {path} names tensors the model does not have: {', '.join(unknown[:5])}")
+    missing = sorted(known - set(table))
+    warnings = [f"the imported table has no threshold for {len(missing)} tensors; they stay in float"] if missing else []
+    return table, {"method": "imported", "source": str(path), "tensors": len(table), "warnings": warnings,
+                   "methods_chosen": {"imported": len(table)}}
