@@ -68,3 +68,20 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activati
             )
         finally:
             logging.getLogger().setLevel(quiet)
+
+
+def prepare(model_path: Path, out_path: Path) -> None:
+    """The graph that gets calibrated and quantized: ONNX Runtime's quantization
+    pre-processing at its basic level (constant folding, BatchNorm folded into Conv),
+    which keeps standard ONNX ops only. Symbolic shape inference is skipped: it fails on
+    some exported models (shared/findings.md) and convert already inferred shapes."""
+    import onnx
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    quant_pre_process(str(model_path), str(out_path), skip_symbolic_shape=True)
+    model = onnx.load(str(out_path))
+    used = {node.domain or "" for node in model.graph.node}
+    kept = [o for o in model.opset_import if (o.domain or "") in used | {""}]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    onnx.save(model, str(out_path))

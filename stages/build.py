@@ -39,7 +39,7 @@ def run(ctx: StageContext) -> StageResult:
     convert = ctx.results["convert"]
     onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
     if precision == "int8":
-        onnx_path, ir_dir = _quantize(ctx, onnx_path), None
+        onnx_path, ir_dir = _quantize(ctx), None
     artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()
@@ -64,7 +64,7 @@ def run(ctx: StageContext) -> StageResult:
     return StageResult(ctx.out_dir, files, summary)
 
 
-def _quantize(ctx: StageContext, model_path: Path) -> Path:
+def _quantize(ctx: StageContext) -> Path:
     """The QDQ int8 model built from the calibrate stage's table."""
     calibrate = ctx.results.get("calibrate")
     if calibrate is None or "table" not in calibrate.files:
@@ -73,7 +73,7 @@ def _quantize(ctx: StageContext, model_path: Path) -> Path:
     quantized = ctx.out_dir / "quantized.onnx"
     precision = ctx.cfg.precision
     try:
-        build_qdq(model_path, table, quantized, precision.activations.value, precision.per_channel)
+        build_qdq(calibrate.path("prepared"), table, quantized, precision.activations.value, precision.per_channel)
     except Exception as err:  # noqa: BLE001 - ORT's quantizer rejects some graphs
         raise BackendUnavailable(f"int8: ONNX Runtime's quantizer cannot quantize the model: {first_line(err)}") from err
     return quantized

@@ -15,12 +15,12 @@ import onnx
 from pipeline.artifacts import hash_files, sha256_file, write_json
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.data import TensorSpec, open_dataset
-from pipeline.errors import ConfigError, InputError
-from pipeline.quantize import write_ort_cache
+from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
+from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 1
+VERSION = 2
 CACHEABLE = True
 QUANTIZED_PRECISIONS = ("int8", "mixed")
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
@@ -53,7 +53,12 @@ def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
         return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.name.value} needs no calibration"})
-    model_path = ctx.results["convert"].path("model")
+    model_path = ctx.out_dir / "prepared.onnx"
+    try:
+        prepare(ctx.results["convert"].path("model"), model_path)
+    except Exception as err:  # noqa: BLE001 - ORT's optimizer rejects the graph
+        raise BackendUnavailable(f"int8: ONNX Runtime cannot prepare the model for quantization: "
+                                 f"{first_line(err)}") from err
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
@@ -62,7 +67,7 @@ def run(ctx: StageContext) -> StageResult:
     write_json(ctx.out_dir / "calibration.json", {"method": summary["method"], "tensors": table})
     (ctx.out_dir / "calibration_table.txt").write_text(tables.to_tpu_mlir(table))
     write_ort_cache(table, activations, ctx.out_dir / "ort_calibration.json")
-    files = {"table": "calibration.json", "tpu_mlir": "calibration_table.txt", "ort_cache": "ort_calibration.json"}
+    files = {"prepared": "prepared.onnx", "table": "calibration.json", "tpu_mlir": "calibration_table.txt", "ort_cache": "ort_calibration.json"}
     return StageResult(ctx.out_dir, files, summary)
 
 

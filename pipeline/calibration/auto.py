@@ -89,4 +89,6 @@ def _single_node_session(model: onnx.ModelProto, node: onnx.NodeProto, kept: Dic
     single.ir_version = model.ir_version
     options = ort.SessionOptions()
     options.log_severity_level = 4
+    options.intra_op_num_threads = 1  # a thread pool per tiny session costs more than the node
+    options.inter_op_num_threads = 1
     return ort.InferenceSession(single.SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -39,26 +39,31 @@ class AbsHistogram:
         return self.abs_max > 0.0
 
     def update(self, values: np.ndarray) -> None:
-        """Fold a batch in. Raises ValueError (and changes nothing) on NaN or Inf."""
-        signed = np.asarray(values, dtype=np.float64).ravel()
+        """Fold a batch in. Raises ValueError (and changes nothing) on NaN or Inf.
+
+        Calibration pushes hundreds of millions of values through here, so the batch stays
+        in its own float type and each pass over it is a single vectorized operation."""
+        signed = np.asarray(values)
+        if signed.dtype.kind != "f":
+            signed = signed.astype(np.float64)
+        signed = signed.ravel()
         if signed.size == 0:
             return
-        finite = np.isfinite(signed)
-        if not finite.all():
-            bad = signed[~finite]
+        low, high = float(signed.min()), float(signed.max())  # NaN and Inf propagate here
+        if not (math.isfinite(low) and math.isfinite(high)):
+            bad = signed[~np.isfinite(signed)]
             raise ValueError(
                 f"{bad.size} non-finite value(s) in a calibration batch "
                 f"({int(np.isnan(bad).sum())} NaN, {int(np.isinf(bad).sum())} Inf)"
             )
-        magnitudes = np.abs(signed)
-        batch_max = float(magnitudes.max())
+        batch_max = max(-low, high)
+        zeros = int(signed.size - np.count_nonzero(signed))
         if batch_max > 0.0:
             self._cover(batch_max)
-            self.counts += self._bin_counts(magnitudes)
+            self.counts += self._bin_counts(signed)
         else:
-            self.counts[0] += magnitudes.size
-        self._fold_stats(float(signed.min()), float(signed.max()), batch_max, magnitudes.size,
-                         int(magnitudes.size - np.count_nonzero(magnitudes)))
+            self.counts[0] += signed.size
+        self._fold_stats(low, high, batch_max, signed.size, zeros)
 
     def merge(self, other: AbsHistogram) -> None:
         """Fold another histogram into this one (``bins`` stays this one's).
@@ -125,9 +130,15 @@ class AbsHistogram:
             self.counts = _merge_pairs(self.counts)
             self.width *= 2.0
 
-    def _bin_counts(self, magnitudes: np.ndarray) -> np.ndarray:
+    def _bin_counts(self, signed: np.ndarray) -> np.ndarray:
+        scaled = np.abs(signed)
+        if 1.0 / self.width > np.finfo(scaled.dtype).max / 2:  # tiny widths overflow float32
+            scaled = scaled.astype(np.float64)
+        scaled *= scaled.dtype.type(1.0 / self.width)
+        # uint16 indices convert about twice as fast as int64 ones.
+        index = scaled.astype(np.uint16 if self.bins <= np.iinfo(np.uint16).max else np.int64)
         # Clipping only catches a quotient rounded up to `bins` for a value just below the top edge.
-        index = np.minimum((magnitudes / self.width).astype(np.int64), self.bins - 1)
+        np.minimum(index, self.bins - 1, out=index)
         return np.bincount(index, minlength=self.bins)
 
     def _fold_stats(self, low, high, abs_max, count, zero_count) -> None:

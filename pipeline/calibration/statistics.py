@@ -5,6 +5,8 @@ samples except the few samples kept (``keep``) for comparing methods."""
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List
@@ -40,15 +42,18 @@ class Statistics:
 
 
 def activation_names(model: onnx.ModelProto) -> List[str]:
-    """Float tensors computed from the inputs: graph inputs and node outputs (no weights)."""
+    """Float tensors that depend on the graph inputs (weights and constant subgraphs are
+    not activations), in topological order."""
     initializers = {t.name for t in model.graph.initializer}
     types = {v.name: v.type.tensor_type.elem_type
              for v in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
     names = [i.name for i in model.graph.input if i.name not in initializers]
+    reachable = set(names)
     for node in model.graph.node:
-        if node.op_type == "Constant":
-            continue
-        names += [o for o in node.output if o and o not in initializers]
+        if any(i in reachable for i in node.input):
+            outputs = [o for o in node.output if o]
+            reachable.update(outputs)
+            names += outputs
     return [n for n in dict.fromkeys(names) if types.get(n) == onnx.TensorProto.FLOAT]
 
 
@@ -62,29 +67,34 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     batch: List[Sample] = []
     seen = 0
 
+    def update(item):
+        name, value = item
+        try:
+            histograms[name].update(value)
+        except ValueError as err:  # NaN/Inf inside the network, not in the data
+            raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples "
+                             f"{batch[0].name}..{batch[-1].name} ({err})") from err
+        room = keep - sum(len(k) for k in kept[name])
+        if room > 0:
+            kept[name].append(value[:room])
+
     def flush():
         nonlocal seen
         feeds = {key: np.concatenate([s.feeds[key] for s in batch]) for key in batch[0].feeds}
-        for name, value in runner.run(feeds, len(batch)).items():
-            try:
-                histograms[name].update(value)
-            except ValueError as err:  # NaN/Inf inside the network, not in the data
-                raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples "
-                                 f"{batch[0].name}..{batch[-1].name} ({err})") from err
-            room = keep - sum(len(k) for k in kept[name])
-            if room > 0:
-                kept[name].append(value[:room])
+        # numpy releases the GIL in its loops: histograms of different tensors fill in parallel
+        list(pool.map(update, runner.run(feeds, len(batch)).items()))
         seen += len(batch)
         if progress:
             progress(len(batch))
         batch.clear()
 
-    for sample in samples:
-        batch.append(sample)
-        if len(batch) == runner.batch_size:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for sample in samples:
+            batch.append(sample)
+            if len(batch) == batch_size:  # histograms update once per group, whatever the runner's batch
+                flush()
+        if batch:
             flush()
-    if batch:
-        flush()
     stacked = {name: np.concatenate(parts) for name, parts in kept.items() if parts}
     return Statistics(histograms, stacked, seen, runner.batch_size)
 
@@ -121,6 +131,7 @@ class _BatchRunner:
                 if dims:
                     dims[0].Clear()
                     dims[0].dim_param = "batch"
+            _free_reshape_batch(augmented)
         options = ort.SessionOptions()
         options.log_severity_level = 4
         try:
@@ -143,3 +154,20 @@ class _BatchRunner:
             return dict(zip(self.names, self._session.run(self.names, feeds)))
         rows = [self._session.run(self.names, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(count)]
         return {name: np.concatenate([row[j] for row in rows]) for j, name in enumerate(self.names)}
+
+
+def _free_reshape_batch(model: onnx.ModelProto) -> None:
+    """Reshape targets exported for batch 1 ([1, ...]) copy the batch dim instead (0 means
+    "copy this dim" in ONNX Reshape): the same result for one sample, and a batch can
+    flow through. A model where this is wrong fails the batch check and runs one by one."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for index, node in enumerate(model.graph.node):
+        shape = initializers.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
+        if shape is None or any(a.name == "allowzero" and a.i for a in node.attribute):
+            continue
+        target = onnx.numpy_helper.to_array(shape).copy()
+        if target.ndim == 1 and target.size and target[0] == 1:
+            target[0] = 0
+            name = f"{shape.name}__batch_free_{index}"
+            model.graph.initializer.append(onnx.numpy_helper.from_array(target, name))
+            node.input[1] = name
