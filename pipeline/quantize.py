@@ -43,8 +43,18 @@ def write_ort_cache(table: Dict[str, dict], activations: str, path: Path) -> Non
     save_tensors_data(ort_tensors_data(table, activations), path)
 
 
+def needs_reduce_range(backend: str) -> bool:
+    """ONNX Runtime's u8 x s8 kernels use VPMADDUBSW on x86 CPUs without VNNI, whose 16-bit
+    intermediate sums saturate; 7-bit weights avoid it (ONNX Runtime quantization docs)."""
+    from pipeline.environment import cpu
+
+    info = cpu()
+    vnni = {"avx512_vnni", "avx_vnni", "amx_int8"} & set(info["flags"])
+    return backend == "onnxruntime" and info["machine"] in ("x86_64", "AMD64") and not vnni
+
+
 def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activations: str = "uint8",
-              per_channel: bool = True, keep_float: Iterable[str] = ()) -> None:
+              per_channel: bool = True, keep_float: Iterable[str] = (), reduce_range: bool = False) -> None:
     """Weights symmetric int8 (per channel by default), activations per tensor, bias int32;
     nodes named in keep_float stay in float."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -61,6 +71,7 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activati
                 calibrate_method=CalibrationMethod.MinMax,
                 quant_format=QuantFormat.QDQ,
                 per_channel=per_channel,
+                reduce_range=reduce_range,
                 activation_type=QuantType.QInt8 if activations == "int8" else QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 nodes_to_exclude=list(keep_float),

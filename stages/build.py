@@ -11,11 +11,11 @@ import yaml
 from pipeline import backends
 from pipeline.artifacts import read_json
 from pipeline.errors import BackendUnavailable, ConfigError, first_line
-from pipeline.quantize import build_qdq
+from pipeline.quantize import build_qdq, needs_reduce_range
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 1
+VERSION = 2
 CACHEABLE = True
 
 
@@ -23,7 +23,8 @@ def key_config(cfg):
     precision = cfg.precision
     quantized = precision.name.value == "int8"
     return {"target": cfg.target, "precision": precision.name,
-            "int8": (precision.activations, precision.per_channel) if quantized else None}
+            "int8": (precision.activations, precision.per_channel, precision.reduce_range,
+                     needs_reduce_range(cfg.target.backend.value)) if quantized else None}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -38,8 +39,9 @@ def run(ctx: StageContext) -> StageResult:
         raise BackendUnavailable(f"target {target.name}: {reason}")
     convert = ctx.results["convert"]
     onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
+    quantization = None
     if precision == "int8":
-        onnx_path, ir_dir = _quantize(ctx), None
+        (onnx_path, quantization), ir_dir = _quantize(ctx), None
     artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()
@@ -60,11 +62,12 @@ def run(ctx: StageContext) -> StageResult:
     files = {"runtime": "runtime.yaml", **{f"artifact:{name}": name for name in artifacts}}
     summary = {"backend": backend.NAME, "files": artifacts, "options": runtime["options"],
                "versions": backend.versions(),
-               "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts)}
+               "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts),
+               "quantization": quantization}
     return StageResult(ctx.out_dir, files, summary)
 
 
-def _quantize(ctx: StageContext) -> Path:
+def _quantize(ctx: StageContext):
     """The QDQ int8 model built from the calibrate stage's table."""
     calibrate = ctx.results.get("calibrate")
     if calibrate is None or "table" not in calibrate.files:
@@ -72,8 +75,16 @@ def _quantize(ctx: StageContext) -> Path:
     table = read_json(calibrate.path("table"))["tensors"]
     quantized = ctx.out_dir / "quantized.onnx"
     precision = ctx.cfg.precision
+    reduce_range = precision.reduce_range
+    if reduce_range is None:
+        reduce_range = needs_reduce_range(ctx.cfg.target.backend.value)
     try:
-        build_qdq(calibrate.path("prepared"), table, quantized, precision.activations.value, precision.per_channel)
+        build_qdq(calibrate.path("prepared"), table, quantized, precision.activations.value, precision.per_channel,
+                  reduce_range=reduce_range)
     except Exception as err:  # noqa: BLE001 - ORT's quantizer rejects some graphs
         raise BackendUnavailable(f"int8: ONNX Runtime's quantizer cannot quantize the model: {first_line(err)}") from err
-    return quantized
+    settings = {"weights": "int8 symmetric, " + ("per channel" if precision.per_channel else "per tensor"),
+                "activations": precision.activations.value + (" symmetric" if precision.activations.value == "int8"
+                                                              else " asymmetric") + ", per tensor",
+                "bias": "int32", "reduce_range": reduce_range}
+    return quantized, settings

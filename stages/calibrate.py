@@ -112,7 +112,8 @@ def _computed_table(ctx: StageContext, model_path: Path):
 
 def _thresholds(stats, ctx: StageContext, model_path: Path):
     cfg = ctx.cfg.calibration
-    options = {"percentile": {"percentile": cfg.percentile}, "kl": {"quantized_levels": cfg.quantized_levels}}
+    options = {"percentile": {"percentile": cfg.percentile},
+               "kl": {"quantized_levels": cfg.quantized_levels, "max_clipped": cfg.kl_max_clipped}}
     model = onnx.load(str(model_path), load_external_data=False)
     inputs = {i.name for i in model.graph.input}
     candidates: Dict[str, Dict[str, dict]] = {}

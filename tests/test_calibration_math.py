@@ -402,3 +402,17 @@ def test_mixed_or_mse_tables_are_labelled_minmax_for_ort():
     assert tables.to_ort_calibration_cache(mixed)["calibration_method"]["value"] == "CalibrationMethod.MinMax"
     assert tables.TPU_MLIR_METHOD_PREFIX not in tables.to_tpu_mlir(mixed)
     assert {e["method"] for e in tables.from_tpu_mlir(tables.to_tpu_mlir(mixed)).values()} == {"unknown"}
+
+
+def test_kl_max_clipped_skips_candidates_that_clip_too_much():
+    from pipeline.calibration.histogram import AbsHistogram
+    from pipeline.calibration.thresholds import kl_threshold
+
+    rng = np.random.default_rng(7)
+    values = np.concatenate([rng.normal(0, 1, 200_000), rng.normal(0, 1, 20_000) * 30])  # heavy shoulder
+    h = AbsHistogram()
+    h.update(values)
+    free, guarded = kl_threshold(h), kl_threshold(h, max_clipped=0.001)
+    clipped = np.mean(np.abs(values) > guarded)
+    assert guarded >= free and clipped <= 0.0011
+    assert kl_threshold(h, max_clipped=1.0) == free

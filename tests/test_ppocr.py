@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not FONT.exists(), reason="needs Debian's fonts-
 def user_configs(tmp_path_factory):
     """A config directory with the user's own model and data options, and the data."""
     root = tmp_path_factory.mktemp("ppocr")
-    data = write_dataset(root / "textlines", calibration=4, validation=VALIDATION)
+    data = write_dataset(root / "textlines", calibration=32, validation=VALIDATION)
     (root / "conf" / "model").mkdir(parents=True)
     (root / "conf" / "data").mkdir(parents=True)
     (root / "conf" / "model" / "ppocr_cls.yaml").write_text(
@@ -79,3 +79,17 @@ def test_openvino_bf16_reports_what_ran(user_configs):
         assert verify["effective"]["precision"] == "fp32"
         assert result.returncode == 4
         assert "requested precision bf16 but fp32 ran" in result.stdout
+
+
+@pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
+def test_int8_auto_calibration_keeps_accuracy(user_configs, target):
+    result, run_dir = run_ppocr(user_configs, f"target={target}", "precision=int8", "calibration=auto",
+                                "data.calibration_size=32")
+    report = read_report(run_dir)
+    calibration = report["calibration"]
+    assert calibration["tensors"] > 100 and calibration["batch_size"] > 1  # the batch-1 Reshape was freed
+    verify = report["verify"]
+    assert verify["effective"]["precision"] == "int8", verify["effective"]
+    assert verify["outputs"][0]["metrics"]["cosine"] > 0.95  # 400-image figures: benchmarks/calibration.py
+    assert verify["task"]["agreement"] >= 0.8
+    assert result.returncode in (0, 3), result.stdout + result.stderr  # 24 images: one flip is 4 points

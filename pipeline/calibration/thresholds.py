@@ -41,12 +41,15 @@ def percentile_threshold(h: AbsHistogram, percentile: float = 99.99) -> float:
     return _floored(min(position * h.width, h.abs_max))
 
 
-def kl_threshold(h: AbsHistogram, quantized_levels: int = 128, step: int | None = None) -> float:
+def kl_threshold(h: AbsHistogram, quantized_levels: int = 128, step: int | None = None,
+                 max_clipped: float | None = None) -> float:
     """TensorRT's entropy calibration (Migacz 2017) on the non-zero counts.
 
     Candidates keep the first i bins, i in range(quantized_levels, bins + 1, step); step
     defaults to quantized_levels (TensorRT's slides use step 1). The threshold is
-    min(i * width, abs_max) for the i with the smallest KL(P || Q), the first on ties."""
+    min(i * width, abs_max) for the i with the smallest KL(P || Q), the first on ties.
+    With max_clipped, candidates that clip more than that fraction of the non-zero values
+    are left out (the full range always stays a candidate)."""
     step = quantized_levels if step is None else step
     if quantized_levels < 2 or step < 1:
         raise ValueError(f"need quantized_levels >= 2 and step >= 1, got {quantized_levels}, {step}")
@@ -61,6 +64,12 @@ def kl_threshold(h: AbsHistogram, quantized_levels: int = 128, step: int | None 
         kl_divergences(counts, sizes[start:start + rows], quantized_levels)
         for start in range(0, sizes.size, rows)
     ])
+    if max_clipped is not None:
+        kept_mass = np.cumsum(counts)[sizes - 1]
+        clipped = 1.0 - kept_mass / max(kept_mass[-1] if sizes[-1] == h.bins else counts.sum(), 1)
+        divergences = np.where(clipped <= max_clipped, divergences, np.inf)
+        if not np.isfinite(divergences).any():
+            return _floored(h.abs_max)
     best = int(sizes[int(np.argmin(divergences))])
     return _floored(min(best * h.width, h.abs_max))
 

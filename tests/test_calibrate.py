@@ -1,0 +1,147 @@
+"""The calibrate stage and int8 builds through the CLI, on the embedded digits model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import read_report, run_cli, run_dirs, single_bundle
+from pipeline.calibration import tables
+
+
+@pytest.fixture(scope="module")
+def int8_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("int8")
+    result = run_cli(["precision=int8"], cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return cwd, run_dirs(cwd)[-1], result
+
+
+def test_int8_on_ort_runs_integer_kernels_and_reports_side_by_side(int8_run):
+    cwd, run_dir, result = int8_run
+    report = read_report(run_dir)
+    calibration = report["calibration"]
+    assert calibration["method"] == "kl" and calibration["statistics"] == "computed"
+    assert calibration["tensors"] >= 9 and calibration["samples"] == 64
+    assert calibration["methods_chosen"] == {"kl": calibration["tensors"] - 1, "max": 1}  # the input: max
+    stage = run_dir / "stages" / "calibrate"
+    table = json.loads((stage / "calibration.json").read_text())["tensors"]
+    assert table["conv1_out"]["threshold"] <= table["conv1_out"]["histogram"]["abs_max"]
+    assert tables.from_tpu_mlir((stage / "calibration_table.txt").read_text()).keys() == table.keys()
+    verify = report["verify"]
+    assert verify["effective"]["precision"] == "int8"  # QLinearConv etc. in ORT's optimized graph
+    assert verify["verdict"] == "pass"
+    assert verify["task"]["drop"] <= 0.01
+    comparison = verify["comparison"]
+    assert comparison["int8"]["bytes"] < comparison["fp32"]["bytes"] / 2
+    assert comparison["int8"]["latency"]["median_ms"] > 0 and comparison["fp32"]["latency"]["runs"] == 20
+    assert "Side by side with fp32" in (run_dir / "report.md").read_text()
+    model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))
+    ops = {n.op_type for n in model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    weights = [t for t in model.graph.initializer if t.data_type == TensorProto.INT8]
+    assert weights, "weights are stored as int8"
+
+
+def test_switching_method_reuses_statistics(int8_run):
+    cwd, _, _ = int8_run
+    for method in ("mse", "percentile", "auto"):
+        result = run_cli(["precision=int8", f"calibration={method}"], cwd)
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = read_report(run_dirs(cwd)[-1])
+        assert report["calibration"]["method"] == method
+        assert report["calibration"]["statistics"] == "reused"
+        assert report["calibration"]["thresholds_seconds"] < 1.0
+    assert set(report["calibration"]["methods_chosen"]) <= {"kl", "percentile", "mse", "max"}
+
+
+def test_ort_calibration_cache_is_usable_by_onnxruntime(int8_run, tmp_path):
+    from onnxruntime.quantization import CalibrationMethod, quantize_static
+
+    _, run_dir, _ = int8_run
+    stage = run_dir / "stages" / "calibrate"
+    quantize_static(str(stage / "prepared.onnx"), str(tmp_path / "q.onnx"), None,
+                    calibration_cache_path=str(stage / "ort_calibration.json"),
+                    calibrate_method=CalibrationMethod.MinMax)
+    assert any(n.op_type == "QuantizeLinear" for n in onnx.load(str(tmp_path / "q.onnx")).graph.node)
+
+
+def test_tpu_mlir_table_import_round_trip(int8_run, tmp_path):
+    cwd, run_dir, _ = int8_run
+    exported = run_dir / "stages" / "calibrate" / "calibration_table.txt"
+    result = run_cli(["precision=int8", f"calibration.table={exported}"], cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    imported = run_dirs(cwd)[-1] / "stages" / "calibrate" / "calibration.json"
+    original = json.loads((run_dir / "stages" / "calibrate" / "calibration.json").read_text())["tensors"]
+    for name, entry in json.loads(imported.read_text())["tensors"].items():
+        assert entry["threshold"] == pytest.approx(original[name]["threshold"], rel=1e-12)
+    broken = tmp_path / "broken.txt"
+    broken.write_text("# op_name threshold min max\nconv1_out 1.0 -1.0\n")
+    result = run_cli(["precision=int8", f"calibration.table={broken}"], cwd)
+    assert result.returncode == 2 and "line 2" in result.stderr
+    unknown = tmp_path / "unknown.txt"
+    unknown.write_text("# op_name threshold min max\nno_such_tensor 1.0 -1.0 1.0\n")
+    result = run_cli(["precision=int8", f"calibration.table={unknown}"], cwd)
+    assert result.returncode == 2 and "no_such_tensor" in result.stderr
+
+
+def test_int8_on_openvino_runs_int8_convolutions(tmp_path):
+    result = run_cli(["precision=int8", "target=openvino_cpu", "calibration=auto"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    verify = read_report(run_dirs(tmp_path)[-1])["verify"]
+    assert verify["effective"]["precision"] == "int8"
+    assert "int8" in verify["effective"]["layers"]
+
+
+def test_too_few_samples_warn(tmp_path):
+    result = run_cli(["precision=int8", "data.calibration_size=4"], tmp_path)
+    assert "only 4 calibration samples" in result.stdout
+    assert read_report(run_dirs(tmp_path)[-1])["calibration"]["samples"] == 4
+
+
+def test_nan_in_calibration_data_is_exit_2_naming_the_file(tmp_path):
+    data = tmp_path / "data"
+    for split in ("calibration", "validation"):
+        (data / split).mkdir(parents=True)
+        for index in range(3):
+            np.save(data / split / f"{index}.npy", np.full((1, 1, 8, 8), 0.5, dtype=np.float32))
+    bad = np.full((1, 1, 8, 8), 0.5, dtype=np.float32)
+    bad[0, 0, 3, 3] = np.nan
+    np.save(data / "calibration" / "1.npy", bad)
+    result = run_cli(["precision=int8", f"data.path={data}"], tmp_path)
+    assert result.returncode == 2
+    assert "calibration/1.npy contains NaN" in result.stderr
+
+
+def test_int8_without_calibrate_stage_is_a_config_error(tmp_path):
+    result = run_cli(["precision=int8", "pipeline.stages=[convert,build,verify,package]"], tmp_path)
+    assert result.returncode == 2
+    assert "needs the calibrate stage" in result.stderr
+
+
+def test_always_zero_tensor_gets_the_floor_and_is_named(tmp_path):
+    """y = conv(x); z = y * 0; out = y + z: z is zero on every sample."""
+    rng = np.random.default_rng(0)
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [4, 1, 3, 3], rng.normal(size=36).astype(np.float32))
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("Mul", ["y", "zero"], ["z"], name="times_zero"),
+         helper.make_node("Add", ["y", "z"], ["out"], name="add")],
+        "zero_tensor", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4, 8, 8])], initializer=[weight, zero])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "zero.onnx"))
+    result = run_cli([f"model.path={tmp_path / 'zero.onnx'}", "data=random", "precision=int8"], tmp_path)
+    assert result.returncode in (0, 3), result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    report = read_report(run_dirs(tmp_path)[-1])
+    assert report["calibration"]["zero_tensors"] == ["z"]
+    assert any("always zero" in w and "z" in w for w in report["warnings"])
+    table = json.loads((run_dirs(tmp_path)[-1] / "stages" / "calibrate" / "calibration.json").read_text())
+    assert table["tensors"]["z"]["threshold"] == pytest.approx(1e-8)
