@@ -77,14 +77,15 @@ class Session:
         for op in self._compiled.get_runtime_model().get_ordered_ops():
             info = op.get_rt_info()
             if info["layerType"].astype(str) in _COMPUTE_LAYERS:
-                counts[info["runtimePrecision"].astype(str)] += 1
+                runtime = info["runtimePrecision"].astype(str)
+                counts[_RUNTIME_PRECISIONS.get(runtime, runtime)] += 1
         if counts:
-            precision = _RUNTIME_PRECISIONS.get(counts.most_common(1)[0][0], counts.most_common(1)[0][0])
+            precision = counts.most_common(1)[0][0]
         else:
             hint = str(self._compiled.get_property("INFERENCE_PRECISION_HINT"))
             precision = _RUNTIME_PRECISIONS.get(hint, hint)
         return {"device": ",".join(devices), "precision": precision,
-                "layers": ", ".join(f"{_RUNTIME_PRECISIONS.get(k, k)}: {v}" for k, v in sorted(counts.items()))}
+                "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))}
 
 
 def _pick_name(names, preferred: List[str]) -> str:
