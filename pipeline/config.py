@@ -120,18 +120,17 @@ class PrecisionConfig:
     # int8 builds only:
     activations: QuantType = QuantType.uint8  # u8 activations x s8 weights: the x86 VNNI kernels
     per_channel: bool = True  # per-channel weight scales for Conv/Gemm/MatMul
-    # 7-bit weights: ONNX Runtime's u8 x s8 kernels saturate on x86 CPUs without VNNI.
-    # null: on for onnxruntime targets on such CPUs, off otherwise.
+    # 7-bit weights: u8 x s8 kernels saturate on x86 CPUs without VNNI. null: on for such CPUs.
     reduce_range: Optional[bool] = None
 
 
 @dataclass
 class CalibrationConfig:
-    method: CalibrationMethod = CalibrationMethod.kl
+    method: CalibrationMethod = CalibrationMethod.auto
     percentile: float = 99.99
     bins: int = 2048  # histogram of |x|
     quantized_levels: int = 128  # KL: levels of the quantized distribution
-    kl_max_clipped: Optional[float] = None  # KL: skip candidates clipping more than this fraction
+    kl_max_clipped: Optional[float] = 0.001  # KL: skip candidates clipping more; null: plain KL
     min_samples: int = 32  # fewer calibration samples are warned about
     batch_size: int = 16  # samples per inference during statistics, where the model allows it
     auto_samples: int = 4  # samples kept to compare methods for method=auto

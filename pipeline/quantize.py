@@ -43,14 +43,15 @@ def write_ort_cache(table: Dict[str, dict], activations: str, path: Path) -> Non
     save_tensors_data(ort_tensors_data(table, activations), path)
 
 
-def needs_reduce_range(backend: str) -> bool:
-    """ONNX Runtime's u8 x s8 kernels use VPMADDUBSW on x86 CPUs without VNNI, whose 16-bit
-    intermediate sums saturate; 7-bit weights avoid it (ONNX Runtime quantization docs)."""
+def needs_reduce_range() -> bool:
+    """u8 x s8 int8 kernels use VPMADDUBSW on x86 CPUs without VNNI, whose 16-bit
+    intermediate sums saturate (ONNX Runtime's quantization docs); 7-bit weights avoid it.
+    Measured here for ONNX Runtime and OpenVINO alike (docs/calibration.md)."""
     from pipeline.environment import cpu
 
     info = cpu()
     vnni = {"avx512_vnni", "avx_vnni", "amx_int8"} & set(info["flags"])
-    return backend == "onnxruntime" and info["machine"] in ("x86_64", "AMD64") and not vnni
+    return info["machine"] in ("x86_64", "AMD64") and not vnni
 
 
 def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activations: str = "uint8",

@@ -15,7 +15,7 @@ from pipeline.quantize import build_qdq, needs_reduce_range
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 2
+VERSION = 3
 CACHEABLE = True
 
 
@@ -24,7 +24,7 @@ def key_config(cfg):
     quantized = precision.name.value == "int8"
     return {"target": cfg.target, "precision": precision.name,
             "int8": (precision.activations, precision.per_channel, precision.reduce_range,
-                     needs_reduce_range(cfg.target.backend.value)) if quantized else None}
+                     needs_reduce_range()) if quantized else None}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -77,7 +77,7 @@ def _quantize(ctx: StageContext):
     precision = ctx.cfg.precision
     reduce_range = precision.reduce_range
     if reduce_range is None:
-        reduce_range = needs_reduce_range(ctx.cfg.target.backend.value)
+        reduce_range = needs_reduce_range()
     try:
         build_qdq(calibrate.path("prepared"), table, quantized, precision.activations.value, precision.per_channel,
                   reduce_range=reduce_range)

@@ -20,7 +20,7 @@ from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 2
+VERSION = 3
 CACHEABLE = True
 QUANTIZED_PRECISIONS = ("int8", "mixed")
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
