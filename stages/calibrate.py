@@ -24,6 +24,7 @@ VERSION = 3
 CACHEABLE = True
 QUANTIZED_PRECISIONS = ("int8", "mixed")
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
+ORT_QUANTIZE_CACHE = "ort_quantize_cache.json"  # quantize_static(calibration_cache_path=...)
 
 
 def needed(cfg) -> bool:
@@ -65,9 +66,10 @@ def run(ctx: StageContext) -> StageResult:
         table, summary = _computed_table(ctx, model_path)
     activations = cfg.precision.activations.value
     write_json(ctx.out_dir / "calibration.json", {"method": summary["method"], "tensors": table})
-    (ctx.out_dir / "calibration_table.txt").write_text(tables.to_tpu_mlir(table))
-    write_ort_cache(table, activations, ctx.out_dir / "ort_calibration.json")
-    files = {"prepared": "prepared.onnx", "table": "calibration.json", "tpu_mlir": "calibration_table.txt", "ort_cache": "ort_calibration.json"}
+    exports = tables.write_exports(table, ctx.out_dir)  # TPU-MLIR; ORT's write_calibration_table files
+    write_ort_cache(table, activations, ctx.out_dir / ORT_QUANTIZE_CACHE)  # exactly the ranges the build uses
+    files = {"prepared": "prepared.onnx", "table": "calibration.json", "ort_quantize_cache": ORT_QUANTIZE_CACHE,
+             **{kind: path.name for kind, path in exports.items()}}
     return StageResult(ctx.out_dir, files, summary)
 
 

@@ -33,6 +33,7 @@ def test_int8_on_ort_runs_integer_kernels_and_reports_side_by_side(int8_run):
     table = json.loads((stage / "calibration.json").read_text())["tensors"]
     assert table["conv1_out"]["threshold"] <= table["conv1_out"]["histogram"]["abs_max"]
     assert tables.from_tpu_mlir((stage / "calibration_table.txt").read_text()).keys() == table.keys()
+    assert (stage / "calibration.cache").read_text().count("\n") == len(table)  # TensorRT-style, as ORT writes it
     verify = report["verify"]
     assert verify["effective"]["precision"] == "int8"  # QLinearConv etc. in ORT's optimized graph
     assert verify["verdict"] == "pass"
@@ -66,7 +67,7 @@ def test_ort_calibration_cache_is_usable_by_onnxruntime(int8_run, tmp_path):
     _, run_dir, _ = int8_run
     stage = run_dir / "stages" / "calibrate"
     quantize_static(str(stage / "prepared.onnx"), str(tmp_path / "q.onnx"), None,
-                    calibration_cache_path=str(stage / "ort_calibration.json"),
+                    calibration_cache_path=str(stage / "ort_quantize_cache.json"),
                     calibrate_method=CalibrationMethod.MinMax)
     assert any(n.op_type == "QuantizeLinear" for n in onnx.load(str(tmp_path / "q.onnx")).graph.node)
 
