@@ -57,9 +57,16 @@ def needs_reduce_range() -> bool:
 def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activations: str = "uint8",
               per_channel: bool = True, keep_float: Iterable[str] = (), reduce_range: bool = False) -> None:
     """Weights symmetric int8 (per channel by default), activations per tensor, bias int32;
-    nodes named in keep_float stay in float."""
+    nodes named in keep_float stay in float. The model's outputs stay float: a Q/DQ pair on
+    an output saves no compute and only rounds what the user reads (on the PP-OCR
+    classifier it flipped 1 % of top-1 predictions)."""
+    import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    outputs = {o.name for o in graph.output}
+    # by op type: inside the graph a consumer still quantizes the tensor at its own input
+    float_outputs = sorted({n.op_type for n in graph.node if outputs & set(n.output)})
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache = Path(scratch) / "ranges.json"
         write_ort_cache(table, activations, cache)
@@ -76,7 +83,8 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activati
                 activation_type=QuantType.QInt8 if activations == "int8" else QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 nodes_to_exclude=list(keep_float),
-                extra_options={"WeightSymmetric": True, "ActivationSymmetric": activations == "int8"},
+                extra_options={"WeightSymmetric": True, "ActivationSymmetric": activations == "int8",
+                               "OpTypesToExcludeOutputQuantization": float_outputs},
             )
         finally:
             logging.getLogger().setLevel(quiet)
