@@ -11,7 +11,8 @@ from typing import Dict, Iterable, Tuple
 import numpy as np
 
 RANGE_FLOOR = 1e-6
-_NEEDS_OUTPUT_RANGE = {"Conv", "ConvTranspose", "Gemm", "MatMul"}  # the narrowest activation range written (an all-zero tensor still gets a scale)
+_DATA_MOVEMENT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Gather", "Resize", "Split",
+                  "Slice", "Expand", "Identity"}  # the narrowest activation range written (an all-zero tensor still gets a scale)
 
 
 def activation_range(entry: dict, activations: str) -> Tuple[float, float]:
@@ -67,12 +68,12 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activati
     graph = onnx.load(str(model_path), load_external_data=False).graph
     outputs = {o.name for o in graph.output}
     producers = [n for n in graph.node if outputs & set(n.output)]
-    # Without a range ONNX Runtime leaves a tensor float, except at the output of the ops
-    # that demand one (Gemm...): for those, output quantization is switched off by op type
+    # Data-movement ops (Reshape...) stay float when their output has no range. Other ops
+    # demand a range at their output: there output quantization is switched off by op type
     # (inside the graph a consumer still quantizes such a tensor at its own input).
-    table = {name: entry for name, entry in table.items()
-             if name not in outputs or any(name in n.output and n.op_type in _NEEDS_OUTPUT_RANGE for n in producers)}
-    float_outputs = sorted({n.op_type for n in producers if n.op_type in _NEEDS_OUTPUT_RANGE})
+    moved = {o for n in producers if n.op_type in _DATA_MOVEMENT for o in n.output}
+    table = {name: entry for name, entry in table.items() if name not in moved}
+    float_outputs = sorted({n.op_type for n in producers if n.op_type not in _DATA_MOVEMENT})
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache = Path(scratch) / "ranges.json"
         write_ort_cache(table, activations, cache)

@@ -15,7 +15,7 @@ from pipeline.quantize import build_qdq, needs_reduce_range
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 6
+VERSION = 7
 CACHEABLE = True
 
 
