@@ -10,9 +10,7 @@ from typing import Dict, Iterable, Tuple
 
 import numpy as np
 
-RANGE_FLOOR = 1e-6
-_DATA_MOVEMENT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Gather", "Resize", "Split",
-                  "Slice", "Expand", "Identity"}  # the narrowest activation range written (an all-zero tensor still gets a scale)
+RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
 
 
 def activation_range(entry: dict, activations: str) -> Tuple[float, float]:
@@ -59,21 +57,10 @@ def needs_reduce_range() -> bool:
 def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activations: str = "uint8",
               per_channel: bool = True, keep_float: Iterable[str] = (), reduce_range: bool = False) -> None:
     """Weights symmetric int8 (per channel by default), activations per tensor, bias int32;
-    nodes named in keep_float stay in float. The model's outputs stay float: a Q/DQ pair on
-    an output saves no compute and only rounds what the user reads (on the PP-OCR
-    classifier it flipped 1 % of top-1 predictions)."""
+    nodes named in keep_float stay in float. The model's outputs stay float."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    graph = onnx.load(str(model_path), load_external_data=False).graph
-    outputs = {o.name for o in graph.output}
-    producers = [n for n in graph.node if outputs & set(n.output)]
-    # Data-movement ops (Reshape...) stay float when their output has no range. Other ops
-    # demand a range at their output: there output quantization is switched off by op type
-    # (inside the graph a consumer still quantizes such a tensor at its own input).
-    moved = {o for n in producers if n.op_type in _DATA_MOVEMENT for o in n.output}
-    table = {name: entry for name, entry in table.items() if name not in moved}
-    float_outputs = sorted({n.op_type for n in producers if n.op_type not in _DATA_MOVEMENT})
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache = Path(scratch) / "ranges.json"
         write_ort_cache(table, activations, cache)
@@ -90,11 +77,34 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activati
                 activation_type=QuantType.QInt8 if activations == "int8" else QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 nodes_to_exclude=list(keep_float),
-                extra_options={"WeightSymmetric": True, "ActivationSymmetric": activations == "int8",
-                               "OpTypesToExcludeOutputQuantization": float_outputs},
+                extra_options={"WeightSymmetric": True, "ActivationSymmetric": activations == "int8"},
             )
         finally:
             logging.getLogger().setLevel(quiet)
+    model = onnx.load(str(out_path))
+    if strip_output_qdq(model):
+        onnx.save(model, str(out_path))
+
+
+def strip_output_qdq(model) -> int:
+    """Remove QuantizeLinear -> DequantizeLinear pairs whose result is a graph output: they
+    save no compute and only round what the user reads. Returns how many were removed."""
+    outputs = {o.name for o in model.graph.output}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    removed = 0
+    for name in outputs:
+        dequantize = producer.get(name)
+        quantize = producer.get(dequantize.input[0]) if dequantize is not None and dequantize.op_type == "DequantizeLinear" else None
+        if quantize is None or quantize.op_type != "QuantizeLinear":
+            continue
+        source = quantize.input[0]
+        if any(source in n.input for n in model.graph.node if n is not quantize) or source in outputs:
+            continue  # the float tensor is used elsewhere too: leave the graph as it is
+        producer[source].output[list(producer[source].output).index(source)] = name
+        model.graph.node.remove(quantize)
+        model.graph.node.remove(dequantize)
+        removed += 1
+    return removed
 
 
 def prepare(model_path: Path, out_path: Path) -> None:

@@ -15,7 +15,7 @@ from pipeline.quantize import build_qdq, needs_reduce_range
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 7
+VERSION = 8
 CACHEABLE = True
 
 

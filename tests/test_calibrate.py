@@ -147,3 +147,10 @@ def test_always_zero_tensor_gets_the_floor_and_is_named(tmp_path):
     assert any("always zero" in w and "z" in w for w in report["warnings"])
     table = json.loads((run_dirs(tmp_path)[-1] / "stages" / "calibrate" / "calibration.json").read_text())
     assert table["tensors"]["z"]["threshold"] == pytest.approx(1e-8)
+
+
+def test_model_outputs_stay_float(int8_run):
+    _, run_dir, _ = int8_run
+    model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))
+    producer = {o: n for n in model.graph.node for o in n.output}
+    assert producer["logits"].op_type == "Gemm"
