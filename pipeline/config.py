@@ -47,6 +47,11 @@ class QuantType(Enum):
     uint8 = "uint8"
 
 
+class Selection(Enum):
+    target = "target"
+    top_n = "top_n"
+
+
 class MemoryMode(Enum):
     auto = "auto"
     buffer = "buffer"
@@ -141,6 +146,20 @@ class CalibrationConfig:
 
 
 @dataclass
+class SensitivityConfig:
+    """precision=mixed: the per-layer search for the ops that stay in float."""
+
+    methods: List[str] = field(default_factory=lambda: ["kl", "max", "percentile", "mse"])
+    select: Selection = Selection.target
+    expected_cos: float = 0.999  # select=target: output cosine to reach
+    max_drop: float = 0.01  # select=target: top-1 drop allowed, when labels exist
+    top_n: int = 5  # select=top_n: this many of the most sensitive ops stay float
+    samples: int = 30  # validation samples the search measures on
+    screen: int = 2  # methods measured in full per op after the SQNR screen (0: all)
+    max_float_ops: int = 32  # select=target gives up beyond this many float ops
+
+
+@dataclass
 class OutputThresholds:
     min_cosine: Optional[float] = None
     max_abs_error: Optional[float] = None
@@ -177,7 +196,8 @@ class PackageConfig:
 
 @dataclass
 class PipelineConfig:
-    stages: List[str] = field(default_factory=lambda: ["convert", "calibrate", "build", "verify", "package"])
+    stages: List[str] = field(default_factory=lambda: ["convert", "calibrate", "sensitivity", "build", "verify",
+                                                       "package"])
     cache: bool = True
     cache_dir: str = "outputs/.cache"
 
@@ -189,6 +209,7 @@ class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     package: PackageConfig = field(default_factory=PackageConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -248,6 +269,9 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError(f"calibration.percentile={cal.percentile}: must be in (0, 100]")
     if cal.bins < cal.quantized_levels or cal.quantized_levels < 2 or cal.batch_size < 1:
         raise ConfigError("calibration: need bins >= quantized_levels >= 2 and batch_size >= 1")
+    unknown_methods = sorted(set(run.sensitivity.methods) - {"kl", "max", "percentile", "mse"})
+    if unknown_methods or not run.sensitivity.methods:
+        raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; allowed: kl, max, percentile, mse")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
 

@@ -117,8 +117,18 @@ def prepare(model_path: Path, out_path: Path) -> None:
 
     quant_pre_process(str(model_path), str(out_path), skip_symbolic_shape=True)
     model = onnx.load(str(out_path))
+    name_nodes(model)
     used = {node.domain or "" for node in model.graph.node}
     kept = [o for o in model.opset_import if (o.domain or "") in used | {""}]
     del model.opset_import[:]
     model.opset_import.extend(kept)
     onnx.save(model, str(out_path))
+
+
+def name_nodes(model) -> None:
+    """Unique names for every node (qtables and nodes_to_exclude refer to nodes by name)."""
+    seen = set()
+    for index, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{index}"
+        seen.add(node.name)

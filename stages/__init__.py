@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from pipeline.artifacts import atomic_directory, sha256_json
 from pipeline.config import RunConfig
 
-STAGE_NAMES = ("convert", "calibrate", "build", "verify", "package")
+STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "verify", "package")
 COMPLETE = ".complete"
 
 

@@ -40,7 +40,7 @@ def run(ctx: StageContext) -> StageResult:
     convert = ctx.results["convert"]
     onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
     quantization = None
-    if precision == "int8":
+    if precision in ("int8", "mixed"):
         (onnx_path, quantization), ir_dir = _quantize(ctx), None
     artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
@@ -73,18 +73,25 @@ def _quantize(ctx: StageContext):
     if calibrate is None or "table" not in calibrate.files:
         raise ConfigError("precision=int8 needs the calibrate stage: add it to pipeline.stages before build")
     table = read_json(calibrate.path("table"))["tensors"]
-    quantized = ctx.out_dir / "quantized.onnx"
+    keep_float: list = []
     precision = ctx.cfg.precision
+    if precision.name.value == "mixed":
+        found = ctx.results.get("sensitivity")
+        if found is None or "qtable" not in found.files:
+            raise ConfigError("precision=mixed needs the sensitivity stage: add it to pipeline.stages before build")
+        table = read_json(found.path("table"))["tensors"]
+        keep_float = read_json(found.path("qtable"))["float_ops"]
+    quantized = ctx.out_dir / "quantized.onnx"
     reduce_range = precision.reduce_range
     if reduce_range is None:
         reduce_range = needs_reduce_range()
     try:
         build_qdq(calibrate.path("prepared"), table, quantized, precision.activations.value, precision.per_channel,
-                  reduce_range=reduce_range)
+                  keep_float=keep_float, reduce_range=reduce_range)
     except Exception as err:  # noqa: BLE001 - ORT's quantizer rejects some graphs
         raise BackendUnavailable(f"int8: ONNX Runtime's quantizer cannot quantize the model: {first_line(err)}") from err
     settings = {"weights": "int8 symmetric, " + ("per channel" if precision.per_channel else "per tensor"),
                 "activations": precision.activations.value + (" symmetric" if precision.activations.value == "int8"
                                                               else " asymmetric") + ", per tensor",
-                "bias": "int32", "reduce_range": reduce_range}
+                "bias": "int32", "reduce_range": reduce_range, "float_ops": keep_float}
     return quantized, settings

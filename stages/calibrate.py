@@ -20,11 +20,12 @@ from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 3
+VERSION = 4
 CACHEABLE = True
 QUANTIZED_PRECISIONS = ("int8", "mixed")
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
 ORT_QUANTIZE_CACHE = "ort_quantize_cache.json"  # quantize_static(calibration_cache_path=...)
+CANDIDATES = "candidates.json"  # every method's entry per tensor, for the sensitivity search
 
 
 def needed(cfg) -> bool:
@@ -69,6 +70,7 @@ def run(ctx: StageContext) -> StageResult:
     exports = tables.write_exports(table, ctx.out_dir)  # TPU-MLIR; ORT's write_calibration_table files
     write_ort_cache(table, activations, ctx.out_dir / ORT_QUANTIZE_CACHE)  # exactly the ranges the build uses
     files = {"prepared": "prepared.onnx", "table": "calibration.json", "ort_quantize_cache": ORT_QUANTIZE_CACHE,
+             **({"candidates": CANDIDATES} if (ctx.out_dir / CANDIDATES).exists() else {}),
              **{kind: path.name for kind, path in exports.items()}}
     return StageResult(ctx.out_dir, files, summary)
 
@@ -92,6 +94,7 @@ def _computed_table(ctx: StageContext, model_path: Path):
     stats = statistics.Statistics.load(folder)
     collected = time.perf_counter() - started
     table, choices = _thresholds(stats, ctx, model_path)
+    write_json(ctx.out_dir / CANDIDATES, _candidates(stats, ctx.cfg.calibration))
     zero = sorted(name for name, h in stats.histograms.items() if h.abs_max == 0)
     if zero:
         warnings.append(f"{len(zero)} tensors are always zero (threshold floor {thresholds.MIN_THRESHOLD:g}): "
@@ -114,8 +117,7 @@ def _computed_table(ctx: StageContext, model_path: Path):
 
 def _thresholds(stats, ctx: StageContext, model_path: Path):
     cfg = ctx.cfg.calibration
-    options = {"percentile": {"percentile": cfg.percentile},
-               "kl": {"quantized_levels": cfg.quantized_levels, "max_clipped": cfg.kl_max_clipped}}
+    options = _method_options(cfg)
     model = onnx.load(str(model_path), load_external_data=False)
     inputs = {i.name for i in model.graph.input}
     candidates: Dict[str, Dict[str, dict]] = {}
@@ -129,6 +131,18 @@ def _thresholds(stats, ctx: StageContext, model_path: Path):
     table = {name: entries[choices[name]["method"]] if name in choices else next(iter(entries.values()))
              for name, entries in candidates.items()}
     return table, {name: c["errors"] for name, c in list(choices.items())[:200]} or None
+
+
+def _method_options(cfg) -> Dict[str, dict]:
+    return {"percentile": {"percentile": cfg.percentile},
+            "kl": {"quantized_levels": cfg.quantized_levels, "max_clipped": cfg.kl_max_clipped}}
+
+
+def _candidates(stats, cfg) -> Dict[str, Dict[str, dict]]:
+    """Every tensor's entry under each base method: what the sensitivity search tries."""
+    options = _method_options(cfg)
+    return {name: {m: _entry(h, m, thresholds.compute(h, m, **options.get(m, {}))) for m in thresholds.METHODS}
+            for name, h in stats.histograms.items()}
 
 
 def _entry(histogram, method: str, threshold: float) -> dict:

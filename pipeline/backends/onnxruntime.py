@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 NAME = "onnxruntime"
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "int8", "mixed")
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU",)
 
@@ -90,7 +90,8 @@ def executed_precision(optimized_path: Path) -> Tuple[str, str]:
             counts[_ONNX_FLOAT_TYPES.get(elem, "fp32")] += 1
     if not counts:
         return "fp32", ""
-    return counts.most_common(1)[0][0], ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    layers = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    return ("mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]), layers
 
 
 def load(artifact_dir: Path, settings: dict) -> Session:

@@ -10,12 +10,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 NAME = "openvino"
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "mixed")
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU",)
 
 # Without an explicit hint the CPU plugin runs bf16 on CPUs that have it (shared/findings.md).
-PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32"}  # int8: f32 between quantized ops
+PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32", "mixed": "f32"}  # int8: f32 between quantized ops
 _RUNTIME_PRECISIONS = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "u8": "int8", "i8": "int8"}
 _COMPUTE_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution"}
 
@@ -80,7 +80,7 @@ class Session:
                 runtime = info["runtimePrecision"].astype(str)
                 counts[_RUNTIME_PRECISIONS.get(runtime, runtime)] += 1
         if counts:
-            precision = counts.most_common(1)[0][0]
+            precision = "mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]
         else:
             hint = str(self._compiled.get_property("INFERENCE_PRECISION_HINT"))
             precision = _RUNTIME_PRECISIONS.get(hint, hint)

@@ -63,7 +63,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     names = activation_names(model)
     histograms = {name: AbsHistogram(bins) for name in names}
     kept: Dict[str, List[np.ndarray]] = {name: [] for name in names}
-    runner = _BatchRunner(model, names, batch_size)
+    runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
     seen = 0
 
@@ -99,7 +99,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     return Statistics(histograms, stacked, seen, runner.batch_size)
 
 
-class _BatchRunner:
+class BatchRunner:
     """ONNX Runtime on the model with every activation as an output. Samples run in
     batches when the model accepts a free batch axis (checked on the first batch),
     otherwise one at a time."""

@@ -1,0 +1,210 @@
+"""sensitivity (precision=mixed): rank the quantizable ops by how much quantizing each
+one alone hurts the network outputs, keep for each op the threshold method that hurts
+least, and choose the ops that stay in float (the qtable) so that the mixed model meets
+the configured target. Skipped when plain int8 already meets it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import onnx
+
+from pipeline.artifacts import read_json, write_json
+from pipeline.calibration import sensitivity as search
+from pipeline.calibration import tables
+from pipeline.calibration.statistics import BatchRunner
+from pipeline.data import TensorSpec, open_dataset
+from pipeline.errors import ConfigError, InputError
+from pipeline.quantize import build_qdq, needs_reduce_range
+from stages import StageContext, StageResult
+
+NAME = "sensitivity"
+VERSION = 1
+CACHEABLE = True
+QTABLE_TPU_MLIR = "qtable.txt"
+
+
+def needed(cfg) -> bool:
+    return cfg.precision.name.value == "mixed"
+
+
+def key_config(cfg):
+    if not needed(cfg):
+        return {"needed": False}
+    return {"needed": True, "sensitivity": cfg.sensitivity, "data": cfg.data, "precision": cfg.precision,
+            "reduce_range": _reduce_range(cfg)}
+
+
+def external_files(ctx: StageContext) -> List[Path]:
+    return _dataset(ctx).files if needed(ctx.cfg) else []
+
+
+def _dataset(ctx: StageContext):
+    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
+    return open_dataset(ctx.cfg.data, inputs)
+
+
+def _reduce_range(cfg) -> bool:
+    return needs_reduce_range() if cfg.precision.reduce_range is None else cfg.precision.reduce_range
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg = ctx.cfg
+    if not needed(cfg):
+        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.name.value} keeps no ops in float"})
+    calibrate = ctx.results.get("calibrate")
+    if calibrate is None or "candidates" not in calibrate.files:
+        raise ConfigError("precision=mixed needs the calibrate stage before sensitivity in pipeline.stages")
+    prepared = onnx.load(str(calibrate.path("prepared")))
+    table = read_json(calibrate.path("table"))["tensors"]
+    candidates = read_json(calibrate.path("candidates"))
+    feeds, labels, count = _samples(ctx)
+    measure = _MixedMeasure(calibrate.path("prepared"), feeds, labels, count, cfg)
+    plain = measure(table, [])
+    summary = {"samples": count, "int8": plain, "select": cfg.sensitivity.select.value,
+               "expected_cos": cfg.sensitivity.expected_cos}
+    if cfg.sensitivity.select.value == "target" and measure.meets(plain):
+        summary["skipped"] = "plain int8 already meets the target"
+        return _write(ctx, table, [], [], summary)
+    trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
+                              cfg.precision.activations.value, _reduce_range(cfg), cfg.sensitivity.screen)
+    ranking = _ranking(trials)
+    best_table = _best_method_table(prepared, table, candidates, ranking)
+    if cfg.sensitivity.select.value == "top_n":
+        float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
+        curve = [{"float_ops": len(float_ops), **measure(best_table, float_ops)}]
+    else:
+        float_ops, curve = _select_for_target(measure, best_table, ranking, cfg.sensitivity.max_float_ops)
+    summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve,
+                    "mixed": curve[-1] if curve else plain, "trials": len(trials),
+                    "measured": sum(t.loss is not None for t in trials)})
+    if cfg.sensitivity.select.value == "target" and not measure.meets(summary["mixed"]):
+        summary["warning"] = (f"the target cosine {cfg.sensitivity.expected_cos} was not reached with "
+                              f"{len(float_ops)} float ops (sensitivity.max_float_ops)")
+    return _write(ctx, best_table, float_ops, trials, summary)
+
+
+def _samples(ctx: StageContext):
+    split = _dataset(ctx).validation
+    count = min(ctx.cfg.sensitivity.samples, len(split))
+    if count == 0:
+        raise InputError("sensitivity: no validation samples to measure on")
+    samples = [sample for _, sample in zip(range(count), split)]
+    feeds = {name: np.concatenate([s.feeds[name] for s in samples]) for name in samples[0].feeds}
+    labels = [s.label for s in samples] if all(s.label is not None for s in samples) else None
+    return feeds, labels, count
+
+
+class _MixedMeasure:
+    """The whole mixed model, really quantized (ONNX Runtime, the build's settings), on the
+    search samples: output cosine loss, SQNR and top-1 against the float model."""
+
+    def __init__(self, prepared: Path, feeds, labels, count: int, cfg):
+        self.prepared, self.feeds, self.labels, self.count, self.cfg = prepared, feeds, labels, count, cfg
+        model = onnx.load(str(prepared))
+        self.outputs = [o.name for o in model.graph.output]
+        reference = BatchRunner(model, self.outputs, count).run(feeds, count)
+        self.reference = [reference[name] for name in self.outputs]
+        self.reference_top1 = self._top1(self.reference[0])
+
+    def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
+        with tempfile.TemporaryDirectory(prefix="parity-mixed-") as scratch:
+            path = Path(scratch) / "mixed.onnx"
+            build_qdq(self.prepared, table, path, self.cfg.precision.activations.value,
+                      self.cfg.precision.per_channel, keep_float=float_ops, reduce_range=_reduce_range(self.cfg))
+            model = onnx.load(str(path))
+        values = BatchRunner(model, self.outputs, self.count).run(self.feeds, self.count)
+        actual = [values[name] for name in self.outputs]
+        loss, sqnr = search.output_loss(self.reference, actual)
+        top1 = self._top1(actual[0])
+        return {"cosine": 1.0 - loss, "sqnr_db": sqnr,
+                "top1_drop": None if top1 is None else self.reference_top1 - top1}
+
+    def _top1(self, output: np.ndarray):
+        if self.labels is None:
+            return None
+        return float(np.mean(np.argmax(output.reshape(self.count, -1), axis=1) == np.asarray(self.labels)))
+
+    def meets(self, result: dict) -> bool:
+        drop = result["top1_drop"]
+        return result["cosine"] >= self.cfg.sensitivity.expected_cos and (
+            drop is None or drop <= self.cfg.sensitivity.max_drop + 1e-12)
+
+
+def _ranking(trials) -> List[dict]:
+    """One row per op, its best method by the full measure, most sensitive first."""
+    best: Dict[str, search.Trial] = {}
+    for trial in trials:
+        if trial.loss is not None and (trial.op not in best or trial.loss < best[trial.op].loss):
+            best[trial.op] = trial
+    rows = [{"op": t.op, "op_type": t.op_type, "method": t.method, "loss": t.loss, "sqnr_db": t.sqnr_db}
+            for t in best.values()]
+    return sorted(rows, key=lambda r: -r["loss"])
+
+
+def _best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidates, ranking) -> Dict[str, dict]:
+    """The calibration table with each op's tensors at the op's best method; where ops share
+    a tensor, the more sensitive op's choice wins."""
+    updated = dict(table)
+    nodes = {n.name: n for n in model.graph.node}
+    for row in reversed(ranking):
+        node = nodes[row["op"]]
+        for name in list(node.input) + list(node.output):
+            if name in candidates and row["method"] in candidates[name]:
+                updated[name] = candidates[name][row["method"]]
+    return updated
+
+
+def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: int):
+    """Add ops to the float set in rank order until the target is met, then drop every op
+    whose removal keeps it. Returns (float ops, curve of float-op count vs measure)."""
+    float_ops: List[str] = []
+    curve = []
+    for row in ranking[:max_float_ops]:
+        float_ops.append(row["op"])
+        result = measure(table, float_ops)
+        curve.append({"float_ops": len(float_ops), "added": row["op"], **result})
+        if measure.meets(result):
+            break
+    if not curve or not measure.meets(curve[-1]):
+        return float_ops, curve
+    for op in list(reversed(float_ops[:-1])):
+        trial = [o for o in float_ops if o != op]
+        result = measure(table, trial)
+        if measure.meets(result):
+            float_ops = trial
+            curve.append({"float_ops": len(float_ops), "removed": op, **result})
+    return float_ops, curve
+
+
+def _write(ctx: StageContext, table, float_ops: List[str], trials, summary) -> StageResult:
+    write_json(ctx.out_dir / "qtable.json", {"float_ops": float_ops, "select": summary["select"],
+                                             "expected_cos": summary["expected_cos"]})
+    (ctx.out_dir / QTABLE_TPU_MLIR).write_text(to_tpu_mlir_qtable(float_ops))
+    write_json(ctx.out_dir / "calibration.json", {"method": "sensitivity", "tensors": table})
+    (ctx.out_dir / tables.TPU_MLIR_FILE).write_text(tables.to_tpu_mlir(table))
+    write_json(ctx.out_dir / "losses.json", [vars(t) for t in trials])
+    files = {"qtable": "qtable.json", "qtable_tpu_mlir": QTABLE_TPU_MLIR, "table": "calibration.json",
+             "tpu_mlir": tables.TPU_MLIR_FILE, "losses": "losses.json"}
+    return StageResult(ctx.out_dir, files, summary)
+
+
+def to_tpu_mlir_qtable(float_ops: List[str]) -> str:
+    """TPU-MLIR's quantize table: one 'op_name mode' row per op kept in float."""
+    return "# op_name quantize_mode\n" + "".join(f"{op} F32\n" for op in float_ops)
+
+
+def from_tpu_mlir_qtable(text: str) -> List[str]:
+    ops = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise ValueError(f"line {number}: expected 'op_name quantize_mode', got {line!r}")
+        if fields[1].upper() in ("F32", "F16", "BF16"):
+            ops.append(fields[0])
+    return ops
