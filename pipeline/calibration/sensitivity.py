@@ -48,8 +48,10 @@ def output_loss(reference: Sequence[np.ndarray], actual: Sequence[np.ndarray]) -
     for ref, out in zip(reference, actual):
         a = ref.reshape(ref.shape[0], -1).astype(np.float64)
         b = out.reshape(out.shape[0], -1).astype(np.float64)
-        norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-        cosines = np.where(norms > 0, (a * b).sum(axis=1) / np.where(norms > 0, norms, 1), 1.0)
+        norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+        norms = norm_a * norm_b
+        both_zero = (norm_a == 0) & (norm_b == 0)  # identical; one zero and not the other: cosine 0
+        cosines = np.where(norms > 0, (a * b).sum(axis=1) / np.where(norms > 0, norms, 1), both_zero * 1.0)
         losses.append(float(np.mean(1.0 - cosines)))
         signal += float((a * a).sum())
         noise += float(((a - b) ** 2).sum())

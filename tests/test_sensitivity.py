@@ -1,0 +1,106 @@
+"""The sensitivity search and precision=mixed through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import read_report, run_cli, run_dirs, single_bundle
+from stages.sensitivity import from_tpu_mlir_qtable, to_tpu_mlir_qtable
+
+
+def fragile_model(path):
+    """conv2's output has one channel 1000x the others; conv3 scales it back down, so the
+    network output depends on the small channels that per-tensor int8 wipes out there."""
+    rng = np.random.default_rng(3)
+    w1 = rng.normal(0, 0.5, (4, 1, 3, 3)).astype(np.float32)
+    w2 = rng.normal(0, 0.5, (4, 4, 3, 3)).astype(np.float32)
+    w2[0] *= 1000.0
+    w3 = rng.normal(0, 0.5, (2, 4, 3, 3)).astype(np.float32)
+    w3[:, 0] *= 1e-3
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["a"], ["b"], name="relu1"),
+         helper.make_node("Conv", ["b", "w2"], ["c"], name="conv2", pads=[1, 1, 1, 1]),
+         helper.make_node("Conv", ["c", "w3"], ["y"], name="conv3", pads=[1, 1, 1, 1])],
+        "fragile", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])],
+        initializer=[numpy_helper.from_array(w, n) for w, n in ((w1, "w1"), (w2, "w2"), (w3, "w3"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def sensitivity_summary(run_dir):
+    return json.loads((run_dir / "stages" / "sensitivity" / "result.json").read_text())["summary"]
+
+
+def test_fragile_layer_ranks_first_and_stays_float(tmp_path):
+    model = fragile_model(tmp_path / "fragile.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    ranking = [row["op"] for row in summary["ranking"]]
+    assert set(ranking[:2]) == {"conv2", "conv3"}  # both quantize the fragile tensor
+    assert summary["ranking"][0]["loss"] > 10 * summary["ranking"][-1]["loss"]
+    assert summary["int8"]["cosine"] < 0.999 <= summary["mixed"]["cosine"]
+    assert set(summary["float_ops"]) <= {"conv2", "conv3"} and summary["float_ops"]
+    qtable = (run_dir / "stages" / "sensitivity" / "qtable.txt").read_text()
+    assert from_tpu_mlir_qtable(qtable) == summary["float_ops"]
+    report = read_report(run_dir)
+    assert report["verify"]["verdict"] == "pass"
+    assert report["verify"]["effective"]["precision"] == "mixed"
+
+
+@pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
+def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
+    result = run_cli(["precision=mixed", f"target={target}", "sensitivity.expected_cos=0.99999"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    assert summary["float_ops"] and "skipped" not in summary
+    assert summary["mixed"]["cosine"] >= 0.99999
+    curve = [point["cosine"] for point in summary["curve"] if "added" in point]
+    assert curve == sorted(curve)  # each float op added brings the cosine up here
+    verify = read_report(run_dir)["verify"]
+    assert verify["verdict"] == "pass" and verify["effective"]["precision"] == "mixed"
+    assert "float_ops" in read_report(run_dir)["build"]["quantization"]
+
+
+def test_search_skips_itself_when_int8_meets_the_target(tmp_path):
+    result = run_cli(["precision=mixed"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    assert summary["skipped"] == "plain int8 already meets the target"
+    assert json.loads((run_dir / "stages" / "sensitivity" / "qtable.json").read_text())["float_ops"] == []
+    assert read_report(run_dir)["verify"]["effective"]["precision"] == "int8"
+
+
+def test_top_n_keeps_exactly_n_ops_float(tmp_path):
+    result = run_cli(["precision=mixed", "sensitivity=top_n", "sensitivity.top_n=2"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = sensitivity_summary(run_dirs(tmp_path)[-1])
+    assert summary["float_ops"] == [row["op"] for row in summary["ranking"][:2]]
+    model = onnx.load(str(single_bundle(run_dirs(tmp_path)[-1]) / "model.onnx"))
+    float_nodes = {n.name for n in model.graph.node if n.name in summary["float_ops"]}
+    assert float_nodes == set(summary["float_ops"])
+
+
+def test_qtable_round_trip_and_errors():
+    text = to_tpu_mlir_qtable(["conv2", "fc1"])
+    assert text.splitlines()[0].startswith("#")
+    assert from_tpu_mlir_qtable(text) == ["conv2", "fc1"]
+    with pytest.raises(ValueError, match="line 2"):
+        from_tpu_mlir_qtable("# op_name quantize_mode\nconv2\n")
+
+
+def test_unknown_search_method_is_a_config_error(tmp_path):
+    result = run_cli(["precision=mixed", "sensitivity.methods=[kl,entropy]"], tmp_path)
+    assert result.returncode == 2 and "sensitivity.methods" in result.stderr
