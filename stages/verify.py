@@ -4,6 +4,7 @@ the task metric when labels exist, and read back what the backend really ran."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from pathlib import Path
@@ -17,13 +18,15 @@ from pipeline.backends import onnxruntime as ort_backend
 from pipeline.console import stderr_console
 from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, first_line
+from pipeline.artifacts import read_json
 from pipeline.metrics import OutputStats, Top1, failures, latency
+from pipeline.quantize import build_qdq
 from stages import StageContext, StageResult
 
 NAME = "verify"
 # mixed with an empty qtable (plain int8 met the target) runs int8 everywhere
 ACCEPTED_PRECISIONS = {"mixed": {"mixed", "int8"}}
-VERSION = 1
+VERSION = 2
 CACHEABLE = True
 log = logging.getLogger("parity")
 
@@ -66,7 +69,8 @@ def run(ctx: StageContext) -> StageResult:
     stats = {name: OutputStats() for name in reference.outputs}
     top1 = Top1()
     missing = [name for name in reference.outputs if name not in session.outputs]
-    with _progress() as progress:
+    with contextlib.ExitStack() as scratch, _progress() as progress:
+        baselines = _baselines(ctx, backend, scratch)  # fp32 (and plain int8 for mixed) side by side
         task = progress.add_task(f"verify {cfg.target.name}", total=len(dataset.validation))
         for sample in dataset.validation:
             expected = reference.run(sample.feeds)
@@ -76,11 +80,15 @@ def run(ctx: StageContext) -> StageResult:
                     stats[name].update(expected[name], actual[name])
             if sample.label is not None and task_output in actual:
                 top1.update(expected[task_output], actual[task_output], sample.label)
+            for baseline in baselines.values():
+                baseline.update(expected, sample, task_output)
             progress.advance(task)
+        last = sample.feeds if len(dataset.validation) else None
+        comparison = {name: b.row(last) for name, b in baselines.items()}
+        comparison[cfg.precision.name.value] = _Row(session, build.summary.get("bytes"), stats, top1).row(last)
 
     requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value}
     effective = session.effective()
-    comparison = _compare_with_fp32(ctx, backend, session, sample.feeds, build, top1) if len(dataset.validation) else None
     outputs = [_judge(name, stats[name], cfg.validation) for name in reference.outputs if name not in missing]
     task = top1.result(cfg.validation.max_metric_drop, task_output)
     reasons, exit_code = _verdict(outputs, missing, task, requested, effective, len(dataset.validation))
@@ -101,24 +109,50 @@ def run(ctx: StageContext) -> StageResult:
 
 
 
-def _compare_with_fp32(ctx, backend, session, feeds, build, top1) -> dict:
-    """The build side by side with an fp32 build on the same backend: latency, size, top-1."""
+class _Row:
+    """One build in the side-by-side table: output agreement, top-1, latency, size."""
+
+    def __init__(self, session, size, stats=None, top1=None):
+        self.session, self.size = session, size
+        self.stats, self.top1 = stats if stats is not None else {}, top1 if top1 is not None else Top1()
+
+    def update(self, expected, sample, task_output) -> None:
+        actual = self.session.run(sample.feeds)
+        for name in expected:
+            self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
+        if sample.label is not None:
+            self.top1.update(expected[task_output], actual[task_output], sample.label)
+
+    def row(self, feeds) -> dict:
+        first = next(iter(self.stats.values()), None)
+        return {"latency": latency(self.session.run, feeds) if feeds is not None else None, "bytes": self.size,
+                "top1": self.top1.target_correct / self.top1.count if self.top1.count else None,
+                "cosine": first.result()["cosine"] if first and first.elements else None}
+
+
+def _baselines(ctx, backend, scratch: contextlib.ExitStack) -> dict:
+    """fp32 on the same backend for every other precision; plain int8 too for mixed
+    (TPU-MLIR's FLOAT / INT8 / MIX table)."""
     precision = ctx.cfg.precision.name.value
-    row = {"latency": latency(session.run, feeds), "bytes": build.summary.get("bytes"),
-           "top1": top1.target_correct / top1.count if top1.count else None}
-    if precision == "fp32":
-        return {"fp32": row}
     convert = ctx.results["convert"]
-    ir_dir = convert.out_dir if "ir_xml" in convert.files else None
-    with tempfile.TemporaryDirectory(prefix="parity-fp32-") as scratch:
-        files, settings = backend.build(convert.path("model"), ir_dir, Path(scratch), ctx.cfg.target, "fp32")
-        settings = {**settings, "device": ctx.cfg.target.device.upper(), "precision": "fp32",
+    builds = {}
+    if precision != "fp32":
+        builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None)
+    if precision == "mixed":
+        int8 = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
+        calibrate = ctx.results["calibrate"]
+        build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
+                  ctx.cfg.precision.activations.value, ctx.cfg.precision.per_channel,
+                  reduce_range=ctx.results["build"].summary["quantization"]["reduce_range"])
+        builds["int8"] = (int8, None)
+    rows = {}
+    for name, (onnx_path, ir_dir) in builds.items():
+        folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{name}-")))
+        files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, name)
+        settings = {**settings, "device": ctx.cfg.target.device.upper(), "precision": name,
                     "outputs": convert.summary["outputs"]}
-        baseline = backend.load(Path(scratch), settings)
-        fp32 = {"latency": latency(baseline.run, feeds),
-                "bytes": sum((Path(scratch) / f).stat().st_size for f in files),
-                "top1": top1.reference_correct / top1.count if top1.count else None}
-    return {"fp32": fp32, precision: row}
+        rows[name] = _Row(backend.load(folder, settings), sum((folder / f).stat().st_size for f in files))
+    return rows
 
 
 def _check_output_names(validation, outputs: List[str]) -> None:

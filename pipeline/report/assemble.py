@@ -39,6 +39,7 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         "stages": [{k: v for k, v in r.items() if k != "key"} for r in records],
         "convert": convert,
         "calibration": _calibration(results),
+        "sensitivity": results["sensitivity"].summary if "sensitivity" in results else None,
         "build": results["build"].summary if "build" in results else None,
         "data": verify["data"] if verify else None,
         "verify": verify,

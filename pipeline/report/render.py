@@ -243,17 +243,56 @@ def _verification_section(verify: dict) -> list:
 def _comparison_blocks(comparison: dict) -> list:
     """The build next to an fp32 build on the same backend."""
     rows = []
+    labels = {"fp32": "FLOAT", "int8": "INT8", "mixed": "MIX"}
     for precision, row in comparison.items():
         row = _as_dict(row)
         timing = _as_dict(row.get("latency"))
         size = row.get("bytes")
-        rows.append([str(precision), _fmt_number(timing.get("median_ms"), ".3f"),
+        rows.append([labels.get(str(precision), str(precision)), fmt_cosine(row.get("cosine")),
+                     fmt_ratio(row.get("top1")), _fmt_number(timing.get("median_ms"), ".3f"),
                      f"{_fmt_number(timing.get('min_ms'), '.3f')} - {_fmt_number(timing.get('max_ms'), '.3f')}",
-                     f"{size / 1024:.1f}" if _is_number(size) else "n/a", fmt_ratio(row.get("top1"))])
-    title = "Latency and size" if len(rows) == 1 else "Side by side with fp32 on the same backend"
-    headers = ["precision", "median latency ms", "range ms", "artifact KiB", "top-1"]
+                     f"{size / 1024:.1f}" if _is_number(size) else "n/a"])
+    title = "Latency and size" if len(rows) == 1 else "Side by side on the same backend"
+    headers = ["build", "cosine", "top-1", "median latency ms", "range ms", "artifact KiB"]
     return [Heading(3, title), Table(headers, rows),
             Para("latency: one sample, median of 20 runs after 3 warm-up runs")]
+
+
+def _sensitivity_section(sensitivity: dict) -> list:
+    blocks: list = [Heading(2, "Sensitivity search (ops kept in float)")]
+    if sensitivity.get("skipped") and not sensitivity.get("int8"):
+        return blocks + [Para(str(sensitivity["skipped"]))]
+    int8, mixed = _as_dict(sensitivity.get("int8")), _as_dict(sensitivity.get("mixed"))
+    pairs = [("selection", fmt_value(sensitivity.get("select"))),
+             ("target cosine", fmt_value(sensitivity.get("expected_cos"))),
+             ("samples", fmt_value(sensitivity.get("samples"))),
+             ("plain int8 cosine", fmt_cosine(int8.get("cosine")))]
+    if sensitivity.get("skipped"):
+        return blocks + [KeyValues(pairs), Para(str(sensitivity["skipped"]))]
+    pairs += [("mixed cosine", fmt_cosine(mixed.get("cosine"))),
+              ("ops kept in float", ", ".join(map(str, _as_list(sensitivity.get("float_ops")))) or "none"),
+              ("trials measured in full", f"{sensitivity.get('measured')} of {sensitivity.get('trials')}")]
+    blocks.append(KeyValues(pairs))
+    ranking = [r for r in _as_list(sensitivity.get("ranking")) if isinstance(r, dict)][:10]
+    if ranking:
+        blocks += [Heading(3, "Most sensitive ops"),
+                   Table(["op", "type", "best method", "loss (1 - cos)", "SQNR dB"],
+                         [[str(r.get("op")), str(r.get("op_type")), str(r.get("method")),
+                           fmt_error(r.get("loss")), fmt_sqnr(r.get("sqnr_db"))] for r in ranking]),
+                   Charts([svg_bar_chart([str(r.get("op")) for r in ranking], [r.get("loss") for r in ranking],
+                                         title="loss when only this op is int8", x_label="1 - cosine",
+                                         value_format=fmt_error)])]
+    curve = [p for p in _as_list(sensitivity.get("curve")) if isinstance(p, dict)]
+    if curve:
+        blocks += [Heading(3, "Selection"),
+                   Table(["step", "float ops", "cosine", "top-1 drop"],
+                         [[("+ " + str(p["added"])) if p.get("added") else ("- " + str(p.get("removed"))),
+                           fmt_value(p.get("float_ops")), fmt_cosine(p.get("cosine")), fmt_ratio(p.get("top1_drop"))]
+                          for p in curve]),
+                   Charts([svg_line_chart([p.get("cosine") for p in curve], title="output cosine per selection step",
+                                          x_label="step", y_label="cosine", value_format=fmt_cosine,
+                                          threshold=sensitivity.get("expected_cos"), threshold_label="target")])]
+    return blocks
 
 
 def _calibration_section(calibration: dict) -> list:
@@ -568,6 +607,8 @@ def build_document(report: dict) -> list:
         blocks += _preflight_section(_as_list(convert["preflight"]))
     if isinstance(report.get("calibration"), dict):
         blocks += _calibration_section(report["calibration"])
+    if isinstance(report.get("sensitivity"), dict) and not _as_dict(report["sensitivity"]).get("skipped", "").startswith("precision"):
+        blocks += _sensitivity_section(report["sensitivity"])
     if isinstance(report.get("data"), dict):
         blocks += _data_section(report["data"])
     if isinstance(report.get("build"), dict):
