@@ -1,0 +1,139 @@
+"""Sensitivity-search figures on the real PP-OCR text-direction classifier, each next to
+its reference from the same run.
+
+    python benchmarks/sensitivity.py [--naive-ops 12]
+
+1. time and peak memory of the full per-layer search (4 methods, 100 calibration and 30
+   search samples) vs a naive loop that builds each single-op-quantized model with ONNX
+   Runtime's quantizer and runs it whole, on a sample of the ops, extrapolated
+2. ranking agreement with the naive full measure on the ops the loop measured
+3. select=target vs top_n float-op counts for the same cosine, and the mixed build's
+   latency vs int8 and fp32 on OpenVINO
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from calibration import classifier_args, last_report, parity, write_dataset  # benchmarks/calibration.py
+
+SEARCH = ["precision=mixed", "sensitivity.samples=30", "sensitivity.expected_cos=0.999"]
+
+
+def peak_run(args, cwd: Path) -> float:
+    """Peak RSS (MiB) of one `parity` process."""
+    code = ("import resource, sys; from pipeline.cli import main; sys.argv = ['parity'] + sys.argv[1:]\n"
+            "try:\n    main()\nfinally:\n"
+            "    print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True)
+    return int(result.stderr.rsplit("PEAK_KB", 1)[1].split()[0]) / 1024
+
+
+def search_figures(work: Path, data: Path) -> dict:
+    base = [*classifier_args(data, 100, 30), *SEARCH, "sensitivity.expected_cos=0.99999999"]
+    # calibration first, in its own process, so that the next process measures the search
+    parity([*base, "pipeline.stages=[convert,calibrate]"], work)
+    peak = peak_run([*base, "pipeline.stages=[convert,calibrate,sensitivity]", "sensitivity.max_float_ops=0"], work)
+    report = last_report(work)
+    stage = next(s for s in report["stages"] if s["stage"] == "sensitivity")
+    summary = json.loads((sorted((work / "outputs").glob("*/*_*"))[-1] / "stages" / "sensitivity" /
+                          "result.json").read_text())["summary"]
+    print(f"\n== 1. per-layer search: {summary['trials']} trials ({summary['measured']} measured in full) ==")
+    print(f"  parity search stage: {stage['seconds']:.1f} s, process peak RSS {peak:.0f} MiB"
+          f"   (targets <= 30 s, <= 600 MB; TPU-MLIR search_qtable: 706 s, 345 MB)")
+    return {"seconds": stage["seconds"], "ranking": summary["ranking"],
+            "run": sorted((work / "outputs").glob("*/*_*"))[-1]}
+
+
+def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
+    """Single-op-quantized model built with ONNX Runtime's quantizer, run whole per trial."""
+    from pipeline.calibration.sensitivity import output_loss, quantizable_ops
+    from pipeline.calibration.statistics import BatchRunner
+    from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig
+    from pipeline.data import TensorSpec, open_dataset
+    from pipeline.quantize import build_qdq, needs_reduce_range
+
+    calibrate = run_dir / "stages" / "calibrate"
+    prepared = calibrate / "prepared.onnx"
+    model = onnx.load(str(prepared))
+    candidates = json.loads((calibrate / "candidates.json").read_text())
+    ops = [model.graph.node[i].name for i in quantizable_ops(model, candidates)]
+    pre = PreprocessConfig(keep_aspect=True, color=Color.bgr, mean=[0.5], std=[0.5])
+    dataset = open_dataset(DataConfig(kind=DataKind.images, path=str(data), validation_size=30, preprocess=pre),
+                           [TensorSpec("x", [1, 3, 48, 192], "float32")])
+    feeds = {"x": np.concatenate([s.feeds["x"] for s in dataset.validation])}
+    outputs = [o.name for o in model.graph.output]
+    reference = BatchRunner(model, outputs, 30).run(feeds, 30)
+    reference = [reference[name] for name in outputs]
+    rng = np.random.default_rng(0)
+    top = [row["op"] for row in ranking[:5]]
+    others = [op for op in ops if op not in top]
+    measured_ops = top + list(rng.choice(others, size=max(0, sample_ops - len(top)), replace=False))
+    losses, started = {}, time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        for op in measured_ops:
+            for method in ("kl", "max", "percentile", "mse"):
+                table = {name: entries[method] for name, entries in candidates.items()}
+                path = Path(scratch) / "single.onnx"
+                build_qdq(prepared, table, path, keep_float=[o for o in ops if o != op],
+                          reduce_range=needs_reduce_range())
+                single = onnx.load(str(path))
+                values = BatchRunner(single, outputs, 30).run(feeds, 30)
+                loss, _ = output_loss(reference, [values[name] for name in outputs])
+                losses[op] = min(losses.get(op, np.inf), loss)
+    per_trial = (time.perf_counter() - started) / (len(measured_ops) * 4)
+    extrapolated = per_trial * len(ops) * 4
+    print(f"  naive loop: {per_trial:.2f} s per trial on {len(measured_ops)} ops x 4 methods, "
+          f"extrapolated to {len(ops)} ops: {extrapolated:.0f} s")
+    parity_rank = [row["op"] for row in ranking if row["op"] in losses]
+    naive_rank = sorted(losses, key=lambda op: -losses[op])
+    agree = len(set(parity_rank[:5]) & set(naive_rank[:5]))
+    print(f"\n== 2. ranking on the {len(losses)} ops the naive loop measured ==")
+    print(f"  parity top-5: {parity_rank[:5]}\n  naive  top-5: {naive_rank[:5]}\n  agreement {agree}/5 (target >= 4)")
+    return extrapolated
+
+
+def selection(work: Path, data: Path) -> None:
+    print("\n== 3. select=target vs top_n, and latency on OpenVINO ==")
+    base = [*classifier_args(data, 100, 100), *SEARCH]
+    rows = {}
+    for label, extra in (("target", []), ("top_n=3", ["sensitivity=top_n", "sensitivity.top_n=3"]),
+                         ("top_n=6", ["sensitivity=top_n", "sensitivity.top_n=6"])):
+        parity([*base, *extra, "target=openvino_cpu"], work)
+        report = last_report(work)
+        sensitivity, comparison = report["sensitivity"], report["verify"]["comparison"]
+        rows[label] = sensitivity
+        mixed = sensitivity.get("mixed") or sensitivity["int8"]
+        latencies = {k: v["latency"]["median_ms"] for k, v in comparison.items()}
+        gain = latencies["fp32"] - latencies["int8"]
+        kept = (latencies["fp32"] - latencies["mixed"]) / gain * 100 if gain > 0 else float("nan")
+        print(f"  {label:8s} float ops {len(sensitivity.get('float_ops') or []):2d}  search cosine {mixed['cosine']:.5f}"
+              f"  latency fp32 {latencies['fp32']:.3f} ms, int8 {latencies['int8']:.3f}, mixed {latencies['mixed']:.3f}"
+              f"  (int8 gain kept: {kept:.0f} %)")
+    print("  targets: target reaches 0.999 with fewer float ops than top_n needs; mixed keeps >= 80 % of the gain")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--naive-ops", type=int, default=12)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="parity-bench-") as scratch:
+        work = Path(scratch)
+        data = write_dataset(work / "textlines", calibration=100, validation=100)
+        found = search_figures(work, data)
+        extrapolated = naive_loop(found["run"], data, args.naive_ops, found["ranking"])
+        print(f"\n  speed-up: {extrapolated / found['seconds']:.0f}x (target >= 20x)")
+        selection(work, data)
+
+
+if __name__ == "__main__":
+    main()
