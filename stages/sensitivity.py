@@ -160,7 +160,9 @@ def _best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidate
 
 def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: int):
     """Add ops to the float set in rank order until the target is met, then drop every op
-    whose removal keeps it. Returns (float ops, curve of float-op count vs measure)."""
+    whose removal keeps it. Real int8 kernels do not always improve as ops go back to
+    float (measured: the curve is not monotonic on this CPU), so when the target is never
+    met the best point of the curve is kept. Returns (float ops, curve)."""
     float_ops: List[str] = []
     curve = []
     for row in ranking[:max_float_ops]:
@@ -169,7 +171,12 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
         curve.append({"float_ops": len(float_ops), "added": row["op"], **result})
         if measure.meets(result):
             break
-    if not curve or not measure.meets(curve[-1]):
+    if not curve:
+        return float_ops, curve
+    if not measure.meets(curve[-1]):
+        best = max(range(len(curve)), key=lambda i: curve[i]["cosine"])
+        float_ops = [row["op"] for row in ranking[:best + 1]]
+        curve.append({**curve[best], "added": None, "kept_best": True})
         return float_ops, curve
     for op in list(reversed(float_ops[:-1])):
         trial = [o for o in float_ops if o != op]

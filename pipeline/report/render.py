@@ -286,7 +286,8 @@ def _sensitivity_section(sensitivity: dict) -> list:
     if curve:
         blocks += [Heading(3, "Selection"),
                    Table(["step", "float ops", "cosine", "top-1 drop"],
-                         [[("+ " + str(p["added"])) if p.get("added") else ("- " + str(p.get("removed"))),
+                         [[("+ " + str(p["added"])) if p.get("added") else
+                           ("best kept" if p.get("kept_best") else "- " + str(p.get("removed"))),
                            fmt_value(p.get("float_ops")), fmt_cosine(p.get("cosine")), fmt_ratio(p.get("top1_drop"))]
                           for p in curve]),
                    Charts([svg_line_chart([p.get("cosine") for p in curve], title="output cosine per selection step",
