@@ -31,7 +31,10 @@ def activation_findings(histograms: Mapping[str, AbsHistogram]) -> List[dict]:
     """Activations fp16 cannot hold, from calibration histograms of |x|: "fp16_overflow"
     (error) when max |x| > FP16_MAX, "fp16_denormal" (warning) when more than
     DENORMAL_SHARE of the non-zero values lie below FP16_MIN_NORMAL. Counts interpolate
-    linearly inside a bin, so they are as fine as the histogram (abs_max / bins)."""
+    linearly inside a bin, so they are as fine as the histogram (bins of abs_max / bins):
+    with 2048 bins, 2**-14 is resolved only when abs_max < 0.125; above that the values
+    below it share bin 0 and are estimated as spread evenly over it, which undercounts
+    values clustered at 0."""
     findings = []
     for tensor, histogram in histograms.items():
         if histogram.abs_max > FP16_MAX:
@@ -86,15 +89,9 @@ def name_nodes(model: onnx.ModelProto) -> None:
     taken = {node.name for node in model.graph.node if node.name}
     seen: Set[str] = set()
     for index, node in enumerate(model.graph.node):
-        if node.name and node.name not in seen:
-            seen.add(node.name)
-            continue
-        base = f"{node.op_type}_{index}"
-        name, suffix = base, 1
-        while name in taken or name in seen:
-            name, suffix = f"{base}_{suffix}", suffix + 1
-        node.name = name
-        seen.add(name)
+        if not node.name or node.name in seen:
+            node.name = _unique(f"{node.op_type}_{index}", taken)
+        seen.add(node.name)
 
 
 def block_list(model: onnx.ModelProto, findings: Sequence[dict]) -> List[str]:
@@ -297,14 +294,15 @@ def _clamping(graph: onnx.GraphProto, blocked: Set[str]) -> Tuple[List[dict], Li
             parts = [f"{over} value(s) beyond +-{FP16_MAX:.0f} set to +-{FP16_MAX:.0f}"] if over else []
             parts += [f"{under} non-zero value(s) below 2**-24 set to +-2**-24"] if under else []
             clamped.append({"tensor": name, "count": over + under, "detail": "; ".join(parts)})
-        if ((nonzero >= LIBRARY_MAX_FINITE) | (nonzero <= LIBRARY_MIN_POSITIVE)).any():
+        if ((nonzero > LIBRARY_MAX_FINITE) | (nonzero < LIBRARY_MIN_POSITIVE)).any():
             avoided.append(name)
     return clamped, avoided
 
 
 def _converted_constants(graph: onnx.GraphProto, blocked: Set[str]) -> Iterator[Tuple[str, np.ndarray]]:
     """The float32 tensors the converter turns into fp16: initializers no blocked node
-    reads, and tensor attributes and subgraphs of unblocked nodes."""
+    reads, and tensor attributes (named by the Constant's output, or node.attribute) and
+    subgraphs of unblocked nodes."""
     read_by_blocked = {i for n in graph.node if n.name in blocked for i in n.input}
     for tensor in graph.initializer:
         if tensor.data_type == TensorProto.FLOAT and tensor.name not in read_by_blocked:
@@ -313,9 +311,10 @@ def _converted_constants(graph: onnx.GraphProto, blocked: Set[str]) -> Iterator[
         if node.name in blocked:
             continue
         for attribute in node.attribute:
+            label = node.output[0] if node.op_type == "Constant" else f"{node.name}.{attribute.name}"
             for tensor in [attribute.t, *attribute.tensors]:
                 if tensor.data_type == TensorProto.FLOAT:
-                    yield f"{node.name}.{attribute.name}", numpy_helper.to_array(tensor).ravel()
+                    yield label, numpy_helper.to_array(tensor).ravel()
             for subgraph in [attribute.g, *attribute.graphs]:
                 if subgraph.node:
                     yield from _converted_constants(subgraph, blocked)

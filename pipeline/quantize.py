@@ -116,6 +116,8 @@ def prepare(model_path: Path, out_path: Path) -> None:
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     quant_pre_process(str(model_path), str(out_path), skip_symbolic_shape=True)
+    from pipeline.fp16 import name_nodes
+
     model = onnx.load(str(out_path))
     name_nodes(model)
     used = {node.domain or "" for node in model.graph.node}
@@ -124,11 +126,3 @@ def prepare(model_path: Path, out_path: Path) -> None:
     model.opset_import.extend(kept)
     onnx.save(model, str(out_path))
 
-
-def name_nodes(model) -> None:
-    """Unique names for every node (qtables and nodes_to_exclude refer to nodes by name)."""
-    seen = set()
-    for index, node in enumerate(model.graph.node):
-        if not node.name or node.name in seen:
-            node.name = f"{node.op_type}_{index}"
-        seen.add(node.name)

@@ -8,14 +8,16 @@ from typing import List
 
 import yaml
 
-from pipeline import backends
+import onnx
+
+from pipeline import backends, fp16
 from pipeline.artifacts import read_json
 from pipeline.errors import BackendUnavailable, ConfigError, first_line
 from pipeline.quantize import build_qdq, needs_reduce_range
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 8
+VERSION = 10
 CACHEABLE = True
 
 
@@ -42,6 +44,8 @@ def run(ctx: StageContext) -> StageResult:
     quantization = None
     if precision in ("int8", "mixed"):
         (onnx_path, quantization), ir_dir = _quantize(ctx), None
+    elif precision == "fp16":
+        (onnx_path, quantization), ir_dir = _half(ctx, backend.NAME), None
     artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()
@@ -65,6 +69,29 @@ def run(ctx: StageContext) -> StageResult:
                "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts),
                "quantization": quantization}
     return StageResult(ctx.out_dir, files, summary)
+
+
+def _half(ctx: StageContext, backend: str):
+    """fp16 from the prepared graph (BatchNorm folded): the pre-flight's findings name the
+    nodes kept in fp32 (an overflowing tensor's producer and consumers). ONNX Runtime gets
+    an fp16 ONNX model; OpenVINO an IR with fp16 weights (its execution precision is the
+    precision hint's, when the CPU runs it natively)."""
+    calibrate = ctx.results.get("calibrate")
+    if calibrate is None or "fp16_findings" not in calibrate.files:
+        raise ConfigError("precision=fp16 needs the calibrate stage (statistics for the fp16 pre-flight) before build")
+    findings = read_json(calibrate.path("fp16_findings"))
+    prepared = onnx.load(str(calibrate.path("prepared")))
+    blocked = fp16.block_list(prepared, findings)
+    half = ctx.out_dir / "half.onnx"
+    if backend == "openvino":
+        # fp16 weights in the IR and the f16 hint; OpenVINO decides per layer what runs f16
+        # (it keeps precision-sensitive subgraphs such as x*x -> ReduceSum in f32 itself).
+        # The block list is recorded, not applied: verify reports what ran.
+        onnx.save(prepared, str(half))
+        return half, {"findings": findings, "blocked": blocked, "applied": False,
+                      "converter": "openvino save_model(compress_to_fp16=True)"}
+    summary = fp16.convert(calibrate.path("prepared"), half, blocked)
+    return half, {"findings": findings, **summary}
 
 
 def _quantize(ctx: StageContext):

@@ -13,6 +13,7 @@ from typing import Dict, List
 import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
+from pipeline import fp16
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
@@ -20,12 +21,13 @@ from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 4
+VERSION = 5
 CACHEABLE = True
-QUANTIZED_PRECISIONS = ("int8", "mixed")
+QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
 ORT_QUANTIZE_CACHE = "ort_quantize_cache.json"  # quantize_static(calibration_cache_path=...)
 CANDIDATES = "candidates.json"  # every method's entry per tensor, for the sensitivity search
+FP16_FINDINGS = "fp16_findings.json"  # what fp16 cannot hold, for fp16 builds
 
 
 def needed(cfg) -> bool:
@@ -70,7 +72,8 @@ def run(ctx: StageContext) -> StageResult:
     exports = tables.write_exports(table, ctx.out_dir)  # TPU-MLIR; ORT's write_calibration_table files
     write_ort_cache(table, activations, ctx.out_dir / ORT_QUANTIZE_CACHE)  # exactly the ranges the build uses
     files = {"prepared": "prepared.onnx", "table": "calibration.json", "ort_quantize_cache": ORT_QUANTIZE_CACHE,
-             **({"candidates": CANDIDATES} if (ctx.out_dir / CANDIDATES).exists() else {}),
+             **{role: name for role, name in (("candidates", CANDIDATES), ("fp16_findings", FP16_FINDINGS))
+                if (ctx.out_dir / name).exists()},
              **{kind: path.name for kind, path in exports.items()}}
     return StageResult(ctx.out_dir, files, summary)
 
@@ -95,6 +98,8 @@ def _computed_table(ctx: StageContext, model_path: Path):
     collected = time.perf_counter() - started
     table, choices = _thresholds(stats, ctx, model_path)
     write_json(ctx.out_dir / CANDIDATES, _candidates(stats, ctx.cfg.calibration))
+    write_json(ctx.out_dir / FP16_FINDINGS, fp16.activation_findings(stats.histograms)
+               + fp16.constant_findings(onnx.load(str(model_path))))
     zero = sorted(name for name, h in stats.histograms.items() if h.abs_max == 0)
     if zero:
         warnings.append(f"{len(zero)} tensors are always zero (threshold floor {thresholds.MIN_THRESHOLD:g}): "

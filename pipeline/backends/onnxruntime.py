@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 NAME = "onnxruntime"
-PRECISIONS = ("fp32", "int8", "mixed")
+PRECISIONS = ("fp32", "fp16", "int8", "mixed")
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU",)
 

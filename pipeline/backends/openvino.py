@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 NAME = "openvino"
-PRECISIONS = ("fp32", "bf16", "int8", "mixed")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU",)
 
@@ -34,19 +34,19 @@ def versions() -> Dict[str, str]:
     return {"openvino": openvino.get_version()}
 
 
-def convert(onnx_path: Path, out_dir: Path) -> List[str]:
+def convert(onnx_path: Path, out_dir: Path, fp16_weights: bool = False) -> List[str]:
     """ONNX -> IR through Core.read_model (the ovc converter path sends telemetry)."""
     import openvino as ov
 
     model = ov.Core().read_model(str(onnx_path))
-    ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
+    ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=fp16_weights)
     return ["model.xml", "model.bin"]
 
 
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
     """The IR from convert when there is one, else converted here (e.g. a QDQ int8 model)."""
     if ir_dir is None:
-        convert(onnx_path, out_dir)
+        convert(onnx_path, out_dir, fp16_weights=precision == "fp16")
     else:
         for name in ("model.xml", "model.bin"):
             shutil.copyfile(ir_dir / name, out_dir / name)
