@@ -24,7 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from pipeline.calibration.auto import fake_quantize
-from pipeline.calibration.statistics import BatchRunner, _free_reshape_batch
+from pipeline.calibration.statistics import BatchRunner, free_reshape_batch
 
 QUANTIZED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "Concat", "MaxPool", "AveragePool",
                  "GlobalAveragePool"}
@@ -218,7 +218,7 @@ def _suffix_session(model: onnx.ModelProto, index: int):
     suffix.ir_version = model.ir_version
     for value in suffix.graph.input:
         value.type.tensor_type.ClearField("shape")
-    _free_reshape_batch(suffix)
+    free_reshape_batch(suffix)
     return _session(suffix)
 
 

@@ -131,7 +131,7 @@ class BatchRunner:
                 if dims:
                     dims[0].Clear()
                     dims[0].dim_param = "batch"
-            _free_reshape_batch(augmented)
+            free_reshape_batch(augmented)
         options = ort.SessionOptions()
         options.log_severity_level = 4
         try:
@@ -156,7 +156,7 @@ class BatchRunner:
         return {name: np.concatenate([row[j] for row in rows]) for j, name in enumerate(self.names)}
 
 
-def _free_reshape_batch(model: onnx.ModelProto) -> None:
+def free_reshape_batch(model: onnx.ModelProto) -> None:
     """Reshape targets exported for batch 1 ([1, ...]) copy the batch dim instead (0 means
     "copy this dim" in ONNX Reshape): the same result for one sample, and a batch can
     flow through. A model where this is wrong fails the batch check and runs one by one."""
