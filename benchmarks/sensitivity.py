@@ -77,7 +77,7 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
     rng = np.random.default_rng(0)
     top = [row["op"] for row in ranking[:5]]
     others = [op for op in ops if op not in top]
-    measured_ops = top + list(rng.choice(others, size=max(0, sample_ops - len(top)), replace=False))
+    measured_ops = top + [str(op) for op in rng.choice(others, size=max(0, sample_ops - len(top)), replace=False)]
     losses, started = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         for op in measured_ops:
