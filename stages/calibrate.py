@@ -21,7 +21,7 @@ from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 5
+VERSION = 6
 CACHEABLE = True
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
@@ -38,7 +38,7 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
-            "activations": cfg.precision.activations}
+            "activations": cfg.precision.activations, "precision": cfg.precision.name}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -97,9 +97,12 @@ def _computed_table(ctx: StageContext, model_path: Path):
     stats = statistics.Statistics.load(folder)
     collected = time.perf_counter() - started
     table, choices = _thresholds(stats, ctx, model_path)
-    write_json(ctx.out_dir / CANDIDATES, _candidates(stats, ctx.cfg.calibration))
-    write_json(ctx.out_dir / FP16_FINDINGS, fp16.activation_findings(stats.histograms)
-               + fp16.constant_findings(onnx.load(str(model_path))))
+    precision = ctx.cfg.precision.name.value
+    if precision == "mixed":
+        write_json(ctx.out_dir / CANDIDATES, _candidates(stats, ctx.cfg.calibration))
+    if precision == "fp16":
+        write_json(ctx.out_dir / FP16_FINDINGS, fp16.activation_findings(stats.histograms)
+                   + fp16.constant_findings(onnx.load(str(model_path))))
     zero = sorted(name for name, h in stats.histograms.items() if h.abs_max == 0)
     if zero:
         warnings.append(f"{len(zero)} tensors are always zero (threshold floor {thresholds.MIN_THRESHOLD:g}): "

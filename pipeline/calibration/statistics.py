@@ -18,6 +18,8 @@ from pipeline.calibration.histogram import AbsHistogram
 from pipeline.data import Sample
 from pipeline.errors import InputError
 
+ACTIVATION_BUDGET = 256 << 20  # bytes of activations held per group of samples
+
 
 @dataclass
 class Statistics:
@@ -66,6 +68,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
     seen = 0
+    group = 1  # the first sample alone measures how much memory a sample's activations take
 
     def update(item):
         name, value = item
@@ -79,10 +82,14 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
             kept[name].append(value[:room])
 
     def flush():
-        nonlocal seen
+        nonlocal seen, group
         feeds = {key: np.concatenate([s.feeds[key] for s in batch]) for key in batch[0].feeds}
+        values = runner.run(feeds, len(batch))
+        per_sample = sum(v.nbytes for v in values.values()) / len(batch)
+        group = int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
         # numpy releases the GIL in its loops: histograms of different tensors fill in parallel
-        list(pool.map(update, runner.run(feeds, len(batch)).items()))
+        list(pool.map(update, values.items()))
+        del values
         seen += len(batch)
         if progress:
             progress(len(batch))
@@ -91,12 +98,12 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for sample in samples:
             batch.append(sample)
-            if len(batch) == batch_size:  # histograms update once per group, whatever the runner's batch
+            if len(batch) >= group:  # histograms update once per group, whatever the runner's batch
                 flush()
         if batch:
             flush()
     stacked = {name: np.concatenate(parts) for name, parts in kept.items() if parts}
-    return Statistics(histograms, stacked, seen, runner.batch_size)
+    return Statistics(histograms, stacked, seen, min(runner.batch_size, group))
 
 
 class BatchRunner:
