@@ -22,6 +22,8 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
     calibration = _calibration(results)
     if calibration:
         warnings += [f"calibration: {w}" for w in calibration.get("warnings", []) if w not in warnings]
+    if "sensitivity" in results and results["sensitivity"].summary.get("warning"):
+        warnings.append(f"sensitivity: {results['sensitivity'].summary['warning']}")
     if convert:
         warnings += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in convert["preflight"]
                      if f["severity"] != "info"]
