@@ -132,8 +132,7 @@ def _thresholds(stats, ctx: StageContext, model_path: Path):
     for name, histogram in stats.histograms.items():
         method = cfg.inputs.value if name in inputs and cfg.inputs else cfg.method.value
         methods = AUTO_CANDIDATES if method == "auto" else (method,)
-        candidates[name] = {m: _entry(histogram, m, thresholds.compute(histogram, m, **options.get(m, {})))
-                            for m in methods}
+        candidates[name] = {m: tables.table_entry(histogram, m, **options.get(m, {})) for m in methods}
     undecided = {name: entries for name, entries in candidates.items() if len(entries) > 1}
     choices = auto.choose(model, stats.kept, undecided, ctx.cfg.precision.activations.value) if undecided else {}
     table = {name: entries[choices[name]["method"]] if name in choices else next(iter(entries.values()))
@@ -149,14 +148,8 @@ def _method_options(cfg) -> Dict[str, dict]:
 def _candidates(stats, cfg) -> Dict[str, Dict[str, dict]]:
     """Every tensor's entry under each base method: what the sensitivity search tries."""
     options = _method_options(cfg)
-    return {name: {m: _entry(h, m, thresholds.compute(h, m, **options.get(m, {}))) for m in thresholds.METHODS}
+    return {name: {m: tables.table_entry(h, m, **options.get(m, {})) for m in thresholds.METHODS}
             for name, h in stats.histograms.items()}
-
-
-def _entry(histogram, method: str, threshold: float) -> dict:
-    return {"threshold": float(threshold), "min": float(histogram.min or 0.0), "max": float(histogram.max or 0.0),
-            "method": method, "histogram": {"bins": histogram.bins, "width": float(histogram.width),
-                                            "count": int(histogram.count), "abs_max": float(histogram.abs_max)}}
 
 
 def _imported_table(path: Path, model_path: Path):
