@@ -24,3 +24,11 @@ def rich_handler(level: str = "INFO") -> logging.Handler:
     handler = RichHandler(console=stderr_console(), show_path=False, show_time=False, markup=False, rich_tracebacks=False)
     handler.setLevel(level)
     return handler
+
+
+def progress_bar():
+    """A live bar on a terminal; nothing when output goes to a file or a CI log."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=stderr_console(), transient=True, disable=not stderr_console().is_terminal)

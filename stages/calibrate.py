@@ -15,6 +15,7 @@ import onnx
 from pipeline.artifacts import hash_files, sha256_file, write_json
 from pipeline import fp16
 from pipeline.calibration import auto, statistics, tables, thresholds
+from pipeline.console import progress_bar
 from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
 from pipeline.quantize import prepare, write_ort_cache
@@ -92,8 +93,13 @@ def _computed_table(ctx: StageContext, model_path: Path):
                 "data_config": str(ctx.cfg.data), "bins": cfg.bins, "batch_size": cfg.batch_size,
                 "keep": cfg.auto_samples}
     started = time.perf_counter()
-    folder, reused = ctx.memo("calibration-statistics", material, lambda out: statistics.collect(
-        model_path, split, len(split), cfg.bins, cfg.batch_size, cfg.auto_samples).save(out))
+    def collect(out: Path) -> None:
+        with progress_bar() as progress:
+            task = progress.add_task("calibration statistics", total=len(split))
+            statistics.collect(model_path, split, len(split), cfg.bins, cfg.batch_size, cfg.auto_samples,
+                               progress=lambda n: progress.advance(task, n)).save(out)
+
+    folder, reused = ctx.memo("calibration-statistics", material, collect)
     stats = statistics.Statistics.load(folder)
     collected = time.perf_counter() - started
     table, choices = _thresholds(stats, ctx, model_path)

@@ -16,6 +16,7 @@ from pipeline.artifacts import read_json, write_json
 from pipeline.calibration import sensitivity as search
 from pipeline.calibration import tables
 from pipeline.calibration.statistics import BatchRunner
+from pipeline.console import progress_bar
 from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import ConfigError, InputError
 from pipeline.quantize import build_qdq, needs_reduce_range
@@ -69,8 +70,11 @@ def run(ctx: StageContext) -> StageResult:
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
-    trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
-                              cfg.precision.activations.value, _reduce_range(cfg), cfg.sensitivity.screen)
+    with progress_bar() as progress:
+        task = progress.add_task("sensitivity search", total=len(search.quantizable_ops(prepared, candidates)))
+        trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
+                                  cfg.precision.activations.value, _reduce_range(cfg), cfg.sensitivity.screen,
+                                  progress=lambda n: progress.advance(task, n))
     ranking = _ranking(trials)
     best_table = _best_method_table(prepared, table, candidates, ranking)
     if cfg.sensitivity.select.value == "top_n":

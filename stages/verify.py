@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import List
 
 import yaml
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from pipeline import backends
 from pipeline.backends import onnxruntime as ort_backend
-from pipeline.console import stderr_console
+from pipeline.console import progress_bar
 from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, first_line
 from pipeline.artifacts import read_json
@@ -69,7 +68,7 @@ def run(ctx: StageContext) -> StageResult:
     stats = {name: OutputStats() for name in reference.outputs}
     top1 = Top1()
     missing = [name for name in reference.outputs if name not in session.outputs]
-    with contextlib.ExitStack() as scratch, _progress() as progress:
+    with contextlib.ExitStack() as scratch, progress_bar() as progress:
         baselines = _baselines(ctx, backend, scratch)  # fp32 (and plain int8 for mixed) side by side
         task = progress.add_task(f"verify {cfg.target.name}", total=len(dataset.validation))
         for sample in dataset.validation:
@@ -191,8 +190,3 @@ def _verdict(outputs, missing, task, requested, effective, samples):
         reasons.append(f"top-1 accuracy dropped {task['drop'] * 100:.2f} points "
                        f"({task['reference']:.4f} -> {task['target']:.4f}), allowed {task['max_drop'] * 100:.2f}")
     return reasons, (ExitCode.THRESHOLD if reasons else ExitCode.OK)
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=stderr_console(), transient=True, disable=not stderr_console().is_terminal)
