@@ -23,7 +23,7 @@ CACHEABLE = True
 
 def key_config(cfg):
     precision = cfg.precision
-    quantized = precision.name.value == "int8"
+    quantized = precision.name.value in ("int8", "mixed")
     return {"target": cfg.target, "precision": precision.name,
             "int8": (precision.activations, precision.per_channel, precision.reduce_range,
                      needs_reduce_range()) if quantized else None}
