@@ -10,6 +10,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
+
+from pipeline.calibration.single_node import node_session
 
 from pipeline.quantize import activation_range
 
@@ -30,7 +33,7 @@ def choose(model: onnx.ModelProto, kept: Dict[str, np.ndarray], candidates: Dict
            activations: str) -> Dict[str, dict]:
     """{tensor: {"method": best, "errors": {method: mse}}} for every tensor with kept samples."""
     consumers = _weighted_consumers(model)
-    sessions: Dict[str, Optional[object]] = {}
+    sessions: Dict[str, tuple] = {}
     chosen = {}
     for name, entries in candidates.items():
         values = kept.get(name)
@@ -40,12 +43,12 @@ def choose(model: onnx.ModelProto, kept: Dict[str, np.ndarray], candidates: Dict
         measured = False
         for node in consumers.get(name, []):
             if node.name not in sessions:
-                sessions[node.name] = _single_node_session(model, node, kept)
-            session = sessions[node.name]
+                feeds = _node_feeds(model, node, kept)
+                sessions[node.name] = (node_session(model, node) if feeds is not None else None, feeds)
+            session, feeds = sessions[node.name]
             if session is None:
                 continue
             measured = True
-            feeds = {i.name: kept[i.name] for i in session.get_inputs()}
             reference = session.run(None, feeds)[0]
             for method, entry in entries.items():
                 output = session.run(None, {**feeds, name: fake_quantize(values, entry, activations)})[0]
@@ -68,27 +71,15 @@ def _weighted_consumers(model: onnx.ModelProto) -> Dict[str, List[onnx.NodeProto
     return found
 
 
-def _single_node_session(model: onnx.ModelProto, node: onnx.NodeProto, kept: Dict[str, np.ndarray]):
-    """The node alone as an ONNX Runtime session, or None when an input was not kept."""
-    import onnxruntime as ort
-
+def _node_feeds(model: onnx.ModelProto, node: onnx.NodeProto, kept: Dict[str, np.ndarray]) -> Optional[dict]:
+    """Float inputs of ``node`` (weights from the initializers), or None when one was not kept."""
     initializers = {t.name: t for t in model.graph.initializer}
-    inputs, weights = [], []
-    for name in node.input:
-        if not name:
-            continue
+    feeds = {}
+    for name in (n for n in node.input if n):
         if name in initializers:
-            weights.append(initializers[name])
+            feeds[name] = numpy_helper.to_array(initializers[name])
         elif name in kept:
-            inputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            feeds[name] = kept[name]
         else:
             return None
-    output = onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)
-    graph = onnx.helper.make_graph([node], "consumer", inputs, [output], initializer=weights)
-    single = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
-    single.ir_version = model.ir_version
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    options.intra_op_num_threads = 1  # a thread pool per tiny session costs more than the node
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(single.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return feeds

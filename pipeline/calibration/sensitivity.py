@@ -24,6 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from pipeline.calibration.auto import fake_quantize
+from pipeline.calibration.single_node import elem_type, node_session, session
 from pipeline.calibration.statistics import BatchRunner, free_reshape_batch
 
 QUANTIZED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "Concat", "MaxPool", "AveragePool",
@@ -96,7 +97,7 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, a
                    screen, count) -> List[Trial]:
     initializers = {t.name: t for t in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
-    single = _single_node_session(model, node)
+    single = node_session(model, node)
     float_feeds = {name: floats[name] if name in floats else numpy_helper.to_array(initializers[name])
                    for name in _node_inputs(node)}
     expected = floats[node.output[0]]
@@ -125,15 +126,15 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, a
     return [trial for trial, _ in trials]
 
 
-def _run_batched(session, feeds: Dict[str, np.ndarray], count: int) -> List[np.ndarray]:
+def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int) -> List[np.ndarray]:
     """All samples in one run, or one at a time when the graph has a batch of 1 baked in."""
     try:
-        values = session.run(None, feeds)
+        values = suffix.run(None, feeds)
         if all(v.ndim and v.shape[0] == count for v in values):
             return values
     except Exception:  # noqa: BLE001 - e.g. a Reshape to a fixed batch of 1
         pass
-    rows = [session.run(None, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(count)]
+    rows = [suffix.run(None, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(count)]
     return [np.concatenate([row[j] for row in rows]) for j in range(len(rows[0]))]
 
 
@@ -181,25 +182,6 @@ def _sqnr(expected: np.ndarray, actual: np.ndarray) -> Optional[float]:
     return 10 * math.log10(signal / noise) if noise and signal else None
 
 
-def _session(model: onnx.ModelProto):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def _single_node_session(model: onnx.ModelProto, node: onnx.NodeProto):
-    """The node alone, every input (weights included) a graph input."""
-    inputs = [onnx.helper.make_tensor_value_info(name, _elem_type(model, name), None) for name in _node_inputs(node)]
-    output = onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)
-    single = onnx.helper.make_model(onnx.helper.make_graph([node], "op", inputs, [output]),
-                                    opset_imports=list(model.opset_import))
-    single.ir_version = model.ir_version
-    return _session(single)
-
-
 def _suffix_session(model: onnx.ModelProto, index: int):
     """The graph after node ``index``, fed the tensors alive at that point (None when the
     node is the last one)."""
@@ -208,7 +190,7 @@ def _suffix_session(model: onnx.ModelProto, index: int):
         return None
     alive = sorted(_alive_after(model, index))
     used = {i for node in later for i in node.input}
-    inputs = [onnx.helper.make_tensor_value_info(name, _elem_type(model, name), None) for name in alive
+    inputs = [onnx.helper.make_tensor_value_info(name, elem_type(model, name), None) for name in alive
               if name in used]
     produced = {o for node in later for o in node.output}
     outputs = [o for o in model.graph.output if o.name in produced]
@@ -219,14 +201,4 @@ def _suffix_session(model: onnx.ModelProto, index: int):
     for value in suffix.graph.input:
         value.type.tensor_type.ClearField("shape")
     free_reshape_batch(suffix)
-    return _session(suffix)
-
-
-def _elem_type(model: onnx.ModelProto, name: str) -> int:
-    for value in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
-        if value.name == name:
-            return value.type.tensor_type.elem_type
-    for tensor in model.graph.initializer:
-        if tensor.name == name:
-            return tensor.data_type
-    return onnx.TensorProto.FLOAT
+    return session(suffix)
