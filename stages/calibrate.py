@@ -102,10 +102,11 @@ def _computed_table(ctx: StageContext, model_path: Path):
     folder, reused = ctx.memo("calibration-statistics", material, collect)
     stats = statistics.Statistics.load(folder)
     collected = time.perf_counter() - started
-    table, choices = _thresholds(stats, ctx, model_path)
     precision = ctx.cfg.precision.name.value
-    if precision == "mixed":
-        write_json(ctx.out_dir / CANDIDATES, _candidates(stats, ctx.cfg.calibration))
+    every_method = _candidates(stats, cfg) if precision == "mixed" else None
+    table, choices = _thresholds(stats, ctx, model_path, every_method)
+    if every_method is not None:
+        write_json(ctx.out_dir / CANDIDATES, every_method)
     if precision == "fp16":
         write_json(ctx.out_dir / FP16_FINDINGS, fp16.activation_findings(stats.histograms)
                    + fp16.constant_findings(onnx.load(str(model_path))))
@@ -129,7 +130,9 @@ def _computed_table(ctx: StageContext, model_path: Path):
     return table, summary
 
 
-def _thresholds(stats, ctx: StageContext, model_path: Path):
+def _thresholds(stats, ctx: StageContext, model_path: Path, every_method=None):
+    """The table for the configured method; every_method: entries already computed for
+    all base methods (mixed), reused instead of computed again."""
     cfg = ctx.cfg.calibration
     options = _method_options(cfg)
     model = onnx.load(str(model_path), load_external_data=False)
@@ -138,7 +141,8 @@ def _thresholds(stats, ctx: StageContext, model_path: Path):
     for name, histogram in stats.histograms.items():
         method = cfg.inputs.value if name in inputs and cfg.inputs else cfg.method.value
         methods = AUTO_CANDIDATES if method == "auto" else (method,)
-        candidates[name] = {m: tables.table_entry(histogram, m, **options.get(m, {})) for m in methods}
+        candidates[name] = {m: every_method[name][m] if every_method else
+                            tables.table_entry(histogram, m, **options.get(m, {})) for m in methods}
     undecided = {name: entries for name, entries in candidates.items() if len(entries) > 1}
     choices = auto.choose(model, stats.kept, undecided, ctx.cfg.precision.activations.value) if undecided else {}
     table = {name: entries[choices[name]["method"]] if name in choices else next(iter(entries.values()))
