@@ -44,12 +44,13 @@ class RunOutcome:
 def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
     outcome = RunOutcome(Path(run_dir))
     cache_root = Path(cfg.pipeline.cache_dir).expanduser() if cfg.pipeline.cache else None
+    output_hashes: Dict[str, dict] = {}  # each finished stage's files, hashed once
     for name in cfg.pipeline.stages:
         stage = stages.load(name)
         out_dir = outcome.run_dir / "stages" / name
         ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records, cache_root)
         started = time.perf_counter()
-        key = _stage_key(stage, ctx) if cache_root and stage.CACHEABLE else None
+        key = _stage_key(stage, ctx, output_hashes) if cache_root and stage.CACHEABLE else None
         cached = _from_cache(cache_root / name / key, out_dir) if key else None
         if cached is not None:
             result, computed_seconds = cached
@@ -68,15 +69,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
         seconds = time.perf_counter() - started
         log.info("stage %s: %s in %.2f s", name, status, seconds)
         outcome.results[name] = result
+        if cache_root:
+            output_hashes[name] = {path: digest for path, digest in hash_tree(out_dir).items() if path != "result.json"}
         outcome.records.append({"stage": name, "status": status, "seconds": round(seconds, 4),
                                 "computed_seconds": round(computed_seconds, 4), "key": key})
     return outcome
 
 
-def _stage_key(stage, ctx: StageContext) -> str:
-    earlier = {name: hash_tree(result.out_dir) for name, result in ctx.results.items()}
-    for files in earlier.values():
-        files.pop("result.json", None)
+def _stage_key(stage, ctx: StageContext, earlier: Dict[str, dict]) -> str:
     material = {
         "stage": stage.NAME,
         "version": stage.VERSION,
