@@ -2,7 +2,7 @@
 
 Both renderers share one description of the document: the section functions
 below turn parts of the report into a flat list of blocks (heading, banner,
-paragraph, bullet list, key/value list, table, charts) and each renderer only
+paragraph, bullet list, key/value list, table, preformatted text, charts) and each renderer only
 knows how to write blocks. Charts are hand-written inline SVG and appear in the
 HTML page only.
 
@@ -174,6 +174,11 @@ class Charts:
     svgs: List[str]  # HTML only
 
 
+@dataclass
+class Pre:
+    lines: List[str]  # preformatted text: <pre> in HTML, a fenced code block in Markdown
+
+
 VERDICT_LABELS = {"pass": "PASS", "fail": "FAIL", "unverified": "UNVERIFIED"}
 VERDICT_ICONS = {"pass": "🟢", "fail": "🔴", "unverified": "⚪"}
 
@@ -198,8 +203,13 @@ def _header_section(report: dict) -> list:
     exit_code = report.get("exit_code")
     detail = f"exit code {exit_code}" if exit_code is not None else ""
     blocks.append(Banner(_verdict(report), detail))
+    about = []
     if report.get("parity_version"):
-        blocks.append(Para(f"parity {report['parity_version']}", css="muted"))
+        about.append(f"parity {report['parity_version']}")
+    if report.get("schema_version") is not None:
+        about.append(f"report schema {report['schema_version']}")
+    if about:
+        blocks.append(Para(" · ".join(about), css="muted"))
 
     target = _as_dict(report.get("target"))
     if target:
@@ -216,6 +226,36 @@ def _header_section(report: dict) -> list:
     warnings = [str(w) for w in _as_list(report.get("warnings"))]
     if warnings:
         blocks += [Heading(3, "Warnings"), Items(warnings, css="warnings")]
+    crash = _as_dict(report.get("verify")).get("crash")
+    if isinstance(crash, dict):
+        blocks += _crash_blocks(crash)
+    return blocks
+
+
+CRASH_TITLES = {
+    "crashed": "crashed",
+    "hung": "hung (stopped after the time limit)",
+    "error": "failed with an error",
+    "memory": "ran out of memory",
+}
+STDERR_LINES = 40  # last lines of the backend's stderr shown in the report
+STDERR_WIDTH = 300  # characters per stderr line
+
+
+def _crash_blocks(crash: dict) -> list:
+    """The backend process died, hung or failed: shown under the reasons, before Verification."""
+    kind = str(crash.get("kind") or "crashed")
+    backend = str(crash.get("backend") or "the backend")
+    blocks: list = [Heading(2, f"⚠ Backend {backend} {CRASH_TITLES.get(kind, kind)}")]
+    pairs = [("kind", kind), ("backend", backend)]
+    if crash.get("detail"):
+        pairs.append(("detail", fmt_value(crash["detail"])))
+    blocks.append(KeyValues(pairs))
+    tail = [str(line).rstrip("\n") for line in _as_list(crash.get("stderr_tail"))]
+    if tail:
+        shown = [_truncate(line, STDERR_WIDTH) for line in tail[-STDERR_LINES:]]
+        label = f"stderr (last {len(shown)} lines)" if len(tail) > len(shown) else "stderr"
+        blocks += [Para(label, css="muted"), Pre(shown)]
     return blocks
 
 
@@ -227,6 +267,7 @@ def _verification_section(verify: dict) -> list:
     if outputs:
         blocks.append(_output_metrics_table(outputs))
         blocks += _thresholds_blocks(outputs)
+        blocks += _min_tolerance_blocks(outputs)
         blocks += _per_sample_blocks(outputs)
     else:
         blocks.append(Para("no outputs were compared"))
@@ -382,6 +423,20 @@ def _thresholds_blocks(outputs: list) -> list:
     return [Heading(3, "Thresholds"), Table(headers, rows)]
 
 
+def _min_tolerance_blocks(outputs: list) -> list:
+    """Per output, the smallest abs / rel tolerances under which it would have passed."""
+    rows = []
+    for out in outputs:
+        tolerances = out.get("min_tolerances")
+        if isinstance(tolerances, dict):
+            rows.append([fmt_value(out.get("name")), fmt_error(tolerances.get("abs")),
+                         fmt_error(tolerances.get("rel"))])
+    if not rows:
+        return []
+    return [Heading(3, "Minimum tolerances that would pass"),
+            Table(["output", "abs tolerance", "rel tolerance"], rows)]
+
+
 def _worst(values: list, pick: Callable, fmt: Callable[[Any], str]) -> str:
     """'value (sample i)' for the worst finite value, picked by min or max."""
     finite = [(v, i) for i, v in enumerate(values) if _finite(v)]
@@ -457,6 +512,123 @@ def _device_precision_blocks(requested: dict, effective: dict) -> list:
         classes.append("" if same else "row-mismatch")
     return [Heading(3, "Requested vs effective"),
             Table(["setting", "requested", "effective", "match"], rows, classes)]
+
+
+FIRST_NAMES = 10  # names listed for long tensor lists (the rest is counted)
+
+
+def _first_names(names: Any) -> str:
+    names = [str(n) for n in _as_list(names)]
+    if not names:
+        return "0"
+    shown = ", ".join(names[:FIRST_NAMES])
+    more = f", … (+{len(names) - FIRST_NAMES} more)" if len(names) > FIRST_NAMES else ""
+    return f"{len(names)}: {shown}{more}"
+
+
+def _fmt_attribute(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(fmt_value(v) for v in value) + "]"
+    return fmt_value(value)
+
+
+def _layerwise_section(layerwise: dict) -> list:
+    """Every intermediate tensor of the target against the reference, in network order."""
+    blocks: list = [Heading(2, "Layerwise comparison")]
+    threshold = layerwise.get("threshold")
+    if layerwise.get("ran") is False:
+        why = layerwise.get("reason") or "not run"
+        return blocks + [Para(f"not run ({fmt_value(layerwise.get('mode'))} mode): {why}", css="muted")]
+    pairs = [("mode", fmt_value(layerwise.get("mode")))]
+    for key, label, fmt in (("reason", "why", fmt_value), ("samples", "samples", fmt_value),
+                            ("seconds", "seconds", fmt_seconds), ("compared", "tensors compared", fmt_value),
+                            ("threshold", "per-tensor min cosine", fmt_cosine)):
+        if layerwise.get(key) is not None:
+            pairs.append((label, fmt(layerwise[key])))
+    for key, label in (("not_exposed", "not exposed by the backend"),
+                       ("unmappable", "backend tensors without an ONNX name")):
+        if layerwise.get(key) is not None:
+            pairs.append((label, _first_names(layerwise[key])))
+    if layerwise.get("side_file"):
+        pairs.append(("every tensor", fmt_value(layerwise["side_file"])))
+    blocks.append(KeyValues(pairs))
+
+    divergence = layerwise.get("first_divergence")
+    depth = [d for d in _as_list(layerwise.get("depth")) if isinstance(d, dict)]
+    if depth:
+        xs = [d.get("index") if _finite(d.get("index")) else i for i, d in enumerate(depth)]
+        labels = [f"{d.get('tensor')} ({d.get('op')}): cosine {fmt_cosine(d.get('cosine'))}" for d in depth]
+        mark = None
+        if isinstance(divergence, dict):
+            hit = next((x for x, d in zip(xs, depth) if d.get("tensor") == divergence.get("tensor")), None)
+            if hit is not None:
+                mark = (hit, f"first divergence: {divergence.get('op')}")
+        blocks.append(Charts([svg_line_chart(
+            [d.get("cosine") for d in depth], x_values=xs, title="per-tensor cosine along the network",
+            x_label="topological index", y_label="cosine", value_format=fmt_cosine,
+            threshold=threshold, threshold_label="threshold", flag_below=True, point_labels=labels,
+            mark_x=mark, width=900)]))
+
+    if isinstance(divergence, dict):
+        blocks += _divergence_blocks(divergence, threshold)
+    elif "first_divergence" in layerwise:
+        blocks.append(Para("no tensor fell below the per-tensor threshold"))
+    origin = layerwise.get("nan_origin")
+    if isinstance(origin, dict):
+        blocks += [Heading(3, "First NaN/Inf"), KeyValues([
+            ("tensor", fmt_value(origin.get("tensor"))), ("op", fmt_value(origin.get("op"))),
+            ("op type", fmt_value(origin.get("op_type"))), ("NaN", fmt_value(origin.get("nan"))),
+            ("Inf", fmt_value(origin.get("inf"))),
+            ("reference max abs", fmt_error(origin.get("reference_max_abs")))])]
+
+    worst = [w for w in _as_list(layerwise.get("worst")) if isinstance(w, dict)][:FIRST_NAMES]
+    if worst:
+        rows = [[fmt_value(w.get("tensor")), fmt_value(w.get("op")), fmt_value(w.get("op_type")),
+                 fmt_value(w.get("index")), fmt_cosine(w.get("cosine")), fmt_error(w.get("max_abs")),
+                 fmt_sqnr(w["sqnr_db"]) if "sqnr_db" in w else NA, fmt_value(w.get("nan")),
+                 fmt_value(w.get("inf")), fmt_pass(w.get("passed"))] for w in worst]
+        classes = ["row-fail" if w.get("passed") is False else "" for w in worst]
+        blocks += [Heading(3, f"Worst {len(worst)} tensors"),
+                   Table(["tensor", "op", "op type", "depth", "cosine", "max abs", "SQNR dB", "NaN",
+                          "Inf", "result"], rows, classes)]
+
+    return blocks
+
+
+def _divergence_blocks(divergence: dict, threshold: Any) -> list:
+    limit = divergence.get("threshold", threshold)
+    pairs = [("tensor", fmt_value(divergence.get("tensor"))), ("op", fmt_value(divergence.get("op"))),
+             ("op type", fmt_value(divergence.get("op_type"))),
+             ("cosine", fmt_cosine(divergence.get("cosine")) +
+              (f" (threshold {fmt_cosine(limit)})" if limit is not None else "")),
+             ("max abs", fmt_error(divergence.get("max_abs")))]
+    attributes = _as_dict(divergence.get("attributes"))
+    if attributes:
+        pairs.append(("attributes", ", ".join(f"{k}={_fmt_attribute(v)}" for k, v in attributes.items())))
+    region = [str(op) for op in _as_list(divergence.get("region"))]
+    if region:
+        pairs.append(("region", " → ".join(region)))
+    blocks: list = [Heading(3, "First divergence"), KeyValues(pairs)]
+    inputs = [i for i in _as_list(divergence.get("inputs")) if isinstance(i, dict)]
+    if inputs:
+        rows = [[fmt_value(i.get("tensor")), fmt_cosine(i.get("cosine"))] for i in inputs]
+        classes = ["row-fail" if _finite(i.get("cosine")) and _finite(limit) and i["cosine"] < limit else ""
+                   for i in inputs]
+        blocks.append(Table(["input tensor", "cosine"], rows, classes))
+    return blocks
+
+
+def _recommendations_section(recommendations: list) -> list:
+    texts = []
+    for rec in recommendations:
+        if isinstance(rec, dict):
+            if rec.get("text"):
+                texts.append(str(rec["text"]))
+        elif rec:
+            texts.append(str(rec))
+    if not texts:
+        return []
+    return [Heading(2, "Recommendations"), Items(texts, css="recommendations")]
 
 
 def _stages_section(stages: list) -> list:
@@ -598,7 +770,12 @@ def build_document(report: dict) -> list:
         raise TypeError(f"report must be a dict, got {type(report).__name__}")
     blocks = _header_section(report)
     if isinstance(report.get("verify"), dict):
-        blocks += _verification_section(report["verify"])
+        verify = report["verify"]
+        blocks += _verification_section(verify)
+        if isinstance(verify.get("layerwise"), dict):
+            blocks += _layerwise_section(verify["layerwise"])
+        if isinstance(verify.get("recommendations"), (list, tuple)):
+            blocks += _recommendations_section(list(verify["recommendations"]))
     if isinstance(report.get("stages"), (list, tuple)):
         blocks += _stages_section(list(report["stages"]))
     model, convert = _as_dict(report.get("model")), _as_dict(report.get("convert"))
@@ -737,25 +914,36 @@ def svg_bar_chart(labels: Sequence[str], values: Sequence[Any], *, title: str, x
     return "\n".join(parts)
 
 
+FLAG_COLOR = "#cf222e"
+MAX_POINTS = 300  # above this many points the line is drawn without a dot per point
+MAX_FLAGGED = 300  # flagged (below-threshold) points drawn with a dot and a tooltip
+
+
 def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: str,
                    value_format: Callable[[Any], str] = fmt_error, include_zero: bool = False,
                    threshold: Any = None, threshold_label: str = "threshold",
-                   color: str = COMPUTED_COLOR) -> str:
-    """Line/point chart of one series against its index (x = 0 .. n-1).
+                   color: str = COMPUTED_COLOR, x_values: Optional[Sequence[Any]] = None,
+                   flag_below: bool = False, point_labels: Optional[Sequence[str]] = None,
+                   mark_x: Optional[Tuple[float, str]] = None, width: int = 520) -> str:
+    """Line/point chart of one series against its index (x = 0 .. n-1) or ``x_values``.
 
     Non-finite values are not drawn (their count is stated under the title).
     The threshold, if any, is stated under the title and, when it falls inside
-    the plotted range, drawn as a dashed red line.
+    the plotted range, drawn as a dashed red line. ``flag_below`` draws the points
+    under the threshold as red dots, with ``point_labels`` as their tooltips;
+    ``mark_x`` = (x, label) draws a labelled vertical marker.
     """
-    width, height = 520, 300
+    height = 300
     left, right, top, bottom = 84, 16, 48, 48
     plot_w, plot_h = width - left - right, height - top - bottom
-    points = [(i, float(v)) for i, v in enumerate(values) if _finite(v)]
+    xs = [x_values[i] if x_values is not None and i < len(x_values) and _finite(x_values[i]) else i
+          for i in range(len(values))]
+    points = [(float(x), float(v), i) for i, (x, v) in enumerate(zip(xs, values)) if _finite(v)]
     skipped = len(values) - len(points)
 
     parts = _svg_open(width, height, title)
     if points:
-        y_values = [v for _, v in points]
+        y_values = [v for _, v, _ in points]
         lo, hi = min(y_values), max(y_values)
         subtitle = f"range {value_format(lo)} … {value_format(hi)}"
     else:
@@ -763,8 +951,12 @@ def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: 
         subtitle = "no finite values"
     if skipped:
         subtitle += f" · {skipped} non-finite not drawn"
+    flagged = []
     if _finite(threshold):
         subtitle += f" · {threshold_label} {value_format(threshold)}"
+        if flag_below:
+            flagged = [p for p in points if p[1] < threshold]
+            subtitle += f" · {len(flagged)} below"
     parts.append(f'<text x="{width / 2:.1f}" y="36" text-anchor="middle" fill="#57606a">'
                  f'{_e(subtitle)}</text>')
     if include_zero:
@@ -772,11 +964,13 @@ def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: 
         if hi == lo:
             hi = 1.0
     y_ticks, y_step = nice_ticks(lo, hi)
-    x_ticks, x_step = nice_ticks(0, max(len(values) - 1, 1), integer=True)
-    y0, y1, x1 = y_ticks[0], y_ticks[-1], x_ticks[-1]
+    x_lo = min((x for x, _, _ in points), default=0.0) if x_values is not None else 0.0
+    x_hi = max((x for x, _, _ in points), default=0.0) if x_values is not None else len(values) - 1
+    x_ticks, x_step = nice_ticks(min(x_lo, 0.0), max(x_hi, 1.0), integer=True)
+    y0, y1, x0, x1 = y_ticks[0], y_ticks[-1], x_ticks[0], x_ticks[-1]
 
-    def px(index: float) -> float:
-        return left + index / x1 * plot_w
+    def px(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * plot_w
 
     def py(value: float) -> float:
         return top + plot_h - (value - y0) / (y1 - y0) * plot_h
@@ -799,16 +993,29 @@ def svg_line_chart(values: Sequence[Any], *, title: str, x_label: str, y_label: 
     if _finite(threshold) and y0 <= threshold <= y1:
         y = py(threshold)
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" '
-                     f'stroke="#cf222e" stroke-dasharray="6 4"/>')
+                     f'stroke="{FLAG_COLOR}" stroke-dasharray="6 4"/>')
         label_y = y + 15 if y < top + plot_h / 2 else y - 5  # keep the label inside the plot
-        parts.append(f'<text x="{left + plot_w - 4}" y="{label_y:.1f}" text-anchor="end" fill="#cf222e">'
+        parts.append(f'<text x="{left + plot_w - 4}" y="{label_y:.1f}" text-anchor="end" fill="{FLAG_COLOR}">'
                      f'{_e(threshold_label)} {_e(value_format(threshold))}</text>')
+    if mark_x is not None and _finite(mark_x[0]) and x0 <= mark_x[0] <= x1:
+        x = px(mark_x[0])
+        parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom_y}" '
+                     f'stroke="#8250df" stroke-dasharray="3 3"/>')
+        anchor = "start" if x < left + plot_w / 2 else "end"
+        offset = 4 if anchor == "start" else -4
+        parts.append(f'<text x="{x + offset:.1f}" y="{top + 28}" text-anchor="{anchor}" fill="#8250df">'
+                     f'{_e(_truncate(str(mark_x[1]), 60))}</text>')
     if points:
-        coords = " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in points)
+        coords = " ".join(f"{px(x):.1f},{py(v):.1f}" for x, v, _ in points)
         parts.append(f'<polyline points="{coords}" fill="none" stroke="{_e(color)}" stroke-width="1.5"/>')
-        if len(points) <= 300:
-            parts += [f'<circle cx="{px(i):.1f}" cy="{py(v):.1f}" r="2" fill="{_e(color)}"/>'
-                      for i, v in points]
+        if len(points) <= MAX_POINTS:
+            parts += [f'<circle cx="{px(x):.1f}" cy="{py(v):.1f}" r="2" fill="{_e(color)}"/>'
+                      for x, v, _ in points]
+    for x, v, i in flagged[:MAX_FLAGGED]:
+        tip = point_labels[i] if point_labels is not None and i < len(point_labels) else None
+        tooltip = f"<title>{_e(tip)}</title>" if tip else ""
+        parts.append(f'<circle class="flagged" cx="{px(x):.1f}" cy="{py(v):.1f}" r="3" '
+                     f'fill="{FLAG_COLOR}">{tooltip}</circle>')
 
     parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle">'
                  f'{_e(x_label)}</text>')
@@ -854,6 +1061,11 @@ def _md_block(block: Any) -> List[str]:
         return [f"- **{_md_text(k)}:** {_md_text(v)}" for k, v in block.pairs]
     if isinstance(block, Table):
         return _md_table(block)
+    if isinstance(block, Pre):
+        fence = "```"
+        while any(fence in line for line in block.lines):
+            fence += "`"
+        return [fence + "text"] + [line.replace("\r", "") for line in block.lines] + [fence]
     return []  # charts are HTML only
 
 
@@ -891,6 +1103,10 @@ tr.row-mismatch td { background: #fff8c5; }
 tr.row-cached td { color: #57606a; }
 .charts { display: flex; flex-wrap: wrap; gap: 1rem; }
 svg.chart { border: 1px solid #d0d7de; border-radius: 6px; background: #fff; }
+pre.stderr { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: .6rem .8rem;
+             font-size: .8rem; overflow-x: auto; white-space: pre; }
+ul.recommendations li { font-weight: 600; }
+svg.chart circle.flagged { cursor: help; }
 p.flags { font-family: ui-monospace, monospace; font-size: .8rem; word-break: break-word; }
 """
 
@@ -925,6 +1141,8 @@ def _html_block(block: Any) -> str:
         return f'<table class="kv"><tbody>{rows}</tbody></table>'
     if isinstance(block, Table):
         return _html_table(block)
+    if isinstance(block, Pre):
+        return '<pre class="stderr">' + "\n".join(_e(line) for line in block.lines) + "</pre>"
     if isinstance(block, Charts):
         return '<div class="charts">\n' + "\n".join(block.svgs) + "\n</div>" if block.svgs else ""
     raise TypeError(f"unknown block {type(block).__name__}")
