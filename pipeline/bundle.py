@@ -73,3 +73,52 @@ def read_inputs(path: Path, settings: dict) -> Dict[str, np.ndarray]:
     if missing:
         raise InputError(f"--input: {path} lacks {missing}; the bundle's inputs are {[s.name for s in specs]}")
     return {s.name: conform(arrays[s.name], s, str(path), label="--input") for s in specs}
+
+
+def recorded_samples(bundle: Path) -> List[dict]:
+    """The validation inputs and reference outputs verify recorded in the bundle:
+    [{"inputs": {name: array}, "reference": {name: array}}] in sample order."""
+    path = Path(bundle) / "reproduce.npz"
+    if not path.is_file():
+        raise InputError(f"bundle: {path.name} is missing: the bundle was packaged without the verify stage")
+    samples: Dict[int, dict] = {}
+    with np.load(path, allow_pickle=False) as archive:
+        for key in archive.files:
+            role, index, name = key.split("/", 2)
+            samples.setdefault(int(index), {"inputs": {}, "reference": {}})[
+                "inputs" if role == "input" else "reference"][name] = archive[key]
+    return [samples[i] for i in sorted(samples)]
+
+
+def reproduce(bundle: Path, timeout_s: float = 600.0) -> dict:
+    """Run the bundle on its recorded inputs, in a worker process, and judge its outputs
+    against the recorded reference outputs with the thresholds of the packaged verdict."""
+    from pipeline.config import OutputThresholds
+    from pipeline.metrics import OutputStats, failures
+    from pipeline.worker import BackendWorker
+
+    bundle = Path(bundle)
+    settings = runtime_settings(bundle)
+    report = read_json(bundle / "report.json")
+    thresholds = {o["name"]: OutputThresholds(**o["thresholds"]) for o in (report.get("verify") or {}).get("outputs", [])}
+    samples = recorded_samples(bundle)
+    backend = backends.spec(settings["backend"])
+    ok, reason = backend.available()
+    if not ok:
+        raise BackendUnavailable(reason)
+    stats: Dict[str, OutputStats] = {}
+    with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name}", timeout_s=timeout_s) as worker:
+        for sample in samples:
+            actual = worker.run(sample["inputs"])
+            for name, expected in sample["reference"].items():
+                if name in thresholds and name in actual:
+                    stats.setdefault(name, OutputStats()).update(expected, actual[name])
+        effective = worker.effective()
+    outputs = []
+    for name, limits in thresholds.items():
+        metrics = stats[name].result() if name in stats else None
+        failed = failures(metrics, limits) if metrics else ["not produced"]
+        outputs.append({"name": name, "metrics": metrics, "failures": failed, "passed": not failed})
+    passed = bool(outputs) and bool(samples) and all(o["passed"] for o in outputs)
+    return {"samples": len(samples), "outputs": outputs, "effective": effective,
+            "packaged_verdict": report.get("verdict"), "verdict": "pass" if passed else "fail"}

@@ -2,6 +2,7 @@
 
     parity-bundle verify BUNDLE
     parity-bundle run BUNDLE --input x.npy [--output y.npz]
+    parity-bundle check BUNDLE   (re-run the recorded verify samples: reproduce the verdict)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from rich.markup import escape
 
-from pipeline.bundle import check_integrity, open_session, read_inputs
+from pipeline.bundle import check_integrity, open_session, read_inputs, reproduce
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, InputError, ParityError
 
@@ -27,9 +28,13 @@ def main(argv=None) -> None:
     run.add_argument("bundle", type=Path)
     run.add_argument("--input", type=Path, required=True, help=".npy (one input) or .npz (keys = input names)")
     run.add_argument("--output", type=Path, help="write the outputs to this .npz")
+    check = commands.add_parser("check", help="check the bundle, then re-run the inputs verify recorded in it "
+                                               "against the recorded reference outputs and thresholds")
+    check.add_argument("bundle", type=Path)
+    check.add_argument("--timeout", type=float, default=600.0, help="seconds per backend request (default 600)")
     args = parser.parse_args(argv)
     try:
-        code = _verify(args) if args.command == "verify" else _run(args)
+        code = {"verify": _verify, "run": _run, "check": _check}[args.command](args)
     except ParityError as err:
         stderr_console().print(f"[bold red]parity-bundle:[/] {escape(str(err))}", soft_wrap=True)
         code = err.exit_code
@@ -64,3 +69,18 @@ def _run(args) -> ExitCode:
         console.print(f"outputs written to {escape(str(args.output))}")
     console.print(f"ran on: {escape(str(session.effective()))}")
     return ExitCode.OK
+
+
+def _check(args) -> ExitCode:
+    check_integrity(args.bundle)
+    result = reproduce(args.bundle, args.timeout)
+    console = stdout_console()
+    for output in result["outputs"]:
+        metrics = output["metrics"] or {}
+        status = "pass" if output["passed"] else "fail: " + "; ".join(output["failures"])
+        console.print(f"{escape(output['name'])}: cosine {metrics.get('cosine', float('nan')):.6f}, "
+                      f"max abs {metrics.get('max_abs', float('nan')):.3g} -> {escape(status)}")
+    console.print(f"ran on: {escape(str(result['effective']))}")
+    console.print(f"verdict on {result['samples']} recorded samples: {result['verdict'].upper()} "
+                  f"(packaged verdict: {result['packaged_verdict']})")
+    return ExitCode.OK if result["verdict"] == "pass" else ExitCode.THRESHOLD

@@ -22,7 +22,7 @@ import conf
 from pipeline import config
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, ParityError
-from pipeline.report import render_html, render_markdown
+from pipeline.report import render_html, render_markdown, write_junit
 from pipeline.report.assemble import assemble
 from pipeline.artifacts import write_json
 from pipeline.runner import RunOutcome, run_pipeline
@@ -96,6 +96,7 @@ def _write_run_report(run_dir: Path, report: dict) -> None:
     write_json(run_dir / "report.json", report)
     (run_dir / "report.md").write_text(render_markdown(report))
     (run_dir / "report.html").write_text(render_html(report))
+    write_junit(report, run_dir / "junit.xml")
 
 
 def _print_summary(outcome: RunOutcome, report: dict) -> None:
@@ -108,25 +109,21 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
     console.print(stages)
     verify = outcome.verify
     if verify:
-        table = Table(title=f"verify: {report['target']['name']} {report['precision']} vs ONNX Runtime fp32 "
-                            f"({verify['samples']} samples)", title_justify="left")
-        table.add_column("output", overflow="fold")
-        for column in ("cosine", "max abs", "mean abs", "SQNR dB", "NaN/Inf", "result"):
-            table.add_column(column, no_wrap=True)
-        for output in verify["outputs"]:
-            m = output["metrics"]
-            sqnr = "inf" if m["sqnr_db"] is None else f"{m['sqnr_db']:.1f}"
-            table.add_row(escape(output["name"]), f"{m['cosine']:.6f}", f"{m['max_abs']:.3g}",
-                          f"{m['mean_abs'] or 0:.3g}", sqnr, f"{m['nan']}/{m['inf']}",
-                          "[green]pass[/]" if output["passed"] else "[red]fail[/]")
-        console.print(table)
-        if verify["task"]:
-            task = verify["task"]
-            console.print(f"top-1: reference {task['reference']:.4f}, target {task['target']:.4f}, "
-                          f"drop {task['drop'] * 100:.2f} points, agreement {task['agreement']:.4f}")
-        effective = verify["effective"]
-        console.print(f"ran on: {escape(effective['device'])}, {escape(effective['precision'])}"
-                      + (f" (layers: {escape(effective['layers'])})" if effective.get("layers") else ""))
+        console.print(_verify_table(report, verify))
+        if verify.get("crash"):
+            for line in verify["crash"].get("stderr_tail", [])[-5:]:
+                console.print(f"  [dim]{escape(line)}[/]")
+        layers = verify.get("layerwise") or {}
+        if layers.get("ran"):
+            console.print(f"layerwise: {layers['compared']} tensors compared on {layers['samples']} samples, "
+                          f"{len(layers['not_exposed'])} not exposed by the target")
+            for key, title in (("first_divergence", "first divergence"), ("nan_origin", "first NaN/Inf")):
+                found = layers.get(key)
+                if found:
+                    console.print(f"  {title}: op {escape(found['op'])} ({escape(found['op_type'])}), "
+                                  f"tensor {escape(found['tensor'])}")
+        for advice in verify.get("recommendations", []):
+            console.print(f"[cyan]recommendation:[/] {escape(advice['text'])}")
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     colour = {"pass": "green", "fail": "red"}.get(report["verdict"], "yellow")
@@ -137,3 +134,51 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
     if package:
         console.print(f"bundle: {escape(package.summary['bundle'])}")
     console.print(f"run folder: {escape(str(outcome.run_dir))}")
+    console.print(f"reports: {escape(', '.join(REPORT_FILES))} in the run folder")
+
+
+REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
+
+
+def _verify_table(report: dict, verify: dict) -> Table:
+    """Target, precision, each metric against its threshold, and the result."""
+    table = Table(title=f"verify: {report['target']['name']} {report['precision']} vs ONNX Runtime fp32 "
+                        f"({verify['samples']} samples)", title_justify="left")
+    for column in ("target", "precision", "output", "check", "value", "threshold"):
+        table.add_column(column, overflow="fold")
+    table.add_column("result", no_wrap=True)
+    target, precision = report["target"]["name"], report["precision"]
+
+    def row(output, check, value, threshold, passed):
+        table.add_row(escape(target), precision, escape(output), check, value, threshold,
+                      "[green]pass[/]" if passed else "[red]fail[/]")
+
+    for output in verify["outputs"]:
+        m, limits, failed = output["metrics"], output["thresholds"], " ".join(output["failures"])
+        row(output["name"], "cosine", f"{m['cosine']:.6f}", f">= {limits['min_cosine']}", "cosine" not in failed)
+        if limits.get("max_abs_error") is not None:
+            row(output["name"], "max abs", f"{m['max_abs']:.3g}", f"<= {limits['max_abs_error']}",
+                "max abs" not in failed)
+        if limits.get("max_mean_abs_error") is not None:
+            row(output["name"], "mean abs", f"{m['mean_abs'] or 0:.3g}", f"<= {limits['max_mean_abs_error']}",
+                "mean abs" not in failed)
+        sqnr = "inf" if m["sqnr_db"] is None else f"{m['sqnr_db']:.1f} dB"
+        if limits.get("min_sqnr_db") is not None:
+            row(output["name"], "SQNR", sqnr, f">= {limits['min_sqnr_db']} dB", "SQNR" not in failed)
+        row(output["name"], "NaN/Inf", f"{m['nan']}/{m['inf']}", "0/0", not (m["nan"] or m["inf"]))
+    task = verify.get("task")
+    if task:
+        row(task["output"], "top-1 drop", f"{task['drop'] * 100:.2f} pts", f"<= {task['max_drop'] * 100:.2f} pts",
+            task["passed"])
+        table.caption = (f"top-1: reference {task['reference']:.4f}, target {task['target']:.4f}, "
+                         f"agreement {task['agreement']:.4f}")
+    if verify.get("crash"):
+        row("-", "backend", verify["crash"]["kind"], "runs to the end", False)
+        return table
+    requested, effective = verify["requested"], verify.get("effective") or {}
+    for key in ("device", "precision"):
+        ran = str(effective.get(key, "n/a"))
+        detail = f"{ran} (layers: {effective['layers']})" if key == "precision" and effective.get("layers") else ran
+        row("-", f"{key} ran", escape(detail), requested[key],
+            not any(reason.startswith(f"requested {key}") for reason in verify["reasons"]))
+    return table

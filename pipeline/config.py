@@ -52,6 +52,12 @@ class Selection(Enum):
     top_n = "top_n"
 
 
+class Layerwise(Enum):
+    off = "off"
+    on_fail = "on_fail"
+    always = "always"
+
+
 class MemoryMode(Enum):
     auto = "auto"
     buffer = "buffer"
@@ -122,6 +128,7 @@ class PrecisionConfig:
     name: Precision = MISSING
     min_cosine: float = 0.9999  # the default threshold for builds at this precision
     max_metric_drop: float = 0.0  # the default allowed task-metric drop
+    layer_min_cosine: float = 0.9999  # layerwise: an intermediate tensor below this diverges
     # int8 builds only:
     activations: QuantType = QuantType.uint8  # u8 activations x s8 weights: the x86 VNNI kernels
     per_channel: bool = True  # per-channel weight scales for Conv/Gemm/MatMul
@@ -176,6 +183,13 @@ class ValidationConfig:
     max_metric_drop: float = 0.0  # top-1 accuracy points (0.01 = 1 %), when labels exist
     task_output: Optional[str] = None  # output holding class scores; default: the first
     outputs: Dict[str, OutputThresholds] = field(default_factory=dict)  # per-output overrides
+    # Layerwise comparison of every intermediate tensor: off, when the verdict fails, always.
+    layerwise: Layerwise = Layerwise.on_fail
+    layerwise_samples: int = 30  # the first N validation samples
+    layer_min_cosine: float = 0.9999
+    # Every backend run of verify is a worker process: a crash or hang fails the verdict.
+    worker_timeout_s: float = 600.0  # per request (load, one sample, one latency measure)
+    worker_memory_mb: Optional[int] = None  # address-space limit of a worker; null: none
 
     def thresholds_for(self, output: str) -> OutputThresholds:
         base = OutputThresholds(self.min_cosine, self.max_abs_error,
@@ -262,6 +276,8 @@ def _check_combinations(run: RunConfig) -> None:
     if run.data.kind is not DataKind.random and not run.data.path:
         raise ConfigError(f"data.path: a value is required for data.kind={run.data.kind.value} "
                           "(or use data.kind=random)")
+    if run.validation.layerwise_samples < 1 or run.validation.worker_timeout_s <= 0:
+        raise ConfigError("validation.layerwise_samples must be >= 1 and validation.worker_timeout_s > 0")
     if run.data.calibration_size < 0 or run.data.validation_size < 1:
         raise ConfigError("data.validation_size must be >= 1 and data.calibration_size >= 0")
     cal = run.calibration

@@ -35,6 +35,8 @@ class OutputStats:
     inf: int = 0
     reference_nan: int = 0
     reference_inf: int = 0
+    reference_max_abs: float = 0.0
+    max_rel: float = 0.0  # max |target - reference| / |reference|; inf where the reference is 0
     sample_cosine: List[float] = field(default_factory=list)
     sample_max_abs: List[float] = field(default_factory=list)
 
@@ -43,22 +45,39 @@ class OutputStats:
         out = np.asarray(output, dtype=np.float64).ravel()
         if ref.shape != out.shape:
             raise ValueError(f"shape {np.shape(output)} differs from the reference's {np.shape(reference)}")
-        self.nan += int(np.isnan(out).sum())
-        self.inf += int(np.isinf(out).sum())
-        self.reference_nan += int(np.isnan(ref).sum())
-        self.reference_inf += int(np.isinf(ref).sum())
-        finite = np.isfinite(ref) & np.isfinite(out)
-        ref, out = ref[finite], out[finite]
-        diff = np.abs(ref - out)
-        self.dot += float(ref @ out)
-        self.ref_sq += float(ref @ ref)
-        self.out_sq += float(out @ out)
+        finite_ref, finite_out = np.isfinite(ref), np.isfinite(out)
+        if not (finite_ref.all() and finite_out.all()):
+            if finite_ref.any():  # the reference's own peak, also where the target overflowed
+                self.reference_max_abs = max(self.reference_max_abs, float(np.abs(ref[finite_ref]).max()))
+            self.nan += int(np.isnan(out).sum())
+            self.inf += int(np.isinf(out).sum())
+            self.reference_nan += int(np.isnan(ref).sum())
+            self.reference_inf += int(np.isinf(ref).sum())
+            finite = finite_ref & finite_out
+            ref, out = ref[finite], out[finite]
+        self.elements += int(finite_ref.size)
+        if not ref.size:
+            self.sample_cosine.append(0.0)
+            self.sample_max_abs.append(0.0)
+            return
+        diff = np.abs(out - ref)
+        ref_abs = np.abs(ref)
+        dot, ref_sq, out_sq = float(ref @ out), float(ref @ ref), float(out @ out)
+        self.dot += dot
+        self.ref_sq += ref_sq
+        self.out_sq += out_sq
         self.err_sq += float(diff @ diff)
         self.err_abs += float(diff.sum())
-        sample_max = float(diff.max()) if diff.size else 0.0
+        sample_max = float(diff.max())
         self.max_abs = max(self.max_abs, sample_max)
-        self.elements += int(finite.size)
-        self.sample_cosine.append(cosine(ref, out))
+        self.reference_max_abs = max(self.reference_max_abs, float(ref_abs.max()))
+        zero = ref_abs == 0
+        relative = np.divide(diff, ref_abs, out=np.zeros_like(diff), where=~zero)
+        self.max_rel = max(self.max_rel, float(relative.max()))
+        if (diff[zero] > 0).any():  # no relative tolerance covers an error on a zero
+            self.max_rel = math.inf
+        norm = math.sqrt(ref_sq * out_sq)
+        self.sample_cosine.append(dot / norm if norm else (1.0 if ref_sq == out_sq == 0 else 0.0))
         self.sample_max_abs.append(sample_max)
 
     def result(self) -> dict:

@@ -63,7 +63,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
             result = stage.run(ctx)
             computed_seconds = time.perf_counter() - started
             write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
-            if key:
+            if key and result.cache:
                 _to_cache(out_dir, cache_root / name / key)
             status = "computed"
         seconds = time.perf_counter() - started

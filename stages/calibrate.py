@@ -22,7 +22,7 @@ from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 6
+VERSION = 7
 CACHEABLE = True
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")

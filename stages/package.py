@@ -19,9 +19,10 @@ from pipeline.report.assemble import assemble, model_name
 from stages import StageContext, StageResult
 
 NAME = "package"
-VERSION = 1
+VERSION = 2
 CACHEABLE = False  # cheap, and it must reflect this run's report
 MANIFEST = "manifest.json"
+REPRODUCE = "reproduce.npz"
 
 
 def key_config(cfg):
@@ -49,6 +50,9 @@ def run(ctx: StageContext) -> StageResult:
         (temp / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
         for artifact in runtime["files"]:
             shutil.copyfile(build.out_dir / artifact, temp / artifact)
+        verify = ctx.results.get("verify")
+        if verify and "reproduce" in verify.files:  # inputs and reference outputs: parity-bundle check
+            shutil.copyfile(verify.path("reproduce"), temp / REPRODUCE)
         write_json(temp / "report.json", report)
         (temp / "report.md").write_text(render_markdown(report))
         (temp / "report.html").write_text(render_html(report))

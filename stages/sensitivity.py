@@ -23,7 +23,7 @@ from pipeline.quantize import build_qdq, needs_reduce_range
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 1
+VERSION = 2
 CACHEABLE = True
 QTABLE_TPU_MLIR = "qtable.txt"
 

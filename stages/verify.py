@@ -1,6 +1,11 @@
 """verify: run the built artifact on its real backend and the fp32 ONNX Runtime
 reference on the validation set, compare every output against the thresholds, check
-the task metric when labels exist, and read back what the backend really ran."""
+the task metric when labels exist, read back what the backend really ran, and, when
+asked or when the verdict fails, compare every intermediate tensor (layerwise) to name
+where the target diverges and why.
+
+Every backend runs in a worker process (pipeline.worker): a crash, an abort or a hang
+becomes the verdict "backend crashed/hung" with exit code 4, never the end of the run."""
 
 from __future__ import annotations
 
@@ -8,25 +13,32 @@ import contextlib
 import logging
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
+import numpy as np
+import onnx
 import yaml
 
-from pipeline import backends
-from pipeline.backends import onnxruntime as ort_backend
+from pipeline import backends, layerwise
+from pipeline.artifacts import read_json, write_json
+from pipeline.config import Layerwise
 from pipeline.console import progress_bar
 from pipeline.data import Dataset, TensorSpec, open_dataset
-from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, first_line
-from pipeline.artifacts import read_json
-from pipeline.metrics import OutputStats, Top1, failures, latency
+from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
+from pipeline.metrics import OutputStats, Top1, failures
 from pipeline.quantize import build_qdq
+from pipeline.recommend import recommend
+from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult
 
 NAME = "verify"
+VERSION = 3
+CACHEABLE = True
 # mixed with an empty qtable (plain int8 met the target) runs int8 everywhere
 ACCEPTED_PRECISIONS = {"mixed": {"mixed", "int8"}}
-VERSION = 2
-CACHEABLE = True
+REFERENCE = ("pipeline.backends.onnxruntime", {"model": "model.onnx", "precision": "fp32",
+                                               "options": {"graph_optimization_level": "disabled"}})
+REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
 
 
@@ -46,90 +58,152 @@ def _dataset(ctx: StageContext) -> Dataset:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     dataset = _dataset(ctx)
-    build = ctx.results["build"]
+    convert, build = ctx.results["convert"], ctx.results["build"]
     settings = yaml.safe_load(build.path("runtime").read_text())
     backend = backends.spec(settings["backend"])
     ok, reason = backend.available()
     if not ok:
         raise BackendUnavailable(f"target {cfg.target.name}: {reason}")
-    try:
-        reference = ort_backend.reference(ctx.results["convert"].path("model"))
-    except Exception as err:  # noqa: BLE001 - e.g. an op ONNX Runtime does not implement
-        raise BackendUnavailable(f"the reference (ONNX Runtime fp32) cannot load the converted model: "
-                                 f"{first_line(err)}") from err
-    try:
-        session = backend.load(build.out_dir, settings)
-    except Exception as err:  # the runtime refused the artifact: not the user's input
-        raise BackendUnavailable(f"target {cfg.target.name}: {backend.NAME} failed to load the artifact: "
-                                 f"{first_line(err)}") from err
-
-    _check_output_names(cfg.validation, reference.outputs)
-    task_output = cfg.validation.task_output or reference.outputs[0]
-    stats = {name: OutputStats() for name in reference.outputs}
-    top1 = Top1()
-    missing = [name for name in reference.outputs if name not in session.outputs]
-    with contextlib.ExitStack() as scratch, progress_bar() as progress:
-        baselines = _baselines(ctx, backend, scratch)  # fp32 (and plain int8 for mixed) side by side
-        task = progress.add_task(f"verify {cfg.target.name}", total=len(dataset.validation))
-        for sample in dataset.validation:
-            expected = reference.run(sample.feeds)
-            actual = session.run(sample.feeds)
-            for name in stats:
-                if name in actual:
-                    stats[name].update(expected[name], actual[name])
-            if sample.label is not None and task_output in actual:
-                top1.update(expected[task_output], actual[task_output], sample.label)
-            for baseline in baselines.values():
-                baseline.update(expected, sample, task_output)
-            progress.advance(task)
-        last = sample.feeds if len(dataset.validation) else None
-        comparison = {name: b.row(last) for name, b in baselines.items()}
-        comparison[cfg.precision.name.value] = _Row(session, build.summary.get("bytes"), stats, top1).row(last)
-
+    output_names = [o["name"] for o in convert.summary["outputs"]]
+    _check_output_names(cfg.validation, output_names)
+    task_output = cfg.validation.task_output or output_names[0]
+    limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
+    files = {"reproduce": "reproduce.npz"}
+    check = _Check(output_names, task_output)
     requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value}
-    effective = session.effective()
-    outputs = [_judge(name, stats[name], cfg.validation) for name in reference.outputs if name not in missing]
-    task = top1.result(cfg.validation.max_metric_drop, task_output)
-    reasons, exit_code = _verdict(outputs, missing, task, requested, effective, len(dataset.validation))
+    effective, crash, layers, comparison = {}, None, None, {}
+    with contextlib.ExitStack() as stack, progress_bar() as progress:
+        try:
+            reference = _worker(stack, REFERENCE[0], convert.out_dir, REFERENCE[1], "reference (onnxruntime fp32)",
+                                limits)
+            target = _worker(stack, backend.__name__, build.out_dir, settings,
+                             f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value})", limits)
+            baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
+            check.run(reference, target, baselines, dataset, progress, ctx.out_dir / files["reproduce"],
+                      f"verify {cfg.target.name}")
+            effective = target.effective()
+            comparison = {name: row.result(reference_sample=check.last) for name, row in baselines.items()}
+            comparison[cfg.precision.name.value] = _Row(target, build.summary.get("bytes"), check.stats,
+                                                        check.top1).result(check.last)
+        except BackendCrashed as err:
+            crash = {"kind": err.kind, "backend": getattr(err, "worker", ""), "detail": err.detail,
+                     "stderr_tail": err.stderr_tail}
+            log.warning("%s", err)
+        outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
+                   if name not in check.missing and check.stats[name].elements]
+        task = check.top1.result(cfg.validation.max_metric_drop, task_output)
+        reasons, exit_code = _verdict(outputs, check.missing, task, requested, effective, check.samples, crash)
+        if crash is None and _layerwise_wanted(cfg.validation.layerwise, exit_code):
+            layers = _layerwise(ctx, reference, target, dataset, exit_code, progress)
+            if layers.get("side_file"):
+                files["layerwise"] = layers["side_file"]
+    calibrate = ctx.results.get("calibrate")
+    table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
+    advice = recommend(cfg.precision.name.value, backend.NAME, requested, effective, layers, table)
+    write_json(ctx.out_dir / "recommendations.json", advice)
+    files["recommendations"] = "recommendations.json"
     summary = {
-        "samples": len(dataset.validation),
+        "samples": check.samples,
         "requested": requested,
         "effective": effective,
         "outputs": outputs,
-        "missing_outputs": missing,
+        "missing_outputs": check.missing,
         "task": task,
         "comparison": comparison,
         "data": dataset.summary(),
         "verdict": "pass" if exit_code == ExitCode.OK else "fail",
         "exit_code": int(exit_code),
         "reasons": reasons,
+        "crash": crash,
+        "layerwise": layers if layers is not None else _layerwise_skipped(cfg.validation.layerwise, crash),
+        "recommendations": advice,
+        "reproduce": {"file": files["reproduce"], "samples": min(check.samples, REPRODUCE_SAMPLES)},
     }
-    return StageResult(ctx.out_dir, {}, summary)
+    files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
+    return StageResult(ctx.out_dir, files, summary, cache=crash is None)
 
+
+def _worker(stack, module: str, folder: Path, settings: dict, label: str, limits: dict) -> BackendWorker:
+    worker = BackendWorker(module, folder, settings, label=label, timeout_s=limits["timeout_s"],
+                           memory_mb=limits["memory_mb"])
+    try:
+        return stack.enter_context(worker)
+    except BackendCrashed as err:
+        if err.kind == "error":  # the runtime refused the artifact: a clear error, not a crash
+            raise BackendUnavailable(f"{label} failed to load the artifact: {err.detail}") from err
+        raise
+
+
+class _Check:
+    """Reference vs target on every validation sample, with the side-by-side baselines."""
+
+    def __init__(self, output_names: List[str], task_output: str):
+        self.stats = {name: OutputStats() for name in output_names}
+        self.task_output = task_output
+        self.top1 = Top1()
+        self.missing: List[str] = []
+        self.samples = 0
+        self.last: Optional[dict] = None
+
+    def run(self, reference, target, baselines, dataset, progress, reproduce: Path, title: str) -> None:
+        self.missing = [name for name in self.stats if name not in target.outputs]
+        recorded = {}
+        task = progress.add_task(title, total=len(dataset.validation))
+        for index, sample in enumerate(dataset.validation):
+            expected = reference.run(sample.feeds)
+            actual = target.run(sample.feeds)
+            for name, stats in self.stats.items():
+                if name in actual:
+                    stats.update(expected[name], actual[name])
+            if sample.label is not None and self.task_output in actual:
+                self.top1.update(expected[self.task_output], actual[self.task_output], sample.label)
+            for baseline in baselines.values():
+                baseline.update(expected, sample, self.task_output)
+            if index < REPRODUCE_SAMPLES:
+                recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
+                recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
+            self.samples += 1
+            self.last = sample.feeds
+            progress.advance(task)
+        with open(reproduce, "wb") as handle:
+            np.savez_compressed(handle, **recorded)
 
 
 class _Row:
     """One build in the side-by-side table: output agreement, top-1, latency, size."""
 
-    def __init__(self, session, size, stats=None, top1=None):
-        self.session, self.size = session, size
+    def __init__(self, worker, size, stats=None, top1=None):
+        self.worker, self.size = worker, size
         self.stats, self.top1 = stats if stats is not None else {}, top1 if top1 is not None else Top1()
+        self.error: Optional[str] = None
 
     def update(self, expected, sample, task_output) -> None:
-        actual = self.session.run(sample.feeds)
+        if self.error:
+            return
+        try:
+            actual = self.worker.run(sample.feeds)
+        except BackendCrashed as err:  # a side-by-side build is information, not the verdict
+            self.error = str(err)
+            return
         for name in expected:
             self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
         if sample.label is not None:
             self.top1.update(expected[task_output], actual[task_output], sample.label)
 
-    def row(self, feeds) -> dict:
+    def result(self, reference_sample) -> dict:
+        if self.error:
+            return {"error": self.error, "bytes": self.size}
         first = next(iter(self.stats.values()), None)
-        return {"latency": latency(self.session.run, feeds) if feeds is not None else None, "bytes": self.size,
+        try:
+            timing = self.worker.latency(reference_sample) if reference_sample is not None else None
+        except BackendCrashed as err:
+            return {"error": str(err), "bytes": self.size}
+        return {"latency": timing, "bytes": self.size,
                 "top1": self.top1.target_correct / self.top1.count if self.top1.count else None,
                 "cosine": first.result()["cosine"] if first and first.elements else None}
 
 
-def _baselines(ctx, backend, scratch: contextlib.ExitStack) -> dict:
+def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     """fp32 on the same backend for every other precision; plain int8 too for mixed
     (TPU-MLIR's FLOAT / INT8 / MIX table)."""
     precision = ctx.cfg.precision.name.value
@@ -138,7 +212,7 @@ def _baselines(ctx, backend, scratch: contextlib.ExitStack) -> dict:
     if precision != "fp32":
         builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None)
     if precision == "mixed":
-        int8 = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
+        int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
         calibrate = ctx.results["calibrate"]
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
                   ctx.cfg.precision.activations.value, ctx.cfg.precision.per_channel,
@@ -146,12 +220,47 @@ def _baselines(ctx, backend, scratch: contextlib.ExitStack) -> dict:
         builds["int8"] = (int8, None)
     rows = {}
     for name, (onnx_path, ir_dir) in builds.items():
-        folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{name}-")))
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{name}-")))
         files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, name)
         settings = {**settings, "device": ctx.cfg.target.device.upper(), "precision": name,
                     "outputs": convert.summary["outputs"]}
-        rows[name] = _Row(backend.load(folder, settings), sum((folder / f).stat().st_size for f in files))
+        size = sum((folder / f).stat().st_size for f in files)
+        try:
+            worker = _worker(stack, backend.__name__, folder, settings, f"{backend.NAME} {name}", limits)
+        except (BackendCrashed, BackendUnavailable) as err:
+            rows[name] = _Row(None, size)
+            rows[name].error = str(err)
+            continue
+        rows[name] = _Row(worker, size)
     return rows
+
+
+def _layerwise_wanted(mode: Layerwise, exit_code: ExitCode) -> bool:
+    return mode == Layerwise.always or (mode == Layerwise.on_fail and exit_code != ExitCode.OK)
+
+
+def _layerwise_skipped(mode: Layerwise, crash) -> dict:
+    reason = ("the target crashed" if crash else "validation.layerwise=off" if mode == Layerwise.off
+              else "the verdict passed (validation.layerwise=on_fail)")
+    return {"mode": mode.value, "ran": False, "reason": reason}
+
+
+def _layerwise(ctx, reference, target, dataset, exit_code: ExitCode, progress) -> dict:
+    """Every intermediate tensor on the first layerwise_samples samples; a crash of the
+    probing session is reported here and leaves the verdict as it was."""
+    validation = ctx.cfg.validation
+    mode = validation.layerwise.value
+    reason = "always (validation.layerwise=always)" if mode == "always" else "the verdict failed"
+    graph = layerwise.Graph(onnx.load(str(ctx.results["convert"].path("model"))))
+    samples = [sample.feeds for _, sample in zip(range(validation.layerwise_samples), dataset.validation)]
+    try:
+        result = layerwise.compare(reference, target, graph, samples, validation.layer_min_cosine,
+                                   progress=progress)
+    except BackendCrashed as err:
+        return {"mode": mode, "ran": False, "reason": f"layerwise probing failed: {err}"}
+    side_file = "layerwise.json.gz"
+    result.write_side_file(ctx.out_dir / side_file)
+    return result.summary(mode, reason, side_file)
 
 
 def _check_output_names(validation, outputs: List[str]) -> None:
@@ -167,12 +276,18 @@ def _judge(name: str, stats: OutputStats, validation) -> dict:
     failed = failures(metrics, limits)
     return {"name": name, "passed": not failed, "failures": failed, "thresholds": vars(limits),
             "metrics": metrics,
+            # Polygraphy-style: either tolerance alone would pass every element (rel: null, none would)
+            "min_tolerances": {"abs": stats.max_abs, "rel": stats.max_rel if np.isfinite(stats.max_rel) else None},
             "per_sample": {"cosine": stats.sample_cosine[:1000], "max_abs": stats.sample_max_abs[:1000]}}
 
 
-def _verdict(outputs, missing, task, requested, effective, samples):
-    """Reasons the run fails, and the exit code: 4 when the backend did not run what was
-    asked, 3 when a threshold fails. A verdict never passes on nothing."""
+def _verdict(outputs, missing, task, requested, effective, samples, crash):
+    """Reasons the run fails, and the exit code: 4 when the backend crashed, hung or did
+    not run what was asked, 3 when a threshold fails. A verdict never passes on nothing."""
+    if crash:
+        what = "hung" if crash["kind"] == "hung" else "crashed"
+        tail = "; ".join(crash["stderr_tail"][-3:])
+        return [f"backend {what}: {crash['detail']}" + (f" (stderr: {tail})" if tail else "")], ExitCode.BACKEND
     accepted = {"device": {requested["device"]}, "precision": ACCEPTED_PRECISIONS.get(requested["precision"],
                                                                                       {requested["precision"]})}
     mismatched = [f"requested {key} {requested[key]} but {effective.get(key)} ran"

@@ -20,7 +20,8 @@ def test_default_job_packages_a_passing_bundle(default_run):
     assert bundle.name == "digits_cnn-ort_cpu-fp32"
     manifest = manifest_of(bundle)
     assert manifest["verdict"] == "pass"
-    assert set(manifest["files"]) == {"model.onnx", "runtime.yaml", "report.json", "report.md", "report.html"}
+    assert set(manifest["files"]) == {"model.onnx", "runtime.yaml", "report.json", "report.md", "report.html",
+                                      "reproduce.npz"}
     for name, entry in manifest["files"].items():
         assert sha256_file(bundle / name) == entry["sha256"], name
     assert {"onnx", "onnxruntime", "openvino", "numpy", "python"} <= set(manifest["versions"])

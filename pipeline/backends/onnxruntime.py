@@ -59,12 +59,56 @@ class Session:
         options.optimized_model_filepath = str(self._optimized)  # what ORT really executes
         self._session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
         self._model_path = Path(model_path)
+        self._level = graph_optimization_level
+        self._probe = None
         self.inputs = [i.name for i in self._session.get_inputs()]
         self.outputs = [o.name for o in self._session.get_outputs()]
 
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         values = self._session.run(self.outputs, feeds)
         return dict(zip(self.outputs, values))
+
+    def probe(self, names: List[str]) -> dict:
+        """Prepare to expose these ONNX tensors. What runs is the graph this session
+        executes (fusions, int8 kernels) up to ORT's extended level: the layout-only
+        NCHWc rewrite of level "all" is left out, it changes layouts, not values."""
+        import onnx
+        import onnxruntime as ort
+
+        model = onnx.load(str(self._graph_for_probe()))
+        mapping, tensors = map_tensors(model.graph, names)
+        if not mapping:
+            self._probe = (None, {})
+            return {"exposed": [], "tensors": tensors}
+        del model.graph.output[:]
+        model.graph.output.extend(onnx.ValueInfoProto(name=m.tensor) for m in mapping.values())
+        path = Path(self._scratch.name) / "probe.onnx"
+        onnx.save(model, str(path), save_as_external_data=True, location="probe.onnx.data")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 3
+        self._probe = (ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), mapping)
+        return {"exposed": list(mapping), "tensors": tensors}
+
+    def run_probe(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        session, mapping = self._probe
+        values = session.run([m.tensor for m in mapping.values()], feeds)
+        return {name: m.dequantize(value) for (name, m), value in zip(mapping.items(), values)}
+
+    def _graph_for_probe(self) -> Path:
+        if self._level == "disabled":
+            return self._model_path
+        import onnxruntime as ort
+
+        path = Path(self._scratch.name) / "executed.onnx"
+        if not path.exists():
+            options = ort.SessionOptions()
+            options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if self._level == "basic"
+                                                else ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
+            options.optimized_model_filepath = str(path)
+            options.log_severity_level = 3
+            ort.InferenceSession(str(self._model_path), options, providers=["CPUExecutionProvider"])
+        return path
 
     def effective(self) -> Dict[str, str]:
         providers = self._session.get_providers()
@@ -92,6 +136,82 @@ def executed_precision(optimized_path: Path) -> Tuple[str, str]:
         return "fp32", ""
     layers = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
     return ("mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]), layers
+
+
+# Where the output scale and zero point of a quantized op are among its inputs.
+_OUTPUT_QPARAMS = {"QuantizeLinear": (1, 2), "QLinearConv": (6, 7), "QLinearMatMul": (6, 7), "QLinearAdd": (6, 7),
+                   "QLinearMul": (6, 7), "QGemm": (7, 8), "QLinearGlobalAveragePool": (3, 4),
+                   "QLinearAveragePool": (3, 4), "QLinearSigmoid": (3, 4), "QLinearLeakyRelu": (3, 4),
+                   "QLinearSoftmax": (3, 4), "QLinearConcat": (0, 1), "QLinearReduceMean": (3, 4)}
+# Ops that move quantized values without changing their scale.
+_QPARAM_PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Slice",
+                       "Gather", "Split", "Resize", "DepthToSpace", "SpaceToDepth", "NhwcMaxPool"}
+
+
+class _Mapped:
+    """A tensor of the executed graph standing for an ONNX tensor, with its dequantization."""
+
+    def __init__(self, tensor: str, scale=None, zero_point=None):
+        self.tensor, self.scale, self.zero_point = tensor, scale, zero_point
+
+    def dequantize(self, value: np.ndarray) -> np.ndarray:
+        if self.scale is None:
+            return np.asarray(value, dtype=np.float32)
+        return ((value.astype(np.float32) - self.zero_point) * self.scale).astype(np.float32)
+
+
+def map_tensors(graph, names: List[str]):
+    """For each wanted ONNX name, the executed graph's tensor holding it (the dequantized
+    value first, then the quantized one, then the float one), and the ONNX names all of
+    the executed graph's activations map to."""
+    from onnx import numpy_helper
+
+    from pipeline.layerwise import dynamic_outputs, onnx_name
+
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    initializers = set(constants)
+    activations = dynamic_outputs(graph.node, [i.name for i in graph.input if i.name not in initializers])
+    by_base: Dict[str, List[str]] = {}
+    for tensor in activations:
+        by_base.setdefault(onnx_name(tensor), []).append(tensor)
+    mapping = {}
+    for name in names:
+        options = sorted(by_base.get(name, []), key=lambda t: (not t.endswith("_DequantizeLinear_Output"),
+                                                               not t.endswith("_QuantizeLinear_Output")))
+        for tensor in options:
+            if tensor.endswith("_QuantizeLinear_Output") or _is_quantized_output(producers.get(tensor)):
+                qparams = _output_qparams(tensor, producers, constants)
+                if qparams is None:
+                    continue
+                mapping[name] = _Mapped(tensor, *qparams)
+            else:
+                mapping[name] = _Mapped(tensor)
+            break
+    return mapping, sorted(by_base)
+
+
+def _is_quantized_output(node) -> bool:
+    if node is None or node.op_type not in _OUTPUT_QPARAMS:
+        return False
+    scale_at = _OUTPUT_QPARAMS[node.op_type][0]
+    return len(node.input) > scale_at and bool(node.input[scale_at])  # QGemm without y_scale gives float
+
+
+def _output_qparams(tensor: str, producers, constants, depth: int = 0):
+    node = producers.get(tensor)
+    if node is None or depth > 32:
+        return None
+    if node.op_type in _OUTPUT_QPARAMS:
+        scale_at, zero_at = _OUTPUT_QPARAMS[node.op_type]
+        if len(node.input) <= scale_at or node.input[scale_at] not in constants:
+            return None
+        zero = constants.get(node.input[zero_at]) if len(node.input) > zero_at else None
+        return (np.float32(constants[node.input[scale_at]]),
+                np.float32(zero) if zero is not None else np.float32(0))
+    if node.op_type in _QPARAM_PASSTHROUGH:
+        return _output_qparams(node.input[0], producers, constants, depth + 1)
+    return None
 
 
 def load(artifact_dir: Path, settings: dict) -> Session:

@@ -61,7 +61,9 @@ class Session:
         import openvino as ov
 
         core = ov.Core()
+        self._core, self._model_path, self._device, self._options = core, Path(model_path), device, dict(options)
         self._compiled = core.compile_model(core.read_model(str(model_path)), device, dict(options))
+        self._probe = None
         self._request = self._compiled.create_infer_request()
         self.inputs = [_pick_name(i.get_names(), []) for i in self._compiled.inputs]
         self.outputs = [_pick_name(o.get_names(), output_names) for o in self._compiled.outputs]
@@ -69,6 +71,31 @@ class Session:
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         result = self._request.infer(feeds)
         return {name: np.array(result[port]) for name, port in zip(self.outputs, self._compiled.outputs)}
+
+    def probe(self, names: List[str]) -> dict:
+        """Prepare to expose these ONNX tensors as extra model outputs (by tensor name; for
+        int8 IRs the dequantized value of x_DequantizeLinear_Output stands for x). Extra
+        outputs keep the tensors alive, which can stop some fusions around them."""
+        from pipeline.layerwise import onnx_name
+
+        model = self._core.read_model(str(self._model_path))
+        ports, tensors = {}, set()
+        for port, name in _activation_ports(model):
+            base = onnx_name(name)
+            tensors.add(base)
+            rank = 0 if name.endswith("_DequantizeLinear_Output") else 1 if name == base else 2
+            if base in names and port.get_element_type().is_real() and rank < ports.get(base, (3, None))[0]:
+                ports[base] = (rank, port, name)
+        exposed = [name for name in names if name in ports]
+        model.add_outputs([ports[name][1] for name in exposed])
+        compiled = self._core.compile_model(model, self._device, self._options)
+        self._probe = (compiled.create_infer_request(), [(name, compiled.output(ports[name][2])) for name in exposed])
+        return {"exposed": exposed, "tensors": sorted(tensors)}
+
+    def run_probe(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        request, outputs = self._probe
+        result = request.infer(feeds)
+        return {name: np.array(result[port], dtype=np.float32) for name, port in outputs}
 
     def effective(self) -> Dict[str, str]:
         """Device and the precision the compute layers of the compiled model really run in."""
@@ -86,6 +113,20 @@ class Session:
             precision = _RUNTIME_PRECISIONS.get(hint, hint)
         return {"device": ",".join(devices), "precision": precision,
                 "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))}
+
+
+def _activation_ports(model):
+    """(output port, tensor name) of every op that depends on a model input."""
+    dynamic = set()
+    for op in model.get_ordered_ops():
+        kind = op.get_type_name()
+        if kind == "Parameter" or any(i.get_source_output().get_node().get_friendly_name() in dynamic
+                                      for i in op.inputs()):
+            dynamic.add(op.get_friendly_name())
+            if kind not in ("Parameter", "Result"):
+                for port in op.outputs():
+                    for name in port.get_names():
+                        yield port, name
 
 
 def _pick_name(names, preferred: List[str]) -> str:

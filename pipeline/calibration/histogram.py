@@ -38,6 +38,16 @@ class AbsHistogram:
     def has_nonzero(self) -> bool:
         return self.abs_max > 0.0
 
+    def fraction_above(self, threshold: float) -> float:
+        """Share of the values with |x| > threshold (what a threshold clips), interpolated
+        inside the bin the threshold falls in."""
+        if self.count == 0 or self.width == 0.0 or threshold >= self.abs_max:
+            return 0.0
+        position = threshold / self.width
+        whole = int(position)
+        above = float(self.counts[whole + 1:].sum()) + float(self.counts[whole]) * (1.0 - (position - whole))
+        return min(1.0, above / self.count)
+
     def update(self, values: np.ndarray) -> None:
         """Fold a batch in. Raises ValueError (and changes nothing) on NaN or Inf.
 

@@ -61,11 +61,13 @@ _ORT_METHODS = {"max": "MinMax", "percentile": "Percentile", "kl": "Entropy"}
 
 
 def table_entry(h: AbsHistogram, method: str, **options) -> dict:
+    threshold = compute(h, method, **options)
     return {
-        "threshold": compute(h, method, **options),
+        "threshold": threshold,
         "min": 0.0 if h.min is None else h.min,
         "max": 0.0 if h.max is None else h.max,
         "method": method,
+        "clipped": h.fraction_above(threshold),  # share of calibration values beyond the threshold
         "histogram": h.summary(),
     }
 

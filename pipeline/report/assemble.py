@@ -11,6 +11,9 @@ from pipeline import environment
 from pipeline.config import RunConfig
 
 
+SCHEMA_VERSION = 1  # report.json layout: docs/report.md, docs/report.schema.json
+
+
 def model_name(cfg: RunConfig) -> str:
     return cfg.model.name or Path(cfg.model.path).stem
 
@@ -28,6 +31,7 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         warnings += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in convert["preflight"]
                      if f["severity"] != "info"]
     return {
+        "schema_version": SCHEMA_VERSION,
         "parity_version": pipeline.__version__,
         "verdict": verify["verdict"] if verify else "unverified",
         "exit_code": verify["exit_code"] if verify else 0,

@@ -1,0 +1,305 @@
+"""Layerwise comparison: every intermediate tensor of the fp32 reference against the
+same tensor on the target backend, the first divergence and the origin of NaN/Inf.
+
+Backends expose tensors under their own names; their sessions map them back to ONNX
+names: ``probe(names)`` says which of them they can expose (``exposed``) and which ONNX
+names all their own tensors map to (``tensors``: those not in the reference are listed
+as unmappable); ``run_probe(feeds)`` returns the exposed ones as float32, dequantized
+where the backend holds them quantized. The reference and the
+target run in worker processes (pipeline.worker); this module only talks to them
+through ``call(method, *args)``.
+
+Memory stays bounded: tensors are fetched in chunks whose float32 size per sample fits
+a budget, and only running sums per tensor are kept (pipeline.metrics.OutputStats)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+from pipeline.metrics import OutputStats
+
+CHUNK_BYTES = 256 * 1024 * 1024  # float32 bytes of probed tensors per sample and side
+QDQ_SUFFIXES = ("_DequantizeLinear_Output", "_QuantizeLinear_Output")
+# ONNX Runtime renames the tensors of the fp16 Cast pairs it removes on CPUs without fp16 kernels
+RENAMING_PREFIXES = ("InsertedPrecisionFreeCast_",)
+DEPTH_POINTS = 2000  # chart points kept in the report; the side file has every tensor
+
+
+def onnx_name(backend_name: str) -> str:
+    """The ONNX tensor a backend's tensor name stands for (x_QuantizeLinear_Output -> x)."""
+    for prefix in RENAMING_PREFIXES:
+        if backend_name.startswith(prefix):
+            backend_name = backend_name[len(prefix):]
+    for suffix in QDQ_SUFFIXES:
+        if backend_name.endswith(suffix):
+            return backend_name[: -len(suffix)]
+    return backend_name
+
+
+def dynamic_outputs(nodes: Iterable, inputs: Iterable[str]) -> List[str]:
+    """Outputs of the nodes that depend on a graph input (not constant subgraphs), in order."""
+    dynamic, found = set(inputs), []
+    for node in nodes:
+        if any(name in dynamic for name in node.input):
+            for name in node.output:
+                if name:
+                    dynamic.add(name)
+                    found.append(name)
+    return found
+
+
+@dataclass
+class Tensor:
+    name: str
+    op: str
+    op_type: str
+    index: int
+    inputs: List[str]  # activation inputs of the producing op
+    elements: Optional[int] = None
+
+
+class Graph:
+    """The reference model's activations in topological order, with their producers."""
+
+    def __init__(self, model: onnx.ModelProto):
+        graph = model.graph
+        initializers = {t.name for t in graph.initializer}
+        self.inputs = [i.name for i in graph.input if i.name not in initializers]
+        self.outputs = [o.name for o in graph.output]
+        self.nodes = {}
+        elements = _element_counts(model)
+        dynamic = set(self.inputs)
+        self.tensors: List[Tensor] = []
+        for position, node in enumerate(graph.node):
+            if not any(name in dynamic for name in node.input):
+                continue
+            op = node.name or f"{node.op_type}_{position}"
+            self.nodes[op] = node
+            activation_inputs = [name for name in node.input if name in dynamic]
+            for name in node.output:
+                if name:
+                    dynamic.add(name)
+                    self.tensors.append(Tensor(name, op, node.op_type, len(self.tensors), activation_inputs,
+                                               elements.get(name)))
+        self.by_name: Dict[str, Tensor] = {t.name: t for t in self.tensors}
+
+    def attributes(self, op: str) -> dict:
+        node = self.nodes.get(op)
+        if node is None:
+            return {}
+        found = {}
+        for attribute in node.attribute:
+            value = helper.get_attribute_value(attribute)
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            elif isinstance(value, onnx.TensorProto):
+                array = numpy_helper.to_array(value)
+                value = array.tolist() if array.size <= 16 else f"tensor {list(array.shape)}"
+            elif isinstance(value, (list, tuple)):
+                value = [v.decode(errors="replace") if isinstance(v, bytes) else v for v in value]
+                if value and not isinstance(value[0], (int, float, str)):
+                    value = f"{len(value)} values"
+            elif not isinstance(value, (int, float, str)):
+                value = type(value).__name__
+            found[attribute.name] = value
+        return found
+
+    def consumers(self, tensor: str) -> List[str]:
+        return [op for op, node in self.nodes.items() if tensor in node.input]
+
+    def chunks(self, names: Sequence[str], budget: int = CHUNK_BYTES) -> List[List[str]]:
+        """Groups of tensors whose float32 size per sample fits the budget (unknown: 4 MiB)."""
+        groups, current, size = [], [], 0
+        for name in names:
+            elements = self.by_name[name].elements if name in self.by_name else None
+            nbytes = 4 * elements if elements else 4 * 1024 * 1024
+            if current and size + nbytes > budget:
+                groups.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+        return groups + ([current] if current else [])
+
+
+def _element_counts(model: onnx.ModelProto) -> Dict[str, int]:
+    try:
+        inferred = shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - sizes only steer chunking
+        return {}
+    counts = {}
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        dims = info.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            counts[info.name] = int(np.prod([d.dim_value for d in dims]))
+    return counts
+
+
+@dataclass
+class Comparison:
+    """Per-tensor agreement of one layerwise run."""
+
+    graph: Graph
+    threshold: float
+    stats: Dict[str, OutputStats] = field(default_factory=dict)
+    not_exposed: List[str] = field(default_factory=list)
+    unmappable: List[str] = field(default_factory=list)
+    errors: Dict[str, str] = field(default_factory=dict)  # tensor -> why it could not be compared
+    samples: int = 0
+    seconds: float = 0.0
+
+    def metrics(self, name: str) -> dict:
+        result = self.stats[name].result()
+        result["passed"] = self.passes(name)
+        result["reference_max_abs"] = self.stats[name].reference_max_abs
+        return result
+
+    def passes(self, name: str) -> bool:
+        stats = self.stats[name]
+        new_nonfinite = (stats.nan + stats.inf) > (stats.reference_nan + stats.reference_inf)
+        return not new_nonfinite and stats.result()["cosine"] >= self.threshold
+
+    def rows(self) -> List[dict]:
+        rows = []
+        for tensor in self.graph.tensors:
+            if tensor.name in self.stats:
+                metrics = self.metrics(tensor.name)
+                rows.append({"tensor": tensor.name, "op": tensor.op, "op_type": tensor.op_type,
+                             "index": tensor.index, **metrics,
+                             "per_sample_cosine": self.stats[tensor.name].sample_cosine})
+        return rows
+
+    def compared_ancestors(self, name: str) -> List[str]:
+        """The nearest compared tensors feeding ``name`` (walking through unexposed ones)."""
+        found, seen, stack = [], set(), list(self.graph.by_name[name].inputs)
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if current in self.stats:
+                found.append(current)
+            elif current in self.graph.by_name:
+                stack.extend(self.graph.by_name[current].inputs)
+        return sorted(found, key=lambda n: self.graph.by_name[n].index)
+
+    def region(self, name: str) -> List[str]:
+        """The ops between the nearest compared ancestors and ``name``: where the fault is."""
+        ops, stack, seen = [], [name], set()
+        while stack:
+            current = stack.pop()
+            if current in seen or current not in self.graph.by_name:
+                continue
+            seen.add(current)
+            tensor = self.graph.by_name[current]
+            if current != name and current in self.stats:
+                continue
+            ops.append(tensor)
+            stack.extend(tensor.inputs)
+        return [t.op for t in sorted(ops, key=lambda t: t.index)]
+
+    def first_divergence(self) -> Optional[dict]:
+        for tensor in self.graph.tensors:
+            if tensor.name not in self.stats or self.passes(tensor.name):
+                continue
+            ancestors = self.compared_ancestors(tensor.name)
+            if all(self.passes(a) for a in ancestors):
+                metrics = self.metrics(tensor.name)
+                return {"tensor": tensor.name, "op": tensor.op, "op_type": tensor.op_type,
+                        "attributes": self.graph.attributes(tensor.op), "cosine": metrics["cosine"],
+                        "max_abs": metrics["max_abs"], "nan": metrics["nan"], "inf": metrics["inf"],
+                        "threshold": self.threshold,
+                        "inputs": [{"tensor": a, "cosine": self.stats[a].result()["cosine"]} for a in ancestors],
+                        "region": self.region(tensor.name)}
+        return None
+
+    def nan_origin(self) -> Optional[dict]:
+        for tensor in self.graph.tensors:
+            stats = self.stats.get(tensor.name)
+            if stats and (stats.nan + stats.inf) > (stats.reference_nan + stats.reference_inf):
+                return {"tensor": tensor.name, "op": tensor.op, "op_type": tensor.op_type,
+                        "nan": stats.nan, "inf": stats.inf, "reference_max_abs": stats.reference_max_abs,
+                        "consumers": self.graph.consumers(tensor.name)}
+        return None
+
+    def summary(self, mode: str, reason: str, side_file: str) -> dict:
+        rows = [{k: v for k, v in row.items() if k != "per_sample_cosine"} for row in self.rows()]
+        step = max(1, math.ceil(len(rows) / DEPTH_POINTS))
+        depth = [{"index": r["index"], "tensor": r["tensor"], "op": r["op"], "cosine": r["cosine"],
+                  "passed": r["passed"]} for r in rows[::step]]
+        worst = sorted(rows, key=lambda r: (r["passed"], _sort_cosine(r["cosine"])))[:10]
+        return {"mode": mode, "ran": True, "reason": reason, "samples": self.samples,
+                "seconds": round(self.seconds, 3), "threshold": self.threshold, "compared": len(rows),
+                "not_exposed": self.not_exposed, "unmappable": self.unmappable, "errors": self.errors,
+                "depth": depth, "worst": [_row_brief(r) for r in worst],
+                "first_divergence": self.first_divergence(), "nan_origin": self.nan_origin(),
+                "side_file": side_file}
+
+    def write_side_file(self, path: Path) -> None:
+        """Every compared tensor, gzip-compressed JSON (mtime 0: same content, same bytes)."""
+        document = {"schema_version": 1, "threshold": self.threshold, "samples": self.samples,
+                    "tensors": self.rows(), "not_exposed": self.not_exposed, "unmappable": self.unmappable,
+                    "errors": self.errors}
+        data = json.dumps(document, separators=(",", ":"), default=_json_default).encode()
+        with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as handle:
+            handle.write(data)
+
+
+def _sort_cosine(value) -> float:
+    return value if isinstance(value, float) and not math.isnan(value) else -math.inf
+
+
+def _row_brief(row: dict) -> dict:
+    keys = ("tensor", "op", "op_type", "index", "cosine", "max_abs", "sqnr_db", "nan", "inf", "passed")
+    return {k: row.get(k) for k in keys}
+
+
+def _json_default(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    raise TypeError(type(value).__name__)
+
+
+def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold: float,
+            budget: int = CHUNK_BYTES, progress=None) -> Comparison:
+    """Run every sample through both sides chunk by chunk and accumulate per-tensor stats.
+    ``reference`` and ``target`` answer ``call("probe", names)`` and ``call("run_probe", feeds)``."""
+    started = time.perf_counter()
+    comparison = Comparison(graph, threshold, samples=len(samples))
+    wanted = [t.name for t in graph.tensors]
+    not_exposed, unmappable = [], set()
+    chunks = graph.chunks(wanted, budget)
+    task = progress.add_task("layerwise", total=len(chunks) * len(samples)) if progress else None
+    for chunk in chunks:
+        ours = reference.call("probe", chunk)
+        theirs = target.call("probe", chunk)
+        unmappable.update(name for name in theirs["tensors"] if name not in graph.by_name)
+        both = [name for name in chunk if name in ours["exposed"] and name in theirs["exposed"]]
+        not_exposed += [name for name in chunk if name not in both]
+        if not both and progress:
+            progress.advance(task, len(samples))
+        for feeds in samples if both else []:
+            expected, actual = reference.call("run_probe", feeds), target.call("run_probe", feeds)
+            for name in both:
+                if name in comparison.errors:
+                    continue
+                try:
+                    comparison.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
+                except ValueError as err:  # e.g. a backend that keeps a different layout
+                    comparison.errors[name] = str(err)
+                    comparison.stats.pop(name, None)
+            if progress:
+                progress.advance(task)
+    comparison.not_exposed = not_exposed + [n for n in comparison.errors if n not in not_exposed]
+    comparison.unmappable = sorted(unmappable)
+    comparison.seconds = time.perf_counter() - started
+    return comparison

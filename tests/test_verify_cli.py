@@ -1,0 +1,139 @@
+"""verify as users run it: layerwise evidence, a deliberately broken layer named as the
+culprit, crashes and hangs as verdicts, JUnit XML, report.json against its JSON Schema,
+and a verdict reproduced from the bundle."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from conftest import REPO, read_report, run_cli, run_dirs, single_bundle
+
+SCHEMA = json.loads((REPO / "docs" / "report.schema.json").read_text())
+
+
+def assert_valid_report(report: dict) -> None:
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    jsonschema.validate(report, SCHEMA, cls=jsonschema.Draft202012Validator)
+
+
+def last_run(cwd: Path) -> Path:
+    return run_dirs(cwd)[-1]
+
+
+def test_default_report_validates_against_the_schema(default_run):
+    _, run_dir, _ = default_run
+    report = read_report(run_dir)
+    assert report["schema_version"] == 1
+    assert_valid_report(report)
+    assert report["verify"]["layerwise"] == {"mode": "on_fail", "ran": False,
+                                             "reason": "the verdict passed (validation.layerwise=on_fail)"}
+    broken = json.loads(json.dumps(report))
+    broken["verify"]["crash"] = {"kind": "exploded"}
+    with pytest.raises(jsonschema.ValidationError):
+        assert_valid_report(broken)
+
+
+def test_layerwise_always_compares_every_tensor_and_writes_the_side_file(tmp_path):
+    result = run_cli(["validation.layerwise=always"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = last_run(tmp_path)
+    report = read_report(run_dir)
+    assert_valid_report(report)
+    layers = report["verify"]["layerwise"]
+    assert layers["ran"] and layers["samples"] == 30
+    assert layers["compared"] >= 5 and layers["first_divergence"] is None and layers["nan_origin"] is None
+    assert {row["tensor"] for row in layers["depth"]} >= {"relu3_out", "logits"}
+    side = run_dir / "stages" / "verify" / layers["side_file"]
+    document = json.loads(gzip.decompress(side.read_bytes()))
+    assert len(document["tensors"]) == layers["compared"]
+    assert "layerwise: " in result.stdout and "tensors compared" in result.stdout
+
+
+def test_junit_xml_has_a_case_per_output_threshold(default_run):
+    _, run_dir, _ = default_run
+    suite = ET.parse(run_dir / "junit.xml").getroot().find("testsuite")
+    names = [case.get("name") for case in suite.iter("testcase")]
+    assert any(name.startswith("logits: min_cosine") for name in names)
+    assert suite.get("failures") == "0" and suite.get("errors") == "0" and int(suite.get("tests")) >= 4
+
+
+@pytest.fixture(scope="module")
+def broken_table(tmp_path_factory):
+    """The digits int8 calibration table with relu2_out's threshold at 1 % of its value."""
+    root = tmp_path_factory.mktemp("broken")
+    result = run_cli(["precision=int8"], root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = last_run(root) / "stages" / "calibrate" / "calibration_table.txt"
+    lines = []
+    for line in table.read_text().splitlines():
+        fields = line.split()
+        if fields and fields[0] == "relu2_out":
+            fields[1] = repr(float(fields[1]) * 0.01)
+        lines.append(" ".join(fields))
+    broken = root / "broken_table.txt"
+    broken.write_text("\n".join(lines) + "\n")
+    assert broken.read_text() != table.read_text()
+    return root, broken
+
+
+@pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
+def test_a_clipped_int8_threshold_is_named_as_the_first_divergence(broken_table, target):
+    root, table = broken_table
+    result = run_cli(["precision=int8", f"target={target}", f"calibration.table={table}"], root)
+    assert result.returncode == 3, result.stdout + result.stderr
+    report = read_report(last_run(root))
+    assert_valid_report(report)
+    layers = report["verify"]["layerwise"]
+    assert layers["ran"] and layers["reason"] == "the verdict failed"
+    culprit = layers["first_divergence"]
+    assert culprit["tensor"] == "relu2_out" and culprit["op"] == "relu2", culprit
+    assert all(i["cosine"] >= layers["threshold"] for i in culprit["inputs"])
+    advice = report["verify"]["recommendations"]
+    assert any("relu2" in a["action"].get("keep_float", []) for a in advice), advice
+    assert "first divergence: op relu2" in result.stdout
+
+
+def test_a_backend_that_runs_out_of_memory_is_a_crash_verdict_and_the_run_goes_on(tmp_path):
+    result = run_cli(["validation.worker_memory_mb=64"], tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    run_dir = last_run(tmp_path)
+    report = read_report(run_dir)
+    assert_valid_report(report)
+    crash = report["verify"]["crash"]
+    assert crash["kind"] in ("crashed", "memory", "error")
+    assert report["verdict"] == "fail" and report["reasons"][0].startswith("backend crashed")
+    assert (run_dir / "report.html").is_file() and single_bundle(run_dir).is_dir()  # the rest of the run went on
+    suite = ET.parse(run_dir / "junit.xml").getroot().find("testsuite")
+    assert suite.get("errors") == "1"
+    assert "Traceback" not in result.stderr
+
+
+def test_a_backend_that_does_not_answer_is_a_hang_verdict(tmp_path):
+    result = run_cli(["validation.worker_timeout_s=0.05"], tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    report = read_report(last_run(tmp_path))
+    assert report["verify"]["crash"]["kind"] == "hung"
+    assert report["reasons"][0].startswith("backend hung")
+    # a crashed or hung verify is never cached: the next run tries again and passes
+    again = run_cli([], tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert read_report(last_run(tmp_path))["stages"][-2] == {**read_report(last_run(tmp_path))["stages"][-2],
+                                                               "stage": "verify", "status": "computed"}
+
+
+def test_bundle_check_reproduces_the_verdict_from_recorded_inputs(default_run, tmp_path):
+    _, run_dir, _ = default_run
+    bundle = shutil.copytree(single_bundle(run_dir), tmp_path / "bundle")
+    result = run_cli(["check", bundle], tmp_path, program="parity-bundle")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verdict on 8 recorded samples: PASS" in result.stdout
+    (bundle / "reproduce.npz").write_bytes((bundle / "reproduce.npz").read_bytes()[:-10])
+    tampered = run_cli(["check", bundle], tmp_path, program="parity-bundle")
+    assert tampered.returncode == 2 and "reproduce.npz" in tampered.stderr
