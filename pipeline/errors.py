@@ -1,6 +1,7 @@
 """Errors users can act on, each with the exit code the CLI returns for it."""
 
 from enum import IntEnum
+from typing import Sequence
 
 
 class ExitCode(IntEnum):
@@ -36,6 +37,23 @@ class InputError(ParityError):
 class BackendUnavailable(ParityError):
     exit_code = ExitCode.BACKEND
     label = "backend unavailable"
+
+
+class BackendCrashed(ParityError):
+    """A backend session that crashed, hung, ran out of memory or raised in its worker
+    process (pipeline/worker.py). ``kind``: "crashed", "hung", "error" or "memory"."""
+
+    exit_code = ExitCode.BACKEND
+    label = "backend crashed"
+
+    def __init__(self, kind: str, detail: str, stderr_tail: Sequence[str] = ()):
+        self.kind, self.detail, self.stderr_tail = kind, detail, list(stderr_tail)
+        last = self.stderr_tail[-1].strip() if self.stderr_tail else ""
+        message = f"{detail}; last stderr: {last}" if last and last not in detail else detail
+        super().__init__(" ".join(message.split()))  # one line
+
+    def __reduce__(self):
+        return type(self), (self.kind, self.detail, self.stderr_tail)
 
 
 def first_line(err: BaseException) -> str:

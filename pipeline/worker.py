@@ -1,0 +1,246 @@
+"""Run a backend session in a worker process, so that a segfault, abort, hang or
+out-of-memory in a runtime becomes a ``BackendCrashed`` error instead of killing the run.
+
+Protocol: one request at a time over a Pipe to a *spawned* child (never forked: the
+runtimes start threads, and a fork of a threaded process can deadlock). The child points
+fd 1 and fd 2 at a log file (so what C/C++ code prints, e.g. "terminate called after
+throwing ...", is kept), sets the memory limit, imports the backend module, then
+
+    child -> ("ok", (inputs, outputs))       after module.load(artifact_dir, settings)
+    parent -> (method, args)                  getattr(session, method)(*args) in the child
+    child -> ("ok", result)                   or ("error", kind, "TypeName: first line")
+    parent -> None                            the child exits
+
+``__latency__`` runs pipeline.metrics.latency in the child (no pickling in the timings).
+The parent waits at most ``timeout_s`` for each answer, then kills the child ("hung");
+EOF on the pipe means the child died ("crashed": signal or exit status, last log lines).
+A Python exception is sent back ("error", "memory" for a MemoryError); after one in a
+method the child keeps serving, after one in ``load`` it ends.
+
+Memory limit: RLIMIT_DATA on Linux (private writable memory, mmap'd included since Linux
+4.7), else RLIMIT_AS. RLIMIT_AS also counts address space only reserved, which grows per
+thread (glibc: a 64 MiB malloc arena + 8 MiB of stack each). Smallest limits (MB) under
+which a small CNN loads and runs, measured on 2 cores, AS / DATA: ONNX Runtime, 2 threads
+222 / 127, 32 threads 1429 / 381; OpenVINO 413 / 159 (peak RSS ~110). AS costs ~40 MB a
+thread, DATA ~8.5, so a 4096 MB AS limit would refuse sessions on a many-core machine
+that the same DATA limit allows. Just too low a limit can make ONNX Runtime deadlock in
+its session constructor (a thread fails to start): the timeout reports that as "hung".
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, List, Optional
+
+from pipeline.errors import BackendCrashed, first_line
+
+_LATENCY = "__latency__"
+_JOIN_S = 5.0
+
+
+def _limit_memory(memory_mb: int) -> None:
+    try:
+        import resource
+
+        which = resource.RLIMIT_DATA if sys.platform.startswith("linux") else resource.RLIMIT_AS
+        _, hard = resource.getrlimit(which)
+        limit = memory_mb << 20
+        resource.setrlimit(which, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass  # no such limit on this platform
+
+
+def _failure(err: BaseException) -> tuple:
+    """("error", kind, "TypeName: first line"), OpenVINO's "Exception from file:line:" lines skipped."""
+    traceback.print_exc()  # into the log
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    message = next((line for line in lines if not re.match(r"Exception from \S+:\d+:?$", line)), first_line(err))
+    memory = isinstance(err, MemoryError) or "bad_alloc" in message
+    name = "MemoryError" if isinstance(err, MemoryError) else type(err).__name__
+    return ("error", "memory" if memory else "error", f"{name}: {message}")
+
+
+def _send(conn, reply: tuple) -> None:
+    try:
+        conn.send(reply)
+    except Exception as err:  # e.g. a result that cannot be pickled
+        conn.send(_failure(err))
+
+
+def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, memory_mb: Optional[int]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+    if memory_mb:
+        _limit_memory(memory_mb)
+    try:
+        session = importlib.import_module(module).load(Path(artifact_dir), settings)
+        reply: tuple = ("ok", (list(session.inputs), list(session.outputs)))
+    except BaseException as err:
+        _send(conn, _failure(err))
+        return
+    _send(conn, reply)
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # the parent has gone
+            return
+        if request is None:
+            return
+        method, args = request
+        try:
+            if method == _LATENCY:
+                from pipeline.metrics import latency
+
+                reply = ("ok", latency(session.run, *args))
+            else:
+                reply = ("ok", getattr(session, method)(*args))
+        except Exception as err:
+            reply = _failure(err)
+        _send(conn, reply)
+
+
+class BackendWorker:
+    """A backend session in a child process; ``label`` names it in errors, e.g. "openvino (target)"."""
+
+    def __init__(self, module: str, artifact_dir, settings: dict, *, label: str, timeout_s: float = 600.0,
+                 memory_mb: Optional[int] = None, log_path: Optional[Path] = None):
+        self.module, self.artifact_dir, self.settings, self.label = module, str(artifact_dir), settings, label
+        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.log_path, self._own_log = (Path(log_path) if log_path else None), log_path is None
+        self.inputs: List[str] = []
+        self.outputs: List[str] = []
+        self._process: Optional[multiprocessing.process.BaseProcess] = None
+        self._conn = None
+        self._dead: Optional[Exception] = None
+
+    def __enter__(self) -> "BackendWorker":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the child and load the session (again, after a crash or close)."""
+        if self._process is not None:
+            self.close()
+        self._dead = None
+        if self._own_log:
+            fd, name = tempfile.mkstemp(prefix="parity-worker-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.write_bytes(b"")
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_child, daemon=True, name=f"parity-worker {self.label}", args=(
+            child_conn, self.module, self.artifact_dir, self.settings, str(self.log_path), self.memory_mb))
+        self._process.start()
+        child_conn.close()
+        try:
+            self.inputs, self.outputs = self._request("load()", None, self.timeout_s)
+        except BaseException:
+            self.close()  # a with block does not call __exit__ when __enter__ raises
+            raise
+
+    def call(self, method: str, *args, timeout_s: Optional[float] = None) -> Any:
+        what = "latency()" if method == _LATENCY else f"{method}()"
+        return self._request(what, (method, args), self.timeout_s if timeout_s is None else timeout_s)
+
+    def run(self, feeds: dict) -> dict:
+        return self.call("run", feeds)
+
+    def effective(self) -> dict:
+        return self.call("effective")
+
+    def latency(self, feeds: dict, warmup: int = 3, repeats: int = 20, *, timeout_s: Optional[float] = None) -> dict:
+        return self.call(_LATENCY, feeds, warmup, repeats, timeout_s=timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._process is not None and self._process.is_alive()
+
+    def stderr_tail(self, lines: int = 8) -> List[str]:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 65536))
+                text = log.read().decode(errors="replace")
+        except (OSError, TypeError):
+            return []
+        return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
+
+    def close(self) -> None:
+        if self._process is not None:
+            if self._process.is_alive():
+                try:
+                    self._conn.send(None)
+                    self._process.join(_JOIN_S)
+                except OSError:
+                    pass
+            self._kill()
+            self._process = None
+            self._conn.close()
+        if self._own_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+        self._dead = self._dead or RuntimeError(f"the worker for {self.label} is closed")
+
+    def _request(self, what: str, message, timeout_s: float) -> Any:
+        if self._dead is not None:
+            raise self._dead.with_traceback(None)
+        if self._process is None:
+            raise RuntimeError(f"the worker for {self.label} is not started")
+        limit = f" (memory limit {self.memory_mb} MB)" if self.memory_mb else ""
+        try:
+            if message is not None:
+                self._conn.send(message)
+            reply = self._conn.recv() if self._conn.poll(timeout_s) else None
+        except (EOFError, OSError):
+            raise self._fail("crashed", f"{self.label} crashed ({self._exit_status()}) in {what}{limit}") from None
+        if reply is None:
+            self._kill()
+            raise self._fail("hung", f"{self.label} hung: no answer in {timeout_s:g} s to {what}, killed{limit}")
+        if reply[0] == "ok":
+            return reply[1]
+        if what != "load()":  # the child carries on; the traceback is in the log
+            raise BackendCrashed(reply[1], f"{self.label} {what} raised {reply[2]}")
+        self._process.join(_JOIN_S)  # the child has ended
+        self._dead = BackendCrashed(reply[1], f"{self.label} {what} raised {reply[2]}{limit}")
+        raise self._dead
+
+    def _fail(self, kind: str, detail: str) -> BackendCrashed:
+        tail = self.stderr_tail()
+        if kind == "crashed" and any("bad_alloc" in line or "MemoryError" in line for line in tail):
+            kind = "memory"
+        self._dead = BackendCrashed(kind, detail, tail)
+        return self._dead
+
+    def _exit_status(self) -> str:
+        self._process.join(_JOIN_S)
+        code = self._process.exitcode
+        if code is None:
+            self._kill()
+            return "closed its pipe"
+        if code >= 0:
+            return f"exit status {code}"
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join(_JOIN_S)
