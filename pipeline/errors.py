@@ -46,14 +46,14 @@ class BackendCrashed(ParityError):
     exit_code = ExitCode.BACKEND
     label = "backend crashed"
 
-    def __init__(self, kind: str, detail: str, stderr_tail: Sequence[str] = ()):
-        self.kind, self.detail, self.stderr_tail = kind, detail, list(stderr_tail)
+    def __init__(self, kind: str, detail: str, stderr_tail: Sequence[str] = (), worker: str = ""):
+        self.kind, self.detail, self.stderr_tail, self.worker = kind, detail, list(stderr_tail), worker
         last = self.stderr_tail[-1].strip() if self.stderr_tail else ""
         message = f"{detail}; last stderr: {last}" if last and last not in detail else detail
         super().__init__(" ".join(message.split()))  # one line
 
     def __reduce__(self):
-        return type(self), (self.kind, self.detail, self.stderr_tail)
+        return type(self), (self.kind, self.detail, self.stderr_tail, self.worker)
 
 
 def first_line(err: BaseException) -> str:

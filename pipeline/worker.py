@@ -215,16 +215,16 @@ class BackendWorker:
         if reply[0] == "ok":
             return reply[1]
         if what != "load()":  # the child carries on; the traceback is in the log
-            raise BackendCrashed(reply[1], f"{self.label} {what} raised {reply[2]}")
+            raise BackendCrashed(reply[1], f"{self.label} {what} raised {reply[2]}", worker=self.label)
         self._process.join(_JOIN_S)  # the child has ended
-        self._dead = BackendCrashed(reply[1], f"{self.label} {what} raised {reply[2]}{limit}")
+        self._dead = BackendCrashed(reply[1], f"{self.label} {what} raised {reply[2]}{limit}", worker=self.label)
         raise self._dead
 
     def _fail(self, kind: str, detail: str) -> BackendCrashed:
         tail = self.stderr_tail()
         if kind == "crashed" and any("bad_alloc" in line or "MemoryError" in line for line in tail):
             kind = "memory"
-        self._dead = BackendCrashed(kind, detail, tail)
+        self._dead = BackendCrashed(kind, detail, tail, worker=self.label)
         return self._dead
 
     def _exit_status(self) -> str:

@@ -86,7 +86,7 @@ def run(ctx: StageContext) -> StageResult:
             comparison[cfg.precision.name.value] = _Row(target, build.summary.get("bytes"), check.stats,
                                                         check.top1).result(check.last)
         except BackendCrashed as err:
-            crash = {"kind": err.kind, "backend": getattr(err, "worker", ""), "detail": err.detail,
+            crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
                      "stderr_tail": err.stderr_tail}
             log.warning("%s", err)
         outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
