@@ -217,8 +217,9 @@ class Comparison:
                 return {"tensor": tensor.name, "op": tensor.op, "op_type": tensor.op_type,
                         "attributes": self.graph.attributes(tensor.op), "cosine": metrics["cosine"],
                         "max_abs": metrics["max_abs"], "nan": metrics["nan"], "inf": metrics["inf"],
-                        "threshold": self.threshold,
-                        "inputs": [{"tensor": a, "cosine": self.stats[a].result()["cosine"]} for a in ancestors],
+                        "reference_max_abs": metrics["reference_max_abs"], "threshold": self.threshold,
+                        "inputs": [{"tensor": a, "cosine": self.stats[a].result()["cosine"],
+                                    "reference_max_abs": self.stats[a].reference_max_abs} for a in ancestors],
                         "region": self.region(tensor.name)}
         return None
 
@@ -282,7 +283,7 @@ def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold:
     for chunk in chunks:
         ours = reference.call("probe", chunk)
         theirs = target.call("probe", chunk)
-        unmappable.update(name for name in theirs["tensors"] if name not in graph.by_name)
+        unmappable.update(name for name in theirs["tensors"] if name not in graph.by_name and name not in graph.inputs)
         both = [name for name in chunk if name in ours["exposed"] and name in theirs["exposed"]]
         not_exposed += [name for name in chunk if name not in both]
         if not both and progress:

@@ -13,6 +13,9 @@ FP16_MAX = 65504.0
 FLOAT_PRECISIONS = {"fp16": "fp16", "bf16": "bf16"}
 OPENVINO_HINTS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 CLIPPED_TOO_MUCH = 0.001  # a threshold that clips more than 0.1 % of values is suspect
+# Without calibration statistics (an imported table): a threshold this far below the
+# reference's own peak on the validation samples is suspect.
+THRESHOLD_BELOW_PEAK = 0.25
 
 
 def recommend(precision: str, backend: str, requested: dict, effective: dict,
@@ -69,15 +72,17 @@ def _divergence(culprit: dict, precision: str, table: dict) -> dict:
     op, tensor = culprit["op"], culprit["tensor"]
     where = f"first divergence at {culprit['op_type']} {op} (tensor {tensor}, cosine {culprit['cosine']:.4f})"
     if precision in ("int8", "mixed"):
-        clipping = _worst_clipping([tensor, *[i["tensor"] for i in culprit.get("inputs", [])]], table)
+        peaks = {tensor: culprit.get("reference_max_abs"),
+                 **{i["tensor"]: i.get("reference_max_abs") for i in culprit.get("inputs", [])}}
+        clipping = _worst_clipping(peaks, table)
         if clipping:
-            name, entry = clipping
+            name, entry, how = clipping
+            method = entry.get("method") if entry.get("method") not in (None, "unknown") else "imported"
             return {"kind": "int8_threshold",
-                    "text": f"{where}: the int8 threshold of {name} ({entry['method']}, {entry['threshold']:.4g}, "
-                            f"max {max(abs(entry['min']), abs(entry['max'])):.4g}) clips "
-                            f"{entry['clipped'] * 100:.2f}% of its values: use the percentile or mse threshold "
-                            f"for it, or keep {op} in float",
-                    "action": {"calibration": {name: "mse" if entry["method"] != "mse" else "percentile"},
+                    "text": f"{where}: the int8 threshold of {name} ({method}, "
+                            f"{entry['threshold']:.4g}) {how}: use the percentile or mse threshold for it, "
+                            f"or keep {op} in float",
+                    "action": {"calibration": {name: "mse" if entry.get("method") != "mse" else "percentile"},
                                "keep_float": [op]}}
         return {"kind": "int8_sensitive",
                 "text": f"{where}: keep {op} in float (precision=mixed puts it in the qtable)",
@@ -91,7 +96,22 @@ def _divergence(culprit: dict, precision: str, table: dict) -> dict:
             "action": {"inspect": [op]}}
 
 
-def _worst_clipping(tensors: List[str], table: dict):
-    clipped = [(name, table[name]) for name in tensors
-               if name in table and table[name].get("clipped", 0.0) > CLIPPED_TOO_MUCH]
-    return max(clipped, key=lambda item: item[1]["clipped"], default=None)
+def _worst_clipping(peaks: dict, table: dict):
+    """(tensor, table entry, what it clips) of the threshold that clips most, if any clips too much."""
+    suspects = []
+    for name, peak in peaks.items():
+        entry = table.get(name)
+        if entry is None:
+            continue
+        if entry.get("clipped") is not None:
+            if entry["clipped"] > CLIPPED_TOO_MUCH:
+                suspects.append((entry["clipped"], name, entry,
+                                 f"clips {entry['clipped'] * 100:.2f}% of its calibration values"))
+        elif peak and entry["threshold"] < THRESHOLD_BELOW_PEAK * peak:
+            suspects.append((1 - entry["threshold"] / peak, name, entry,
+                             f"is {entry['threshold'] / peak * 100:.1f}% of the peak {peak:.4g} the reference "
+                             "reaches on the validation samples"))
+    if not suspects:
+        return None
+    _, name, entry, how = max(suspects, key=lambda item: item[0])
+    return name, entry, how

@@ -32,7 +32,7 @@ from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult
 
 NAME = "verify"
-VERSION = 3
+VERSION = 4
 CACHEABLE = True
 # mixed with an empty qtable (plain int8 met the target) runs int8 everywhere
 ACCEPTED_PRECISIONS = {"mixed": {"mixed", "int8"}}
