@@ -134,6 +134,9 @@ class PrecisionConfig:
     per_channel: bool = True  # per-channel weight scales for Conv/Gemm/MatMul
     # 7-bit weights: u8 x s8 kernels saturate on x86 CPUs without VNNI. null: on for such CPUs.
     reduce_range: Optional[bool] = None
+    # Ops (ONNX node names) kept in fp32 in fp16, int8 and mixed builds, on top of what the
+    # pre-flight or the sensitivity search chose: how a verify recommendation is applied.
+    keep_float: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import List, Optional
 FP16_MAX = 65504.0
 FLOAT_PRECISIONS = {"fp16": "fp16", "bf16": "bf16"}
 OPENVINO_HINTS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+APPLIES_KEEP_FLOAT = ("fp16", "int8", "mixed")  # builds that honour precision.keep_float
 CLIPPED_TOO_MUCH = 0.001  # a threshold that clips more than 0.1 % of values is suspect
 # Without calibration statistics (an imported table): a threshold this far below the
 # reference's own peak on the validation samples is suspect.
@@ -27,6 +28,10 @@ def recommend(precision: str, backend: str, requested: dict, effective: dict,
             found.append(_nan_origin(origin, precision))
         if culprit and not (origin and culprit["tensor"] == origin["tensor"]):
             found.append(_divergence(culprit, precision, (calibration or {}).get("tensors", {})))
+    for advice in found:
+        keep = advice["action"].get("keep_float")
+        if keep and precision in APPLIES_KEEP_FLOAT:
+            advice["text"] += f" (apply: precision.keep_float=[{','.join(keep)}])"
     return found
 
 

@@ -17,16 +17,31 @@ from pipeline.quantize import build_qdq, needs_reduce_range
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 10
+VERSION = 11
 CACHEABLE = True
 
 
 def key_config(cfg):
     precision = cfg.precision
     quantized = precision.name.value in ("int8", "mixed")
-    return {"target": cfg.target, "precision": precision.name,
+    return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             "int8": (precision.activations, precision.per_channel, precision.reduce_range,
                      needs_reduce_range()) if quantized else None}
+
+
+def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str]) -> tuple:
+    """``chosen`` plus precision.keep_float, limited to ops the prepared graph still has
+    (BatchNorm folded into Conv, for one, no longer exists), and the names left out."""
+    names = {node.name for node in model.graph.node}
+    asked = list(ctx.cfg.precision.keep_float)
+    converted = {node.name for node in onnx.load(str(ctx.results["convert"].path("model")),
+                                                 load_external_data=False).graph.node}
+    typos = [name for name in asked if name not in converted and name not in names]
+    if typos:
+        raise ConfigError(f"precision.keep_float: the model has no op {typos[0]!r} (names are ONNX node names, "
+                          "as the report's layerwise section and recommendations give them)")
+    merged = list(dict.fromkeys([*chosen, *[name for name in asked if name in names]]))
+    return merged, [name for name in asked if name not in names]
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -81,17 +96,17 @@ def _half(ctx: StageContext, backend: str):
         raise ConfigError("precision=fp16 needs the calibrate stage (statistics for the fp16 pre-flight) before build")
     findings = read_json(calibrate.path("fp16_findings"))
     prepared = onnx.load(str(calibrate.path("prepared")))
-    blocked = fp16.block_list(prepared, findings)
+    blocked, unknown = _requested_float(ctx, prepared, fp16.block_list(prepared, findings))
     half = ctx.out_dir / "half.onnx"
     if backend == "openvino":
         # fp16 weights in the IR and the f16 hint; OpenVINO decides per layer what runs f16
         # (it keeps precision-sensitive subgraphs such as x*x -> ReduceSum in f32 itself).
         # The block list is recorded, not applied: verify reports what ran.
         onnx.save(prepared, str(half))
-        return half, {"findings": findings, "blocked": blocked, "applied": False,
+        return half, {"findings": findings, "blocked": blocked, "applied": False, "keep_float_not_found": unknown,
                       "converter": "openvino save_model(compress_to_fp16=True)"}
     summary = fp16.convert(calibrate.path("prepared"), half, blocked)
-    return half, {"findings": findings, **summary}
+    return half, {"findings": findings, **summary, "keep_float_not_found": unknown}
 
 
 def _quantize(ctx: StageContext):
@@ -108,6 +123,8 @@ def _quantize(ctx: StageContext):
             raise ConfigError("precision=mixed needs the sensitivity stage: add it to pipeline.stages before build")
         table = read_json(found.path("table"))["tensors"]
         keep_float = read_json(found.path("qtable"))["float_ops"]
+    keep_float, unknown = _requested_float(ctx, onnx.load(str(calibrate.path("prepared")), load_external_data=False),
+                                           keep_float)
     quantized = ctx.out_dir / "quantized.onnx"
     reduce_range = precision.reduce_range
     if reduce_range is None:
@@ -120,5 +137,6 @@ def _quantize(ctx: StageContext):
     settings = {"weights": "int8 symmetric, " + ("per channel" if precision.per_channel else "per tensor"),
                 "activations": precision.activations.value + (" symmetric" if precision.activations.value == "int8"
                                                               else " asymmetric") + ", per tensor",
-                "bias": "int32", "reduce_range": reduce_range, "float_ops": keep_float}
+                "bias": "int32", "reduce_range": reduce_range, "float_ops": keep_float,
+                "keep_float_not_found": unknown}
     return quantized, settings

@@ -34,8 +34,6 @@ from stages import StageContext, StageResult
 NAME = "verify"
 VERSION = 4
 CACHEABLE = True
-# mixed with an empty qtable (plain int8 met the target) runs int8 everywhere
-ACCEPTED_PRECISIONS = {"mixed": {"mixed", "int8"}}
 REFERENCE = ("pipeline.backends.onnxruntime", {"model": "model.onnx", "precision": "fp32",
                                                "options": {"graph_optimization_level": "disabled"}})
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
@@ -70,7 +68,8 @@ def run(ctx: StageContext) -> StageResult:
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
     check = _Check(output_names, task_output)
-    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value}
+    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value,
+                 "accepted_precisions": _accepted_precisions(cfg.precision)}
     effective, crash, layers, comparison = {}, None, None, {}
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         try:
@@ -121,6 +120,15 @@ def run(ctx: StageContext) -> StageResult:
     }
     files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
     return StageResult(ctx.out_dir, files, summary, cache=crash is None)
+
+
+def _accepted_precisions(precision) -> List[str]:
+    """What the backend may report for this request: mixed with an empty qtable (plain
+    int8 met the target) runs int8 everywhere; int8 with precision.keep_float is mixed."""
+    name = precision.name.value
+    if name == "mixed" or (name == "int8" and precision.keep_float):
+        return ["int8", "mixed"]
+    return [name]
 
 
 def _worker(stack, module: str, folder: Path, settings: dict, label: str, limits: dict) -> BackendWorker:
@@ -288,8 +296,7 @@ def _verdict(outputs, missing, task, requested, effective, samples, crash):
         what = "hung" if crash["kind"] == "hung" else "crashed"
         tail = "; ".join(crash["stderr_tail"][-3:])
         return [f"backend {what}: {crash['detail']}" + (f" (stderr: {tail})" if tail else "")], ExitCode.BACKEND
-    accepted = {"device": {requested["device"]}, "precision": ACCEPTED_PRECISIONS.get(requested["precision"],
-                                                                                      {requested["precision"]})}
+    accepted = {"device": {requested["device"]}, "precision": set(requested["accepted_precisions"])}
     mismatched = [f"requested {key} {requested[key]} but {effective.get(key)} ran"
                   for key in ("device", "precision") if str(effective.get(key, "")).lower() not in
                   {value.lower() for value in accepted[key]}]

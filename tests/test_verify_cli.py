@@ -138,3 +138,38 @@ def test_bundle_check_reproduces_the_verdict_from_recorded_inputs(default_run, t
     (bundle / "reproduce.npz").write_bytes((bundle / "reproduce.npz").read_bytes()[:-10])
     tampered = run_cli(["check", bundle], tmp_path, program="parity-bundle")
     assert tampered.returncode == 2 and "reproduce.npz" in tampered.stderr
+
+
+def test_applying_the_recommendation_fixes_the_broken_layer(broken_table):
+    root, table = broken_table
+    result = run_cli(["precision=int8", f"calibration.table={table}", "precision.keep_float=[conv2,relu2]"], root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(last_run(root))
+    assert {"conv2", "relu2"} <= set(report["build"]["quantization"]["float_ops"])
+    assert report["verify"]["effective"]["precision"] == "mixed"  # int8 with ops kept float is accepted
+    typo = run_cli(["precision=int8", "precision.keep_float=[relu9]"], root)
+    assert typo.returncode == 2 and "precision.keep_float: the model has no op 'relu9'" in typo.stderr
+
+
+def test_openvino_without_a_precision_hint_is_caught_when_it_falls_back(tmp_path):
+    """OpenVINO's CPU plugin runs bf16 by default on CPUs with native bf16 (shared/findings.md);
+    requested fp32 without the hint must then fail the verdict. Elsewhere fp32 runs and passes."""
+    import openvino as ov
+
+    from pipeline.backends import openvino as ov_backend
+    from pipeline.worker import BackendWorker
+    from stages.verify import _verdict
+
+    model = REPO / "pipeline" / "assets" / "digits_cnn.onnx"
+    ov_backend.convert(model, tmp_path)
+    with BackendWorker("pipeline.backends.openvino", tmp_path, {"model": "model.xml", "options": {}},
+                       label="openvino without a hint", timeout_s=120) as worker:
+        effective = worker.effective()
+    requested = {"device": "CPU", "precision": "fp32", "accepted_precisions": ["fp32"]}
+    reasons, code = _verdict([{"name": "logits", "failures": []}], [], None, requested, effective, 1, None)
+    native_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if native_bf16:
+        assert effective["precision"] == "bf16" and code == 4
+        assert reasons == ["requested precision fp32 but bf16 ran"]
+    else:
+        assert effective["precision"] == "fp32" and code == 0 and reasons == []

@@ -27,6 +27,10 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         warnings += [f"calibration: {w}" for w in calibration.get("warnings", []) if w not in warnings]
     if "sensitivity" in results and results["sensitivity"].summary.get("warning"):
         warnings.append(f"sensitivity: {results['sensitivity'].summary['warning']}")
+    build = results["build"].summary if "build" in results else {}
+    for name in (build.get("quantization") or {}).get("keep_float_not_found", []):
+        warnings.append(f"precision.keep_float: op {name} is not in the prepared graph (folded into another op), "
+                        "nothing to keep in float")
     if convert:
         warnings += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in convert["preflight"]
                      if f["severity"] != "info"]
