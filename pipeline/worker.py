@@ -134,6 +134,11 @@ class BackendWorker:
 
     def start(self) -> None:
         """Start the child and load the session (again, after a crash or close)."""
+        self.launch()
+        self.wait_loaded()
+
+    def launch(self) -> None:
+        """Start the child without waiting for its load (start several, then wait)."""
         if self._process is not None:
             self.close()
         self._dead = None
@@ -150,6 +155,9 @@ class BackendWorker:
             child_conn, self.module, self.artifact_dir, self.settings, str(self.log_path), self.memory_mb))
         self._process.start()
         child_conn.close()
+
+    def wait_loaded(self) -> None:
+        """Wait for the child's load; on failure the worker is closed and the error raised."""
         try:
             self.inputs, self.outputs = self._request("load()", None, self.timeout_s)
         except BaseException:

@@ -73,11 +73,15 @@ def run(ctx: StageContext) -> StageResult:
     effective, crash, layers, comparison = {}, None, None, {}
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         try:
-            reference = _worker(stack, REFERENCE[0], convert.out_dir, REFERENCE[1], "reference (onnxruntime fp32)",
+            reference = _launch(stack, REFERENCE[0], convert.out_dir, REFERENCE[1], "reference (onnxruntime fp32)",
                                 limits)
-            target = _worker(stack, backend.__name__, build.out_dir, settings,
+            target = _launch(stack, backend.__name__, build.out_dir, settings,
                              f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value})", limits)
             baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
+            _loaded(reference)
+            _loaded(target)
+            for row in baselines.values():
+                row.wait_loaded()
             check.run(reference, target, baselines, dataset, progress, ctx.out_dir / files["reproduce"],
                       f"verify {cfg.target.name}")
             effective = target.effective()
@@ -131,15 +135,24 @@ def _accepted_precisions(precision) -> List[str]:
     return [name]
 
 
-def _worker(stack, module: str, folder: Path, settings: dict, label: str, limits: dict) -> BackendWorker:
+def _launch(stack, module: str, folder: Path, settings: dict, label: str, limits: dict) -> BackendWorker:
+    """A worker process started (closed with the stack); its load is awaited by _loaded,
+    so that the workers of one verify start side by side."""
     worker = BackendWorker(module, folder, settings, label=label, timeout_s=limits["timeout_s"],
                            memory_mb=limits["memory_mb"])
+    stack.callback(worker.close)
+    worker.launch()
+    return worker
+
+
+def _loaded(worker: BackendWorker) -> BackendWorker:
     try:
-        return stack.enter_context(worker)
+        worker.wait_loaded()
     except BackendCrashed as err:
         if err.kind == "error":  # the runtime refused the artifact: a clear error, not a crash
-            raise BackendUnavailable(f"{label} failed to load the artifact: {err.detail}") from err
+            raise BackendUnavailable(f"{worker.label} failed to load the artifact: {err.detail}") from err
         raise
+    return worker
 
 
 class _Check:
@@ -184,6 +197,12 @@ class _Row:
         self.worker, self.size = worker, size
         self.stats, self.top1 = stats if stats is not None else {}, top1 if top1 is not None else Top1()
         self.error: Optional[str] = None
+
+    def wait_loaded(self) -> None:
+        try:
+            _loaded(self.worker)
+        except (BackendCrashed, BackendUnavailable) as err:  # a side-by-side build is information only
+            self.error = str(err)
 
     def update(self, expected, sample, task_output) -> None:
         if self.error:
@@ -233,13 +252,7 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
         settings = {**settings, "device": ctx.cfg.target.device.upper(), "precision": name,
                     "outputs": convert.summary["outputs"]}
         size = sum((folder / f).stat().st_size for f in files)
-        try:
-            worker = _worker(stack, backend.__name__, folder, settings, f"{backend.NAME} {name}", limits)
-        except (BackendCrashed, BackendUnavailable) as err:
-            rows[name] = _Row(None, size)
-            rows[name].error = str(err)
-            continue
-        rows[name] = _Row(worker, size)
+        rows[name] = _Row(_launch(stack, backend.__name__, folder, settings, f"{backend.NAME} {name}", limits), size)
     return rows
 
 
