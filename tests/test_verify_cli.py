@@ -173,3 +173,15 @@ def test_openvino_without_a_precision_hint_is_caught_when_it_falls_back(tmp_path
         assert reasons == ["requested precision fp32 but bf16 ran"]
     else:
         assert effective["precision"] == "fp32" and code == 0 and reasons == []
+
+
+@pytest.mark.parametrize("outputs, missing, samples, expected", [
+    ([], ["logits"], 10, ["output logits was not produced by the target", "no outputs were compared"]),
+    ([], [], 0, ["no validation samples were compared", "no outputs were compared"]),
+])
+def test_a_verdict_never_passes_on_nothing(outputs, missing, samples, expected):
+    from stages.verify import _verdict
+
+    requested = {"device": "CPU", "precision": "fp32", "accepted_precisions": ["fp32"]}
+    reasons, code = _verdict(outputs, missing, None, requested, {"device": "CPU", "precision": "fp32"}, samples, None)
+    assert reasons == expected and code == 3
