@@ -33,7 +33,22 @@ def single_bundle(run_dir: Path) -> Path:
 
 
 def read_report(run_dir: Path) -> dict:
-    return json.loads((run_dir / "report.json").read_text())
+    """The run's report.json, validated against docs/report.schema.json (so every report a
+    test reads is checked against the documented schema)."""
+    import jsonschema
+
+    report = json.loads((run_dir / "report.json").read_text())
+    jsonschema.validate(report, _report_schema(), cls=jsonschema.Draft202012Validator)
+    return report
+
+
+def _report_schema() -> dict:
+    if not _SCHEMA:
+        _SCHEMA.update(json.loads((REPO / "docs" / "report.schema.json").read_text()))
+    return _SCHEMA
+
+
+_SCHEMA: dict = {}
 
 
 def run_default_job(cwd: Path):
