@@ -24,6 +24,8 @@ from pipeline.errors import ConfigError
 class Backend(Enum):
     onnxruntime = "onnxruntime"
     openvino = "openvino"
+    ncnn = "ncnn"
+    mnn = "mnn"
 
 
 class Precision(Enum):
@@ -56,6 +58,21 @@ class Layerwise(Enum):
     off = "off"
     on_fail = "on_fail"
     always = "always"
+
+
+class Tuning(Enum):
+    """MNN GPU backends: how much to tune kernels at load (ScheduleConfig.mode bits)."""
+    none = "none"
+    fast = "fast"
+    normal = "normal"
+    heavy = "heavy"
+    wide = "wide"
+
+
+class MnnPrecision(Enum):
+    high = "high"
+    normal = "normal"
+    low = "low"
 
 
 class MemoryMode(Enum):
@@ -120,7 +137,17 @@ class TargetConfig:
     backend: Backend = MISSING
     device: str = "CPU"
     threads: int = 0  # 0: the runtime's default
-    memory_mode: MemoryMode = MemoryMode.auto
+    memory_mode: MemoryMode = MemoryMode.auto  # MNN GPU backends: buffer or image memory
+    device_index: int = 0  # ncnn Vulkan: which GPU
+    # ncnn precision=fp16: the three switches of ncnn's fp16 path
+    fp16_storage: bool = True
+    fp16_packed: bool = True
+    fp16_arithmetic: bool = True
+    # ncnn precision=fp16: when the plain build fails verification, search per-layer
+    # feature masks (31=...) on the culprit layers and keep the smallest set that passes
+    auto_masks: bool = True
+    tuning: Tuning = Tuning.none  # MNN GPU backends: kernel tuning at load, cached in the bundle
+    mnn_precision: Optional[MnnPrecision] = None  # MNN BackendConfig precision; null: fp32 high, fp16 low
 
 
 @dataclass
@@ -273,6 +300,9 @@ def _check_combinations(run: RunConfig) -> None:
     if run.target.device.upper() not in backend.DEVICES:
         raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
                           f"{', '.join(backend.DEVICES)}")
+    problem = backend.check_config(run.target, run.precision.name.value) if hasattr(backend, "check_config") else None
+    if problem:
+        raise ConfigError(problem)
     unknown = [s for s in run.pipeline.stages if s not in STAGE_NAMES]
     if unknown:
         raise ConfigError(f"pipeline.stages: unknown stage {unknown[0]!r}; allowed: {', '.join(STAGE_NAMES)}")

@@ -6,12 +6,16 @@ optional runtime is reported, not crashed on):
 
     NAME, PRECISIONS, MEMORY_MODES, DEVICES
     available() -> (bool, reason)
+    check_config(target, precision) -> None or a one-line problem   (optional)
     versions() -> {package: version}
     build(onnx_path, ir_dir, out_dir, target, precision) -> (artifact files, settings)
     load(artifact_dir, settings) -> Session
 
 A Session has ``inputs`` / ``outputs`` (names), ``run(feeds) -> {name: array}`` and
-``effective() -> {"device": ..., "precision": ...}``: what really ran.
+``effective() -> {"device": ..., "precision": ...}``: what really ran; and, for the
+layerwise comparison, ``probe(names) -> {"exposed": [...], "tensors": [...]}`` and
+``run_probe(feeds) -> {onnx name: float32 array}`` (see pipeline/layerwise.py).
+``settings`` are runtime.yaml's: backend-specific values live under ``options``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from types import ModuleType
 MODULES = {
     "onnxruntime": "pipeline.backends.onnxruntime",
     "openvino": "pipeline.backends.openvino",
+    "ncnn": "pipeline.backends.ncnn",
+    "mnn": "pipeline.backends.mnn",
 }
 
 
