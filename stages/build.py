@@ -3,30 +3,122 @@ loader needs (runtime.yaml)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import List
 
-import yaml
-
 import onnx
+import yaml
 
 from pipeline import backends, fp16
 from pipeline.artifacts import read_json
-from pipeline.errors import BackendUnavailable, ConfigError, first_line
+from pipeline.data import TensorSpec, open_dataset
+from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
 from pipeline.quantize import build_qdq, needs_reduce_range
+from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 11
+VERSION = 12
 CACHEABLE = True
+MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
 
 def key_config(cfg):
     precision = cfg.precision
     quantized = precision.name.value in ("int8", "mixed")
+    backend = backends.spec(cfg.target.backend.value)
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             "int8": (precision.activations, precision.per_channel, precision.reduce_range,
-                     needs_reduce_range()) if quantized else None}
+                     needs_reduce_range()) if quantized else None,
+            # the mask search and the runtime's own int8 tooling use data (and the thresholds)
+            "data": (cfg.data, cfg.validation, cfg.calibration)
+            if _wants_masks(cfg, backend) or (precision.name.value == "int8" and hasattr(backend, "build_int8"))
+            else None}
+
+
+def _wants_masks(cfg, backend) -> bool:
+    return cfg.precision.name.value == "fp16" and cfg.target.auto_masks and hasattr(backend, "apply_masks")
+
+
+def external_files(ctx: StageContext) -> List[Path]:
+    backend = backends.spec(ctx.cfg.target.backend.value)
+    if _wants_masks(ctx.cfg, backend) or (ctx.cfg.precision.name.value == "int8" and hasattr(backend, "build_int8")):
+        return _dataset(ctx).files
+    return []
+
+
+def _dataset(ctx: StageContext):
+    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
+    return open_dataset(ctx.cfg.data, inputs)
+
+
+def _own_int8(ctx: StageContext, backend):
+    """int8 through the backend's own offline quantizer, fed parity's calibration samples."""
+    samples = [sample.feeds for sample in _dataset(ctx).calibration]
+    if not samples:
+        raise ConfigError(f"precision=int8 on {backend.NAME} needs calibration samples (data.calibration_size > 0)")
+    try:
+        return backend.build_int8(ctx.results["convert"].path("model"), ctx.out_dir, ctx.cfg.target, samples,
+                                  ctx.cfg.calibration.method.value)
+    except Exception as err:  # noqa: BLE001 - the runtime's quantizer refused the model
+        raise BackendUnavailable(f"int8: {backend.NAME}'s quantizer failed: {first_line(err)}") from err
+
+
+def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
+    """ncnn fp16: verify the plain build on the first validation samples; when it fails,
+    find the layers to mask from the evidence and search the masks (pipeline/feature_masks.py).
+    The masks found are written into the artifact in place."""
+    from pipeline import feature_masks, layerwise
+
+    cfg = ctx.cfg
+    samples = [s.feeds for _, s in zip(range(MASK_SAMPLES), _dataset(ctx).validation)]
+    convert = ctx.results["convert"]
+    reference_settings = {"model": convert.files["model"], "precision": "fp32",
+                          "options": {"graph_optimization_level": "disabled"}}
+    limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
+    with BackendWorker("pipeline.backends.onnxruntime", convert.out_dir, reference_settings,
+                       label="reference (onnxruntime fp32)", **limits) as reference:
+        expected = [reference.run(feeds) for feeds in samples]
+        judge = feature_masks.Judge(backend.__name__, samples, expected, cfg.validation.thresholds_for,
+                                    cfg.validation.worker_timeout_s)
+        if judge(ctx.out_dir, runtime, {}):
+            return {"searched": False, "reason": f"the plain fp16 build passes on {len(samples)} samples",
+                    "masks": [], "trials": judge.trials}
+        try:
+            with BackendWorker(backend.__name__, ctx.out_dir, runtime, label="ncnn fp16 (plain)", **limits) as target:
+                graph = layerwise.Graph(onnx.load(str(convert.path("model"))))
+                evidence = layerwise.compare(reference, target, graph, samples, cfg.validation.layer_min_cosine)
+                evidence = evidence.summary("on_fail", "the plain fp16 build failed", "")
+        except BackendCrashed as err:
+            evidence = {"ran": False, "reason": str(err)}
+    ops = feature_masks.candidate_ops(evidence, _preflight_block(ctx))
+    layer_map = backend.layer_map(ctx.out_dir, runtime)
+    layers = list(dict.fromkeys(layer_map[op] for op in ops if op in layer_map))
+    outcome = feature_masks.search(ctx.out_dir, runtime, layers, cfg.target.device.upper(), judge, backend.apply_masks)
+    onnx_of = {layer: op for op, layer in layer_map.items()}
+    if outcome.masks:
+        with tempfile.TemporaryDirectory(prefix="parity-masked-") as scratch:
+            files, masked = backend.apply_masks(ctx.out_dir, runtime, outcome.masks, Path(scratch))
+            for name in files:
+                shutil.copyfile(Path(scratch) / name, ctx.out_dir / name)
+        runtime["options"] = masked["options"]
+    return {"searched": True, "passed": outcome.passed, "candidates": [
+                {"layer": layer, "onnx_op": onnx_of.get(layer)} for layer in outcome.candidates],
+            "masks": [{"layer": layer, "onnx_op": onnx_of.get(layer), "mask": mask,
+                       "runs": feature_masks.MASK_MEANING.get(mask, f"mask {mask}")}
+                      for layer, mask in outcome.masks.items()],
+            "evidence": {key: evidence.get(key) for key in ("nan_origin", "first_divergence", "reason")},
+            "trials": judge.trials}
+
+
+def _preflight_block(ctx: StageContext) -> List[str]:
+    calibrate = ctx.results.get("calibrate")
+    if calibrate is None or "fp16_findings" not in calibrate.files:
+        return []
+    prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
+    return fp16.block_list(prepared, read_json(calibrate.path("fp16_findings")))
 
 
 def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str]) -> tuple:
@@ -44,10 +136,6 @@ def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str
     return merged, [name for name in asked if name not in names]
 
 
-def external_files(ctx: StageContext) -> List[Path]:
-    return []
-
-
 def run(ctx: StageContext) -> StageResult:
     target, precision = ctx.cfg.target, ctx.cfg.precision.name.value
     backend = backends.spec(target.backend.value)
@@ -59,9 +147,12 @@ def run(ctx: StageContext) -> StageResult:
     quantization = None
     if precision in ("int8", "mixed"):
         (onnx_path, quantization), ir_dir = _quantize(ctx), None
-    elif precision == "fp16":
+    elif precision == "fp16" and precision not in getattr(backend, "RUNTIME_PRECISIONS", ()):
         (onnx_path, quantization), ir_dir = _half(ctx, backend.NAME), None
-    artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
+    if precision == "int8" and hasattr(backend, "build_int8"):  # the runtime's own int8 tooling
+        artifacts, settings = _own_int8(ctx, backend)
+    else:
+        artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()
     runtime = {
@@ -77,6 +168,8 @@ def run(ctx: StageContext) -> StageResult:
         "inputs": convert.summary["inputs"],
         "outputs": convert.summary["outputs"],
     }
+    if _wants_masks(ctx.cfg, backend):
+        quantization = {**(quantization or {}), "feature_masks": _feature_masks(ctx, backend, runtime)}
     (ctx.out_dir / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
     files = {"runtime": "runtime.yaml", **{f"artifact:{name}": name for name in artifacts}}
     summary = {"backend": backend.NAME, "files": artifacts, "options": runtime["options"],

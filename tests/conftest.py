@@ -13,9 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args, cwd, program="parity", timeout=300) -> subprocess.CompletedProcess:
+def run_cli(args, cwd, program="parity", timeout=300, env=None) -> subprocess.CompletedProcess:
     """Run `parity ARGS` (or `parity-bundle`) through the installed console script."""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}
     env.pop("HYDRA_FULL_ERROR", None)
     script = Path(sys.executable).parent / program  # the console script pip installed
     command = [str(script), *map(str, args)]

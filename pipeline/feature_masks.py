@@ -1,0 +1,109 @@
+"""Automatic per-layer feature masks for ncnn fp16 builds (the seed case: x*x ->
+ReduceSum overflows fp16 on Vulkan, fixed by ``31=16`` on the reduction and its
+consumer).
+
+When the plain fp16 build fails its outputs' thresholds, the candidate layers are the
+ops the evidence names: the NaN/Inf origin and its consumers, the first divergence's
+region (layerwise comparison against the fp32 reference) and the fp16 pre-flight's
+block list. For each mask in order of cost (keep the layer on the GPU in fp32 first,
+then move it to the CPU), every candidate layer gets the mask; when that passes,
+layers are dropped one at a time while the build still passes (greedy: the result is
+a minimal set, not necessarily the smallest of all). Every candidate is re-verified in
+a worker process: on lavapipe some masks crash shader compilation or give wrong values,
+and a crash is a failed candidate, never the end of the build."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from pipeline.errors import BackendCrashed
+from pipeline.metrics import OutputStats, failures
+from pipeline.worker import BackendWorker
+
+log = logging.getLogger("parity")
+
+NO_FP16 = 1 | 2  # no fp16 arithmetic, no fp16 storage: the layer stays on its device in fp32
+NO_VULKAN = 16  # the layer runs on the CPU
+MASKS = {"VULKAN": (NO_FP16, NO_VULKAN), "CPU": (NO_FP16,)}
+MASK_MEANING = {NO_FP16: "fp32 on its device (no fp16 storage/arithmetic)", NO_VULKAN: "CPU (no Vulkan)"}
+
+
+@dataclass
+class Judge:
+    """Runs a candidate artifact on the samples in a worker and checks its outputs against
+    the reference outputs with the run's thresholds."""
+
+    module: str
+    samples: List[dict]
+    expected: List[dict]
+    thresholds_for: Callable
+    timeout_s: float = 600.0
+    trials: List[dict] = field(default_factory=list)
+
+    def __call__(self, artifact_dir: Path, settings: dict, masks: Dict[str, int]) -> bool:
+        started = time.perf_counter()
+        stats: Dict[str, OutputStats] = {}
+        try:
+            with BackendWorker(self.module, artifact_dir, settings, label=f"ncnn candidate {masks or 'no masks'}",
+                               timeout_s=self.timeout_s) as worker:
+                for feeds, expected in zip(self.samples, self.expected):
+                    actual = worker.run(feeds)
+                    for name, value in expected.items():
+                        stats.setdefault(name, OutputStats()).update(value, actual[name])
+            reasons = [f"{name}: {failure}" for name, s in stats.items()
+                       for failure in failures(s.result(), self.thresholds_for(name))]
+        except BackendCrashed as err:
+            reasons = [str(err)]
+        self.trials.append({"masks": dict(masks), "passed": not reasons, "reasons": reasons[:3],
+                            "seconds": round(time.perf_counter() - started, 3)})
+        log.info("feature masks %s: %s", masks or "none", "pass" if not reasons else reasons[0])
+        return not reasons
+
+
+@dataclass
+class Outcome:
+    masks: Dict[str, int]
+    passed: bool
+    candidates: List[str]
+
+
+def search(artifact_dir: Path, settings: dict, layers: Sequence[str], device: str, judge: Judge,
+           apply_masks: Callable) -> Outcome:
+    """The minimal set of masked ``layers`` (ncnn layer names, most likely first) that
+    passes ``judge``; ``apply_masks(artifact_dir, settings, masks, out_dir)`` writes a
+    candidate and returns (files, settings)."""
+
+    def passes(masks: Dict[str, int]) -> bool:
+        with tempfile.TemporaryDirectory(prefix="parity-masks-") as scratch:
+            _, candidate = apply_masks(artifact_dir, settings, masks, Path(scratch))
+            return judge(Path(scratch), candidate, masks)
+
+    for mask in MASKS.get(device, MASKS["CPU"]):
+        chosen = {layer: mask for layer in layers}
+        if not chosen or not passes(chosen):
+            continue
+        for layer in reversed(list(layers)):  # least likely culprits are dropped first
+            trial = {name: value for name, value in chosen.items() if name != layer}
+            if trial and passes(trial):
+                chosen = trial
+        return Outcome(chosen, True, list(layers))
+    return Outcome({}, False, list(layers))
+
+
+def candidate_ops(layerwise: Optional[dict], preflight_block: Sequence[str]) -> List[str]:
+    """ONNX ops to mask, most likely first: the NaN/Inf origin and its consumers, the
+    first divergence's region, then the pre-flight's block list."""
+    ops: List[str] = []
+    if layerwise and layerwise.get("ran"):
+        origin, culprit = layerwise.get("nan_origin"), layerwise.get("first_divergence")
+        if origin:
+            ops += [origin["op"], *origin.get("consumers", [])]
+        if culprit:
+            ops += list(reversed(culprit.get("region", [culprit["op"]])))
+    ops += list(preflight_block)
+    return list(dict.fromkeys(ops))
