@@ -1,0 +1,232 @@
+"""The ncnn backend on real ncnn and pnnx: build, run, effective device/precision, the
+ONNX <-> ncnn name mapping, per-layer feature masks (the fp16 overflow seed case) and
+pnnx's failures. Vulkan runs on whatever device ncnn finds (Mesa's lavapipe in CI)."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import overflow_model
+from ncnn_helpers import (DIGITS_MODEL, cls_model, cosine, digits_inputs, reference, require_vulkan, target,
+                          unsupported_model)
+from pipeline.backends import ncnn as backend
+from pipeline.layerwise import Graph
+
+import onnx
+
+
+def build(tmp_path, model, device="CPU", precision="fp32", **overrides):
+    out = tmp_path / f"{device}-{precision}"
+    out.mkdir()
+    files, settings = backend.build(model, None, out, target(device, **overrides), precision)
+    return out, files, settings
+
+
+@pytest.fixture(scope="module")
+def digits_cpu(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("digits"), DIGITS_MODEL)
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seed")
+    model = overflow_model.build(root / "overflow.onnx")
+    return model, build(root, model, "VULKAN", "fp16")
+
+
+def test_digits_cpu_fp32_matches_onnxruntime(digits_cpu):
+    out, files, settings = digits_cpu
+    assert sorted(files) == ["model.bin", "model.param"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.bin", "model.param"]  # no pnnx side files
+    options = settings["options"]
+    assert settings["model"] == "model.param"
+    assert not (options["use_vulkan"] or options["use_fp16_storage"] or options["use_fp16_arithmetic"]
+                or options["use_bf16_storage"])
+    params = sum(int(np.prod(t.dims)) for t in onnx.load(str(DIGITS_MODEL)).graph.initializer)
+    assert (out / "model.bin").stat().st_size >= 4 * params  # weights stay fp32 on disk (pnnx fp16=0)
+    session = backend.load(out, settings)
+    assert session.inputs == ["input"] and session.outputs == ["logits"]
+    assert session.effective() == {"device": "CPU", "precision": "fp32", "layers": "cpu: 6"}
+    for x in digits_inputs(20):
+        expected = reference(DIGITS_MODEL, {"input": x})["logits"]
+        actual = session.run({"input": x})["logits"]
+        assert actual.shape == expected.shape == (1, 10) and actual.dtype == np.float32
+        assert cosine(expected, actual) > 0.99999
+        assert np.abs(expected - actual).max() < 1e-3
+
+
+def test_digits_vulkan_fp32_matches_onnxruntime(tmp_path):
+    require_vulkan()
+    out, _, settings = build(tmp_path, DIGITS_MODEL, "VULKAN", "fp32")
+    assert settings["options"]["use_vulkan"] and not settings["options"]["use_fp16_storage"]
+    session = backend.load(out, settings)
+    effective = session.effective()
+    assert effective["device"] == "VULKAN" and effective["precision"] == "fp32"
+    assert effective["layers"] == "vulkan: 6"
+    for x in digits_inputs(10):
+        expected = reference(DIGITS_MODEL, {"input": x})["logits"]
+        actual = session.run({"input": x})["logits"]
+        assert cosine(expected, actual) > 0.99999 and np.abs(expected - actual).max() < 1e-3
+
+
+def test_vulkan_requested_without_a_device_reports_the_cpu(digits_cpu, tmp_path):
+    """effective() reads what ncnn runs: with no Vulkan driver visible the net falls back."""
+    out, _, settings = digits_cpu
+    options = {**settings["options"], "use_vulkan": True}
+    script = textwrap.dedent(f"""
+        import json, pathlib
+        from pipeline.backends import ncnn
+        session = ncnn.load(pathlib.Path({str(out)!r}), {{"model": "model.param", "options": {options!r}}})
+        print(json.dumps(session.effective()))
+    """)
+    env = {**os.environ, "VK_ICD_FILENAMES": str(tmp_path / "none.json"), "VK_DRIVER_FILES": str(tmp_path / "none.json")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert '"device": "CPU"' in done.stdout.splitlines()[-1]
+
+
+def test_cpu_bf16_runs_bf16(tmp_path):
+    out, _, settings = build(tmp_path, DIGITS_MODEL, "CPU", "bf16")
+    assert settings["options"]["use_bf16_storage"]
+    session = backend.load(out, settings)
+    assert session.effective()["precision"] == "bf16"
+    x = digits_inputs(1)[0]
+    expected = reference(DIGITS_MODEL, {"input": x})["logits"]
+    actual = session.run({"input": x})["logits"]
+    assert cosine(expected, actual) > 0.999 and not np.array_equal(expected, actual)
+
+
+def test_check_config():
+    assert backend.check_config(target("VULKAN"), "bf16") == \
+        "precision=bf16 on ncnn is CPU-only (bf16 storage); use target=ncnn_cpu"
+    assert backend.check_config(target("CPU"), "bf16") is None
+    assert backend.check_config(target("VULKAN"), "fp16") is None
+    off = target("VULKAN", fp16_storage=False, fp16_packed=False, fp16_arithmetic=False)
+    assert "all false" in backend.check_config(off, "fp16")
+
+
+def test_seed_overflow_on_vulkan_fp16_fixed_by_no_vulkan_masks(seed, tmp_path):
+    require_vulkan()
+    model, (out, _, settings) = seed
+    options = settings["options"]
+    assert options["use_fp16_storage"] and options["use_fp16_packed"] and options["use_fp16_arithmetic"]
+    samples = [overflow_model.sample(seed) for seed in range(3)]
+    expected = [reference(model, {"x": x})["y"] for x in samples]
+    assert all(np.isfinite(e).all() for e in expected)
+
+    plain = backend.load(out, settings)
+    assert plain.effective()["device"] == "VULKAN" and plain.effective()["precision"] == "fp16"
+    overflowed = sum(int(np.isinf(plain.run({"x": x})["y"]).sum()) for x in samples)
+    assert overflowed > 0
+
+    layers = backend.layer_map(out, settings)
+    masks = {layers["reduce"]: backend.MASK_BITS["no_vulkan"], layers["sqrt"]: backend.MASK_BITS["no_vulkan"]}
+    assert len(masks) == 2  # the reduction and its consumer are two ncnn layers
+    masked_dir = tmp_path / "masked"
+    files, masked = backend.apply_masks(out, settings, masks, masked_dir)
+    assert sorted(files) == ["model.bin", "model.param"]
+    assert masked["options"]["layer_masks"] == masks and settings["options"]["layer_masks"] == {}
+    lines = (masked_dir / "model.param").read_text().splitlines()
+    assert sorted(line.split()[1] for line in lines if "31=16" in line.split()) == sorted(masks)
+    session = backend.load(masked_dir, masked)
+    effective = session.effective()
+    assert effective["device"] == "VULKAN" and effective["precision"] == "fp16"
+    assert effective["layers"].startswith("vulkan: 3, cpu: 2")
+    for x, e in zip(samples, expected):
+        y = session.run({"x": x})["y"]
+        assert y.shape == e.shape and np.isfinite(y).all()
+        assert cosine(e, y) > 0.999
+
+    again, cleared = backend.apply_masks(masked_dir, masked, {}, tmp_path / "cleared")
+    assert "31=" not in (tmp_path / "cleared" / "model.param").read_text() and cleared["options"]["layer_masks"] == {}
+    with pytest.raises(ValueError, match="no ncnn layer 'nope'"):
+        backend.apply_masks(out, settings, {"nope": 16}, tmp_path / "bad")
+
+
+def test_seed_layer_map_names_every_node(seed):
+    _, (out, _, settings) = seed
+    layers = backend.layer_map(out, settings)
+    assert set(layers) == {"conv", "relu", "square", "reduce", "sqrt"}
+    assert layers["conv"] == layers["relu"]  # Conv + Relu fused into one ncnn Convolution
+    assert len({layers["square"], layers["reduce"], layers["sqrt"], layers["conv"]}) == 4
+
+
+def test_probe_exposes_intermediate_tensors_with_onnxruntime_values(digits_cpu):
+    out, _, settings = digits_cpu
+    session = backend.load(out, settings)
+    graph = Graph(onnx.load(str(DIGITS_MODEL)))
+    names = [t.name for t in graph.tensors]
+    probe = session.probe(names)
+    exposed = probe["exposed"]
+    assert {"relu1_out", "relu2_out", "pool1_out", "flatten_out", "relu3_out", "logits"} <= set(exposed)
+    assert "conv1_out" not in exposed  # fused into ncnn's Convolution with its Relu
+    assert all(name in graph.by_name for name in probe["tensors"])  # every ncnn blob maps to an ONNX tensor
+    for x in digits_inputs(3):
+        expected = reference(DIGITS_MODEL, {"input": x}, exposed)
+        actual = session.run_probe({"input": x})
+        assert sorted(actual) == sorted(exposed)
+        for name in exposed:
+            assert actual[name].shape == expected[name].shape, name
+            assert cosine(expected[name], actual[name]) > 0.99999, name
+            assert np.abs(expected[name] - actual[name]).max() < 1e-3, name
+
+
+def test_unsupported_op_fails_the_build_naming_it(tmp_path):
+    model = unsupported_model(tmp_path / "det.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RuntimeError) as raised:
+        backend.build(model, None, out, target(), "fp32")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("pnnx cannot convert op Det (node /head/Det_3)")
+    assert list(out.iterdir()) == []
+
+
+def test_not_installed_message(monkeypatch):
+    real_import = builtins.__import__
+
+    def hide_ncnn(name, *args, **kwargs):
+        if name == "ncnn" or name.startswith("ncnn."):
+            raise ImportError("No module named 'ncnn'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", hide_ncnn)
+    assert backend.available() == (False, "ncnn is not installed: pip install 'parity[ncnn]' (ncnn + pnnx)")
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert backend.available() == (True, "")
+    monkeypatch.setattr(backend, "pnnx_executable", lambda: None)
+    assert backend.available()[0] is False
+
+
+def test_ppocr_classifier_cpu_matches_onnxruntime(tmp_path):
+    pytest.importorskip("rapidocr_onnxruntime")
+    model = cls_model(tmp_path / "cls.onnx")
+    out, _, settings = build(tmp_path, model)
+    session = backend.load(out, settings)
+    assert session.inputs == ["x"] and session.outputs == ["save_infer_model/scale_0.tmp_1"]
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        x = rng.uniform(-1, 1, (1, 3, 48, 192)).astype(np.float32)
+        expected = reference(model, {"x": x})
+        actual = session.run({"x": x})
+        for name, value in expected.items():
+            assert actual[name].shape == value.shape == (1, 2)
+            assert cosine(value, actual[name]) > 0.9999 and np.abs(value - actual[name]).max() < 1e-3
+    # the name mapping on a real model: most activations exposed, each with the reference's values
+    graph = Graph(onnx.load(str(model)))
+    probe = session.probe([t.name for t in graph.tensors])
+    assert len(probe["exposed"]) >= 100
+    expected = reference(model, {"x": x}, probe["exposed"])
+    actual = session.run_probe({"x": x})
+    worst = min(probe["exposed"], key=lambda name: cosine(expected[name], actual[name]))
+    assert cosine(expected[worst], actual[worst]) > 0.9999, worst
+    assert settings["options"]["layers"]  # every node that feeds a mapped tensor has its layer
+    assert set(backend.layer_map(out, settings)) == {t.op for t in graph.tensors}
