@@ -145,13 +145,15 @@ def run(ctx: StageContext) -> StageResult:
     convert = ctx.results["convert"]
     onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
     quantization = None
-    if precision in ("int8", "mixed"):
-        (onnx_path, quantization), ir_dir = _quantize(ctx), None
-    elif precision == "fp16" and precision not in getattr(backend, "RUNTIME_PRECISIONS", ()):
-        (onnx_path, quantization), ir_dir = _half(ctx, backend.NAME), None
-    if precision == "int8" and hasattr(backend, "build_int8"):  # the runtime's own int8 tooling
+    own_int8 = precision == "int8" and hasattr(backend, "build_int8")  # the runtime's own int8 tooling
+    if own_int8:
         artifacts, settings = _own_int8(ctx, backend)
+        quantization = settings.get("options", {}).get("quantization")
     else:
+        if precision in ("int8", "mixed"):
+            (onnx_path, quantization), ir_dir = _quantize(ctx), None
+        elif precision == "fp16" and precision not in getattr(backend, "RUNTIME_PRECISIONS", ()):
+            (onnx_path, quantization), ir_dir = _half(ctx, backend.NAME), None
         artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()

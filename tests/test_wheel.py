@@ -43,7 +43,7 @@ def test_wheel_installs_and_runs_default_job_outside_checkout(tmp_path):
     helped = subprocess.run([str(env_dir / "bin" / "parity"), "--help"], cwd=work, env=env,
                             capture_output=True, text=True)
     assert helped.returncode == 0, helped.stderr
-    assert "target: openvino_cpu, ort_cpu" in helped.stdout
+    assert "target: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu" in helped.stdout
     result = subprocess.run([str(env_dir / "bin" / "parity")], cwd=work, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verdict: PASS" in result.stdout
