@@ -86,6 +86,9 @@ def test_seed_case_auto_masks_fix_exactly_the_reduction_and_its_consumer(overflo
     assert report["verify"]["outputs"][0]["metrics"]["inf"] == 0
     param = next(p for p in single_bundle(run_dir).iterdir() if p.suffix == ".param")
     assert param.read_text().count("31=16") == 2
+    markdown = (run_dir / "report.md").read_text()
+    assert "ncnn feature masks" in markdown and "2 layer(s) masked" in markdown
+    assert "| sqrt" in markdown or "sqrt |" in markdown
 
 
 def test_missing_optional_backend_is_exit_4_and_the_sweep_goes_on(tmp_path):

@@ -93,3 +93,23 @@ def test_int8_auto_calibration_keeps_accuracy(user_configs, target):
     assert verify["outputs"][0]["metrics"]["cosine"] > 0.95  # 400-image figures: benchmarks/calibration.py
     assert verify["task"]["agreement"] >= 0.8
     assert result.returncode in (0, 3), result.stdout + result.stderr  # 24 images: one flip is 4 points
+
+
+def test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference(user_configs):
+    """One sweep over the five runtimes at fp32: every backend agrees with the reference
+    within the default thresholds (ncnn's CPU kernels differ by ~1e-6..1e-3 max abs), and
+    every job's report says what ran."""
+    targets = ["ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu"]
+    result = run_cli(["--config-dir", user_configs / "conf", "-m", "model=ppocr_cls", "data=textlines",
+                      "data.validation_size=8", f"target={','.join(targets)}"], user_configs, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    sweep = sorted((user_configs / "multirun").glob("*/*"))[-1]
+    reports = {target: read_report(next(sweep.glob(f"*target={target}"))) for target in targets}
+    for target, report in reports.items():
+        verify = report["verify"]
+        assert report["verdict"] == "pass", (target, verify.get("reasons"))
+        assert verify["effective"]["precision"] == "fp32", target
+        (output,) = verify["outputs"]
+        assert output["metrics"]["cosine"] > 0.9999 and output["metrics"]["max_abs"] < 1e-2, (target, output)
+        assert verify["task"]["agreement"] == 1.0, target
+    assert reports["ncnn_vulkan"]["verify"]["effective"]["device"].startswith("VULKAN"), reports["ncnn_vulkan"]["verify"]["effective"]

@@ -741,6 +741,24 @@ def _build_section(build: dict) -> list:
             blocks.append(Table(["option", "value"], rows))
         else:
             blocks.append(Para("runtime defaults (no options set)"))
+    masks = _as_dict(_as_dict(build.get("quantization")).get("feature_masks"))
+    if masks:
+        blocks += _feature_masks_blocks(masks)
+    return blocks
+
+
+def _feature_masks_blocks(masks: dict) -> list:
+    """ncnn's per-layer feature masks (31=) found by the search: layer, mask, where it runs."""
+    blocks: list = [Heading(3, "ncnn feature masks")]
+    if not masks.get("searched"):
+        return blocks + [Para(f"no search: {fmt_value(masks.get('reason'))}")]
+    rows = [[fmt_value(m.get("layer")), fmt_value(m.get("onnx_op")), fmt_value(m.get("mask")), fmt_value(m.get("runs"))]
+            for m in _as_list(masks.get("masks")) if isinstance(m, dict)]
+    verdict = "passes" if masks.get("passed") else "still fails"
+    blocks.append(Para(f"{len(rows)} layer(s) masked after {fmt_value(len(_as_list(masks.get('trials'))))} "
+                       f"verified trial(s); the masked build {verdict} on the search samples."))
+    if rows:
+        blocks.append(Table(["ncnn layer", "ONNX op", "mask (31=)", "runs"], rows))
     return blocks
 
 
