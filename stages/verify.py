@@ -123,7 +123,9 @@ def run(ctx: StageContext) -> StageResult:
         "reproduce": {"file": files["reproduce"], "samples": min(check.samples, REPRODUCE_SAMPLES)},
     }
     files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
-    return StageResult(ctx.out_dir, files, summary, cache=crash is None)
+    # a crash, a hang or a device fallback depends on the machine (drivers, load), not on
+    # the inputs the cache key covers: such a verdict is measured again next time
+    return StageResult(ctx.out_dir, files, summary, cache=exit_code != ExitCode.BACKEND)
 
 
 def _accepted_precisions(precision) -> List[str]:
@@ -314,7 +316,8 @@ def _verdict(outputs, missing, task, requested, effective, samples, crash):
                   for key in ("device", "precision") if str(effective.get(key, "")).lower() not in
                   {value.lower() for value in accepted[key]}]
     if mismatched:
-        return mismatched, ExitCode.BACKEND
+        why = effective.get("note")  # the backend's own account of the fallback
+        return [f"{reason}: {why}" if why else reason for reason in mismatched], ExitCode.BACKEND
     reasons = [f"output {name} was not produced by the target" for name in missing]
     if samples == 0:
         reasons.append("no validation samples were compared")

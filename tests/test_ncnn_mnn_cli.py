@@ -46,8 +46,18 @@ def test_mnn_gpu_request_that_runs_on_the_cpu_is_caught(tmp_path):
     result = run_cli(["target=mnn_opencl"], tmp_path)
     assert result.returncode == 4, result.stdout + result.stderr
     report = read_report(last_run(tmp_path))
-    assert "requested device OPENCL but CPU ran" in report["reasons"]
+    (reason,) = report["reasons"]
+    assert reason.startswith("requested device OPENCL but CPU ran: this MNN build") and "no OPENCL backend" in reason
     assert report["verify"]["effective"]["device"] == "CPU"
+
+
+def test_ncnn_vulkan_without_a_device_is_exit_4_naming_the_driver(tmp_path):
+    missing = str(tmp_path / "no-driver.json")  # the Vulkan loader finds no ICD
+    result = run_cli(["target=ncnn_vulkan"], tmp_path, env={"VK_ICD_FILENAMES": missing, "VK_DRIVER_FILES": missing})
+    assert result.returncode == 4, result.stdout + result.stderr
+    report = read_report(last_run(tmp_path))
+    assert report["reasons"] == ["requested device VULKAN but CPU ran: no Vulkan device: install libvulkan1 and a "
+                                 "driver such as mesa-vulkan-drivers"]
 
 
 @pytest.fixture(scope="module")

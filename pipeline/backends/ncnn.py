@@ -103,6 +103,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 NAME = "ncnn"
+NO_VULKAN_DEVICE = "no Vulkan device: install libvulkan1 and a driver such as mesa-vulkan-drivers"
 PRECISIONS = ("fp32", "fp16", "bf16")
 RUNTIME_PRECISIONS = ("fp16", "bf16")  # runtime switches: build gets the fp32 ONNX model
 MEMORY_MODES = ("auto",)
@@ -884,6 +885,7 @@ class Session:
         self._net = ncnn.Net()
         _set_options(self._net.opt, options)
         self._gpu_count = 0
+        self._options_vulkan = bool(options.get("use_vulkan"))
         if options.get("use_vulkan"):
             _GPU_USED = True
             self._gpu_count = ncnn.get_gpu_count()
@@ -991,7 +993,10 @@ class Session:
         masked = {layer.name: layer.featmask for layer in self._network.layers if layer.featmask}
         if masked:
             layers += " (masked: " + ", ".join(f"{name}={mask}" for name, mask in masked.items()) + ")"
-        return {"device": device, "precision": precision, "layers": layers}
+        result = {"device": device, "precision": precision, "layers": layers}
+        if self._options_vulkan and not self._gpu_count:
+            result["note"] = NO_VULKAN_DEVICE
+        return result
 
     def close(self) -> None:
         net = getattr(self, "_net", None)
