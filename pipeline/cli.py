@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -20,12 +21,13 @@ from rich.table import Table
 
 import conf
 from pipeline import config
-from pipeline.console import stderr_console, stdout_console
+from pipeline.console import set_plain_progress, stderr_console, stdout_console
 from pipeline.errors import ExitCode, ParityError
 from pipeline.report import render_html, render_markdown, write_junit
 from pipeline.report.assemble import assemble
 from pipeline.artifacts import write_json
 from pipeline.runner import RunOutcome, run_pipeline
+from pipeline.sweep import worst_exit_codes, write_job_record
 
 CONFIG_DIR = str(Path(conf.__file__).parent)
 log = logging.getLogger("parity")
@@ -49,7 +51,7 @@ def main() -> None:
         _fail(str(err), err.exit_code)
     except Exception as err:  # noqa: BLE001 - the last line of defence
         _fail(f"internal error: {type(err).__name__}: {err}", ExitCode.INTERNAL)
-    sys.exit(max(_exit_codes, default=ExitCode.OK))
+    sys.exit(max([*_exit_codes, *worst_exit_codes], default=ExitCode.OK))
 
 
 def _fail(message: str, code: int) -> None:
@@ -73,23 +75,29 @@ def _hydra_app(cfg: DictConfig) -> int:
 
 
 def execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
-    log_file = run_dir / f"{HydraConfig.get().job.name}.log"
+    hydra_cfg = HydraConfig.get()
+    log_file = run_dir / f"{hydra_cfg.job.name}.log"
+    if hydra_cfg.mode == RunMode.MULTIRUN and "BasicLauncher" not in str(hydra_cfg.launcher.get("_target_")):
+        set_plain_progress()  # jobs run side by side: log lines, not live bars fighting over one terminal
+    code, error = ExitCode.INTERNAL, None
     try:
         run_cfg = config.validate(cfg)
         outcome = run_pipeline(run_cfg, run_dir)
         report = assemble(run_cfg, outcome.records, outcome.results)
         _write_run_report(run_dir, report)
         _print_summary(outcome, report)
-        return outcome.exit_code
+        code = outcome.exit_code
     except ParityError as err:
         log.debug("stopped by %s", type(err).__name__, exc_info=True)
         stderr_console().print(f"[bold red]parity:[/] {escape(str(err))}", soft_wrap=True)
-        return err.exit_code
+        code, error = err.exit_code, str(err)
     except Exception as err:  # noqa: BLE001 - reported, with the traceback in the log
         log.debug("internal error", exc_info=True)
+        error = f"internal error: {type(err).__name__}: {err} (traceback in {log_file})"
         stderr_console().print(f"[bold red]parity: internal error:[/] {escape(type(err).__name__)}: "
                                f"{escape(str(err))} (traceback in {escape(str(log_file))})", soft_wrap=True)
-        return ExitCode.INTERNAL
+    write_job_record(run_dir, code, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), error)
+    return code
 
 
 def _write_run_report(run_dir: Path, report: dict) -> None:

@@ -26,9 +26,18 @@ def rich_handler(level: str = "INFO") -> logging.Handler:
     return handler
 
 
+_PLAIN = {"progress": False}
+
+
+def set_plain_progress() -> None:
+    """No live bars in this process (a sweep's parallel jobs share one terminal)."""
+    _PLAIN["progress"] = True
+
+
 def progress_bar():
-    """A live bar on a terminal; nothing when output goes to a file or a CI log."""
+    """A live bar on a terminal; nothing when output goes to a file or a CI log, or when
+    jobs run in parallel (the log lines of each stage remain)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=stderr_console(), transient=True, disable=not stderr_console().is_terminal)
+                    console=stderr_console(), transient=True, disable=_PLAIN["progress"] or not stderr_console().is_terminal)

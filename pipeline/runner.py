@@ -8,12 +8,15 @@ output folder into the run; a miss runs the stage and stores its output atomical
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from filelock import FileLock
 
 import stages
 from pipeline import environment
@@ -50,22 +53,20 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
         out_dir = outcome.run_dir / "stages" / name
         ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records, cache_root)
         started = time.perf_counter()
-        key = _stage_key(stage, ctx, output_hashes) if cache_root and stage.CACHEABLE else None
-        cached = _from_cache(cache_root / name / key, out_dir) if key else None
-        if cached is not None:
-            result, computed_seconds = cached
-            status = "cached"
-        else:
-            log.info("stage %s: running", name)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            out_dir.mkdir(parents=True)
-            result = stage.run(ctx)
-            computed_seconds = time.perf_counter() - started
-            write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
-            if key and result.cache:
-                _to_cache(out_dir, cache_root / name / key)
-            status = "computed"
+        key = _stage_key(stage, ctx, _inputs_of(stage, outcome.results, output_hashes)) \
+            if cache_root and stage.CACHEABLE else None
+        # Jobs of a sweep share the cache: the first to take an entry's lock computes it,
+        # the others wait and are served from it.
+        with cache_lock(cache_root, name, key) if key else contextlib.nullcontext():
+            cached = _from_cache(cache_root / name / key, out_dir) if key else None
+            if cached is not None:
+                result, computed_seconds = cached
+                status = "cached"
+            else:
+                result, computed_seconds = _compute(stage, ctx, out_dir, started)
+                if key and result.cache:
+                    _to_cache(out_dir, cache_root / name / key)
+                status = "computed"
         seconds = time.perf_counter() - started
         log.info("stage %s: %s in %.2f s", name, status, seconds)
         outcome.results[name] = result
@@ -74,6 +75,46 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
         outcome.records.append({"stage": name, "status": status, "seconds": round(seconds, 4),
                                 "computed_seconds": round(computed_seconds, 4), "key": key})
     return outcome
+
+
+def _compute(stage, ctx: StageContext, out_dir: Path, started: float):
+    log.info("stage %s: running", stage.NAME)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    result = stage.run(ctx)
+    computed_seconds = time.perf_counter() - started
+    write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
+    return result, computed_seconds
+
+
+@contextlib.contextmanager
+def cache_lock(cache_root: Path, name: str, key: str):
+    """An exclusive lock on one cache entry, across processes (a sweep's parallel jobs)."""
+    lock_dir = cache_root / "locks" / name
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_dir / f"{key}.lock")):
+        yield
+
+
+def _inputs_of(stage, results: Dict[str, StageResult], output_hashes: Dict[str, dict]) -> Dict[str, dict]:
+    """Hashes of the earlier outputs the stage reads: all of them unless the stage
+    declares ``READS = {stage: [roles]}`` (None: every file of that stage). Declaring
+    lets e.g. calibration be shared by targets whose convert output differs only by an
+    OpenVINO IR that calibration never reads."""
+    reads = getattr(stage, "READS", None)
+    if reads is None:
+        return output_hashes
+    chosen = {}
+    for earlier, roles in reads.items():
+        if earlier not in output_hashes:
+            continue
+        hashes = output_hashes[earlier]
+        if roles is not None:
+            names = {results[earlier].files[role] for role in roles if role in results[earlier].files}
+            hashes = {path: digest for path, digest in hashes.items() if path in names}
+        chosen[earlier] = hashes
+    return chosen
 
 
 def _stage_key(stage, ctx: StageContext, earlier: Dict[str, dict]) -> str:

@@ -68,6 +68,14 @@ def _failure(err: BaseException) -> tuple:
     return ("error", "memory" if memory else "error", f"{name}: {message}")
 
 
+def _restorable_start_method() -> None:
+    """A spawned child restores its parent's global start method by name; inside a joblib
+    (loky) sweep job that name is "loky", which the child cannot find, so it dies before
+    running anything. Such a process gets the stdlib "spawn" as its global method."""
+    if multiprocessing.get_start_method(allow_none=True) not in (None, *multiprocessing.get_all_start_methods()):
+        multiprocessing.set_start_method("spawn", force=True)
+
+
 def _send(conn, reply: tuple) -> None:
     try:
         conn.send(reply)
@@ -149,6 +157,7 @@ class BackendWorker:
         else:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log_path.write_bytes(b"")
+        _restorable_start_method()
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=_child, daemon=True, name=f"parity-worker {self.label}", args=(

@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from filelock import FileLock
 from types import ModuleType
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -63,11 +65,14 @@ class StageContext:
             produce(folder)
             return folder, False
         entry = self.cache_root / "memo" / name / key
-        if (entry / COMPLETE).is_file():
-            return entry, True
-        with atomic_directory(entry, replace=True) as temp:
-            produce(temp)
-            (temp / COMPLETE).touch()
+        locks = self.cache_root / "locks" / "memo"
+        locks.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(locks / f"{name}-{key}.lock")):  # a sweep's parallel jobs compute it once
+            if (entry / COMPLETE).is_file():
+                return entry, True
+            with atomic_directory(entry, replace=True) as temp:
+                produce(temp)
+                (temp / COMPLETE).touch()
         return entry, False
 
 

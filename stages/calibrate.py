@@ -24,6 +24,7 @@ from stages import StageContext, StageResult
 NAME = "calibrate"
 VERSION = 7
 CACHEABLE = True
+READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
 ORT_QUANTIZE_CACHE = "ort_quantize_cache.json"  # quantize_static(calibration_cache_path=...)

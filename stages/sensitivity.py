@@ -25,6 +25,7 @@ from stages import StageContext, StageResult
 NAME = "sensitivity"
 VERSION = 2
 CACHEABLE = True
+READS = {"convert": ["model"], "calibrate": None}  # shared by every target
 QTABLE_TPU_MLIR = "qtable.txt"
 
 

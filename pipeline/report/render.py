@@ -1089,7 +1089,12 @@ def _md_block(block: Any) -> List[str]:
 
 def render_markdown(report: dict) -> str:
     """The report as a Markdown document (tables, no charts)."""
-    chunks = [_md_block(block) for block in build_document(report)]
+    return markdown_document(build_document(report))
+
+
+def markdown_document(blocks: list) -> str:
+    """Document blocks as Markdown (shared by run and sweep reports)."""
+    chunks = [_md_block(block) for block in blocks]
     return "\n\n".join("\n".join(lines) for lines in chunks if lines) + "\n"
 
 
@@ -1119,6 +1124,7 @@ table.kv th { width: 9rem; }
 tr.row-fail td { background: #ffebe9; }
 tr.row-mismatch td { background: #fff8c5; }
 tr.row-cached td { color: #57606a; }
+tr.row-best td { background: #dafbe1; font-weight: 600; }
 .charts { display: flex; flex-wrap: wrap; gap: 1rem; }
 svg.chart { border: 1px solid #d0d7de; border-radius: 6px; background: #fff; }
 pre.stderr { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: .6rem .8rem;
@@ -1168,12 +1174,16 @@ def _html_block(block: Any) -> str:
 
 def render_html(report: dict) -> str:
     """The report as one self-contained HTML page (inline CSS and SVG, no scripts)."""
-    blocks = build_document(report)
+    return html_document(_title(report), build_document(report))
+
+
+def html_document(title: str, blocks: list) -> str:
+    """Document blocks as one self-contained HTML page (shared by run and sweep reports)."""
     body = "\n".join(part for part in (_html_block(b) for b in blocks) if part)
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{_e(_title(report))}</title>\n"
+        f"<title>{_e(title)}</title>\n"
         f"<style>{CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n"
     )

@@ -1,0 +1,222 @@
+"""Sweeps (Hydra multirun): each job leaves ``job.json`` in its folder; at the end of the
+sweep the ``SweepSummary`` callback (conf/config.yaml, hydra.callbacks) collects every
+job into ``sweep.json``, ``sweep.md``, ``sweep.html`` and one ``junit.xml`` in the sweep
+folder, prints the matrix, and makes the sweep's exit code the worst of its jobs.
+
+The callback runs in the process that launched the sweep, whatever the launcher (basic,
+joblib, submitit), so it reads what the jobs wrote rather than their return values."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from rich.markup import escape
+from rich.table import Table as RichTable
+
+from pipeline.artifacts import read_json, write_json
+from pipeline.console import stdout_console
+from pipeline.errors import ExitCode
+from pipeline.report.junit import build_junit
+from pipeline.report.render import Banner, Heading, Items, Para, Table, html_document, markdown_document
+
+JOB_FILE = "job.json"
+PRECISION_ORDER = ("fp32", "fp16", "bf16", "int8", "mixed")
+worst_exit_codes: List[int] = []  # the sweep's exit code, read by pipeline.cli.main
+
+
+def write_job_record(run_dir: Path, exit_code: int, overrides: List[str], choices: Dict[str, str],
+                     error: Optional[str] = None) -> None:
+    """What a job leaves for the sweep summary, whether or not it got as far as a report."""
+    write_json(Path(run_dir) / JOB_FILE, {"exit_code": int(exit_code), "error": error, "overrides": list(overrides),
+                                          "target": choices.get("target"), "precision": choices.get("precision")})
+
+
+class SweepSummary(Callback):
+    def __init__(self) -> None:
+        self.sweep_dir: Optional[Path] = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        summary = summarize(self.sweep_dir or Path(config.hydra.sweep.dir))
+        worst_exit_codes.append(summary["exit_code"])
+
+
+def summarize(sweep_dir: Path) -> dict:
+    """Collect the sweep's jobs, write the summary files and print the matrix."""
+    jobs = [_job(folder, sweep_dir) for folder in job_folders(sweep_dir)]
+    summary = {"format": 1, "sweep_dir": str(sweep_dir), "jobs": jobs,
+               "exit_code": max((job["exit_code"] for job in jobs), default=int(ExitCode.OK)),
+               "matrix": _matrix(jobs), "shared_work": _shared_work(jobs)}
+    write_json(sweep_dir / "sweep.json", summary)
+    blocks = _document(summary)
+    (sweep_dir / "sweep.md").write_text(markdown_document(blocks))
+    (sweep_dir / "sweep.html").write_text(html_document("parity sweep", blocks))
+    _write_junit(jobs, sweep_dir, sweep_dir / "junit.xml")
+    _print(summary)
+    return summary
+
+
+def job_folders(sweep_dir: Path) -> List[Path]:
+    """Every job folder of the sweep (Hydra writes .hydra/overrides.yaml in each)."""
+    return sorted(p.parent.parent for p in Path(sweep_dir).glob("*/.hydra/overrides.yaml"))
+
+
+def _job(folder: Path, sweep_dir: Path) -> dict:
+    record = _read(folder / JOB_FILE)
+    report = _read(folder / "report.json")
+    overrides = record.get("overrides") or yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()) or []
+    pairs = dict(o.split("=", 1) for o in overrides if "=" in o)
+    job = {"dir": folder.relative_to(sweep_dir).as_posix(), "overrides": pairs,
+           "target": record.get("target") or pairs.get("target", "?"),
+           "precision": record.get("precision") or pairs.get("precision", "?")}
+    if not record:
+        return {**job, "exit_code": int(ExitCode.INTERNAL), "verdict": "error",
+                "reason": "the job left no job.json (killed or crashed before the end)"}
+    job.update(exit_code=record["exit_code"], verdict="error", reason=record.get("error"))
+    if report:
+        job.update(_from_report(report, folder, sweep_dir))
+    return job
+
+
+def _from_report(report: dict, folder: Path, sweep_dir: Path) -> dict:
+    verify = report.get("verify") or {}
+    precision = report.get("precision")
+    row = (verify.get("comparison") or {}).get(precision) or {}
+    cosines = [o["metrics"]["cosine"] for o in verify.get("outputs") or [] if o.get("metrics", {}).get("cosine") is not None]
+    bundles = sorted(p for p in (folder / "bundle").glob("*") if p.is_dir()) if (folder / "bundle").is_dir() else []
+    return {"verdict": report.get("verdict"), "reason": "; ".join(report.get("reasons") or []) or None,
+            "cosine": min(cosines) if cosines else None,
+            "top1": (verify.get("task") or {}).get("target"),
+            "latency_ms": (row.get("latency") or {}).get("median_ms"),
+            "bytes": (report.get("build") or {}).get("bytes"),
+            "stages": {s["stage"]: s["status"] for s in report.get("stages") or []},
+            "bundle": bundles[0].relative_to(sweep_dir).as_posix() if bundles else None}
+
+
+def _read(path: Path) -> dict:
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return {}
+
+
+def _row_key(job: dict, varying: set) -> str:
+    """A matrix row: the target plus any setting other than target and precision that
+    differs between the sweep's jobs."""
+    rest = ",".join(f"{k}={v}" for k, v in sorted(job["overrides"].items()) if k in varying)
+    return job["target"] + (f" ({rest})" if rest else "")
+
+
+def _matrix(jobs: List[dict]) -> dict:
+    """Rows (targets) x columns (precisions) of job indices, and the best passing job per
+    row: the lowest median latency, then the smallest artifact."""
+    precisions = sorted({j["precision"] for j in jobs},
+                        key=lambda p: (PRECISION_ORDER.index(p) if p in PRECISION_ORDER else 99, p))
+    keys = {key for job in jobs for key in job["overrides"]} - {"target", "precision"}
+    varying = {key for key in keys if len({job["overrides"].get(key) for job in jobs}) > 1}
+    rows: Dict[str, Dict[str, int]] = {}
+    for index, job in enumerate(jobs):
+        rows.setdefault(_row_key(job, varying), {})[job["precision"]] = index
+    best = {}
+    for row, cells in rows.items():
+        passing = [i for i in cells.values() if jobs[i]["verdict"] == "pass"]
+        if passing:
+            best[row] = min(passing, key=lambda i: (jobs[i].get("latency_ms") or float("inf"),
+                                                    jobs[i].get("bytes") or 0))
+    return {"precisions": precisions, "rows": rows, "best": best}
+
+
+def _shared_work(jobs: List[dict]) -> Dict[str, dict]:
+    """Per stage: how many jobs computed it and how many were served from the shared cache."""
+    counts: Dict[str, dict] = {}
+    for job in jobs:
+        for stage, status in (job.get("stages") or {}).items():
+            counts.setdefault(stage, {"computed": 0, "cached": 0})
+            counts[stage][status if status in ("computed", "cached") else "computed"] += 1
+    return counts
+
+
+def _cell(job: dict, best: bool) -> str:
+    if job["verdict"] == "error":
+        return f"error (exit {job['exit_code']})"
+    parts = [("★ " if best else "") + f"{job['verdict']} (exit {job['exit_code']})"]
+    if job.get("cosine") is not None:
+        parts.append(f"cos {job['cosine']:.6f}")
+    if job.get("top1") is not None:
+        parts.append(f"top-1 {job['top1']:.4f}")
+    if job.get("latency_ms") is not None:
+        parts.append(f"{job['latency_ms']:.3f} ms")
+    if job.get("bytes") is not None:
+        parts.append(f"{job['bytes'] / 1024:.0f} KiB")
+    return ", ".join(parts)
+
+
+def _matrix_rows(summary: dict) -> List[List[str]]:
+    jobs, matrix = summary["jobs"], summary["matrix"]
+    return [[row] + [_cell(jobs[cells[p]], matrix["best"].get(row) == cells[p]) if p in cells else "-"
+                     for p in matrix["precisions"]]
+            for row, cells in matrix["rows"].items()]
+
+
+def _document(summary: dict) -> list:
+    jobs = summary["jobs"]
+    passed = sum(job["verdict"] == "pass" for job in jobs)
+    verdict = "pass" if summary["exit_code"] == 0 and jobs else "fail"
+    blocks: list = [Heading(1, "parity sweep"),
+                    Banner(verdict, f"{passed} of {len(jobs)} jobs passed · exit code {summary['exit_code']}"),
+                    Heading(2, "Matrix"),
+                    Para("Each cell: verdict, lowest output cosine, top-1 of the target, median latency, artifact "
+                         "size. ★ marks the best passing configuration of each target (lowest latency)."),
+                    Table(["target", *summary["matrix"]["precisions"]], _matrix_rows(summary))]
+    failing = [f"{job['dir']}: {job['reason'] or 'failed'}" for job in jobs if job["verdict"] != "pass"]
+    if failing:
+        blocks += [Heading(2, "Failing jobs"), Items(failing, css="reasons")]
+    shared = summary["shared_work"]
+    if shared:
+        rows = [[stage, str(c["computed"]), str(c["cached"])] for stage, c in shared.items()]
+        blocks += [Heading(2, "Shared work"),
+                   Para("Jobs of a sweep share the stage cache: a stage is computed by the first job that needs "
+                        "it and reused by every other job with the same inputs."),
+                   Table(["stage", "computed", "reused"], rows),
+                   Table(["job", *shared],
+                         [[job["dir"], *[(job.get("stages") or {}).get(s, "-") for s in shared]] for job in jobs])]
+    return blocks
+
+
+def _write_junit(jobs: List[dict], sweep_dir: Path, path: Path) -> None:
+    root = ET.Element("testsuites", {"name": "parity sweep"})
+    for job in jobs:
+        report = _read(sweep_dir / job["dir"] / "report.json")
+        if report:
+            suite = build_junit(report).find("testsuite")
+            suite.set("name", f"{suite.get('name')} [{job['dir']}]")
+        else:
+            suite = ET.Element("testsuite", {"name": f"parity [{job['dir']}]", "tests": "1", "failures": "0",
+                                             "errors": "1", "skipped": "0", "time": "0"})
+            case = ET.SubElement(suite, "testcase", {"classname": "parity.job", "name": "job ran to a report"})
+            ET.SubElement(case, "error", {"message": job["reason"] or f"exit {job['exit_code']}",
+                                          "type": f"exit_{job['exit_code']}"})
+        root.append(suite)
+    for key in ("tests", "failures", "errors"):
+        root.set(key, str(sum(int(s.get(key, "0")) for s in root)))
+    ET.indent(root)
+    path.write_text('<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n")
+
+
+def _print(summary: dict) -> None:
+    table = RichTable(title=f"sweep: {len(summary['jobs'])} jobs, exit code {summary['exit_code']}",
+                      title_justify="left")
+    for column in ["target", *summary["matrix"]["precisions"]]:
+        table.add_column(column)
+    for row in _matrix_rows(summary):
+        table.add_row(*[escape(cell) for cell in row])
+    console = stdout_console()
+    console.print(table)
+    console.print(f"sweep summary: {escape(str(Path(summary['sweep_dir']) / 'sweep.md'))} (.json, .html, junit.xml)")

@@ -1,0 +1,85 @@
+"""Sweeps as users run them: `parity -m ...` with each launcher, the sweep summary and
+its exit code, and the stage cache shared by the jobs of a sweep."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+
+def sweep_dir(cwd: Path) -> Path:
+    (folder,) = sorted((cwd / "multirun").glob("*/*"))[-1:]
+    return folder
+
+
+LAUNCHERS = {"basic": [], "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
+             "submitit_local": ["hydra/launcher=submitit_local"]}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_sweep_summary_and_worst_exit_code_with_each_launcher(tmp_path, launcher):
+    """ort_cpu passes; mnn_cpu at bf16 is a config error (exit 2) and mnn_opencl ran on the
+    CPU (exit 4, the pip wheel has no OpenCL): the sweep exits 4 and lists every job."""
+    result = run_cli(["-m", *LAUNCHERS[launcher], "target=ort_cpu,mnn_opencl", "precision=fp32,bf16"], tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    folder = sweep_dir(tmp_path)
+    summary = json.loads((folder / "sweep.json").read_text())
+    jobs = {(job["target"], job["precision"]): job for job in summary["jobs"]}
+    assert set(jobs) == {("ort_cpu", "fp32"), ("ort_cpu", "bf16"), ("mnn_opencl", "fp32"), ("mnn_opencl", "bf16")}
+    assert jobs["ort_cpu", "fp32"]["verdict"] == "pass" and jobs["ort_cpu", "fp32"]["dir"] == "precision=fp32,target=ort_cpu"
+    assert jobs["ort_cpu", "bf16"]["exit_code"] == 2 and "bf16" in jobs["ort_cpu", "bf16"]["reason"]
+    assert jobs["mnn_opencl", "fp32"]["exit_code"] == 4
+    assert summary["exit_code"] == 4
+    assert summary["matrix"]["best"] == {"ort_cpu": summary["jobs"].index(jobs["ort_cpu", "fp32"])}
+
+    markdown = (folder / "sweep.md").read_text()
+    assert "| ort_cpu | ★ pass (exit 0)" in markdown and "error (exit 2)" in markdown
+    assert "<table>" in (folder / "sweep.html").read_text()
+    junit = ET.parse(folder / "junit.xml").getroot()
+    assert len(junit.findall("testsuite")) == 4
+    assert int(junit.get("errors")) >= 1 and int(junit.get("failures")) >= 1
+    assert "sweep: 4 jobs, exit code 4" in result.stdout
+
+
+def test_sweep_of_passing_jobs_exits_0_and_shares_calibration(tmp_path):
+    """2 targets x 2 quantized precisions: calibration (and the sensitivity search) run
+    once per precision for the whole sweep; the other target is served from the cache."""
+    result = run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=int8,mixed"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())
+    assert summary["exit_code"] == 0 and len(summary["jobs"]) == 4
+    shared = summary["shared_work"]
+    assert shared["calibrate"] == {"computed": 2, "cached": 2}
+    assert shared["sensitivity"]["computed"] == 2 and shared["sensitivity"]["cached"] == 2
+    reports = [json.loads((sweep_dir(tmp_path) / job["dir"] / "report.json").read_text()) for job in summary["jobs"]]
+    statistics = sorted(r["calibration"]["statistics"] for r in reports if r["stages"][1]["status"] == "computed")
+    assert statistics == ["computed", "reused"]  # one statistics pass for int8 and mixed together
+
+
+def test_concurrent_jobs_sharing_the_cache_compute_once_and_agree(tmp_path):
+    """Two parallel jobs that need the same calibration: one computes it under the
+    cache lock, the other waits and is served; their int8 models come from one table."""
+    result = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "target=ort_cpu,openvino_cpu",
+                      "precision=int8"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    folder = sweep_dir(tmp_path)
+    summary = json.loads((folder / "sweep.json").read_text())
+    assert summary["shared_work"]["calibrate"] == {"computed": 1, "cached": 1}
+    assert summary["shared_work"]["convert"]["computed"] == 2  # OpenVINO's convert adds an IR
+    tables = {(folder / job["dir"] / "stages" / "calibrate" / "calibration.json").read_bytes()
+              for job in summary["jobs"]}
+    assert len(tables) == 1
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    single = run_cli(["target=ort_cpu", "precision=int8", "pipeline.cache=false"], alone)
+    assert single.returncode == 0, single.stderr
+    (run,) = (alone / "outputs").glob("*/*_ort_cpu_int8")
+    ort_job = next(job for job in summary["jobs"] if job["target"] == "ort_cpu")
+    built = sorted((folder / ort_job["dir"] / "stages" / "build").glob("*.onnx"))
+    assert built and all(path.read_bytes() == (run / "stages" / "build" / path.name).read_bytes() for path in built)
