@@ -64,8 +64,11 @@ def summarize(sweep_dir: Path) -> dict:
 
 
 def job_folders(sweep_dir: Path) -> List[Path]:
-    """Every job folder of the sweep (Hydra writes .hydra/overrides.yaml in each)."""
-    return sorted(p.parent.parent for p in Path(sweep_dir).glob("*/.hydra/overrides.yaml"))
+    """Every job folder of the sweep (Hydra writes .hydra/overrides.yaml in each). A job
+    folder can be nested: an override value holding a path (model.path=/m/a.onnx) puts
+    slashes into the folder name Hydra derives from the overrides."""
+    return sorted(p.parent.parent for p in Path(sweep_dir).rglob(".hydra/overrides.yaml")
+                  if p.parent.parent != Path(sweep_dir))
 
 
 def _job(folder: Path, sweep_dir: Path) -> dict:

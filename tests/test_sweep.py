@@ -83,3 +83,15 @@ def test_concurrent_jobs_sharing_the_cache_compute_once_and_agree(tmp_path):
     ort_job = next(job for job in summary["jobs"] if job["target"] == "ort_cpu")
     built = sorted((folder / ort_job["dir"] / "stages" / "build").glob("*.onnx"))
     assert built and all(path.read_bytes() == (run / "stages" / "build" / path.name).read_bytes() for path in built)
+
+
+def test_jobs_whose_overrides_hold_paths_are_found(tmp_path):
+    """model.path=/x/y.onnx puts slashes into the job folder name: the job folder nests."""
+    import importlib.resources
+
+    model = importlib.resources.files("pipeline") / "assets" / "digits_cnn.onnx"
+    result = run_cli(["-m", f"model.path={model}", "target=ort_cpu,openvino_cpu"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())
+    assert sorted(job["target"] for job in summary["jobs"]) == ["openvino_cpu", "ort_cpu"]
+    assert all(job["verdict"] == "pass" and "/" in job["dir"] for job in summary["jobs"])
