@@ -58,12 +58,16 @@ def _limit_memory(memory_mb: int) -> None:
         pass  # no such limit on this platform
 
 
+MEMORY_SIGNS = ("bad_alloc", "failed to map segment", "Cannot allocate memory")
+
+
 def _failure(err: BaseException) -> tuple:
     """("error", kind, "TypeName: first line"), OpenVINO's "Exception from file:line:" lines skipped."""
     traceback.print_exc()  # into the log
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     message = next((line for line in lines if not re.match(r"Exception from \S+:\d+:?$", line)), first_line(err))
-    memory = isinstance(err, MemoryError) or "bad_alloc" in message
+    # the memory limit also shows as a shared library that cannot be mapped while importing
+    memory = isinstance(err, MemoryError) or any(sign in message for sign in MEMORY_SIGNS)
     name = "MemoryError" if isinstance(err, MemoryError) else type(err).__name__
     return ("error", "memory" if memory else "error", f"{name}: {message}")
 
