@@ -95,3 +95,18 @@ def test_jobs_whose_overrides_hold_paths_are_found(tmp_path):
     summary = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())
     assert sorted(job["target"] for job in summary["jobs"]) == ["openvino_cpu", "ort_cpu"]
     assert all(job["verdict"] == "pass" and "/" in job["dir"] for job in summary["jobs"])
+
+
+def test_parallel_jobs_get_plain_log_lines_not_live_bars(tmp_path):
+    """A joblib job logs each stage as a line; live bars are off in parallel jobs."""
+    import subprocess
+    import sys
+
+    code = ("from pipeline import console\nassert not console.progress_bar().disable or not "
+            "console.stderr_console().is_terminal\nconsole.set_plain_progress()\n"
+            "assert console.progress_bar().disable\nprint('plain')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "plain"
+    result = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "target=ort_cpu,openvino_cpu"],
+                     tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("stage verify: computed") == 2
