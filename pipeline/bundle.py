@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import hashlib
+from pathlib import Path, PurePosixPath
 from typing import Dict, List
 
 import numpy as np
@@ -14,6 +15,14 @@ from pipeline.data import TensorSpec, conform
 from pipeline.errors import BackendUnavailable, InputError
 
 MANIFEST = "manifest.json"
+REPORTS = ("report.html", "report.json", "report.md")  # this run's timings: not reproducible
+
+
+def content_sha256(files: Dict[str, str]) -> str:
+    """sha256 of the `sha256sum` listing ("<sha256>  <path>" lines sorted by path) of every
+    file but the reports and the manifest: equal for bundles built from the same inputs."""
+    listing = "".join(f"{files[path]}  {path}\n" for path in sorted(files) if path not in (*REPORTS, MANIFEST))
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def check_integrity(bundle: Path) -> dict:
@@ -27,17 +36,28 @@ def check_integrity(bundle: Path) -> dict:
         listed = manifest["files"]
     except (OSError, ValueError, KeyError) as err:
         raise InputError(f"bundle: {bundle / MANIFEST} is missing or unreadable ({err})") from err
-    for name, entry in sorted(listed.items()):
-        path = bundle / name
-        if not path.is_file():
-            raise InputError(f"bundle: {name} is listed in the manifest but missing")
-        if sha256_file(path) != entry["sha256"]:
-            raise InputError(f"bundle: {name} does not match its sha256 in the manifest (tampered or corrupt)")
-    extra = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
-                   if p.is_file() and p.relative_to(bundle).as_posix() not in (MANIFEST, *listed))
-    if extra:
-        raise InputError(f"bundle: {extra[0]} is not listed in the manifest (added after packaging)")
+    check_files(bundle, listed, MANIFEST, "bundle")
+    recorded = manifest.get("content_sha256")
+    if recorded and recorded != content_sha256({name: entry["sha256"] for name, entry in listed.items()}):
+        raise InputError(f"bundle: {bundle / MANIFEST} has a content_sha256 that does not match its file list")
     return manifest
+
+
+def check_files(root: Path, listed: dict, manifest_name: str, label: str) -> None:
+    """Every listed file under root present with its sha256, and no other file but the
+    manifest itself; otherwise an InputError naming the first offending file."""
+    for name, entry in sorted(listed.items()):
+        if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+            raise InputError(f"{label}: {manifest_name} lists {name!r}, a path outside the folder")
+        path = root / name
+        if not path.is_file():
+            raise InputError(f"{label}: {name} is listed in the manifest but missing")
+        if sha256_file(path) != entry["sha256"]:
+            raise InputError(f"{label}: {name} does not match its sha256 in the manifest (tampered or corrupt)")
+    extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                   if p.is_file() and p.relative_to(root).as_posix() not in (manifest_name, *listed))
+    if extra:
+        raise InputError(f"{label}: {extra[0]} is not listed in the manifest (added after packaging)")
 
 
 def runtime_settings(bundle: Path) -> dict:

@@ -1,11 +1,12 @@
 """package: the deployable bundle (artifact, runtime.yaml, manifest.json with sha256 of
 every file, report.json/.md/.html) written to a temporary folder and renamed into place,
-plus a .tar.gz of it."""
+plus a reproducible .tar.gz of it. The manifest's content_sha256 covers every file but
+the reports (they hold this run's timings) and itself: the same inputs and config give
+the same content_sha256."""
 
 from __future__ import annotations
 
 import shutil
-import tarfile
 from pathlib import Path
 from typing import List
 
@@ -13,7 +14,9 @@ import yaml
 
 from pipeline import environment
 from pipeline.config import plain
+from pipeline.archive import write_tar_gz
 from pipeline.artifacts import atomic_directory, atomic_write_bytes, hash_tree, write_json
+from pipeline.bundle import REPORTS, content_sha256
 from pipeline.report import render_html, render_markdown
 from pipeline.report.assemble import assemble, model_name
 from stages import StageContext, StageResult
@@ -60,7 +63,7 @@ def run(ctx: StageContext) -> StageResult:
     files = {"bundle": f"../../bundle/{name}"}
     if cfg.package.archive:
         archive = final.parent / f"{name}.tar.gz"
-        atomic_write_bytes(archive, lambda temp: _tar(final, temp))
+        atomic_write_bytes(archive, lambda temp: write_tar_gz(final, temp, name))
         files["archive"] = f"../../bundle/{name}.tar.gz"
     summary = {"bundle": str(final), "archive": str(final.parent / f"{name}.tar.gz") if cfg.package.archive else None,
                "files": sorted(p.name for p in final.iterdir())}
@@ -75,20 +78,10 @@ def manifest(bundle: Path, name: str, cfg, report: dict) -> dict:
         "name": name,
         "verdict": report["verdict"],
         "files": {path: {"sha256": digest, "bytes": (bundle / path).stat().st_size} for path, digest in files.items()},
+        "reports": [path for path in files if path in REPORTS],
+        "content_sha256": content_sha256(files),
         "versions": environment.versions(),
         "cpu": environment.cpu(),
         "config": plain(cfg),
     }
 
-
-def _tar(bundle: Path, destination: Path) -> None:
-    def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        info.mtime = 0
-        return info
-
-    with tarfile.open(destination, "w:gz") as archive:
-        for path in sorted(bundle.rglob("*")):
-            archive.add(path, arcname=f"{bundle.name}/{path.relative_to(bundle).as_posix()}",
-                        recursive=False, filter=normalize)

@@ -27,14 +27,17 @@ the device computed fp32; x86 CPUs have no fp16 arithmetic in MNN's CPU backend)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
 import tempfile
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -60,6 +63,8 @@ SESSION_INFO_BACKENDS = 2  # Interpreter::SessionInfoCode
 CACHE_FILE = "tuning.cache"
 TENSOR_MAP = "tensors.json"
 MODEL = "model.mnn"
+# Net.mnn_uuid: a random UUID the converter writes (a flatbuffer string: 4-byte length 36, text, NUL)
+MODEL_UUID = re.compile(rb"\x24\x00\x00\x00([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\x00")
 
 # parity's calibration methods -> MNN's feature_quantize_method (MNN offers KL, ADMM and EMA)
 FEATURE_METHODS = {
@@ -223,8 +228,23 @@ def convert(onnx_path: Path, mnn_path: Path) -> str:
                               str(converted), "--bizCode", "parity"])
         if not converted.is_file() or converted.stat().st_size == 0:
             raise RuntimeError(f"MNN's converter wrote no model for {Path(onnx_path).name}: {_tail(log['text'])}")
+        fix_model_uuid(converted)
         shutil.move(str(converted), str(mnn_path))
     return log["text"]
+
+
+def fix_model_uuid(path: Path) -> None:
+    """Replace the random model UUID MNN's converter writes by one derived from the rest of
+    the file (same length), so that the same ONNX model gives the same bytes. Left alone
+    unless exactly one UUID string is found."""
+    data = Path(path).read_bytes()
+    found = list(MODEL_UUID.finditer(data))
+    if len(found) != 1:
+        return
+    start, end = found[0].span(1)
+    digest = hashlib.sha256(data[:start] + data[end:]).digest()
+    fixed = str(uuid.UUID(bytes=digest[:16], version=4)).encode()
+    Path(path).write_bytes(data[:start] + fixed + data[end:])
 
 
 def _tail(text: str, lines: int = 4) -> str:
