@@ -1,6 +1,6 @@
 """``parity-bundle``: check and run a packaged bundle.
 
-    parity-bundle verify BUNDLE
+    parity-bundle verify PATH   (a bundle or release folder, or its .tar.gz)
     parity-bundle run BUNDLE --input x.npy [--output y.npz]
     parity-bundle check BUNDLE   (re-run the recorded verify samples: reproduce the verdict)
 """
@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 from rich.markup import escape
 
+from pipeline.archive import is_archive, safe_extract
 from pipeline.bundle import check_integrity, open_session, read_inputs, reproduce
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, InputError, ParityError
+from pipeline.release import check_release, is_release
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="parity-bundle", description="Check and run a parity bundle.")
     commands = parser.add_subparsers(dest="command", required=True)
-    verify = commands.add_parser("verify", help="check every file against the manifest's sha256")
-    verify.add_argument("bundle", type=Path)
+    verify = commands.add_parser("verify", help="check every file against the manifest's sha256 "
+                                                 "(a bundle or release folder, or its .tar.gz)")
+    verify.add_argument("bundle", type=Path, metavar="PATH")
     run = commands.add_parser("run", help="check the bundle, then run it on its backend")
     run.add_argument("bundle", type=Path)
     run.add_argument("--input", type=Path, required=True, help=".npy (one input) or .npz (keys = input names)")
@@ -46,10 +50,33 @@ def main(argv=None) -> None:
 
 
 def _verify(args) -> ExitCode:
-    manifest = check_integrity(args.bundle)
+    if not is_archive(args.bundle):
+        return _verify_folder(args.bundle)
+    with tempfile.TemporaryDirectory(prefix="parity-verify-") as scratch:
+        safe_extract(args.bundle, Path(scratch))
+        roots = list(Path(scratch).iterdir())
+        if len(roots) != 1 or not roots[0].is_dir():
+            raise InputError(f"archive {args.bundle} holds {len(roots)} top-level entries; "
+                             f"expected one bundle or release folder")
+        stdout_console().print(f"archive {escape(str(args.bundle))}: extracted safely")
+        return _verify_folder(roots[0])
+
+
+def _verify_folder(path: Path) -> ExitCode:
+    if is_release(path):
+        release, bundles = check_release(path)
+        for manifest in bundles:
+            _print_bundle(manifest)
+        stdout_console().print(f"release {escape(release['name'])}: {len(release['files'])} files match "
+                               f"release.json, {len(bundles)} bundles verified")
+        return ExitCode.OK
+    _print_bundle(check_integrity(path))
+    return ExitCode.OK
+
+
+def _print_bundle(manifest: dict) -> None:
     stdout_console().print(f"bundle {escape(manifest['name'])}: {len(manifest['files'])} files match the manifest "
                            f"(verdict at packaging: {manifest['verdict']})")
-    return ExitCode.OK
 
 
 def _run(args) -> ExitCode:
