@@ -20,7 +20,7 @@ from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 12
+VERSION = 13
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
