@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 import numpy as np
+from filelock import FileLock
 
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest time a zip entry can hold
 
@@ -92,3 +93,13 @@ def atomic_write_bytes(final: Path, writer) -> None:
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
+
+
+@contextlib.contextmanager
+def cache_lock(cache_root: Path, group: str, key: str) -> Iterator[None]:
+    """An exclusive lock on one entry of the stage cache, across processes (a sweep's
+    parallel jobs): the first holder computes the entry, the others wait for it."""
+    lock_dir = Path(cache_root) / "locks" / group
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_dir / f"{key}.lock")):
+        yield

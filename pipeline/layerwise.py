@@ -77,7 +77,7 @@ class Graph:
         self.inputs = [i.name for i in graph.input if i.name not in initializers]
         self.outputs = [o.name for o in graph.output]
         self.nodes = {}
-        elements = _element_counts(model)
+        elements = element_counts(model)
         dynamic = set(self.inputs)
         self.tensors: List[Tensor] = []
         for position, node in enumerate(graph.node):
@@ -131,7 +131,8 @@ class Graph:
         return groups + ([current] if current else [])
 
 
-def _element_counts(model: onnx.ModelProto) -> Dict[str, int]:
+def element_counts(model: onnx.ModelProto) -> Dict[str, int]:
+    """Element counts of the tensors whose shapes ONNX shape inference knows."""
     try:
         inferred = shape_inference.infer_shapes(model)
     except Exception:  # noqa: BLE001 - sizes only steer chunking

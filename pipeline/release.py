@@ -10,7 +10,6 @@ with release.json listing every bundle, every file's sha256 and the failing jobs
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from pipeline.archive import write_tar_gz
 from pipeline.artifacts import atomic_directory, atomic_write_bytes, read_json, sha256_file, write_json
 from pipeline.bundle import MANIFEST, check_files, check_integrity
 from pipeline.errors import InputError
+from pipeline.sweep import find_jobs, read_optional_json
 
 RELEASE_MANIFEST = "release.json"
 SUMMARY_FILES = ("sweep.json", "sweep.md", "sweep.html", "junit.xml")
@@ -63,28 +63,8 @@ class Release:
 # ---------------------------------------------------------------- reading a sweep
 
 
-def find_jobs(sweep: Path, skip: Path) -> List[Path]:
-    """Job folders under ``sweep``: folders with .hydra/, job.json or report.json that are
-    not bundles or releases (job folders can nest: an override value with a '/')."""
-    found = []
-    for root, dirs, files in os.walk(sweep):
-        here = Path(root)
-        if here != sweep and _is_job(dirs, files):
-            found.append(here)
-            dirs.clear()
-            continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (here / d).resolve() != skip)
-    return sorted(found)
-
-
-def _is_job(dirs: List[str], files: List[str]) -> bool:
-    if MANIFEST in files or RELEASE_MANIFEST in files:
-        return False
-    return ".hydra" in dirs or "job.json" in files or "report.json" in files
-
-
 def read_job(sweep: Path, folder: Path) -> Job:
-    report, record = _optional_json(folder / "report.json"), _optional_json(folder / "job.json")
+    report, record = read_optional_json(folder / "report.json"), read_optional_json(folder / "job.json")
     source = report or record
     exit_code = source.get("exit_code")
     verdict = source.get("verdict") or ("pass" if report and exit_code == 0 else "fail")
@@ -106,14 +86,6 @@ def _reason(job: Job, report: dict, record: dict) -> str:
     if job.verdict == "pass" and job.exit_code == 0:
         return "no bundle: the package stage did not run"
     return f"verdict {job.verdict}, exit code {job.exit_code}"
-
-
-def _optional_json(path: Path) -> dict:
-    try:
-        data = read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _name(value) -> Optional[str]:

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from filelock import FileLock
 
 import stages
 from pipeline import environment
-from pipeline.artifacts import atomic_directory, hash_files, hash_tree, read_json, sha256_json, write_json
+from pipeline.artifacts import atomic_directory, cache_lock, hash_files, hash_tree, read_json, sha256_json, write_json
 from pipeline.config import RunConfig, plain
 from pipeline.errors import ExitCode
 from stages import StageContext, StageResult
@@ -86,15 +85,6 @@ def _compute(stage, ctx: StageContext, out_dir: Path, started: float):
     computed_seconds = time.perf_counter() - started
     write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
     return result, computed_seconds
-
-
-@contextlib.contextmanager
-def cache_lock(cache_root: Path, name: str, key: str):
-    """An exclusive lock on one cache entry, across processes (a sweep's parallel jobs)."""
-    lock_dir = cache_root / "locks" / name
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(lock_dir / f"{key}.lock")):
-        yield
 
 
 def _inputs_of(stage, results: Dict[str, StageResult], output_hashes: Dict[str, dict]) -> Dict[str, dict]:

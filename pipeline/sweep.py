@@ -8,6 +8,7 @@ joblib, submitit), so it reads what the jobs wrote rather than their return valu
 
 from __future__ import annotations
 
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -50,7 +51,7 @@ class SweepSummary(Callback):
 
 def summarize(sweep_dir: Path) -> dict:
     """Collect the sweep's jobs, write the summary files and print the matrix."""
-    jobs = [_job(folder, sweep_dir) for folder in job_folders(sweep_dir)]
+    jobs = [_job(folder, sweep_dir) for folder in find_jobs(sweep_dir)]
     summary = {"format": 1, "sweep_dir": str(sweep_dir), "jobs": jobs,
                "exit_code": max((job["exit_code"] for job in jobs), default=int(ExitCode.OK)),
                "matrix": _matrix(jobs), "shared_work": _shared_work(jobs)}
@@ -63,18 +64,42 @@ def summarize(sweep_dir: Path) -> dict:
     return summary
 
 
-def job_folders(sweep_dir: Path) -> List[Path]:
-    """Every job folder of the sweep (Hydra writes .hydra/overrides.yaml in each). A job
-    folder can be nested: an override value holding a path (model.path=/m/a.onnx) puts
-    slashes into the folder name Hydra derives from the overrides."""
-    return sorted(p.parent.parent for p in Path(sweep_dir).rglob(".hydra/overrides.yaml")
-                  if p.parent.parent != Path(sweep_dir))
+def find_jobs(sweep: Path, skip: Optional[Path] = None) -> List[Path]:
+    """Job folders under ``sweep``: folders with .hydra/, job.json or report.json that are
+    not bundles or releases. A job folder can nest: an override value holding a path
+    (model.path=/m/a.onnx) puts slashes into the folder name Hydra derives from it."""
+    found = []
+    for root, dirs, files in os.walk(sweep):
+        here = Path(root)
+        if here != Path(sweep) and _is_job(dirs, files):
+            found.append(here)
+            dirs.clear()
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (skip is None or (here / d).resolve() != skip))
+    return sorted(found)
+
+
+def _is_job(dirs: List[str], files: List[str]) -> bool:
+    if "manifest.json" in files or "release.json" in files:  # a bundle or a release
+        return False
+    return ".hydra" in dirs or JOB_FILE in files or "report.json" in files
+
+
+def read_optional_json(path: Path) -> dict:
+    """The JSON object in ``path``, or {} when it is missing, unreadable or not an object."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _job(folder: Path, sweep_dir: Path) -> dict:
-    record = _read(folder / JOB_FILE)
-    report = _read(folder / "report.json")
-    overrides = record.get("overrides") or yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()) or []
+    record = read_optional_json(folder / JOB_FILE)
+    report = read_optional_json(folder / "report.json")
+    hydra_overrides = folder / ".hydra" / "overrides.yaml"
+    overrides = record.get("overrides") or (yaml.safe_load(hydra_overrides.read_text())
+                                            if hydra_overrides.is_file() else None) or []
     pairs = dict(o.split("=", 1) for o in overrides if "=" in o)
     job = {"dir": folder.relative_to(sweep_dir).as_posix(), "overrides": pairs,
            "target": record.get("target") or pairs.get("target", "?"),
@@ -101,13 +126,6 @@ def _from_report(report: dict, folder: Path, sweep_dir: Path) -> dict:
             "bytes": (report.get("build") or {}).get("bytes"),
             "stages": {s["stage"]: s["status"] for s in report.get("stages") or []},
             "bundle": bundles[0].relative_to(sweep_dir).as_posix() if bundles else None}
-
-
-def _read(path: Path) -> dict:
-    try:
-        return read_json(path)
-    except (OSError, ValueError):
-        return {}
 
 
 def _row_key(job: dict, varying: set) -> str:
@@ -196,7 +214,7 @@ def _document(summary: dict) -> list:
 def _write_junit(jobs: List[dict], sweep_dir: Path, path: Path) -> None:
     root = ET.Element("testsuites", {"name": "parity sweep"})
     for job in jobs:
-        report = _read(sweep_dir / job["dir"] / "report.json")
+        report = read_optional_json(sweep_dir / job["dir"] / "report.json")
         if report:
             suite = build_junit(report).find("testsuite")
             suite.set("name", f"{suite.get('name')} [{job['dir']}]")

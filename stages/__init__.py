@@ -19,11 +19,10 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from filelock import FileLock
 from types import ModuleType
 from typing import Callable, Dict, List, Optional, Tuple
 
-from pipeline.artifacts import atomic_directory, sha256_json
+from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config import RunConfig
 
 STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "verify", "package")
@@ -65,9 +64,7 @@ class StageContext:
             produce(folder)
             return folder, False
         entry = self.cache_root / "memo" / name / key
-        locks = self.cache_root / "locks" / "memo"
-        locks.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(locks / f"{name}-{key}.lock")):  # a sweep's parallel jobs compute it once
+        with cache_lock(self.cache_root, "memo", f"{name}-{key}"):  # a sweep's parallel jobs compute it once
             if (entry / COMPLETE).is_file():
                 return entry, True
             with atomic_directory(entry, replace=True) as temp:

@@ -536,12 +536,12 @@ def _onnx_fingerprints(model, runs: List[Dict[str, np.ndarray]],
     import onnx
     import onnxruntime as ort
 
-    from pipeline.layerwise import dynamic_outputs
+    from pipeline.layerwise import dynamic_outputs, element_counts
 
     initializers = {t.name for t in model.graph.initializer}
     inputs = [i.name for i in model.graph.input if i.name not in initializers]
     names = list(dict.fromkeys(dynamic_outputs(model.graph.node, inputs)))
-    counts = _element_counts(model)
+    counts = element_counts(model)  # chunking only
     groups, current, size = [], [], 0
     for name in names:
         nbytes = 4 * counts.get(name, 1 << 20)
@@ -573,22 +573,6 @@ def _onnx_fingerprints(model, runs: List[Dict[str, np.ndarray]],
                         shapes.setdefault(name, [int(d) for d in value.shape])
             del session
     return {name: p for name, p in prints.items() if len(p.norms) == len(runs)}, shapes
-
-
-def _element_counts(model) -> Dict[str, int]:
-    """Element counts of the tensors whose shapes ONNX shape inference knows (chunking only)."""
-    from onnx import shape_inference
-
-    try:
-        inferred = shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - unknown sizes count as 1 Mi elements
-        return {}
-    counts = {}
-    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
-        dims = info.type.tensor_type.shape.dim
-        if dims and all(d.HasField("dim_value") for d in dims):
-            counts[info.name] = int(np.prod([d.dim_value for d in dims]))
-    return counts
 
 
 def _ncnn_fingerprints(param_path: Path, bin_path: Path, network: Param, runs: List[Dict[str, np.ndarray]],
