@@ -69,11 +69,15 @@ def test_openvino_bf16_reports_what_ran(user_configs):
     import openvino as ov
 
     native_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-    result, run_dir = run_ppocr(user_configs, "target=openvino_cpu", "precision=bf16")
+    # 24 images: one changed prediction is 4.17 points, so the top-1 gate is loosened here
+    # and the precision check (exit 4 on a fallback) is what this test is about
+    result, run_dir = run_ppocr(user_configs, "target=openvino_cpu", "precision=bf16",
+                                "validation.max_metric_drop=0.1")
     verify = read_report(run_dir)["verify"]
     assert verify["requested"]["precision"] == "bf16"
     if native_bf16:
         assert verify["effective"]["precision"] == "bf16"
+        assert verify["outputs"][0]["metrics"]["cosine"] >= 0.999
         assert result.returncode == 0, result.stdout + result.stderr
     else:
         assert verify["effective"]["precision"] == "fp32"
