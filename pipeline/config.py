@@ -239,9 +239,20 @@ class PackageConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """The profile stage: per-layer times of the built artifact on its backend."""
+
+    runs: int = 20  # profiled runs of the first validation sample, after the warm-up
+    warmup: int = 3
+    top: int = 10  # layers the report shows
+    worker_timeout_s: float = 600.0  # each request to the profiling worker
+    worker_memory_mb: Optional[int] = None  # memory limit of the profiling worker; null: none
+
+
+@dataclass
 class PipelineConfig:
     stages: List[str] = field(default_factory=lambda: ["convert", "calibrate", "sensitivity", "build", "verify",
-                                                       "package"])
+                                                       "profile", "package"])
     cache: bool = True
     cache_dir: str = "outputs/.cache"
 
@@ -256,6 +267,7 @@ class RunConfig:
     sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     package: PackageConfig = field(default_factory=PackageConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
@@ -321,6 +333,9 @@ def _check_combinations(run: RunConfig) -> None:
     unknown_methods = sorted(set(run.sensitivity.methods) - {"kl", "max", "percentile", "mse"})
     if unknown_methods or not run.sensitivity.methods:
         raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; allowed: kl, max, percentile, mse")
+    profile = run.profile
+    if profile.runs < 1 or profile.warmup < 0 or profile.top < 1 or profile.worker_timeout_s <= 0:
+        raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1 and worker_timeout_s > 0")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
 

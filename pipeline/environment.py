@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import platform
 import sys
 from functools import lru_cache
@@ -38,6 +41,14 @@ def cpu() -> dict:
             if key.strip() in ("flags", "Features") and not flags:
                 flags = set(value.split())
     return {"model": model, "machine": platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+@lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """A short sha256 of the CPU model, machine, flags and core count: timings measured on
+    one machine are only reused on the same kind of machine."""
+    material = {**cpu(), "cpus": os.cpu_count()}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def describe() -> dict:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config import RunConfig
 
-STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "verify", "package")
+STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "verify", "profile", "package")
 COMPLETE = ".complete"
 
 

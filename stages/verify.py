@@ -32,7 +32,7 @@ from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult
 
 NAME = "verify"
-VERSION = 4
+VERSION = 5
 CACHEABLE = True
 REFERENCE = ("pipeline.backends.onnxruntime", {"model": "model.onnx", "precision": "fp32",
                                                "options": {"graph_optimization_level": "disabled"}})

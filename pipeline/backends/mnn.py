@@ -704,6 +704,48 @@ class Session:
         self._execute(session, feeds)
         return {name: self._read(session, name, shape) for name, shape in shapes.items()}
 
+    # -- profile
+
+    def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
+                onnx_model: Optional[Path] = None) -> dict:
+        """Per-op times from MNN's per-op callbacks (runSessionWithCallBackInfo) on a second
+        session of the same model and config: the wall time between an op's before and after
+        callback, which includes a few microseconds of Python callback overhead per op."""
+        import time
+
+        from pipeline import profiling
+
+        session = self._interpreter.createSession(schedule_config(self._options))
+        timer, started, wall = profiling.Timer(), [0.0], 0.0
+        counting = [False]
+
+        def before(tensors, info):
+            started[0] = time.perf_counter()
+            return True
+
+        def after(tensors, info):
+            elapsed = (time.perf_counter() - started[0]) * 1000.0
+            if counting[0]:
+                kind = str(info.getType())
+                timer.add(info.getName(), elapsed, kind.split(" [", 1)[0].strip(),
+                          "DT_INT8" if "DT_INT8" in kind else None)
+            return True
+
+        for index in range(warmup + runs):
+            counting[0] = index >= warmup
+            self._set_inputs(session, feeds)
+            begun = time.perf_counter()
+            code = self._interpreter.runSessionWithCallBackInfo(session, before, after)
+            wall += (time.perf_counter() - begun) if counting[0] else 0.0
+            if code != 0:
+                raise RuntimeError(f"MNN runSessionWithCallBackInfo returned error code {code}")
+        nodes = profiling.Nodes(onnx_model)
+        layers = timer.layers(nodes, runs, lambda name: _mnn_candidates(name, timer.info[name][0]))
+        device = BACKEND_NAMES.get(int(self._interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS)), "?")
+        return profiling.result(f"MNN per-op callbacks (runSessionWithCallBackInfo) on the {device} backend: wall "
+                                "time between each op's callbacks, Python callback overhead included", runs, warmup,
+                                layers, wall * 1000.0 / runs)
+
     # -- what ran
 
     def backend_type(self) -> int:
@@ -768,6 +810,19 @@ class Session:
             return "fp32", (f"precision={mode} requested; outputs are bit-identical to a precision=high session: "
                             f"{where}")
         return "fp16", f"precision={mode}: outputs differ from a precision=high session of the same model"
+
+
+_MNN_INSERTED = {"Raster", "FloatToInt8", "Int8ToFloat", "ConvertTensor"}  # layout and int8 conversions
+
+
+def _mnn_candidates(name: str, op_type: str) -> List[str]:
+    """ONNX names an MNN op stands for: MNN names ops after their output tensor, adds
+    ``_raster_N`` to the layout and int8 conversions it inserts before an op (and to some ops
+    it splits, e.g. GlobalAveragePool's Pooling) and ``__matmul_converted`` to a Gemm it
+    rewrote as a Convolution."""
+    if op_type in _MNN_INSERTED:
+        return []
+    return [re.sub(r"(_raster_\d+|__matmul_converted)+$", "", name)]
 
 
 def fallback_reason(session: Session) -> str:

@@ -103,6 +103,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 NAME = "ncnn"
+VULKAN_DEVICE_TYPES = {0: "discrete GPU", 1: "integrated GPU", 2: "virtual GPU", 3: "CPU"}
 NO_VULKAN_DEVICE = "no Vulkan device: install libvulkan1 and a driver such as mesa-vulkan-drivers"
 PRECISIONS = ("fp32", "fp16", "bf16")
 RUNTIME_PRECISIONS = ("fp16", "bf16")  # runtime switches: build gets the fp32 ONNX model
@@ -887,23 +888,30 @@ class Session:
 
     # -- running
 
-    def _extract(self, feeds: Dict[str, np.ndarray], names: Sequence[str], keep_all: bool) -> Dict[str, np.ndarray]:
+    def _extractor(self, feeds: Dict[str, np.ndarray], keep_all: bool):
+        """An extractor fed with ``feeds``, and the arrays its input Mats point into (keep
+        them alive while it runs)."""
         import ncnn
 
         missing = [name for name in self.inputs if name not in feeds]
         if missing:
             raise KeyError(f"missing input {missing[0]!r}")
         extractor = self._net.create_extractor()
+        if keep_all:
+            extractor.set_light_mode(False)
+        held = []
+        for name in self.inputs:
+            value = np.asarray(feeds[name])
+            array = np.ascontiguousarray(value.reshape(_ncnn_shape(value.shape)), dtype=np.float32)
+            held.append(array)
+            if extractor.input(self._inputs[name], ncnn.Mat(array)) != 0:
+                extractor.clear()
+                raise RuntimeError(f"ncnn refused input {name!r} (blob {self._inputs[name]})")
+        return extractor, held
+
+    def _extract(self, feeds: Dict[str, np.ndarray], names: Sequence[str], keep_all: bool) -> Dict[str, np.ndarray]:
+        extractor, held = self._extractor(feeds, keep_all)
         try:
-            if keep_all:
-                extractor.set_light_mode(False)
-            held = []
-            for name in self.inputs:
-                value = np.asarray(feeds[name])
-                array = np.ascontiguousarray(value.reshape(_ncnn_shape(value.shape)), dtype=np.float32)
-                held.append(array)
-                if extractor.input(self._inputs[name], ncnn.Mat(array)) != 0:
-                    raise RuntimeError(f"ncnn refused input {name!r} (blob {self._inputs[name]})")
             results = {}
             for name in names:
                 blob = self._blobs[name]
@@ -926,6 +934,56 @@ class Session:
 
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         return self._extract(feeds, self.outputs, keep_all=False)
+
+    def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
+                onnx_model: Optional[Path] = None) -> dict:
+        """Per-layer times by incremental extraction: ncnn's Python API has no per-layer
+        timer (NCNN_BENCHMARK is a build option the wheel lacks), but an extractor computes
+        only what an extracted blob needs and, with light mode off, keeps it. Extracting
+        every layer's output in param order (type 1: no layout or fp16 conversion) computes
+        one layer per call; the cost of extracting the same blob again (call overhead only)
+        is taken off. Light mode off makes in-place layers work on a copy of their input; on
+        Vulkan every layer is submitted, waited for and downloaded on its own, overhead that
+        a plain run pays once: such per-layer times overstate the GPU's share."""
+        import time
+
+        from pipeline import profiling
+
+        layers = [layer for layer in self._network.layers if layer.type not in ("Input",) and layer.tops]
+        kernels = {name: f"{device} {precision}" for name, device, precision in self.layer_devices()}
+        timer = profiling.Timer()
+        for index in range(warmup + runs):
+            extractor, held = self._extractor(feeds, keep_all=True)
+            try:
+                for layer in layers:
+                    started = time.perf_counter()
+                    code, _ = extractor.extract(layer.tops[0], 1)
+                    computed = time.perf_counter()
+                    extractor.extract(layer.tops[0], 1)
+                    again = time.perf_counter()
+                    if code != 0:
+                        raise RuntimeError(f"ncnn could not compute layer {layer.name}: error {code}")
+                    if index >= warmup:
+                        spent = max(0.0, (computed - started) - (again - computed)) * 1000.0
+                        timer.add(layer.name, spent, layer.type, kernels.get(layer.name, "CPU fp32"))
+            finally:
+                extractor.clear()
+                del extractor, held
+        wall = 0.0
+        for _ in range(runs):
+            started = time.perf_counter()
+            self.run(feeds)
+            wall += time.perf_counter() - started
+        computes: Dict[str, List[str]] = {}
+        for node, names in (self._options.get("layers") or {}).items():
+            for name in names:
+                computes.setdefault(name, []).append(node)
+        note = None if self._options.get("layers") else \
+            f"no ncnn layer <-> ONNX node map in the build: {self._options.get('mapping_error', 'not recorded')}"
+        rows = timer.layers(profiling.Nodes(onnx_model), runs, lambda name: computes.get(name, []))
+        return profiling.result("ncnn incremental extraction (one Extractor.extract per layer in param order, call "
+                                "overhead taken off); run_ms: a plain run", runs, warmup, rows, wall * 1000.0 / runs,
+                                note)
 
     def probe(self, names: List[str]) -> dict:
         """The ONNX tensors of ``names`` that have an ncnn blob; ``tensors``: the ONNX
@@ -978,9 +1036,19 @@ class Session:
         if masked:
             layers += " (masked: " + ", ".join(f"{name}={mask}" for name, mask in masked.items()) + ")"
         result = {"device": device, "precision": precision, "layers": layers}
+        if device == "VULKAN":
+            result.update(self._vulkan_device())
         if self._options_vulkan and not self._gpu_count:
             result["note"] = NO_VULKAN_DEVICE
         return result
+
+    def _vulkan_device(self) -> Dict[str, str]:
+        """The Vulkan device's name and kind (ncnn's GpuInfo.type: 0 discrete, 1 integrated,
+        2 virtual, 3 cpu): Mesa's lavapipe is a Vulkan driver running on the CPU."""
+        import ncnn
+
+        info = ncnn.get_gpu_info(int(self._options.get("device_index", 0) or 0))
+        return {"device_name": str(info.device_name()), "device_type": VULKAN_DEVICE_TYPES.get(info.type(), "unknown")}
 
     def close(self) -> None:
         net = getattr(self, "_net", None)

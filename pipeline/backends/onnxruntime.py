@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -46,27 +48,70 @@ class Session:
                  graph_optimization_level: str = "all", intra_op_num_threads: int = 0):
         import onnxruntime as ort
 
+        self._model_path = Path(model_path)
+        self._level, self._threads = graph_optimization_level, intra_op_num_threads
+        options = self._options()
+        self._scratch = tempfile.TemporaryDirectory(prefix="parity-ort-")
+        self._optimized = Path(self._scratch.name) / "optimized.onnx"
+        options.optimized_model_filepath = str(self._optimized)  # what ORT really executes
+        self._session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        self._probe = None
+        self.inputs = [i.name for i in self._session.get_inputs()]
+        self.outputs = [o.name for o in self._session.get_outputs()]
+
+    def _options(self):
+        import onnxruntime as ort
+
         levels = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
                   "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
                   "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
         options = ort.SessionOptions()
-        options.graph_optimization_level = levels[graph_optimization_level]
-        options.intra_op_num_threads = intra_op_num_threads
+        options.graph_optimization_level = levels[self._level]
+        options.intra_op_num_threads = self._threads
         options.log_severity_level = 3
-        self._scratch = tempfile.TemporaryDirectory(prefix="parity-ort-")
-        self._optimized = Path(self._scratch.name) / "optimized.onnx"
-        options.optimized_model_filepath = str(self._optimized)  # what ORT really executes
-        self._session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-        self._model_path = Path(model_path)
-        self._level = graph_optimization_level
-        self._probe = None
-        self.inputs = [i.name for i in self._session.get_inputs()]
-        self.outputs = [o.name for o in self._session.get_outputs()]
+        return options
 
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         values = self._session.run(self.outputs, feeds)
         return dict(zip(self.outputs, values))
+
+    def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
+                onnx_model: Optional[Path] = None) -> dict:
+        """Per-node times from ONNX Runtime's profiler, in a second session with the same
+        options plus enable_profiling (its trace goes to the scratch folder). Nodes are the
+        executed graph's (fusions, NCHWc and int8 kernels); only the last ``runs`` runs count."""
+        import onnxruntime as ort
+
+        from pipeline import profiling
+
+        options = self._options()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(self._scratch.name) / "profile")
+        session = ort.InferenceSession(str(self._model_path), options, providers=["CPUExecutionProvider"])
+        for _ in range(warmup + runs):
+            session.run(self.outputs, feeds)
+        trace = Path(session.end_profiling())
+        events = json.loads(trace.read_text())
+        trace.unlink()
+        windows = sorted((e["ts"], e["ts"] + e["dur"], e["dur"]) for e in events
+                         if e.get("cat") == "Session" and e.get("name") == "model_run")[-runs:]
+        executed = _executed_nodes(self._optimized)
+        timer = profiling.Timer()
+        for event in events:
+            name = event.get("name", "")
+            if event.get("cat") != "Node" or not name.endswith("_kernel_time") or \
+                    not any(start <= event["ts"] <= end for start, end, _ in windows):
+                continue
+            node = name[: -len("_kernel_time")]
+            op_type = event.get("args", {}).get("op_name", "?")
+            domain = executed.get(node, {}).get("domain")
+            timer.add(node, event["dur"] / 1000.0, op_type, f"{domain}.{op_type}" if domain else op_type)
+        nodes = profiling.Nodes(onnx_model if onnx_model is not None else self._model_path)
+        layers = timer.layers(nodes, len(windows), lambda node: _ort_candidates(node, executed, nodes))
+        run_ms = sum(dur for _, _, dur in windows) / 1000.0 / len(windows) if windows else None
+        return profiling.result("ONNX Runtime profiler (SessionOptions.enable_profiling): kernel time per node of "
+                                "the executed graph", len(windows), warmup, layers, run_ms)
 
     def probe(self, names: List[str]) -> dict:
         """Prepare to expose these ONNX tensors. What runs is the graph this session
@@ -115,6 +160,28 @@ class Session:
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
         precision, layers = executed_precision(self._optimized)
         return {"device": device, "precision": precision, "layers": layers}
+
+
+def _executed_nodes(optimized_path: Path) -> Dict[str, dict]:
+    """{node name: domain and outputs} of the graph ORT executes."""
+    import onnx
+
+    model = onnx.load(str(optimized_path), load_external_data=False)
+    return {node.name: {"domain": node.domain, "outputs": list(node.output)} for node in model.graph.node}
+
+
+def _ort_candidates(node: str, executed: Dict[str, dict], nodes) -> List[str]:
+    """ONNX names an executed node stands for. ORT names what it rewrites after the original:
+    "fused fc1" (FusedGemm), "conv1_token_3" (a layout or int8 rewrite), "relu1_out_nchwc"
+    (the NCHWc Conv computing tensor relu1_out). A node whose own name resolves also stands
+    for the ops fused into it, found from its outputs; one whose name does not (a
+    ReorderOutput, an inserted Transpose) stands for nothing, whatever tensor it writes."""
+    name = node[len("fused "):] if node.startswith("fused ") else node
+    name = re.sub(r"(_token_\d+)+$", "", name)
+    name = name[: -len("_nchwc")] if name.endswith("_nchwc") else name
+    if not nodes.resolve([name]):
+        return []
+    return [name, *executed.get(node, {}).get("outputs", [])]
 
 
 def executed_precision(optimized_path: Path) -> Tuple[str, str]:

@@ -53,6 +53,7 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         "build": results["build"].summary if "build" in results else None,
         "data": verify["data"] if verify else None,
         "verify": verify,
+        "profile": results["profile"].summary if "profile" in results else None,
         "environment": environment.describe(),
     }
 

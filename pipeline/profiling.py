@@ -1,0 +1,206 @@
+"""Per-layer profiles: what every backend's ``Session.profile`` shares.
+
+A backend measures its own layers (runtime name, layer type, kernel, time over runs) and
+says, in its own terms, which ONNX nodes or tensors each layer stands for (its
+"candidates": ONNX Runtime's executed node names, OpenVINO's ``originalLayersNames``, MNN's
+op names, ncnn's layer map). ``Nodes`` resolves them against the converted ONNX model:
+a candidate is an ONNX node name, or a tensor name whose producer is the node, optionally
+with a runtime's decorations removed (``/WithoutBiases`` path parts, the
+``_QuantizeLinear`` suffix of a quantizer's node named after the tensor it quantizes). A layer that
+resolves to nothing (a reorder or layout conversion the runtime inserted, a quantize op
+on a model input) keeps ``onnx_node`` null.
+
+A layer can compute several ONNX nodes (Conv + BatchNormalization + Relu fused):
+``onnx_nodes`` lists them in model order and ``onnx_node`` is the one doing the work. A
+runtime that names a fused layer after the last op of the chain (ONNX Runtime's NCHWc
+``relu1_out_nchwc`` is a Conv) is followed upstream through single-input elementwise ops
+to the op of the layer's kind.
+
+The result (``result``) is JSON: ``measured_by``, ``runs``, ``warmup``, ``run_ms`` (wall time
+of one profiled run), ``total_ms`` (sum of the layers), ``layers`` in execution order (name,
+type, kernel, ms (mean per run), share, onnx_node, onnx_nodes, onnx_op_type) and ``note``.
+``summarize`` makes the report's view: top layers, time by op type.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+FORMAT = 1
+# ops a runtime fuses into the op before them (single activation input, constants otherwise)
+FUSABLE = {"Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "PRelu", "Tanh", "Elu", "Selu",
+           "Gelu", "BatchNormalization", "Add", "Sub", "Mul", "Div", "Identity", "QuantizeLinear",
+           "DequantizeLinear"}
+_MAX_FUSED = 6
+UNMAPPED_NAMES = 20  # unmapped layers named in the summary (profile.json has them all)
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+# ORT's quantizer names a Q node after the tensor it quantizes (x_QuantizeLinear: x's producer ran
+# before it, often in the same fused layer); a DQ node (x_DequantizeLinear) reads x, it does not make it
+_NODE_SUFFIXES = ("_QuantizeLinear",)
+
+
+def _family(runtime_type: str) -> Optional[set]:
+    """The ONNX op types a runtime layer type computes (None: any, no upstream search)."""
+    kind = runtime_type.lower()
+    if "deconv" in kind or "convtranspose" in kind:
+        return {"ConvTranspose"}
+    if "conv" in kind:
+        return {"Conv", "ConvInteger", "QLinearConv"}
+    if any(word in kind for word in ("gemm", "fullyconnected", "innerproduct", "matmul")):
+        return {"Gemm", "MatMul", "MatMulInteger", "QLinearMatMul"}
+    if "pool" in kind:
+        return {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"}
+    return None
+
+
+class Nodes:
+    """The converted ONNX model's nodes (named as parity's reports name them: the node name,
+    or ``OpType_position`` for an unnamed node), their tensors and order."""
+
+    def __init__(self, onnx_path: Optional[Path]):
+        self.types: Dict[str, str] = {}
+        self.order: Dict[str, int] = {}
+        self.producers: Dict[str, str] = {}
+        self.inputs: Dict[str, List[str]] = {}  # activation inputs per node
+        self.consumers: Dict[str, int] = {}
+        if onnx_path is None:
+            return
+        import onnx
+
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+        constants = {t.name for t in graph.initializer}
+        for position, node in enumerate(graph.node):
+            key = node.name or f"{node.op_type}_{position}"
+            self.types[key], self.order[key] = node.op_type, position
+            self.inputs[key] = [name for name in node.input if name and name not in constants]
+            for name in node.input:
+                self.consumers[name] = self.consumers.get(name, 0) + 1
+            for name in node.output:
+                if name:
+                    self.producers[name] = key
+        for key in self.types:  # outputs of constant-only nodes are constants too
+            self.inputs[key] = [name for name in self.inputs[key]
+                                if name not in self.producers or self.inputs[self.producers[name]]]
+
+    def resolve(self, candidates: Iterable[str]) -> List[str]:
+        """The ONNX nodes the candidate names stand for, in model order."""
+        from pipeline.layerwise import onnx_name
+
+        found = set()
+        for candidate in candidates:
+            node = self._node_for(candidate, onnx_name)
+            if node is not None:
+                found.add(node)
+        return sorted(found, key=self.order.get)
+
+    def _node_for(self, name: str, onnx_name) -> Optional[str]:
+        while name:
+            for form in (name, *[name[: -len(s)] for s in _NODE_SUFFIXES if name.endswith(s)]):
+                if form in self.types:
+                    return form
+                tensor = onnx_name(form)
+                if tensor in self.producers:
+                    return self.producers[tensor]
+            if "/" not in name.strip("/"):
+                return None
+            name = name.rstrip("/").rsplit("/", 1)[0]  # OpenVINO: conv1/WithoutBiases -> conv1
+        return None
+
+    def layer(self, name: str, runtime_type: str, kernel: Optional[str], ms: float,
+              candidates: Iterable[str]) -> dict:
+        nodes = self.resolve(candidates)
+        if runtime_type in _QDQ:  # a quantizer's Q/DQ op, named after the tensor it converts
+            nodes = [node for node in nodes if self.types[node] in _QDQ]
+        primary = self._primary(nodes, runtime_type)
+        if primary is not None and primary not in nodes:
+            nodes = sorted({*nodes, *self._chain(nodes[0], primary)}, key=self.order.get)
+        return {"name": name, "type": runtime_type, "kernel": kernel, "ms": ms, "onnx_node": primary,
+                "onnx_nodes": nodes, "onnx_op_type": self.types.get(primary) if primary else None}
+
+    def _primary(self, nodes: List[str], runtime_type: str) -> Optional[str]:
+        if not nodes:
+            return None
+        family = _family(runtime_type)
+        if family is None:
+            return nodes[0]
+        hit = next((node for node in nodes if self.types[node] in family), None)
+        if hit is not None:
+            return hit
+        current = nodes[0]  # a fused chain named after its last op: look upstream for the layer's op
+        for _ in range(_MAX_FUSED):
+            parent = self._sole_parent(current)
+            if parent is None:
+                break
+            if self.types[parent] in family:
+                return parent
+            current = parent
+        return nodes[0]
+
+    def _sole_parent(self, node: str) -> Optional[str]:
+        """The producer of a fusable node's only activation input, when nothing else reads it."""
+        inputs = self.inputs.get(node, [])
+        if self.types.get(node) not in FUSABLE or len(inputs) != 1 or self.consumers.get(inputs[0], 0) != 1:
+            return None
+        return self.producers.get(inputs[0])
+
+    def _chain(self, last: str, first: str) -> List[str]:
+        chain, current = [], last
+        while current is not None and current != first:
+            chain.append(current)
+            current = self._sole_parent(current)
+        return chain + [first]
+
+
+class Timer:
+    """Milliseconds per layer summed over runs, layers kept in first-seen order."""
+
+    def __init__(self):
+        self.ms: "OrderedDict[str, float]" = OrderedDict()
+        self.info: Dict[str, tuple] = {}
+
+    def add(self, name: str, ms: float, runtime_type: str, kernel: Optional[str] = None) -> None:
+        self.ms[name] = self.ms.get(name, 0.0) + ms
+        self.info.setdefault(name, (runtime_type, kernel))
+
+    def layers(self, nodes: Nodes, runs: int, candidates) -> List[dict]:
+        """Rows with mean ms per run; ``candidates(name) -> [names]`` names the ONNX side."""
+        return [nodes.layer(name, *self.info[name], total / runs, candidates(name))
+                for name, total in self.ms.items()]
+
+
+def result(measured_by: str, runs: int, warmup: int, layers: List[dict], run_ms: Optional[float],
+           note: Optional[str] = None) -> dict:
+    total = sum(layer["ms"] for layer in layers)
+    for layer in layers:
+        layer["ms"] = round(layer["ms"], 6)
+        layer["share"] = round(layer["ms"] / total, 6) if total else 0.0
+    return {"format": FORMAT, "measured_by": measured_by, "runs": runs, "warmup": warmup,
+            "run_ms": round(run_ms, 6) if run_ms is not None else None, "total_ms": round(total, 6),
+            "layers": layers, "note": note}
+
+
+def summarize(profile: dict, top: int) -> dict:
+    """The report's view of a profile: the ``top`` layers by time and the time by op type
+    (the ONNX op type of a mapped layer, else the runtime's layer type)."""
+    layers = profile["layers"]
+    total = profile["total_ms"]
+    by_type: "OrderedDict[str, dict]" = OrderedDict()
+    for layer in layers:
+        key = layer["onnx_op_type"] or layer["type"]
+        entry = by_type.setdefault(key, {"op_type": key, "ms": 0.0, "layers": 0,
+                                         "runtime_only": layer["onnx_op_type"] is None})
+        entry["ms"] += layer["ms"]
+        entry["layers"] += 1
+        entry["runtime_only"] = entry["runtime_only"] and layer["onnx_op_type"] is None
+    op_types = sorted(by_type.values(), key=lambda e: -e["ms"])
+    for entry in op_types:
+        entry["ms"] = round(entry["ms"], 6)
+        entry["share"] = round(entry["ms"] / total, 6) if total else 0.0
+    ranked = sorted(layers, key=lambda layer: -layer["ms"])
+    unmapped = [layer["name"] for layer in layers if not layer["onnx_node"]]
+    return {"measured_by": profile["measured_by"], "runs": profile["runs"], "warmup": profile["warmup"],
+            "run_ms": profile["run_ms"], "total_ms": total, "layers": len(layers),
+            "mapped": len(layers) - len(unmapped), "top": ranked[:top], "by_op_type": op_types,
+            "unmapped": unmapped[:UNMAPPED_NAMES], "note": profile.get("note")}

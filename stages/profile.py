@@ -1,0 +1,91 @@
+"""profile: per-layer times of the built artifact on its backend, mapped to the converted
+model's ONNX node names (pipeline.profiling; docs/tuning.md#profiles).
+
+The backend runs in a worker process on the first validation sample: ``warmup`` runs,
+then ``runs`` profiled runs, through its Session's ``profile`` method (a separate profiling
+session or compiled model: the one verify ran is not changed). ``profile.json`` holds every
+layer; the summary (the report's Profile section) the top layers and the time by op type.
+
+Profiling is information, never a gate: a backend without a profiler, or one that crashes,
+hangs or refuses while profiling, gives a summary that says so; the verdict and the exit
+code stay verify's. Timings belong to the machine: the cache key includes its fingerprint."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import List
+
+import yaml
+
+from pipeline import backends, environment, profiling
+from pipeline.artifacts import write_json
+from pipeline.data import Dataset, TensorSpec, open_dataset
+from pipeline.errors import BackendCrashed
+from pipeline.worker import BackendWorker
+from stages import StageContext, StageResult
+
+NAME = "profile"
+VERSION = 1
+CACHEABLE = True
+READS = {"convert": ["model"], "build": None}
+PROFILE_FILE = "profile.json"
+log = logging.getLogger("parity")
+
+
+def key_config(cfg):
+    return {"profile": cfg.profile, "data": cfg.data, "machine": environment.fingerprint()}
+
+
+def external_files(ctx: StageContext) -> List[Path]:
+    return _dataset(ctx).files if "convert" in ctx.results else []
+
+
+def _dataset(ctx: StageContext) -> Dataset:
+    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
+    return open_dataset(ctx.cfg.data, inputs)
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg = ctx.cfg
+    about = {"target": cfg.target.name, "precision": cfg.precision.name.value}
+    if "build" not in ctx.results or "convert" not in ctx.results:
+        return _skipped(ctx, about, "nothing to profile: pipeline.stages has no convert and build before profile")
+    build, convert = ctx.results["build"], ctx.results["convert"]
+    settings = yaml.safe_load(build.path("runtime").read_text())
+    backend = backends.spec(settings["backend"])
+    about["backend"] = backend.NAME
+    ok, reason = backend.available()
+    if not ok:
+        return _skipped(ctx, about, reason, cache=False)
+    if not hasattr(getattr(backend, "Session", None), "profile"):
+        return _skipped(ctx, about, f"backend {backend.NAME} has no per-layer profiler")
+    sample = next(iter(_dataset(ctx).validation), None)
+    if sample is None:
+        return _skipped(ctx, about, "no validation sample to profile")
+    limits = cfg.profile
+    label = f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value}) profile"
+    try:
+        with BackendWorker(backend.__name__, build.out_dir, settings, label=label,
+                           timeout_s=limits.worker_timeout_s, memory_mb=limits.worker_memory_mb) as worker:
+            found = worker.call("profile", sample.feeds, limits.runs, limits.warmup, str(convert.path("model")))
+            effective = worker.effective()
+    except BackendCrashed as err:
+        log.warning("profile: %s", err)
+        crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail, "stderr_tail": err.stderr_tail}
+        what = {"hung": "hung", "error": "failed"}.get(err.kind, "crashed")
+        return _skipped(ctx, about, f"profiling {what}: {err.detail}", cache=False, crash=crash)
+    device = {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective}
+    write_json(ctx.out_dir / PROFILE_FILE, {**found, **about, **device, "sample": sample.name,
+                                            "machine": environment.fingerprint(), "cpu": environment.cpu()})
+    summary = {**about, **device, "ran": True, "sample": sample.name, "file": PROFILE_FILE,
+               **profiling.summarize(found, limits.top)}
+    return StageResult(ctx.out_dir, {"profile": PROFILE_FILE}, summary)
+
+
+def _skipped(ctx: StageContext, about: dict, reason: str, cache: bool = True, crash=None) -> StageResult:
+    """A summary that says why there is no profile (a crash is measured again next run)."""
+    summary = {**about, "ran": False, "reason": reason}
+    if crash is not None:
+        summary["crash"] = crash
+    return StageResult(ctx.out_dir, {}, summary, cache=cache)
