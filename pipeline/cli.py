@@ -132,6 +132,9 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
                                   f"tensor {escape(found['tensor'])}")
         for advice in verify.get("recommendations", []):
             console.print(f"[cyan]recommendation:[/] {escape(advice['text'])}")
+    profile = outcome.results.get("profile")
+    if profile:
+        console.print(_profile_line(profile.summary))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     colour = {"pass": "green", "fail": "red"}.get(report["verdict"], "yellow")
@@ -143,6 +146,18 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
         console.print(f"bundle: {escape(package.summary['bundle'])}")
     console.print(f"run folder: {escape(str(outcome.run_dir))}")
     console.print(f"reports: {escape(', '.join(REPORT_FILES))} in the run folder")
+
+
+def _profile_line(profile: dict) -> str:
+    if not profile.get("ran"):
+        return f"profile: not profiled ({escape(str(profile.get('reason')))})"
+    line = (f"profile: {profile['layers']} layers ({profile['mapped']} with an ONNX node), "
+            f"{profile['total_ms']:.4f} ms per run in all")
+    top = profile["top"][0] if profile["top"] else None
+    if top:
+        line += (f"; slowest: {escape(str(top['onnx_node'] or top['name']))} ({escape(str(top['onnx_op_type'] or top['type']))}) "
+                 f"{top['share'] * 100:.0f}%")
+    return line
 
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")

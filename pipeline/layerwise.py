@@ -29,21 +29,7 @@ from onnx import helper, numpy_helper, shape_inference
 from pipeline.metrics import OutputStats
 
 CHUNK_BYTES = 256 * 1024 * 1024  # float32 bytes of probed tensors per sample and side
-QDQ_SUFFIXES = ("_DequantizeLinear_Output", "_QuantizeLinear_Output")
-# ONNX Runtime renames the tensors of the fp16 Cast pairs it removes on CPUs without fp16 kernels
-RENAMING_PREFIXES = ("InsertedPrecisionFreeCast_",)
 DEPTH_POINTS = 2000  # chart points kept in the report; the side file has every tensor
-
-
-def onnx_name(backend_name: str) -> str:
-    """The ONNX tensor a backend's tensor name stands for (x_QuantizeLinear_Output -> x)."""
-    for prefix in RENAMING_PREFIXES:
-        if backend_name.startswith(prefix):
-            backend_name = backend_name[len(prefix):]
-    for suffix in QDQ_SUFFIXES:
-        if backend_name.endswith(suffix):
-            return backend_name[: -len(suffix)]
-    return backend_name
 
 
 def dynamic_outputs(nodes: Iterable, inputs: Iterable[str]) -> List[str]:

@@ -6,39 +6,47 @@ says, in its own terms, which ONNX nodes or tensors each layer stands for (its
 op names, ncnn's layer map). ``Nodes`` resolves them against the converted ONNX model:
 a candidate is an ONNX node name, or a tensor name whose producer is the node, optionally
 with a runtime's decorations removed (``/WithoutBiases`` path parts, the
-``_QuantizeLinear`` suffix of a quantizer's node named after the tensor it quantizes). A layer that
-resolves to nothing (a reorder or layout conversion the runtime inserted, a quantize op
-on a model input) keeps ``onnx_node`` null.
+``_QuantizeLinear`` suffix of a quantizer's node named after the tensor it quantizes). A
+layer that resolves to nothing (a reorder or layout conversion the runtime inserted, a
+quantize op on a model input) keeps ``onnx_node`` null.
 
 A layer can compute several ONNX nodes (Conv + BatchNormalization + Relu fused):
 ``onnx_nodes`` lists them in model order and ``onnx_node`` is the one doing the work. A
 runtime that names a fused layer after the last op of the chain (ONNX Runtime's NCHWc
 ``relu1_out_nchwc`` is a Conv) is followed upstream through single-input elementwise ops
-to the op of the layer's kind.
+to the op of the layer's kind; ONNX Runtime's ``Fused*`` kernels also compute the
+activation after their node.
 
-The result (``result``) is JSON: ``measured_by``, ``runs``, ``warmup``, ``run_ms`` (wall time
-of one profiled run), ``total_ms`` (sum of the layers), ``layers`` in execution order (name,
-type, kernel, ms (mean per run), share, onnx_node, onnx_nodes, onnx_op_type) and ``note``.
-``summarize`` makes the report's view: top layers, time by op type.
+The index is built where the model is loaded (``Nodes.load``, in the parent process) and
+travels to the backend's worker as JSON (``to_json``/``from_json``), so that a worker
+needs no onnx import. The result (``result``) is JSON: ``measured_by``, ``runs``,
+``warmup``, ``device`` (what ran), ``run_ms`` (wall time of one whole run, as
+``measured_by`` says), ``total_ms`` (sum of the layers), ``layers`` in execution order
+(name, type, kernel, ms (mean per run), share, onnx_node, onnx_nodes, onnx_op_type) and
+``note``. ``summarize`` makes the report's view: top layers, time by op type.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
+
+from pipeline.tensor_names import onnx_name
 
 FORMAT = 1
-# ops a runtime fuses into the op before them (single activation input, constants otherwise)
+# ops a runtime fuses into the op before them (one activation input, constants otherwise)
 FUSABLE = {"Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "PRelu", "Tanh", "Elu", "Selu",
            "Gelu", "BatchNormalization", "Add", "Sub", "Mul", "Div", "Identity", "QuantizeLinear",
            "DequantizeLinear"}
+# the activations ONNX Runtime's FusedConv / FusedGemm / FusedMatMul compute after their op
+ACTIVATIONS = {"Relu", "Clip", "Sigmoid", "HardSigmoid", "LeakyRelu", "Tanh"}
 _MAX_FUSED = 6
-UNMAPPED_NAMES = 20  # unmapped layers named in the summary (profile.json has them all)
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 # ORT's quantizer names a Q node after the tensor it quantizes (x_QuantizeLinear: x's producer ran
 # before it, often in the same fused layer); a DQ node (x_DequantizeLinear) reads x, it does not make it
 _NODE_SUFFIXES = ("_QuantizeLinear",)
+UNMAPPED_NAMES = 20  # unmapped layers named in the summary (profile.json has them all)
 
 
 def _family(runtime_type: str) -> Optional[set]:
@@ -56,46 +64,48 @@ def _family(runtime_type: str) -> Optional[set]:
 
 
 class Nodes:
-    """The converted ONNX model's nodes (named as parity's reports name them: the node name,
-    or ``OpType_position`` for an unnamed node), their tensors and order."""
+    """The converted ONNX model's nodes, named as parity's reports name them (the node
+    name, or ``OpType_position`` for an unnamed node), with their op types, order, the
+    producer of every tensor, each node's activation inputs and each tensor's consumers.
+    Empty (nothing resolves) when there is no model."""
 
-    def __init__(self, onnx_path: Optional[Path]):
-        self.types: Dict[str, str] = {}
-        self.order: Dict[str, int] = {}
-        self.producers: Dict[str, str] = {}
-        self.inputs: Dict[str, List[str]] = {}  # activation inputs per node
-        self.consumers: Dict[str, int] = {}
-        if onnx_path is None:
-            return
+    def __init__(self, index: Optional[dict] = None):
+        index = index or {}
+        self.types: Dict[str, str] = dict(index.get("types", {}))
+        self.order: Dict[str, int] = {node: position for position, node in enumerate(self.types)}
+        self.producers: Dict[str, str] = dict(index.get("producers", {}))
+        self.inputs: Dict[str, List[str]] = dict(index.get("inputs", {}))
+        self.consumers: Dict[str, List[str]] = dict(index.get("consumers", {}))
+
+    @classmethod
+    def load(cls, onnx_path: Path) -> "Nodes":
         import onnx
 
         graph = onnx.load(str(onnx_path), load_external_data=False).graph
         constants = {t.name for t in graph.initializer}
+        index: dict = {"types": {}, "producers": {}, "inputs": {}, "consumers": {}}
         for position, node in enumerate(graph.node):
             key = node.name or f"{node.op_type}_{position}"
-            self.types[key], self.order[key] = node.op_type, position
-            self.inputs[key] = [name for name in node.input if name and name not in constants]
+            index["types"][key] = node.op_type
+            # outputs of constant-only nodes are constants too (nodes come in topological order)
+            index["inputs"][key] = [name for name in node.input if name and name not in constants and (
+                name not in index["producers"] or index["inputs"][index["producers"][name]])]
             for name in node.input:
-                self.consumers[name] = self.consumers.get(name, 0) + 1
+                index["consumers"].setdefault(name, []).append(key)
             for name in node.output:
                 if name:
-                    self.producers[name] = key
-        for key in self.types:  # outputs of constant-only nodes are constants too
-            self.inputs[key] = [name for name in self.inputs[key]
-                                if name not in self.producers or self.inputs[self.producers[name]]]
+                    index["producers"][name] = key
+        return cls(index)
+
+    def to_json(self) -> dict:
+        return {"types": self.types, "producers": self.producers, "inputs": self.inputs, "consumers": self.consumers}
 
     def resolve(self, candidates: Iterable[str]) -> List[str]:
         """The ONNX nodes the candidate names stand for, in model order."""
-        from pipeline.layerwise import onnx_name
-
-        found = set()
-        for candidate in candidates:
-            node = self._node_for(candidate, onnx_name)
-            if node is not None:
-                found.add(node)
+        found = {node for node in map(self._node_for, candidates) if node is not None}
         return sorted(found, key=self.order.get)
 
-    def _node_for(self, name: str, onnx_name) -> Optional[str]:
+    def _node_for(self, name: str) -> Optional[str]:
         while name:
             for form in (name, *[name[: -len(s)] for s in _NODE_SUFFIXES if name.endswith(s)]):
                 if form in self.types:
@@ -116,6 +126,8 @@ class Nodes:
         primary = self._primary(nodes, runtime_type)
         if primary is not None and primary not in nodes:
             nodes = sorted({*nodes, *self._chain(nodes[0], primary)}, key=self.order.get)
+        if primary is not None and runtime_type.startswith("Fused") and len(nodes) == 1:
+            nodes += self._activation_after(primary)
         return {"name": name, "type": runtime_type, "kernel": kernel, "ms": ms, "onnx_node": primary,
                 "onnx_nodes": nodes, "onnx_op_type": self.types.get(primary) if primary else None}
 
@@ -141,7 +153,7 @@ class Nodes:
     def _sole_parent(self, node: str) -> Optional[str]:
         """The producer of a fusable node's only activation input, when nothing else reads it."""
         inputs = self.inputs.get(node, [])
-        if self.types.get(node) not in FUSABLE or len(inputs) != 1 or self.consumers.get(inputs[0], 0) != 1:
+        if self.types.get(node) not in FUSABLE or len(inputs) != 1 or len(self.consumers.get(inputs[0], [])) != 1:
             return None
         return self.producers.get(inputs[0])
 
@@ -151,6 +163,11 @@ class Nodes:
             chain.append(current)
             current = self._sole_parent(current)
         return chain + [first]
+
+    def _activation_after(self, node: str) -> List[str]:
+        outputs = [tensor for tensor, producer in self.producers.items() if producer == node]
+        readers = self.consumers.get(outputs[0], []) if len(outputs) == 1 else []
+        return readers if len(readers) == 1 and self.types.get(readers[0]) in ACTIVATIONS else []
 
 
 class Timer:
@@ -164,19 +181,19 @@ class Timer:
         self.ms[name] = self.ms.get(name, 0.0) + ms
         self.info.setdefault(name, (runtime_type, kernel))
 
-    def layers(self, nodes: Nodes, runs: int, candidates) -> List[dict]:
-        """Rows with mean ms per run; ``candidates(name) -> [names]`` names the ONNX side."""
+    def layers(self, nodes: Nodes, runs: int, candidates: Callable[[str], List[str]]) -> List[dict]:
+        """Rows with mean ms per run; ``candidates(name)`` names the layer's ONNX side."""
         return [nodes.layer(name, *self.info[name], total / runs, candidates(name))
                 for name, total in self.ms.items()]
 
 
 def result(measured_by: str, runs: int, warmup: int, layers: List[dict], run_ms: Optional[float],
-           note: Optional[str] = None) -> dict:
+           device: dict, note: Optional[str] = None) -> dict:
     total = sum(layer["ms"] for layer in layers)
     for layer in layers:
         layer["ms"] = round(layer["ms"], 6)
         layer["share"] = round(layer["ms"] / total, 6) if total else 0.0
-    return {"format": FORMAT, "measured_by": measured_by, "runs": runs, "warmup": warmup,
+    return {"format": FORMAT, "measured_by": measured_by, "runs": runs, "warmup": warmup, **device,
             "run_ms": round(run_ms, 6) if run_ms is not None else None, "total_ms": round(total, 6),
             "layers": layers, "note": note}
 
@@ -189,8 +206,7 @@ def summarize(profile: dict, top: int) -> dict:
     by_type: "OrderedDict[str, dict]" = OrderedDict()
     for layer in layers:
         key = layer["onnx_op_type"] or layer["type"]
-        entry = by_type.setdefault(key, {"op_type": key, "ms": 0.0, "layers": 0,
-                                         "runtime_only": layer["onnx_op_type"] is None})
+        entry = by_type.setdefault(key, {"op_type": key, "ms": 0.0, "layers": 0, "runtime_only": True})
         entry["ms"] += layer["ms"]
         entry["layers"] += 1
         entry["runtime_only"] = entry["runtime_only"] and layer["onnx_op_type"] is None
@@ -198,9 +214,9 @@ def summarize(profile: dict, top: int) -> dict:
     for entry in op_types:
         entry["ms"] = round(entry["ms"], 6)
         entry["share"] = round(entry["ms"] / total, 6) if total else 0.0
-    ranked = sorted(layers, key=lambda layer: -layer["ms"])
     unmapped = [layer["name"] for layer in layers if not layer["onnx_node"]]
-    return {"measured_by": profile["measured_by"], "runs": profile["runs"], "warmup": profile["warmup"],
+    device = {key: profile[key] for key in ("device", "device_name", "device_type") if key in profile}
+    return {"measured_by": profile["measured_by"], "runs": profile["runs"], "warmup": profile["warmup"], **device,
             "run_ms": profile["run_ms"], "total_ms": total, "layers": len(layers),
-            "mapped": len(layers) - len(unmapped), "top": ranked[:top], "by_op_type": op_types,
-            "unmapped": unmapped[:UNMAPPED_NAMES], "note": profile.get("note")}
+            "mapped": len(layers) - len(unmapped), "top": sorted(layers, key=lambda layer: -layer["ms"])[:top],
+            "by_op_type": op_types, "unmapped": unmapped[:UNMAPPED_NAMES], "note": profile.get("note")}

@@ -68,17 +68,16 @@ def run(ctx: StageContext) -> StageResult:
     try:
         with BackendWorker(backend.__name__, build.out_dir, settings, label=label,
                            timeout_s=limits.worker_timeout_s, memory_mb=limits.worker_memory_mb) as worker:
-            found = worker.call("profile", sample.feeds, limits.runs, limits.warmup, str(convert.path("model")))
-            effective = worker.effective()
+            found = worker.call("profile", sample.feeds, limits.runs, limits.warmup,
+                                profiling.Nodes.load(convert.path("model")).to_json())
     except BackendCrashed as err:
         log.warning("profile: %s", err)
         crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail, "stderr_tail": err.stderr_tail}
         what = {"hung": "hung", "error": "failed"}.get(err.kind, "crashed")
         return _skipped(ctx, about, f"profiling {what}: {err.detail}", cache=False, crash=crash)
-    device = {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective}
-    write_json(ctx.out_dir / PROFILE_FILE, {**found, **about, **device, "sample": sample.name,
+    write_json(ctx.out_dir / PROFILE_FILE, {**found, **about, "sample": sample.name,
                                             "machine": environment.fingerprint(), "cpu": environment.cpu()})
-    summary = {**about, **device, "ran": True, "sample": sample.name, "file": PROFILE_FILE,
+    summary = {**about, "ran": True, "sample": sample.name, "file": PROFILE_FILE,
                **profiling.summarize(found, limits.top)}
     return StageResult(ctx.out_dir, {"profile": PROFILE_FILE}, summary)
 

@@ -18,6 +18,7 @@ from pipeline import fp16, layerwise
 from pipeline.backends import onnxruntime as ort_backend
 from pipeline.backends import openvino as ov_backend
 from pipeline.recommend import recommend
+from pipeline.tensor_names import onnx_name
 
 SHAPE = (1, 4, 16, 16)
 
@@ -169,9 +170,9 @@ def test_side_file_holds_every_tensor_and_the_summary_only_the_worst(tmp_path):
 
 
 def test_qdq_names_map_back_to_onnx_names():
-    assert layerwise.onnx_name("conv_out_QuantizeLinear_Output") == "conv_out"
-    assert layerwise.onnx_name("conv_out_DequantizeLinear_Output") == "conv_out"
-    assert layerwise.onnx_name("conv_out") == "conv_out"
+    assert onnx_name("conv_out_QuantizeLinear_Output") == "conv_out"
+    assert onnx_name("conv_out_DequantizeLinear_Output") == "conv_out"
+    assert onnx_name("conv_out") == "conv_out"
 
 
 def test_precision_fallback_advice_names_the_hint():

@@ -707,10 +707,11 @@ class Session:
     # -- profile
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                onnx_model: Optional[Path] = None) -> dict:
+                nodes: Optional[dict] = None) -> dict:
         """Per-op times from MNN's per-op callbacks (runSessionWithCallBackInfo) on a second
         session of the same model and config: the wall time between an op's before and after
-        callback, which includes a few microseconds of Python callback overhead per op."""
+        callback, which includes a few microseconds of Python callback overhead per op.
+        ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json())."""
         import time
 
         from pipeline import profiling
@@ -739,12 +740,12 @@ class Session:
             wall += (time.perf_counter() - begun) if counting[0] else 0.0
             if code != 0:
                 raise RuntimeError(f"MNN runSessionWithCallBackInfo returned error code {code}")
-        nodes = profiling.Nodes(onnx_model)
-        layers = timer.layers(nodes, runs, lambda name: _mnn_candidates(name, timer.info[name][0]))
-        device = BACKEND_NAMES.get(int(self._interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS)), "?")
-        return profiling.result(f"MNN per-op callbacks (runSessionWithCallBackInfo) on the {device} backend: wall "
-                                "time between each op's callbacks, Python callback overhead included", runs, warmup,
-                                layers, wall * 1000.0 / runs)
+        layers = timer.layers(profiling.Nodes(nodes), runs, lambda name: _mnn_candidates(name, timer.info[name][0]))
+        kind = int(self._interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS))
+        return profiling.result("MNN per-op callbacks (runSessionWithCallBackInfo): wall time between each op's "
+                                "callbacks, Python callback overhead included; whole run: the callback run",
+                                runs, warmup, layers, wall * 1000.0 / runs,
+                                {"device": BACKEND_NAMES.get(kind, f"type {kind}")})
 
     # -- what ran
 

@@ -936,7 +936,7 @@ class Session:
         return self._extract(feeds, self.outputs, keep_all=False)
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                onnx_model: Optional[Path] = None) -> dict:
+                nodes: Optional[dict] = None) -> dict:
         """Per-layer times by incremental extraction: ncnn's Python API has no per-layer
         timer (NCNN_BENCHMARK is a build option the wheel lacks), but an extractor computes
         only what an extracted blob needs and, with light mode off, keeps it. Extracting
@@ -944,7 +944,8 @@ class Session:
         one layer per call; the cost of extracting the same blob again (call overhead only)
         is taken off. Light mode off makes in-place layers work on a copy of their input; on
         Vulkan every layer is submitted, waited for and downloaded on its own, overhead that
-        a plain run pays once: such per-layer times overstate the GPU's share."""
+        a plain run pays once: such per-layer times overstate the GPU's share. ``nodes``: the
+        converted model's index (pipeline.profiling.Nodes.to_json())."""
         import time
 
         from pipeline import profiling
@@ -980,10 +981,12 @@ class Session:
                 computes.setdefault(name, []).append(node)
         note = None if self._options.get("layers") else \
             f"no ncnn layer <-> ONNX node map in the build: {self._options.get('mapping_error', 'not recorded')}"
-        rows = timer.layers(profiling.Nodes(onnx_model), runs, lambda name: computes.get(name, []))
-        return profiling.result("ncnn incremental extraction (one Extractor.extract per layer in param order, call "
-                                "overhead taken off); run_ms: a plain run", runs, warmup, rows, wall * 1000.0 / runs,
-                                note)
+        rows = timer.layers(profiling.Nodes(nodes), runs, lambda name: computes.get(name, []))
+        effective = self.effective()
+        device = {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective}
+        return profiling.result("ncnn incremental extraction: one Extractor.extract per layer in param order, call "
+                                "overhead taken off; whole run: a plain run", runs, warmup, rows,
+                                wall * 1000.0 / runs, device, note)
 
     def probe(self, names: List[str]) -> dict:
         """The ONNX tensors of ``names`` that have an ncnn blob; ``tensors``: the ONNX

@@ -77,10 +77,11 @@ class Session:
         return dict(zip(self.outputs, values))
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                onnx_model: Optional[Path] = None) -> dict:
+                nodes: Optional[dict] = None) -> dict:
         """Per-node times from ONNX Runtime's profiler, in a second session with the same
         options plus enable_profiling (its trace goes to the scratch folder). Nodes are the
-        executed graph's (fusions, NCHWc and int8 kernels); only the last ``runs`` runs count."""
+        executed graph's (fusions, NCHWc and int8 kernels); only the last ``runs`` runs
+        count. ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json())."""
         import onnxruntime as ort
 
         from pipeline import profiling
@@ -96,7 +97,6 @@ class Session:
         trace.unlink()
         windows = sorted((e["ts"], e["ts"] + e["dur"], e["dur"]) for e in events
                          if e.get("cat") == "Session" and e.get("name") == "model_run")[-runs:]
-        executed = _executed_nodes(self._optimized)
         timer = profiling.Timer()
         for event in events:
             name = event.get("name", "")
@@ -105,13 +105,14 @@ class Session:
                 continue
             node = name[: -len("_kernel_time")]
             op_type = event.get("args", {}).get("op_name", "?")
-            domain = executed.get(node, {}).get("domain")
-            timer.add(node, event["dur"] / 1000.0, op_type, f"{domain}.{op_type}" if domain else op_type)
-        nodes = profiling.Nodes(onnx_model if onnx_model is not None else self._model_path)
-        layers = timer.layers(nodes, len(windows), lambda node: _ort_candidates(node, executed, nodes))
+            timer.add(node, event["dur"] / 1000.0, op_type, f"NCHWc {op_type}" if node.endswith("_nchwc") else op_type)
+        layers = timer.layers(profiling.Nodes(nodes), len(windows), _ort_candidates)
         run_ms = sum(dur for _, _, dur in windows) / 1000.0 / len(windows) if windows else None
-        return profiling.result("ONNX Runtime profiler (SessionOptions.enable_profiling): kernel time per node of "
-                                "the executed graph", len(windows), warmup, layers, run_ms)
+        providers = session.get_providers()
+        device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
+        return profiling.result("ONNX Runtime profiler (SessionOptions.enable_profiling): kernel time of each node "
+                                "of the executed graph; whole run: model_run", len(windows), warmup, layers, run_ms,
+                                {"device": device})
 
     def probe(self, names: List[str]) -> dict:
         """Prepare to expose these ONNX tensors. What runs is the graph this session
@@ -162,26 +163,14 @@ class Session:
         return {"device": device, "precision": precision, "layers": layers}
 
 
-def _executed_nodes(optimized_path: Path) -> Dict[str, dict]:
-    """{node name: domain and outputs} of the graph ORT executes."""
-    import onnx
-
-    model = onnx.load(str(optimized_path), load_external_data=False)
-    return {node.name: {"domain": node.domain, "outputs": list(node.output)} for node in model.graph.node}
-
-
-def _ort_candidates(node: str, executed: Dict[str, dict], nodes) -> List[str]:
-    """ONNX names an executed node stands for. ORT names what it rewrites after the original:
-    "fused fc1" (FusedGemm), "conv1_token_3" (a layout or int8 rewrite), "relu1_out_nchwc"
-    (the NCHWc Conv computing tensor relu1_out). A node whose own name resolves also stands
-    for the ops fused into it, found from its outputs; one whose name does not (a
-    ReorderOutput, an inserted Transpose) stands for nothing, whatever tensor it writes."""
+def _ort_candidates(node: str) -> List[str]:
+    """The ONNX name an executed node stands for. ORT names what it rewrites after the
+    original: "fused fc1" (FusedGemm), "conv1_token_3" (a layout or int8 rewrite),
+    "relu1_out_nchwc" (the NCHWc Conv computing tensor relu1_out); what it inserts gets a
+    name of its own ("ReorderOutput_token_5"), which resolves to nothing."""
     name = node[len("fused "):] if node.startswith("fused ") else node
     name = re.sub(r"(_token_\d+)+$", "", name)
-    name = name[: -len("_nchwc")] if name.endswith("_nchwc") else name
-    if not nodes.resolve([name]):
-        return []
-    return [name, *executed.get(node, {}).get("outputs", [])]
+    return [name[: -len("_nchwc")] if name.endswith("_nchwc") else name]
 
 
 def executed_precision(optimized_path: Path) -> Tuple[str, str]:
@@ -233,7 +222,8 @@ def map_tensors(graph, names: List[str]):
     the executed graph's activations map to."""
     from onnx import numpy_helper
 
-    from pipeline.layerwise import dynamic_outputs, onnx_name
+    from pipeline.layerwise import dynamic_outputs
+    from pipeline.tensor_names import onnx_name
 
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     producers = {out: node for node in graph.node for out in node.output}

@@ -76,7 +76,7 @@ class Session:
         """Prepare to expose these ONNX tensors as extra model outputs (by tensor name; for
         int8 IRs the dequantized value of x_DequantizeLinear_Output stands for x). Extra
         outputs keep the tensors alive, which can stop some fusions around them."""
-        from pipeline.layerwise import onnx_name
+        from pipeline.tensor_names import onnx_name
 
         model = self._core.read_model(str(self._model_path))
         ports, tensors = {}, set()
@@ -98,11 +98,12 @@ class Session:
         return {name: np.array(result[port], dtype=np.float32) for name, port in outputs}
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                onnx_model: Optional[Path] = None) -> dict:
+                nodes: Optional[dict] = None) -> dict:
         """Per-layer times from OpenVINO's PERF_COUNT on a second compiled model with the
         same options: ``get_profiling_info`` after each run gives every executed layer of
         the compiled (runtime) model, its exec type (the kernel, e.g. brgconv_avx512_amx_I8)
-        and real time; the runtime model's ``originalLayersNames`` name the IR ops it fused."""
+        and real time; the runtime model's ``originalLayersNames`` name the IR ops it fused.
+        ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json())."""
         import time
 
         from pipeline import profiling
@@ -122,10 +123,12 @@ class Session:
                     timer.add(info.node_name, info.real_time.total_seconds() * 1000.0, info.node_type, info.exec_type)
         original = {op.get_friendly_name(): op.get_rt_info()["originalLayersNames"].astype(str)
                     for op in compiled.get_runtime_model().get_ordered_ops()}
-        nodes = profiling.Nodes(onnx_model)
-        layers = timer.layers(nodes, runs, lambda name: [n for n in original.get(name, name).split(",") if n])
-        return profiling.result("OpenVINO PERF_COUNT (InferRequest.get_profiling_info): real time and exec type "
-                                "per executed layer", runs, warmup, layers, wall * 1000.0 / runs)
+        layers = timer.layers(profiling.Nodes(nodes), runs,
+                              lambda name: [n for n in original.get(name, name).split(",") if n])
+        device = ",".join(compiled.get_property("EXECUTION_DEVICES"))
+        return profiling.result("OpenVINO PERF_COUNT (InferRequest.get_profiling_info): real time and exec type of "
+                                "each executed layer; whole run: wall time of infer()", runs, warmup, layers,
+                                wall * 1000.0 / runs, {"device": device})
 
     def effective(self) -> Dict[str, str]:
         """Device and the precision the compute layers of the compiled model really run in."""

@@ -631,6 +631,69 @@ def _recommendations_section(recommendations: list) -> list:
     return [Heading(2, "Recommendations"), Items(texts, css="recommendations")]
 
 
+def fmt_device(found: dict) -> str:
+    """The device that ran, saying what a Vulkan device really is (Mesa's lavapipe is a CPU)."""
+    device = fmt_value(found.get("device"))
+    name, kind = found.get("device_name"), found.get("device_type")
+    if not name and not kind:
+        return device
+    if kind == "CPU":
+        return f"{device} on {name or 'a CPU device'}: a Vulkan driver that runs on the CPU, not a GPU"
+    return f"{device} on {name or 'an unnamed device'}" + (f" ({kind})" if kind else "")
+
+
+def fmt_ms(value: Any) -> str:
+    return _fmt_number(value, ".4f")
+
+
+def fmt_share(value: Any) -> str:
+    return f"{value * 100:.1f}%" if _finite(value) else NA
+
+
+def _profile_section(profile: dict) -> list:
+    """Per-layer time on the target's backend: top layers and time by op type."""
+    blocks: list = [Heading(2, "Profile (time per layer)")]
+    if not profile.get("ran"):
+        blocks.append(Para(f"not profiled: {fmt_value(profile.get('reason'))}", css="muted"))
+        tail = [str(line) for line in _as_list(_as_dict(profile.get("crash")).get("stderr_tail"))]
+        return blocks + ([Pre([_truncate(line, STDERR_WIDTH) for line in tail[-STDERR_LINES:]])] if tail else [])
+    pairs = [("measured by", fmt_value(profile.get("measured_by"))), ("device", fmt_device(profile)),
+             ("sample", fmt_value(profile.get("sample"))),
+             ("runs", f"{fmt_value(profile.get('runs'))} after {fmt_value(profile.get('warmup'))} warm-up runs"),
+             ("sum of layers", f"{fmt_ms(profile.get('total_ms'))} ms per run"),
+             ("whole run", f"{fmt_ms(profile.get('run_ms'))} ms per run"),
+             ("layers with an ONNX node", f"{fmt_value(profile.get('mapped'))} of {fmt_value(profile.get('layers'))}")]
+    unmapped = [str(name) for name in _as_list(profile.get("unmapped"))]
+    if unmapped:
+        pairs.append(("inserted by the runtime (no ONNX node)", _first_names(unmapped)))
+    blocks.append(KeyValues(pairs))
+    if profile.get("note"):
+        blocks.append(Para(str(profile["note"]), css="muted"))
+    top = [row for row in _as_list(profile.get("top")) if isinstance(row, dict)]
+    if top:
+        rows = [[fmt_value(r.get("onnx_node")) if r.get("onnx_node") else "—", ", ".join(map(str, _as_list(
+            r.get("onnx_nodes"))[1:])) or "—", fmt_value(r.get("onnx_op_type") or r.get("type")),
+                 fmt_value(r.get("name")), fmt_value(r.get("kernel")), fmt_ms(r.get("ms")), fmt_share(r.get("share"))]
+                for r in top]
+        colors = [COMPUTED_COLOR if r.get("onnx_node") else CACHED_COLOR for r in top]
+        blocks += [Heading(3, f"Top {len(top)} layers by time"),
+                   Table(["ONNX node", "also computes", "op type", "runtime layer", "kernel", "ms", "share"], rows),
+                   Charts([svg_bar_chart([str(r.get("onnx_node") or r.get("name")) for r in top],
+                                         [r.get("ms") for r in top], title="time per layer (mean per run)",
+                                         x_label="ms", colors=colors, value_format=fmt_ms,
+                                         legend=[(COMPUTED_COLOR, "ONNX node"), (CACHED_COLOR, "runtime only")])])]
+    kinds = [k for k in _as_list(profile.get("by_op_type")) if isinstance(k, dict)]
+    if kinds:
+        rows = [[fmt_value(k.get("op_type")) + (" (runtime only)" if k.get("runtime_only") else ""),
+                 fmt_value(k.get("layers")), fmt_ms(k.get("ms")), fmt_share(k.get("share"))] for k in kinds]
+        blocks += [Heading(3, "Time by op type"), Table(["op type", "layers", "ms", "share"], rows),
+                   Charts([svg_bar_chart([str(k.get("op_type")) for k in kinds], [k.get("ms") for k in kinds],
+                                         title="time per op type (mean per run)", x_label="ms",
+                                         colors=[CACHED_COLOR if k.get("runtime_only") else COMPUTED_COLOR
+                                                 for k in kinds], value_format=fmt_ms)])]
+    return blocks
+
+
 def _stages_section(stages: list) -> list:
     stages = [s for s in stages if isinstance(s, dict)]
     blocks: list = [Heading(2, "Stages")]
@@ -794,6 +857,8 @@ def build_document(report: dict) -> list:
             blocks += _layerwise_section(verify["layerwise"])
         if isinstance(verify.get("recommendations"), (list, tuple)):
             blocks += _recommendations_section(list(verify["recommendations"]))
+    if isinstance(report.get("profile"), dict):
+        blocks += _profile_section(report["profile"])
     if isinstance(report.get("stages"), (list, tuple)):
         blocks += _stages_section(list(report["stages"]))
     model, convert = _as_dict(report.get("model")), _as_dict(report.get("convert"))
