@@ -23,9 +23,12 @@ from pipeline.artifacts import read_json, write_json
 from pipeline.console import stdout_console
 from pipeline.errors import ExitCode
 from pipeline.report.junit import build_junit
-from pipeline.report.render import Banner, Heading, Items, Para, Table, html_document, markdown_document
+from pipeline.report.render import (Banner, Heading, Items, Para, Table, fmt_device, html_document,
+                                    markdown_document)
 
 JOB_FILE = "job.json"
+GPU_DEVICES = ("VULKAN", "OPENCL", "GPU", "CUDA", "METAL")
+TIE = 0.05  # latencies within 5 % of the fastest are a tie on a shared machine
 PRECISION_ORDER = ("fp32", "fp16", "bf16", "int8", "mixed")
 worst_exit_codes: List[int] = []  # the sweep's exit code, read by pipeline.cli.main
 
@@ -54,7 +57,7 @@ def summarize(sweep_dir: Path) -> dict:
     jobs = [_job(folder, sweep_dir) for folder in find_jobs(sweep_dir)]
     summary = {"format": 1, "sweep_dir": str(sweep_dir), "jobs": jobs,
                "exit_code": max((job["exit_code"] for job in jobs), default=int(ExitCode.OK)),
-               "matrix": _matrix(jobs), "shared_work": _shared_work(jobs)}
+               "matrix": _matrix(jobs), "recommendation": recommend(jobs), "shared_work": _shared_work(jobs)}
     write_json(sweep_dir / "sweep.json", summary)
     blocks = _document(summary)
     (sweep_dir / "sweep.md").write_text(markdown_document(blocks))
@@ -119,13 +122,28 @@ def _from_report(report: dict, folder: Path, sweep_dir: Path) -> dict:
     row = (verify.get("comparison") or {}).get(precision) or {}
     cosines = [o["metrics"]["cosine"] for o in verify.get("outputs") or [] if o.get("metrics", {}).get("cosine") is not None]
     bundles = sorted(p for p in (folder / "bundle").glob("*") if p.is_dir()) if (folder / "bundle").is_dir() else []
+    effective = verify.get("effective") or {}
     return {"verdict": report.get("verdict"), "reason": "; ".join(report.get("reasons") or []) or None,
             "cosine": min(cosines) if cosines else None,
             "top1": (verify.get("task") or {}).get("target"),
             "latency_ms": (row.get("latency") or {}).get("median_ms"),
             "bytes": (report.get("build") or {}).get("bytes"),
+            "device": str((report.get("target") or {}).get("device", "CPU")).upper(),
+            "effective": {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective},
+            "profile": _profile_brief(report.get("profile")),
             "stages": {s["stage"]: s["status"] for s in report.get("stages") or []},
             "bundle": bundles[0].relative_to(sweep_dir).as_posix() if bundles else None}
+
+
+def _profile_brief(profile: Optional[dict]) -> Optional[dict]:
+    """The job's profile in one line: its slowest layer and op type."""
+    if not profile or not profile.get("ran"):
+        return None
+    top = (profile.get("top") or [None])[0] or {}
+    kind = (profile.get("by_op_type") or [None])[0] or {}
+    return {"total_ms": profile.get("total_ms"), "layers": profile.get("layers"),
+            "slowest_layer": top.get("onnx_node") or top.get("name"), "slowest_layer_share": top.get("share"),
+            "slowest_op_type": kind.get("op_type"), "slowest_op_type_share": kind.get("share")}
 
 
 def _row_key(job: dict, varying: set) -> str:
@@ -152,6 +170,80 @@ def _matrix(jobs: List[dict]) -> dict:
             best[row] = min(passing, key=lambda i: (jobs[i].get("latency_ms") or float("inf"),
                                                     jobs[i].get("bytes") or 0))
     return {"precisions": precisions, "rows": rows, "best": best}
+
+
+def _label(job: dict) -> str:
+    return f"{job['target']} {job['precision']}"
+
+
+def _ran_on(job: dict) -> str:
+    return fmt_device(job.get("effective") or {"device": job.get("device")})
+
+
+def recommend(jobs: List[dict]) -> dict:
+    """Which passing target/precision to ship for latency: the lowest median latency
+    (verify's measure of the build, batch 1); others within ``TIE`` of it are ties. And
+    where a GPU-device job measured slower than a CPU job of the same precision, that,
+    with the numbers."""
+    timed = [job for job in jobs if job["verdict"] == "pass" and job.get("latency_ms")]
+    found: dict = {"objective": "latency: median of verify's latency runs of the build, one sample",
+                   "ship": None, "ties": [], "gpu_vs_cpu": _gpu_vs_cpu(jobs)}
+    if not timed:
+        found["text"] = "no passing job with a latency measurement: nothing to recommend"
+        return found
+    timed.sort(key=lambda job: (job["latency_ms"], job.get("bytes") or 0))
+    best, rest = timed[0], timed[1:]
+    ties = [job for job in rest if job["latency_ms"] <= best["latency_ms"] * (1 + TIE)]
+    found["ship"] = {"job": best["dir"], "target": best["target"], "precision": best["precision"],
+                     "latency_ms": best["latency_ms"], "ran_on": _ran_on(best)}
+    found["ties"] = [{"job": job["dir"], "target": job["target"], "precision": job["precision"],
+                      "latency_ms": job["latency_ms"]} for job in ties]
+    text = (f"ship {_label(best)}: the fastest passing job, {best['latency_ms']:.3f} ms median latency, "
+            f"ran on {_ran_on(best)}")
+    if rest:
+        runner = rest[0]
+        text += f"; next {_label(runner)} {runner['latency_ms']:.3f} ms ({runner['latency_ms'] / best['latency_ms']:.2f}x)"
+    if ties:
+        text += (f". Within {TIE:.0%} of it, a tie on this machine's noise: "
+                 + ", ".join(f"{_label(job)} {job['latency_ms']:.3f} ms" for job in ties))
+    found["text"] = text
+    return found
+
+
+def _gpu_vs_cpu(jobs: List[dict]) -> List[dict]:
+    """GPU-device jobs slower than the fastest CPU job of the same precision, said with
+    what really ran (a requested GPU that fell back to the CPU is said as such)."""
+    notes = []
+    for job in jobs:
+        if job.get("device") not in GPU_DEVICES or not job.get("latency_ms"):
+            continue
+        cpus = [other for other in jobs if other.get("latency_ms") and other["precision"] == job["precision"]
+                and other.get("device") == "CPU" and (other.get("effective") or {}).get("device") == "CPU"]
+        if cpus:
+            note = _gpu_note(job, min(cpus, key=lambda other: other["latency_ms"]))
+            notes += [note] if note else []
+    return notes
+
+
+def _gpu_note(job: dict, cpu: dict) -> Optional[dict]:
+    note = {"job": job["dir"], "cpu_job": cpu["dir"], "gpu_ms": job["latency_ms"], "cpu_ms": cpu["latency_ms"]}
+    effective = job.get("effective") or {}
+    if effective.get("device") != job["device"]:
+        return {**note, "kind": "fallback", "text": f"{_label(job)} requested {job['device']} but ran on "
+                                                    f"{_ran_on(job)}: no {job['device']} measurement"}
+    if job["latency_ms"] <= cpu["latency_ms"]:
+        return None
+    lesson = ("MNN's lesson: for a small model the GPU's dispatch and copy overhead dominates the compute, "
+              "so the GPU is slower than the CPU")
+    if effective.get("device_type") == "CPU":
+        lesson = (f"no GPU computed here (the driver runs the shaders on the CPU), so the gap is the "
+                  f"{job['device']} path's dispatch, submit and copy overhead on top of the CPU's work; MNN's "
+                  "lesson is that for a small model this overhead dominates on a real GPU too: measure there "
+                  "before shipping the GPU path")
+    ratio = job["latency_ms"] / cpu["latency_ms"]
+    return {**note, "kind": "slower", "text": f"{_label(job)} on {_ran_on(job)}: {job['latency_ms']:.3f} ms, "
+                                              f"{ratio:.1f}x the {cpu['latency_ms']:.3f} ms of {_label(cpu)} on "
+                                              f"the CPU: {lesson}"}
 
 
 def _shared_work(jobs: List[dict]) -> Dict[str, dict]:
@@ -196,6 +288,16 @@ def _document(summary: dict) -> list:
                     Para("Each cell: verdict, lowest output cosine, top-1 of the target, median latency, artifact "
                          "size. ★ marks the best passing configuration of each target (lowest latency)."),
                     Table(["target", *summary["matrix"]["precisions"]], _matrix_rows(summary))]
+    blocks += _recommendation_blocks(summary["recommendation"])
+    profiled = [job for job in jobs if job.get("profile")]
+    if profiled:
+        blocks += [Heading(2, "Profiles"),
+                   Para("Per-layer time of each job's build (its report's Profile section has the layers)."),
+                   Table(["job", "ran on", "sum of layers ms", "slowest layer", "slowest op type"],
+                         [[_label(job), _ran_on(job), f"{job['profile']['total_ms']:.4f}",
+                           f"{job['profile']['slowest_layer']} ({_share(job['profile']['slowest_layer_share'])})",
+                           f"{job['profile']['slowest_op_type']} ({_share(job['profile']['slowest_op_type_share'])})"]
+                          for job in profiled])]
     failing = [f"{job['dir']}: {job['reason'] or 'failed'}" for job in jobs if job["verdict"] != "pass"]
     if failing:
         blocks += [Heading(2, "Failing jobs"), Items(failing, css="reasons")]
@@ -208,6 +310,17 @@ def _document(summary: dict) -> list:
                    Table(["stage", "computed", "reused"], rows),
                    Table(["job", *shared],
                          [[job["dir"], *[(job.get("stages") or {}).get(s, "-") for s in shared]] for job in jobs])]
+    return blocks
+
+
+def _share(value) -> str:
+    return f"{value * 100:.0f}%" if isinstance(value, (int, float)) else "n/a"
+
+
+def _recommendation_blocks(found: dict) -> list:
+    blocks = [Heading(2, "Recommendation"), Para(f"Objective: {found['objective']}."), Para(found["text"])]
+    if found["gpu_vs_cpu"]:
+        blocks += [Heading(3, "GPU devices against the CPU"), Items([note["text"] for note in found["gpu_vs_cpu"]])]
     return blocks
 
 
@@ -240,4 +353,8 @@ def _print(summary: dict) -> None:
         table.add_row(*[escape(cell) for cell in row])
     console = stdout_console()
     console.print(table)
+    found = summary["recommendation"]
+    console.print(f"recommendation: {escape(found['text'])}")
+    for note in found["gpu_vs_cpu"]:
+        console.print(f"  {escape(note['text'])}")
     console.print(f"sweep summary: {escape(str(Path(summary['sweep_dir']) / 'sweep.md'))} (.json, .html, junit.xml)")

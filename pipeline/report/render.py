@@ -638,7 +638,7 @@ def fmt_device(found: dict) -> str:
     if not name and not kind:
         return device
     if kind == "CPU":
-        return f"{device} on {name or 'a CPU device'}: a Vulkan driver that runs on the CPU, not a GPU"
+        return f"{device} on {name or 'a CPU device'}, a driver that computes on the CPU (not a GPU)"
     return f"{device} on {name or 'an unnamed device'}" + (f" ({kind})" if kind else "")
 
 
