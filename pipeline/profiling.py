@@ -76,6 +76,7 @@ class Nodes:
         self.producers: Dict[str, str] = dict(index.get("producers", {}))
         self.inputs: Dict[str, List[str]] = dict(index.get("inputs", {}))
         self.consumers: Dict[str, List[str]] = dict(index.get("consumers", {}))
+        self.unnamed: List[str] = list(index.get("unnamed", []))  # nodes the model left without a name
 
     @classmethod
     def load(cls, onnx_path: Path) -> "Nodes":
@@ -83,10 +84,12 @@ class Nodes:
 
         graph = onnx.load(str(onnx_path), load_external_data=False).graph
         constants = {t.name for t in graph.initializer}
-        index: dict = {"types": {}, "producers": {}, "inputs": {}, "consumers": {}}
+        index: dict = {"types": {}, "producers": {}, "inputs": {}, "consumers": {}, "unnamed": []}
         for position, node in enumerate(graph.node):
             key = node.name or f"{node.op_type}_{position}"
             index["types"][key] = node.op_type
+            if not node.name:
+                index["unnamed"].append(key)
             # outputs of constant-only nodes are constants too (nodes come in topological order)
             index["inputs"][key] = [name for name in node.input if name and name not in constants and (
                 name not in index["producers"] or index["inputs"][index["producers"][name]])]
@@ -98,7 +101,13 @@ class Nodes:
         return cls(index)
 
     def to_json(self) -> dict:
-        return {"types": self.types, "producers": self.producers, "inputs": self.inputs, "consumers": self.consumers}
+        return {"types": self.types, "producers": self.producers, "inputs": self.inputs, "consumers": self.consumers,
+                "unnamed": self.unnamed}
+
+    def only_unnamed(self, op_type: str) -> Optional[str]:
+        """The model's one unnamed node of this op type (a runtime that kept the empty name)."""
+        found = [node for node in self.unnamed if self.types[node] == op_type]
+        return found[0] if len(found) == 1 else None
 
     def resolve(self, candidates: Iterable[str]) -> List[str]:
         """The ONNX nodes the candidate names stand for, in model order."""

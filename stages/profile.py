@@ -73,7 +73,7 @@ def run(ctx: StageContext) -> StageResult:
     except BackendCrashed as err:
         log.warning("profile: %s", err)
         crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail, "stderr_tail": err.stderr_tail}
-        what = {"hung": "hung", "error": "failed"}.get(err.kind, "crashed")
+        what = {"hung": "hung", "error": "failed", "memory": "ran out of memory"}.get(err.kind, "crashed")
         return _skipped(ctx, about, f"profiling {what}: {err.detail}", cache=False, crash=crash)
     write_json(ctx.out_dir / PROFILE_FILE, {**found, **about, "sample": sample.name,
                                             "machine": environment.fingerprint(), "cpu": environment.cpu()})

@@ -47,7 +47,7 @@ def test_second_run_reuses_stages_and_artifacts(default_run):
     assert second_dir != first_dir
     statuses = {s["stage"]: s["status"] for s in read_report(second_dir)["stages"]}
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached", "verify": "cached",
-                        "package": "computed"}
+                        "profile": "cached", "package": "computed"}
     first, second = manifest_of(single_bundle(first_dir)), manifest_of(single_bundle(second_dir))
     for name in ("model.onnx", "runtime.yaml"):
         assert first["files"][name]["sha256"] == second["files"][name]["sha256"]
@@ -59,11 +59,11 @@ def test_changing_one_option_reruns_only_what_depends_on_it(default_run):
     assert result.returncode == 0, result.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached", "verify": "computed",
-                        "package": "computed"}
+                        "profile": "cached", "package": "computed"}
     result = run_cli(["target.threads=1"], cwd)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "computed", "verify": "computed",
-                        "package": "computed"}
+                        "profile": "computed", "package": "computed"}
 
 
 def test_default_model_on_openvino(tmp_path):

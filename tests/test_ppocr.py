@@ -61,6 +61,24 @@ def test_fp32_passes_with_top1_reported(user_configs, target):
     bundle = run_dir / "bundle" / f"ppocr_cls-{target}-fp32"
     runtime = (bundle / "runtime.yaml").read_text()
     assert "keep_aspect: true" in runtime  # a loader learns the preprocessing from the bundle
+    assert_profile_names_every_conv(run_dir)
+    assert report["profile"]["ran"] and report["profile"]["top"][0]["ms"] > 0
+
+
+def assert_profile_names_every_conv(run_dir):
+    """The profile lists the model's layers by ONNX name: each of the classifier's 53 Conv
+    nodes (names such as Conv@12, of the converted model) is the node of exactly one layer."""
+    import json
+
+    import onnx
+
+    model = onnx.load(str(run_dir / "stages" / "convert" / "model.onnx"))
+    names = {node.name or f"{node.op_type}_{position}" for position, node in enumerate(model.graph.node)}
+    convs = sorted(node.name for node in model.graph.node if node.op_type == "Conv")
+    profile = json.loads((run_dir / "stages" / "profile" / "profile.json").read_text())
+    primaries = [layer["onnx_node"] for layer in profile["layers"] if layer["onnx_node"]]
+    assert len(convs) == 53 and sorted(node for node in primaries if node in convs) == convs, profile["measured_by"]
+    assert set(primaries) <= names, sorted(set(primaries) - names)
 
 
 def test_openvino_bf16_reports_what_ran(user_configs):
@@ -117,3 +135,5 @@ def test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference(user_config
         assert output["metrics"]["cosine"] > 0.9999 and output["metrics"]["max_abs"] < 1e-2, (target, output)
         assert verify["task"]["agreement"] == 1.0, target
     assert reports["ncnn_vulkan"]["verify"]["effective"]["device"].startswith("VULKAN"), reports["ncnn_vulkan"]["verify"]["effective"]
+    for target in targets:
+        assert_profile_names_every_conv(next(sweep.glob(f"*target={target}")))

@@ -125,8 +125,8 @@ def test_a_backend_that_does_not_answer_is_a_hang_verdict(tmp_path):
     # a crashed or hung verify is never cached: the next run tries again and passes
     again = run_cli([], tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert read_report(last_run(tmp_path))["stages"][-2] == {**read_report(last_run(tmp_path))["stages"][-2],
-                                                               "stage": "verify", "status": "computed"}
+    statuses = {s["stage"]: s["status"] for s in read_report(last_run(tmp_path))["stages"]}
+    assert statuses["verify"] == "computed"
 
 
 def test_bundle_check_reproduces_the_verdict_from_recorded_inputs(default_run, tmp_path):

@@ -106,7 +106,8 @@ class Session:
             node = name[: -len("_kernel_time")]
             op_type = event.get("args", {}).get("op_name", "?")
             timer.add(node, event["dur"] / 1000.0, op_type, f"NCHWc {op_type}" if node.endswith("_nchwc") else op_type)
-        layers = timer.layers(profiling.Nodes(nodes), len(windows), _ort_candidates)
+        index = profiling.Nodes(nodes)
+        layers = timer.layers(index, len(windows), lambda node: _ort_candidates(node, timer.info[node][0], index))
         run_ms = sum(dur for _, _, dur in windows) / 1000.0 / len(windows) if windows else None
         providers = session.get_providers()
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
@@ -163,14 +164,19 @@ class Session:
         return {"device": device, "precision": precision, "layers": layers}
 
 
-def _ort_candidates(node: str) -> List[str]:
+def _ort_candidates(node: str, op_type: str, index) -> List[str]:
     """The ONNX name an executed node stands for. ORT names what it rewrites after the
     original: "fused fc1" (FusedGemm), "conv1_token_3" (a layout or int8 rewrite),
     "relu1_out_nchwc" (the NCHWc Conv computing tensor relu1_out); what it inserts gets a
-    name of its own ("ReorderOutput_token_5"), which resolves to nothing."""
+    name of its own ("ReorderOutput_token_5"), which resolves to nothing; a node the model
+    left unnamed becomes "Flatten_257" (ORT's own numbering): the model's only unnamed
+    node of that type, if it has one."""
     name = node[len("fused "):] if node.startswith("fused ") else node
     name = re.sub(r"(_token_\d+)+$", "", name)
-    return [name[: -len("_nchwc")] if name.endswith("_nchwc") else name]
+    name = name[: -len("_nchwc")] if name.endswith("_nchwc") else name
+    if not index.resolve([name]) and re.fullmatch(rf"{re.escape(op_type)}_\d+", name):
+        return [found] if (found := index.only_unnamed(op_type)) else []
+    return [name]
 
 
 def executed_precision(optimized_path: Path) -> Tuple[str, str]:

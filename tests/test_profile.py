@@ -1,0 +1,161 @@
+"""Per-layer profiles on the real runtimes, from the CLI: every layer named by the ONNX node
+it computes, OpenVINO's int8 kernels, a profiling crash that leaves the verdict alone, and
+the sweep's recommendation of what to ship."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import read_report, run_cli, run_dirs, single_bundle
+from ncnn_helpers import has_vulkan
+from pipeline import environment
+from pipeline.sweep import recommend
+
+# the embedded digits CNN: node -> op type (the ReLUs are fused into the layer before them)
+DIGITS = {"conv1": "Conv", "relu1": "Relu", "conv2": "Conv", "relu2": "Relu", "pool1": "MaxPool",
+          "flatten": "Flatten", "fc1": "Gemm", "relu3": "Relu", "fc2": "Gemm"}
+COMPUTE = ("conv1", "conv2", "fc1", "fc2")
+SWEEP_TARGETS = ("ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu", "mnn_opencl")
+
+
+def profile_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "stages" / "profile" / "profile.json").read_text())
+
+
+def assert_named_by_onnx(profile: dict, runs: int = 20) -> None:
+    """Every Conv and Gemm of the model is the node of exactly one layer; every name is
+    the model's; the times add up."""
+    layers = profile["layers"]
+    primaries = [layer["onnx_node"] for layer in layers if layer["onnx_node"]]
+    assert sorted(node for node in primaries if node in COMPUTE) == sorted(COMPUTE), layers
+    for layer in layers:
+        assert set(layer["onnx_nodes"]) <= set(DIGITS), layer
+        if layer["onnx_node"]:
+            assert layer["onnx_node"] in layer["onnx_nodes"] and layer["onnx_op_type"] == DIGITS[layer["onnx_node"]]
+        else:
+            assert layer["onnx_nodes"] == [] and layer["onnx_op_type"] is None
+        assert layer["ms"] >= 0 and 0 <= layer["share"] <= 1
+    assert profile["runs"] == runs and profile["warmup"] == 3
+    assert sum(layer["ms"] for layer in layers) == pytest.approx(profile["total_ms"], abs=1e-4)
+    assert profile["measured_by"] and profile["device"]
+
+
+def test_default_run_profiles_ort_by_onnx_node(default_run):
+    _, run_dir, result = default_run
+    profile = profile_of(run_dir)
+    assert_named_by_onnx(profile)
+    assert "ONNX Runtime profiler" in profile["measured_by"] and profile["device"] == "CPU"
+    fused = {layer["onnx_node"]: layer["onnx_nodes"] for layer in profile["layers"] if layer["onnx_node"]}
+    assert fused["fc1"] == ["fc1", "relu3"]  # ORT's FusedGemm computes the Relu after it
+    assert profile["machine"] == environment.fingerprint()
+    summary = read_report(run_dir)["profile"]
+    assert summary["ran"] and summary["layers"] == len(profile["layers"]) and summary["file"] == "profile.json"
+    assert summary["top"] == sorted(profile["layers"], key=lambda layer: -layer["ms"])[:10]
+    assert sum(entry["layers"] for entry in summary["by_op_type"]) == summary["layers"]
+    assert {"Conv", "Gemm"} <= {entry["op_type"] for entry in summary["by_op_type"]}
+    bundle = single_bundle(run_dir)
+    assert "## Profile (time per layer)" in (bundle / "report.md").read_text()
+    assert "time per layer (mean per run)" in (bundle / "report.html").read_text()
+    assert re.search(r"profile: \d+ layers \(\d+ with an ONNX node\)", result.stdout)
+
+
+def test_openvino_int8_convolutions_run_int8_kernels(tmp_path):
+    result = run_cli(["target=openvino_cpu", "precision=int8"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    profile = profile_of(run_dirs(tmp_path)[-1])
+    assert_named_by_onnx(profile)
+    assert "PERF_COUNT" in profile["measured_by"]
+    kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile["layers"] if layer["onnx_node"]}
+    for conv in ("conv1", "conv2"):
+        assert re.search(r"_[IU]8$", kernels[conv]), kernels  # OpenVINO's exec type, e.g. brgconv_avx512_amx_I8
+    fp32 = run_cli(["target=openvino_cpu"], tmp_path)
+    assert fp32.returncode == 0, fp32.stdout + fp32.stderr
+    kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile_of(run_dirs(tmp_path)[-1])["layers"]}
+    assert kernels["conv1"].endswith("_f32"), kernels
+
+
+@pytest.mark.parametrize("override, kinds", [("profile.worker_memory_mb=64", ("memory", "crashed", "error")),
+                                             ("profile.worker_timeout_s=0.001", ("hung",))])
+def test_a_profiling_crash_leaves_the_verdict_alone(tmp_path, override, kinds):
+    result = run_cli([override], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(run_dirs(tmp_path)[-1])
+    assert report["verdict"] == "pass" and report["exit_code"] == 0 and report["reasons"] == []
+    profile = report["profile"]
+    assert profile["ran"] is False and profile["crash"]["kind"] in kinds
+    assert profile["reason"].startswith("profiling ")
+    assert "not profiled" in result.stdout and "Traceback" not in result.stderr
+    assert "not profiled: profiling" in (single_bundle(run_dirs(tmp_path)[-1]) / "report.md").read_text()
+    again = run_cli([], tmp_path)  # a crashed profile is not cached: measured again
+    statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
+    assert again.returncode == 0 and statuses["profile"] == "computed" and statuses["verify"] == "cached"
+    assert read_report(run_dirs(tmp_path)[-1])["profile"]["ran"] is True
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """The digits model at fp32 on every CPU runtime and both GPU targets (the pip MNN
+    wheel has no OpenCL: mnn_opencl runs on the CPU and fails with exit 4)."""
+    cwd = tmp_path_factory.mktemp("sweep")
+    result = run_cli(["-m", f"target={','.join(SWEEP_TARGETS)}"], cwd, timeout=600)
+    (folder,) = sorted((cwd / "multirun").glob("*/*"))[-1:]
+    return result, folder, json.loads((folder / "sweep.json").read_text())
+
+
+@pytest.mark.parametrize("target", SWEEP_TARGETS)
+def test_every_runtime_profiles_by_onnx_node(sweep, target):
+    _, folder, _ = sweep
+    if target == "ncnn_vulkan" and not has_vulkan():
+        pytest.skip("no Vulkan device")
+    profile = profile_of(folder / f"target={target}")
+    assert_named_by_onnx(profile)
+    expected = {"ort_cpu": "ONNX Runtime profiler", "openvino_cpu": "PERF_COUNT", "ncnn_cpu": "incremental extraction",
+                "ncnn_vulkan": "incremental extraction", "mnn_cpu": "per-op callbacks", "mnn_opencl": "per-op callbacks"}
+    assert expected[target] in profile["measured_by"]
+    if target.startswith("ncnn"):  # ncnn's layer map covers every node, fused ReLUs included
+        assert set().union(*(layer["onnx_nodes"] for layer in profile["layers"])) == set(DIGITS)
+    if target == "ncnn_vulkan":
+        assert profile["device"] == "VULKAN" and profile["device_name"]
+    if target == "mnn_opencl":
+        assert profile["device"] == "CPU"  # what really ran
+
+
+def test_sweep_recommends_the_fastest_passing_job_and_says_what_ran(sweep):
+    result, folder, summary = sweep
+    jobs = summary["jobs"]
+    passing = [job for job in jobs if job["verdict"] == "pass" and job["latency_ms"]]
+    fastest = min(passing, key=lambda job: job["latency_ms"])
+    found = summary["recommendation"]
+    assert found["ship"]["job"] == fastest["dir"] and found["ship"]["latency_ms"] == fastest["latency_ms"]
+    assert all(tie["latency_ms"] <= fastest["latency_ms"] * 1.05 for tie in found["ties"])
+    assert found["text"].startswith(f"ship {fastest['target']} fp32") and found["text"] in result.stdout
+    notes = {note["job"]: note for note in found["gpu_vs_cpu"]}
+    assert notes["target=mnn_opencl"]["kind"] == "fallback" and "ran on CPU" in notes["target=mnn_opencl"]["text"]
+    vulkan = next(job for job in jobs if job["target"] == "ncnn_vulkan")
+    if vulkan["effective"].get("device_type") == "CPU":  # Mesa's lavapipe: slower than the CPU runtimes
+        note = notes["target=ncnn_vulkan"]
+        assert note["kind"] == "slower" and note["gpu_ms"] > note["cpu_ms"]
+        assert "not a GPU" in note["text"] and "MNN's lesson" in note["text"]
+    markdown = (folder / "sweep.md").read_text()
+    assert "## Recommendation" in markdown and "## Profiles" in markdown
+    assert all(job["profile"]["total_ms"] > 0 for job in jobs if job["exit_code"] in (0, 4))
+
+
+def test_recommendation_notes_ties_and_never_ships_a_failing_job():
+    def job(target, verdict, ms, device="CPU", effective=None):
+        return {"dir": f"target={target}", "target": target, "precision": "fp32", "verdict": verdict,
+                "latency_ms": ms, "bytes": 1, "device": device, "effective": effective or {"device": device}}
+
+    jobs = [job("a", "fail", 0.5), job("b", "pass", 1.0), job("c", "pass", 1.04), job("d", "pass", 2.0),
+            job("g", "pass", 3.0, "OPENCL", {"device": "OPENCL", "device_name": "Mali", "device_type": "integrated GPU"})]
+    found = recommend(jobs)
+    assert found["ship"]["target"] == "b" and [tie["target"] for tie in found["ties"]] == ["c"]
+    assert "a tie" in found["text"]
+    (note,) = found["gpu_vs_cpu"]
+    assert note["kind"] == "slower" and note["cpu_job"] == "target=a" and "3.000 ms, 6.0x the 0.500 ms" in note["text"]
+    assert "OPENCL on Mali (integrated GPU)" in note["text"] and "dispatch and copy overhead" in note["text"]
+    assert recommend([job("a", "fail", 0.5)])["ship"] is None
