@@ -950,7 +950,31 @@ class Session:
 
         from pipeline import profiling
 
-        layers = [layer for layer in self._network.layers if layer.type not in ("Input",) and layer.tops]
+        timer = self._layer_times(feeds, runs, warmup)
+        started = time.perf_counter()
+        for _ in range(runs):
+            self.run(feeds)
+        plain_ms = (time.perf_counter() - started) * 1000.0 / runs
+        computes: Dict[str, List[str]] = {}
+        for node, names in (self._options.get("layers") or {}).items():
+            for name in names:
+                computes.setdefault(name, []).append(node)
+        note = None if computes else \
+            f"no ncnn layer <-> ONNX node map in the build: {self._options.get('mapping_error', 'not recorded')}"
+        rows = timer.layers(profiling.Nodes(nodes), runs, lambda name: computes.get(name, []))
+        effective = self.effective()
+        device = {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective}
+        return profiling.result("ncnn incremental extraction: one Extractor.extract per layer in param order, call "
+                                "overhead taken off; whole run: a plain run", runs, warmup, rows, plain_ms, device,
+                                note)
+
+    def _layer_times(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int):
+        """A profiling.Timer of every layer over ``runs`` runs of incremental extraction."""
+        import time
+
+        from pipeline import profiling
+
+        layers = [layer for layer in self._network.layers if layer.type != "Input" and layer.tops]
         kernels = {name: f"{device} {precision}" for name, device, precision in self.layer_devices()}
         timer = profiling.Timer()
         for index in range(warmup + runs):
@@ -960,7 +984,7 @@ class Session:
                     started = time.perf_counter()
                     code, _ = extractor.extract(layer.tops[0], 1)
                     computed = time.perf_counter()
-                    extractor.extract(layer.tops[0], 1)
+                    extractor.extract(layer.tops[0], 1)  # computed already: the call's own cost
                     again = time.perf_counter()
                     if code != 0:
                         raise RuntimeError(f"ncnn could not compute layer {layer.name}: error {code}")
@@ -970,23 +994,7 @@ class Session:
             finally:
                 extractor.clear()
                 del extractor, held
-        wall = 0.0
-        for _ in range(runs):
-            started = time.perf_counter()
-            self.run(feeds)
-            wall += time.perf_counter() - started
-        computes: Dict[str, List[str]] = {}
-        for node, names in (self._options.get("layers") or {}).items():
-            for name in names:
-                computes.setdefault(name, []).append(node)
-        note = None if self._options.get("layers") else \
-            f"no ncnn layer <-> ONNX node map in the build: {self._options.get('mapping_error', 'not recorded')}"
-        rows = timer.layers(profiling.Nodes(nodes), runs, lambda name: computes.get(name, []))
-        effective = self.effective()
-        device = {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective}
-        return profiling.result("ncnn incremental extraction: one Extractor.extract per layer in param order, call "
-                                "overhead taken off; whole run: a plain run", runs, warmup, rows,
-                                wall * 1000.0 / runs, device, note)
+        return timer
 
     def probe(self, names: List[str]) -> dict:
         """The ONNX tensors of ``names`` that have an ncnn blob; ``tensors``: the ONNX
