@@ -27,6 +27,7 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from pipeline.metrics import OutputStats
+from pipeline.tensor_names import onnx_name  # noqa: F401 - its former home: keeps layerwise.onnx_name working
 
 CHUNK_BYTES = 256 * 1024 * 1024  # float32 bytes of probed tensors per sample and side
 DEPTH_POINTS = 2000  # chart points kept in the report; the side file has every tensor
