@@ -40,6 +40,16 @@ def cpu() -> dict:
     return {"model": model, "machine": platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
+@lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """A short hash of what makes timings and compiled kernels machine-specific: the CPU
+    model, its architecture and its instruction-set flags (the ones parity records)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(cpu(), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def describe() -> dict:
-    return {"versions": versions(), "cpu": cpu(), "platform": platform.platform(),
+    return {"versions": versions(), "cpu": cpu(), "fingerprint": fingerprint(), "platform": platform.platform(),
             "python_executable": sys.executable}
