@@ -157,10 +157,11 @@ def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
             "runs": repeats}
 
 
-def throughput(session, feeds, warmup: int = 3, repeats: int = 20, rounds: int = 5) -> dict:
+def throughput(session, feeds, warmup: int = 3, repeats: int = 20, rounds: int = 5, min_round_s: float = 0.05) -> dict:
     """Inferences per second with the session's concurrent requests (``parallel_runners``:
-    one per request the runtime runs best with; else one), each request in its own thread
-    running ``repeats`` inferences per round; median and quartiles over the rounds."""
+    one per request the runtime runs best with; else one), each request in its own thread;
+    a round lasts until every request ran ``repeats`` inferences and ``min_round_s`` passed
+    (tiny models would otherwise time thread start-up). Median and quartiles over rounds."""
     import threading
     import time
 
@@ -169,22 +170,26 @@ def throughput(session, feeds, warmup: int = 3, repeats: int = 20, rounds: int =
         for _ in range(warmup):
             runner(feeds)
 
-    def loop(runner):
-        for _ in range(repeats):
+    def loop(runner, counts, index, deadline):
+        while counts[index] < repeats or time.perf_counter() < deadline:
             runner(feeds)
+            counts[index] += 1
 
-    rates = []
+    rates, total = [], 0
     for _ in range(rounds):
-        threads = [threading.Thread(target=loop, args=(runner,)) for runner in runners]
+        counts = [0] * len(runners)
         started = time.perf_counter()
+        threads = [threading.Thread(target=loop, args=(runner, counts, i, started + min_round_s))
+                   for i, runner in enumerate(runners)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        rates.append(len(runners) * repeats / (time.perf_counter() - started))
+        rates.append(sum(counts) / (time.perf_counter() - started))
+        total += sum(counts)
     p25, median, p75 = (float(v) for v in np.percentile(rates, [25, 50, 75]))
     return {"throughput": median, "p25_throughput": p25, "p75_throughput": p75, "requests": len(runners),
-            "runs": len(runners) * repeats * rounds}
+            "runs": total}
 
 
 def startup(load, variants: dict, feeds, rounds: int = 3) -> dict:

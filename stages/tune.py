@@ -53,7 +53,7 @@ def _dataset(ctx: StageContext):
 
 def _skipped(ctx: StageContext, reason: str, **extra) -> StageResult:
     log.info("tune: %s", reason)
-    return StageResult(ctx.out_dir, {}, {"ran": False, "level": ctx.cfg.tuning.level.value, "reason": reason, **extra})
+    return StageResult(ctx.out_dir, {}, {**extra, "ran": False, "level": ctx.cfg.tuning.level.value, "reason": reason})
 
 
 def run(ctx: StageContext) -> StageResult:

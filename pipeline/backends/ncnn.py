@@ -1011,7 +1011,9 @@ class Session:
         masked = {layer.name: layer.featmask for layer in self._network.layers if layer.featmask}
         if masked:
             layers += " (masked: " + ", ".join(f"{name}={mask}" for name, mask in masked.items()) + ")"
-        result = {"device": device, "precision": precision, "layers": layers}
+        opt = self._net.opt
+        result = {"device": device, "precision": precision, "layers": layers,
+                  "runtime_options": {"threads": opt.num_threads, **{s: bool(getattr(opt, s)) for s in SPEED_SWITCHES}}}
         if self._options_vulkan and not self._gpu_count:
             result["note"] = NO_VULKAN_DEVICE
         return result
