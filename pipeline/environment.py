@@ -28,15 +28,17 @@ def versions() -> dict:
 
 @lru_cache(maxsize=1)
 def cpu() -> dict:
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = None, set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+            if key.strip() == "model name" and model is None:
                 model = value.strip()
             if key.strip() in ("flags", "Features") and not flags:
                 flags = set(value.split())
+    # platform.processor() runs `uname -p` in a subprocess on Linux: only when cpuinfo names no model
+    model = model or platform.processor() or platform.machine()
     return {"model": model, "machine": platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from pipeline.errors import first_line
 
 NAME = "openvino"
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
@@ -58,16 +59,20 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
     return ["model.xml", "model.bin"], {"model": "model.xml", "options": options}
 
 
+BLOB = "model.blob"  # compile cache: the compiled model as CompiledModel.export_model writes it
+
+
 def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> None:
-    """OpenVINO's model cache (CACHE_DIR) for this model, device and options: one compile
-    with the cache on writes the compiled blob, which a later compile of the same model
-    with the same CACHE_DIR imports instead of compiling."""
+    """The compiled model as CompiledModel.export_model writes it (what OpenVINO's CACHE_DIR
+    model cache stores for it). Loading imports it directly: a CACHE_DIR lookup first reads
+    the model and hashes its whole serialized graph, most of a cached start-up for a small
+    model (PP-OCR classifier: 70 ms through CACHE_DIR, 28 ms imported, 117 ms compiled)."""
     import openvino as ov
 
     core = ov.Core()
-    options = {**settings.get("options", {}), "CACHE_DIR": str(folder)}
-    core.compile_model(core.read_model(str(Path(artifact_dir) / settings["model"])), settings.get("device", "CPU"),
-                       options)
+    compiled = core.compile_model(core.read_model(str(Path(artifact_dir) / settings["model"])),
+                                  settings.get("device", "CPU"), settings.get("options", {}))
+    (folder / BLOB).write_bytes(compiled.export_model().getvalue())
 
 
 class Session:
@@ -77,16 +82,15 @@ class Session:
 
         core = ov.Core()
         self._core, self._model_path, self._device, self._options = core, Path(model_path), device, dict(options)
-        compile_options = dict(options)
-        self._scratch = None
+        self._compiled = None
         if cache_dir is not None:
-            # OpenVINO writes into CACHE_DIR when it rejects a blob: it gets a copy, never the bundle
-            self._scratch = tempfile.TemporaryDirectory(prefix="parity-ov-cache-")
-            shutil.copytree(cache_dir, self._scratch.name, dirs_exist_ok=True)
-            compile_options["CACHE_DIR"] = self._scratch.name
-        self._compiled = core.compile_model(core.read_model(str(model_path)), device, compile_options)
-        if cache_dir is not None and not self._compiled.get_property("LOADED_FROM_CACHE"):
-            cache_status = "miss: OpenVINO compiled the model instead of loading the cached blob"
+            try:
+                with open(cache_dir / BLOB, "rb") as blob:
+                    self._compiled = core.import_model(blob.read(), device, dict(options))
+            except Exception as err:  # noqa: BLE001 - a blob this runtime rejects: compile instead
+                cache_status = f"miss: OpenVINO rejected the cached blob ({first_line(err)})"
+        if self._compiled is None:
+            self._compiled = core.compile_model(core.read_model(str(model_path)), device, dict(options))
         self._cache_status = cache_status
         self._probe = None
         self._request = self._compiled.create_infer_request()
