@@ -18,10 +18,20 @@ MANIFEST = "manifest.json"
 REPORTS = ("report.html", "report.json", "report.md")  # this run's timings: not reproducible
 
 
+def is_cache(path: str) -> bool:
+    """A compile-cache file (pipeline/compile_cache.py): checked by sha256 like every file,
+    but runtimes do not write the same bytes twice, so it is not part of content_sha256."""
+    from pipeline.compile_cache import FOLDER
+
+    return PurePosixPath(path).parts[0] == FOLDER
+
+
 def content_sha256(files: Dict[str, str]) -> str:
     """sha256 of the `sha256sum` listing ("<sha256>  <path>" lines sorted by path) of every
-    file but the reports and the manifest: equal for bundles built from the same inputs."""
-    listing = "".join(f"{files[path]}  {path}\n" for path in sorted(files) if path not in (*REPORTS, MANIFEST))
+    file but the reports, the compile cache and the manifest: equal for bundles built
+    from the same inputs."""
+    listing = "".join(f"{files[path]}  {path}\n" for path in sorted(files)
+                      if path not in (*REPORTS, MANIFEST) and not is_cache(path))
     return hashlib.sha256(listing.encode()).hexdigest()
 
 

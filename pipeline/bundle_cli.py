@@ -94,8 +94,19 @@ def _run(args) -> ExitCode:
         with open(args.output, "wb") as handle:  # the exact path: np.savez would append .npz
             np.savez(handle, **outputs)
         console.print(f"outputs written to {escape(str(args.output))}")
-    console.print(f"ran on: {escape(str(session.effective()))}")
+    _print_effective(console, session.effective())
     return ExitCode.OK
+
+
+def _print_effective(console, effective: dict) -> None:
+    """What ran, the compile cache's status and the runtime options read back from the runtime."""
+    shown = {key: value for key, value in effective.items() if key not in ("runtime_options", "compile_cache")}
+    console.print(f"ran on: {escape(str(shown))}")
+    if "compile_cache" in effective:
+        console.print(f"compile cache: {escape(str(effective['compile_cache']))}")
+    options = effective.get("runtime_options") or {}
+    if options:
+        console.print("runtime options (read back): " + escape(", ".join(f"{k}={v}" for k, v in options.items())))
 
 
 def _check(args) -> ExitCode:
@@ -107,7 +118,7 @@ def _check(args) -> ExitCode:
         status = "pass" if output["passed"] else "fail: " + "; ".join(output["failures"])
         console.print(f"{escape(output['name'])}: cosine {metrics.get('cosine', float('nan')):.6f}, "
                       f"max abs {metrics.get('max_abs', float('nan')):.3g} -> {escape(status)}")
-    console.print(f"ran on: {escape(str(result['effective']))}")
+    _print_effective(console, result["effective"])
     console.print(f"verdict on {result['samples']} recorded samples: {result['verdict'].upper()} "
                   f"(packaged verdict: {result['packaged_verdict']})")
     return ExitCode.OK if result["verdict"] == "pass" else ExitCode.THRESHOLD

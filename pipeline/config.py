@@ -69,6 +69,19 @@ class Tuning(Enum):
     wide = "wide"
 
 
+class TuningLevel(Enum):
+    """The tune stage: how many runtime settings to try and how long to measure each."""
+    none = "none"
+    fast = "fast"
+    normal = "normal"
+    heavy = "heavy"
+
+
+class Objective(Enum):
+    latency = "latency"  # median time of one batch-1 inference
+    throughput = "throughput"  # inferences per second with concurrent requests
+
+
 class MnnPrecision(Enum):
     high = "high"
     normal = "normal"
@@ -197,6 +210,21 @@ class SensitivityConfig:
 
 
 @dataclass
+class TuningConfig:
+    """The tune stage (stages/tune.py): runtime settings measured on this machine, the
+    fastest that still passes the validation thresholds written to runtime.yaml."""
+
+    level: TuningLevel = TuningLevel.none  # none: keep the build's settings
+    objective: Objective = Objective.latency
+    warmup: Optional[int] = None  # runs before measuring a candidate; null: the level's
+    repeats: Optional[int] = None  # measured runs per candidate; null: the level's
+    noise: float = 0.03  # candidates within this fraction of the best (or its spread) tie
+    verify_samples: int = 16  # validation samples each chosen setting is re-verified on
+    # backends that can move between devices (ncnn Vulkan <-> CPU): the other devices allowed
+    devices: List[str] = field(default_factory=list)
+
+
+@dataclass
 class OutputThresholds:
     min_cosine: Optional[float] = None
     max_abs_error: Optional[float] = None
@@ -251,8 +279,8 @@ class ProfileConfig:
 
 @dataclass
 class PipelineConfig:
-    stages: List[str] = field(default_factory=lambda: ["convert", "calibrate", "sensitivity", "build", "verify",
-                                                       "profile", "package"])
+    stages: List[str] = field(default_factory=lambda: ["convert", "calibrate", "sensitivity", "build", "tune",
+                                                       "verify", "profile", "package"])
     cache: bool = True
     cache_dir: str = "outputs/.cache"
 
@@ -266,6 +294,7 @@ class RunConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    tuning: TuningConfig = field(default_factory=TuningConfig)
     package: PackageConfig = field(default_factory=PackageConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -338,6 +367,18 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1 and worker_timeout_s > 0")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
+    _check_tuning(run.tuning, backend)
+
+
+def _check_tuning(tuning: TuningConfig, backend) -> None:
+    if (tuning.warmup is not None and tuning.warmup < 0) or (tuning.repeats is not None and tuning.repeats < 3):
+        raise ConfigError("tuning: warmup must be >= 0 and repeats >= 3")
+    if not 0 <= tuning.noise < 1 or tuning.verify_samples < 1:
+        raise ConfigError("tuning: noise must be in [0, 1) and verify_samples >= 1")
+    other = [d for d in tuning.devices if d.upper() not in backend.DEVICES]
+    if other:
+        raise ConfigError(f"tuning.devices: backend {backend.NAME} has no device {other[0]!r}; "
+                          f"allowed: {', '.join(backend.DEVICES)}")
 
 
 def describe_config_error(err: BaseException) -> str:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import platform
 import sys
 from functools import lru_cache
@@ -31,26 +28,30 @@ def versions() -> dict:
 
 @lru_cache(maxsize=1)
 def cpu() -> dict:
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = None, set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+            if key.strip() == "model name" and model is None:
                 model = value.strip()
             if key.strip() in ("flags", "Features") and not flags:
                 flags = set(value.split())
+    # platform.processor() runs `uname -p` in a subprocess on Linux: only when cpuinfo names no model
+    model = model or platform.processor() or platform.machine()
     return {"model": model, "machine": platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 @lru_cache(maxsize=1)
 def fingerprint() -> str:
-    """A short sha256 of the CPU model, machine, flags and core count: timings measured on
-    one machine are only reused on the same kind of machine."""
-    material = {**cpu(), "cpus": os.cpu_count()}
-    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
+    """A short hash of what makes timings and compiled kernels machine-specific: the CPU
+    model, its architecture and its instruction-set flags (the ones parity records)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(cpu(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def describe() -> dict:
-    return {"versions": versions(), "cpu": cpu(), "platform": platform.platform(),
+    return {"versions": versions(), "cpu": cpu(), "fingerprint": fingerprint(), "platform": platform.platform(),
             "python_executable": sys.executable}

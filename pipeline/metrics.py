@@ -143,7 +143,6 @@ class Top1:
 
 def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
     """Median and spread of repeated single-sample runs, after warm-up runs."""
-    import statistics
     import time
 
     for _ in range(warmup):
@@ -153,4 +152,63 @@ def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
         started = time.perf_counter()
         run(feeds)
         times.append((time.perf_counter() - started) * 1000)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": repeats}
+    p25, median, p75 = (float(v) for v in np.percentile(times, [25, 50, 75]))
+    return {"median_ms": median, "min_ms": min(times), "max_ms": max(times), "p25_ms": p25, "p75_ms": p75,
+            "runs": repeats}
+
+
+def throughput(session, feeds, warmup: int = 3, repeats: int = 20, rounds: int = 5, min_round_s: float = 0.05) -> dict:
+    """Inferences per second with the session's concurrent requests (``parallel_runners``:
+    one per request the runtime runs best with; else one), each request in its own thread;
+    a round lasts until every request ran ``repeats`` inferences and ``min_round_s`` passed
+    (tiny models would otherwise time thread start-up). Median and quartiles over rounds."""
+    import threading
+    import time
+
+    runners = session.parallel_runners() if hasattr(session, "parallel_runners") else [session.run]
+    for runner in runners:
+        for _ in range(warmup):
+            runner(feeds)
+
+    def loop(runner, counts, index, deadline):
+        while counts[index] < repeats or time.perf_counter() < deadline:
+            runner(feeds)
+            counts[index] += 1
+
+    rates, total = [], 0
+    for _ in range(rounds):
+        counts = [0] * len(runners)
+        started = time.perf_counter()
+        threads = [threading.Thread(target=loop, args=(runner, counts, i, started + min_round_s))
+                   for i, runner in enumerate(runners)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        rates.append(sum(counts) / (time.perf_counter() - started))
+        total += sum(counts)
+    p25, median, p75 = (float(v) for v in np.percentile(rates, [25, 50, 75]))
+    return {"throughput": median, "p25_throughput": p25, "p75_throughput": p75, "requests": len(runners),
+            "runs": total}
+
+
+def startup(load, variants: dict, feeds, rounds: int = 3) -> dict:
+    """Seconds from loading a session to the end of its first inference, for each named
+    settings variant (e.g. with and without a compile cache), median over ``rounds``
+    alternating rounds in one process whose runtime is already imported and initialised;
+    and the compile-cache status each variant's session reported."""
+    import statistics
+    import time
+
+    times = {name: [] for name in variants}
+    status = {}
+    for _ in range(rounds):
+        for name, settings in variants.items():
+            started = time.perf_counter()
+            session = load(settings)
+            session.run(feeds)
+            times[name].append(time.perf_counter() - started)
+            status[name] = session.effective().get("compile_cache")
+            del session
+    return {"seconds": {name: statistics.median(values) for name, values in times.items()},
+            "compile_cache": status, "rounds": rounds}

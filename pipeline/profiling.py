@@ -22,12 +22,13 @@ travels to the backend's worker as JSON (``to_json``/``from_json``), so that a w
 needs no onnx import. The result (``result``) is JSON: ``measured_by``, ``runs``,
 ``warmup``, ``device`` (what ran), ``run_ms`` (wall time of one whole run, as
 ``measured_by`` says), ``total_ms`` (sum of the layers), ``layers`` in execution order
-(name, type, kernel, ms (mean per run), share, onnx_node, onnx_nodes, onnx_op_type) and
-``note``. ``summarize`` makes the report's view: top layers, time by op type.
+(name, type, kernel, ms (mean per run), median_ms, share, onnx_node, onnx_nodes,
+onnx_op_type) and ``note``. ``summarize`` makes the report's view: top layers, time by op type.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
@@ -180,20 +181,25 @@ class Nodes:
 
 
 class Timer:
-    """Milliseconds per layer summed over runs, layers kept in first-seen order."""
+    """Every time measured per layer, layers kept in first-seen order."""
 
     def __init__(self):
-        self.ms: "OrderedDict[str, float]" = OrderedDict()
+        self.samples: "OrderedDict[str, List[float]]" = OrderedDict()
         self.info: Dict[str, tuple] = {}
 
     def add(self, name: str, ms: float, runtime_type: str, kernel: Optional[str] = None) -> None:
-        self.ms[name] = self.ms.get(name, 0.0) + ms
+        self.samples.setdefault(name, []).append(ms)
         self.info.setdefault(name, (runtime_type, kernel))
 
     def layers(self, nodes: Nodes, runs: int, candidates: Callable[[str], List[str]]) -> List[dict]:
-        """Rows with mean ms per run; ``candidates(name)`` names the layer's ONNX side."""
-        return [nodes.layer(name, *self.info[name], total / runs, candidates(name))
-                for name, total in self.ms.items()]
+        """Rows with the mean ms per run and the median (robust to a run the machine
+        interrupted); ``candidates(name)`` names the layer's ONNX side."""
+        rows = []
+        for name, times in self.samples.items():
+            row = nodes.layer(name, *self.info[name], sum(times) / runs, candidates(name))
+            row["median_ms"] = round(statistics.median(times) * len(times) / runs, 6)
+            rows.append(row)
+        return rows
 
 
 def result(measured_by: str, runs: int, warmup: int, layers: List[dict], run_ms: Optional[float],

@@ -128,7 +128,7 @@ def _from_report(report: dict, folder: Path, sweep_dir: Path) -> dict:
             "top1": (verify.get("task") or {}).get("target"),
             "latency_ms": (row.get("latency") or {}).get("median_ms"),
             "bytes": (report.get("build") or {}).get("bytes"),
-            "device": str((report.get("target") or {}).get("device", "CPU")).upper(),
+            "device": str((verify.get("requested") or report.get("target") or {}).get("device", "CPU")).upper(),
             "effective": {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective},
             "profile": _profile_brief(report.get("profile")),
             "stages": {s["stage"]: s["status"] for s in report.get("stages") or []},

@@ -11,7 +11,9 @@ throwing ...", is kept), sets the memory limit, imports the backend module, then
     child -> ("ok", result)                   or ("error", kind, "TypeName: first line")
     parent -> None                            the child exits
 
-``__latency__`` runs pipeline.metrics.latency in the child (no pickling in the timings).
+``__latency__``, ``__throughput__`` and ``__startup__`` run pipeline.metrics.latency /
+throughput / startup in the child (no pickling in the timings; startup loads new sessions
+of the same artifact with other settings).
 The parent waits at most ``timeout_s`` for each answer, then kills the child ("hung");
 EOF on the pipe means the child died ("crashed": signal or exit status, last log lines).
 A Python exception is sent back ("error", "memory" for a MemoryError); after one in a
@@ -43,6 +45,8 @@ from typing import Any, List, Optional
 from pipeline.errors import BackendCrashed, first_line
 
 _LATENCY = "__latency__"
+_THROUGHPUT = "__throughput__"
+_STARTUP = "__startup__"
 _JOIN_S = 5.0
 
 
@@ -116,6 +120,15 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
                 from pipeline.metrics import latency
 
                 reply = ("ok", latency(session.run, *args))
+            elif method == _THROUGHPUT:
+                from pipeline.metrics import throughput
+
+                reply = ("ok", throughput(session, *args))
+            elif method == _STARTUP:  # new sessions of the same artifact, timed from load to first output
+                from pipeline.metrics import startup
+
+                load = importlib.import_module(module).load
+                reply = ("ok", startup(lambda settings: load(Path(artifact_dir), settings), *args))
             else:
                 reply = ("ok", getattr(session, method)(*args))
         except Exception as err:
@@ -178,7 +191,7 @@ class BackendWorker:
             raise
 
     def call(self, method: str, *args, timeout_s: Optional[float] = None) -> Any:
-        what = "latency()" if method == _LATENCY else f"{method}()"
+        what = {_LATENCY: "latency()", _THROUGHPUT: "throughput()", _STARTUP: "startup()"}.get(method, f"{method}()")
         return self._request(what, (method, args), self.timeout_s if timeout_s is None else timeout_s)
 
     def run(self, feeds: dict) -> dict:
@@ -189,6 +202,13 @@ class BackendWorker:
 
     def latency(self, feeds: dict, warmup: int = 3, repeats: int = 20, *, timeout_s: Optional[float] = None) -> dict:
         return self.call(_LATENCY, feeds, warmup, repeats, timeout_s=timeout_s)
+
+    def throughput(self, feeds: dict, warmup: int = 3, repeats: int = 20, *, timeout_s: Optional[float] = None) -> dict:
+        return self.call(_THROUGHPUT, feeds, warmup, repeats, timeout_s=timeout_s)
+
+    def startup(self, variants: dict, feeds: dict, rounds: int = 3, *, timeout_s: Optional[float] = None) -> dict:
+        """Load-to-first-output seconds of each settings variant (pipeline.metrics.startup)."""
+        return self.call(_STARTUP, variants, feeds, rounds, timeout_s=timeout_s)
 
     @property
     def alive(self) -> bool:

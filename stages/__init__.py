@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config import RunConfig
 
-STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "verify", "profile", "package")
+STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "tune", "verify", "profile", "package")
 COMPLETE = ".complete"
 
 
@@ -71,6 +71,13 @@ class StageContext:
                 produce(temp)
                 (temp / COMPLETE).touch()
         return entry, False
+
+
+def deployable(results: Dict[str, StageResult]) -> StageResult:
+    """The stage whose folder holds the artifact to verify and ship, with its runtime.yaml:
+    tune's when it changed the runtime settings, else build's."""
+    tuned = results.get("tune")
+    return tuned if tuned is not None and "runtime" in tuned.files else results["build"]
 
 
 def load(name: str) -> ModuleType:

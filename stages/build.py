@@ -11,7 +11,7 @@ from typing import List
 import onnx
 import yaml
 
-from pipeline import backends, fp16
+from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
 from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
@@ -20,7 +20,7 @@ from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 13
+VERSION = 14
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -35,7 +35,9 @@ def key_config(cfg):
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or (precision.name.value == "int8" and hasattr(backend, "build_int8"))
-            else None}
+            else None,
+            # a compile cache is made for this machine's CPU (pipeline/compile_cache.py)
+            "machine": environment.fingerprint() if hasattr(backend, "write_compile_cache") else None}
 
 
 def _wants_masks(cfg, backend) -> bool:
@@ -172,12 +174,15 @@ def run(ctx: StageContext) -> StageResult:
     }
     if _wants_masks(ctx.cfg, backend):
         quantization = {**(quantization or {}), "feature_masks": _feature_masks(ctx, backend, runtime)}
+    cache = compile_cache.write(backend, ctx.out_dir, runtime)
     (ctx.out_dir / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
     files = {"runtime": "runtime.yaml", **{f"artifact:{name}": name for name in artifacts}}
+    if cache:
+        files["compile_cache"] = cache["folder"]
     summary = {"backend": backend.NAME, "files": artifacts, "options": runtime["options"],
                "versions": backend.versions(),
                "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts),
-               "quantization": quantization}
+               "quantization": quantization, "compile_cache": cache}
     return StageResult(ctx.out_dir, files, summary)
 
 

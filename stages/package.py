@@ -1,8 +1,9 @@
 """package: the deployable bundle (artifact, runtime.yaml, manifest.json with sha256 of
 every file, report.json/.md/.html) written to a temporary folder and renamed into place,
 plus a reproducible .tar.gz of it. The manifest's content_sha256 covers every file but
-the reports (they hold this run's timings) and itself: the same inputs and config give
-the same content_sha256."""
+the reports (they hold this run's timings), the compile cache (runtimes write blobs that
+differ from compile to compile) and itself: the same inputs and config give the same
+content_sha256."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from typing import List
 
 import yaml
 
-from pipeline import environment
+from pipeline import compile_cache, environment
 from pipeline.config import plain
 from pipeline.archive import write_tar_gz
 from pipeline.artifacts import atomic_directory, atomic_write_bytes, hash_tree, write_json
-from pipeline.bundle import REPORTS, content_sha256
+from pipeline.bundle import REPORTS, content_sha256, is_cache
 from pipeline.report import render_html, render_markdown
 from pipeline.report.assemble import assemble, model_name
-from stages import StageContext, StageResult
+from stages import StageContext, StageResult, deployable
 
 NAME = "package"
 VERSION = 2
@@ -42,17 +43,19 @@ def bundle_name(cfg) -> str:
 
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
-    build = ctx.results["build"]
+    artifact = deployable(ctx.results)  # build's folder, or tune's with the tuned runtime.yaml
     name = bundle_name(cfg)
     final = ctx.run_dir / "bundle" / name
     report = assemble(cfg, ctx.records, ctx.results)
     with atomic_directory(final, replace=True) as temp:
-        runtime = yaml.safe_load(build.path("runtime").read_text())
+        runtime = yaml.safe_load(artifact.path("runtime").read_text())
         if cfg.data.kind.value == "images":
             runtime["preprocess"] = plain(cfg.data.preprocess)
         (temp / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
-        for artifact in runtime["files"]:
-            shutil.copyfile(build.out_dir / artifact, temp / artifact)
+        for file in runtime["files"]:
+            shutil.copyfile(artifact.out_dir / file, temp / file)
+        if runtime.get(compile_cache.CACHE_FIELD):
+            shutil.copytree(artifact.out_dir / runtime[compile_cache.CACHE_FIELD], temp / runtime[compile_cache.CACHE_FIELD])
         verify = ctx.results.get("verify")
         if verify and "reproduce" in verify.files:  # inputs and reference outputs: parity-bundle check
             shutil.copyfile(verify.path("reproduce"), temp / REPRODUCE)
@@ -79,6 +82,7 @@ def manifest(bundle: Path, name: str, cfg, report: dict) -> dict:
         "verdict": report["verdict"],
         "files": {path: {"sha256": digest, "bytes": (bundle / path).stat().st_size} for path, digest in files.items()},
         "reports": [path for path in files if path in REPORTS],
+        "caches": [path for path in files if is_cache(path)],
         "content_sha256": content_sha256(files),
         "versions": environment.versions(),
         "cpu": environment.cpu(),

@@ -1,7 +1,8 @@
 """profile: per-layer times of the built artifact on its backend, mapped to the converted
 model's ONNX node names (pipeline.profiling; docs/tuning.md#profiles).
 
-The backend runs in a worker process on the first validation sample: ``warmup`` runs,
+The artifact verify judged (build's, or tune's runtime settings: stages.deployable) runs
+in a worker process on the first validation sample: ``warmup`` runs,
 then ``runs`` profiled runs, through its Session's ``profile`` method (a separate profiling
 session or compiled model: the one verify ran is not changed). ``profile.json`` holds every
 layer; the summary (the report's Profile section) the top layers and the time by op type.
@@ -23,12 +24,12 @@ from pipeline.artifacts import write_json
 from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed
 from pipeline.worker import BackendWorker
-from stages import StageContext, StageResult
+from stages import StageContext, StageResult, deployable
 
 NAME = "profile"
 VERSION = 1
 CACHEABLE = True
-READS = {"convert": ["model"], "build": None}
+READS = {"convert": ["model"], "build": None, "tune": None}
 PROFILE_FILE = "profile.json"
 log = logging.getLogger("parity")
 
@@ -51,8 +52,8 @@ def run(ctx: StageContext) -> StageResult:
     about = {"target": cfg.target.name, "precision": cfg.precision.name.value}
     if "build" not in ctx.results or "convert" not in ctx.results:
         return _skipped(ctx, about, "nothing to profile: pipeline.stages has no convert and build before profile")
-    build, convert = ctx.results["build"], ctx.results["convert"]
-    settings = yaml.safe_load(build.path("runtime").read_text())
+    artifact, convert = deployable(ctx.results), ctx.results["convert"]  # tune's settings when it changed them
+    settings = yaml.safe_load(artifact.path("runtime").read_text())
     backend = backends.spec(settings["backend"])
     about["backend"] = backend.NAME
     ok, reason = backend.available()
@@ -66,7 +67,7 @@ def run(ctx: StageContext) -> StageResult:
     limits = cfg.profile
     label = f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value}) profile"
     try:
-        with BackendWorker(backend.__name__, build.out_dir, settings, label=label,
+        with BackendWorker(backend.__name__, artifact.out_dir, settings, label=label,
                            timeout_s=limits.worker_timeout_s, memory_mb=limits.worker_memory_mb) as worker:
             found = worker.call("profile", sample.feeds, limits.runs, limits.warmup,
                                 profiling.Nodes.load(convert.path("model")).to_json())

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import yaml
 
-from pipeline import backends, layerwise
+from pipeline import backends, layerwise, tuning
 from pipeline.artifacts import read_json, write_json, write_npz
 from pipeline.config import Layerwise
 from pipeline.console import progress_bar
@@ -29,7 +29,7 @@ from pipeline.metrics import OutputStats, Top1, failures
 from pipeline.quantize import build_qdq
 from pipeline.recommend import recommend
 from pipeline.worker import BackendWorker
-from stages import StageContext, StageResult
+from stages import StageContext, StageResult, deployable
 
 NAME = "verify"
 VERSION = 5
@@ -56,8 +56,8 @@ def _dataset(ctx: StageContext) -> Dataset:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     dataset = _dataset(ctx)
-    convert, build = ctx.results["convert"], ctx.results["build"]
-    settings = yaml.safe_load(build.path("runtime").read_text())
+    convert, build, artifact = ctx.results["convert"], ctx.results["build"], deployable(ctx.results)
+    settings = yaml.safe_load(artifact.path("runtime").read_text())
     backend = backends.spec(settings["backend"])
     ok, reason = backend.available()
     if not ok:
@@ -68,14 +68,14 @@ def run(ctx: StageContext) -> StageResult:
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
     check = _Check(output_names, task_output)
-    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value,
+    requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.name.value,
                  "accepted_precisions": _accepted_precisions(cfg.precision)}
     effective, crash, layers, comparison = {}, None, None, {}
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         try:
             reference = _launch(stack, REFERENCE[0], convert.out_dir, REFERENCE[1], "reference (onnxruntime fp32)",
                                 limits)
-            target = _launch(stack, backend.__name__, build.out_dir, settings,
+            target = _launch(stack, backend.__name__, artifact.out_dir, settings,
                              f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value})", limits)
             baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
             _loaded(reference)
@@ -236,6 +236,8 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     (TPU-MLIR's FLOAT / INT8 / MIX table)."""
     precision = ctx.cfg.precision.name.value
     convert = ctx.results["convert"]
+    tune = ctx.results.get("tune")
+    tuned = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}  # same settings
     builds = {}
     if precision != "fp32":
         builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None)
@@ -250,8 +252,8 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     for name, (onnx_path, ir_dir) in builds.items():
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{name}-")))
         files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, name)
-        settings = {**settings, "device": ctx.cfg.target.device.upper(), "precision": name,
-                    "outputs": convert.summary["outputs"]}
+        settings = tuning.apply(backend, {**settings, "device": ctx.cfg.target.device.upper(), "precision": name,
+                                          "outputs": convert.summary["outputs"]}, tuned)
         size = sum((folder / f).stat().st_size for f in files)
         rows[name] = _Row(_launch(stack, backend.__name__, folder, settings, f"{backend.NAME} {name}", limits), size)
     return rows

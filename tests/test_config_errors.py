@@ -21,7 +21,7 @@ CASES = [
     (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random]"]),
     (["data.path=null"], ["data.path", "required"]),
     (["target.threads=many"], ["target.threads", "many"]),
-    (["pipeline.stages=[convert,deploy]"], ["pipeline.stages", "deploy", "allowed: convert, calibrate, sensitivity, build, verify, profile, package"]),
+    (["pipeline.stages=[convert,deploy]"], ["pipeline.stages", "deploy", "allowed: convert, calibrate, sensitivity, build, tune, verify, profile, package"]),
     (["validation.min_cosine=high"], ["validation.min_cosine"]),
 ]
 

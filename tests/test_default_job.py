@@ -20,8 +20,10 @@ def test_default_job_packages_a_passing_bundle(default_run):
     assert bundle.name == "digits_cnn-ort_cpu-fp32"
     manifest = manifest_of(bundle)
     assert manifest["verdict"] == "pass"
+    caches = {"compile_cache/key.json", "compile_cache/model.optimized.onnx"}  # ONNX Runtime's optimized graph
     assert set(manifest["files"]) == {"model.onnx", "runtime.yaml", "report.json", "report.md", "report.html",
-                                      "reproduce.npz"}
+                                      "reproduce.npz"} | caches
+    assert set(manifest["caches"]) == caches
     for name, entry in manifest["files"].items():
         assert sha256_file(bundle / name) == entry["sha256"], name
     assert {"onnx", "onnxruntime", "openvino", "numpy", "python"} <= set(manifest["versions"])
@@ -46,8 +48,8 @@ def test_second_run_reuses_stages_and_artifacts(default_run):
     second_dir = run_dirs(cwd)[-1]
     assert second_dir != first_dir
     statuses = {s["stage"]: s["status"] for s in read_report(second_dir)["stages"]}
-    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached", "verify": "cached",
-                        "profile": "cached", "package": "computed"}
+    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached",
+                        "tune": "cached", "verify": "cached", "profile": "cached", "package": "computed"}
     first, second = manifest_of(single_bundle(first_dir)), manifest_of(single_bundle(second_dir))
     for name in ("model.onnx", "runtime.yaml"):
         assert first["files"][name]["sha256"] == second["files"][name]["sha256"]
@@ -58,12 +60,12 @@ def test_changing_one_option_reruns_only_what_depends_on_it(default_run):
     result = run_cli(["validation.min_cosine=0.999"], cwd)
     assert result.returncode == 0, result.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
-    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached", "verify": "computed",
-                        "profile": "cached", "package": "computed"}
+    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached",
+                        "tune": "cached", "verify": "computed", "profile": "cached", "package": "computed"}
     result = run_cli(["target.threads=1"], cwd)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
-    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "computed", "verify": "computed",
-                        "profile": "computed", "package": "computed"}
+    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "computed",
+                        "tune": "computed", "verify": "computed", "profile": "computed", "package": "computed"}
 
 
 def test_default_model_on_openvino(tmp_path):

@@ -38,7 +38,7 @@ def assert_named_by_onnx(profile: dict, runs: int = 20) -> None:
             assert layer["onnx_node"] in layer["onnx_nodes"] and layer["onnx_op_type"] == DIGITS[layer["onnx_node"]]
         else:
             assert layer["onnx_nodes"] == [] and layer["onnx_op_type"] is None
-        assert layer["ms"] >= 0 and 0 <= layer["share"] <= 1
+        assert layer["ms"] >= 0 and layer["median_ms"] >= 0 and 0 <= layer["share"] <= 1
     assert profile["runs"] == runs and profile["warmup"] == 3
     assert sum(layer["ms"] for layer in layers) == pytest.approx(profile["total_ms"], abs=1e-4)
     assert profile["measured_by"] and profile["device"]

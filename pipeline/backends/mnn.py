@@ -200,6 +200,36 @@ def session_options(target, precision: str) -> dict:
     return options
 
 
+def tuning_space(settings: dict, level: str, objective: str, devices: List[str]) -> List[Tuple[str, list]]:
+    """CPU: the thread count. GPU: the kernel-tuning mode and (OpenCL) the memory mode,
+    where the device exists: a memory mode can change numerics (MNN on AMD OpenCL in IMAGE
+    mode), which the tune stage's re-verification catches."""
+    from pipeline.tuning import current_first, thread_counts
+
+    options = settings.get("options", {})
+    device = str(options.get("backend", "CPU")).upper()
+    if device not in GPU_DEVICES:
+        return [("numThread", thread_counts(int(options.get("numThread", 0) or 0)))]
+    modes = ["none", "fast", "normal", "heavy"] if device == "OPENCL" else ["none", "heavy", "wide"]
+    knobs = [("tuning", current_first(options.get("tuning", "none"), modes[:2] if level == "fast" else modes))]
+    if device == "OPENCL":
+        knobs.append(("memory_mode", current_first(options.get("memory_mode", "auto"), ["auto", "buffer", "image"])))
+    return knobs
+
+
+def with_options(settings: dict, changes: dict) -> dict:
+    """GPU modes are bits of one ScheduleConfig field: recompute it."""
+    options = {**settings.get("options", {}), **changes}
+    if "mode" in options:
+        options["mode"] = gpu_mode(options.get("tuning", "none"), options.get("memory_mode", "auto"))
+    if options.get("numThread") == 0:
+        options.pop("numThread")
+    if "memory_mode" in changes:
+        settings["memory_mode"] = changes["memory_mode"]
+    settings["options"] = options
+    return settings
+
+
 def schedule_config(options: dict, save_tensors: Sequence[str] = ()) -> dict:
     """The dict MNN.Interpreter.createSession takes (precision as an int: MNN prints a
     line for every session created with a precision string)."""

@@ -817,14 +817,48 @@ _OPTION_FIELDS = {"use_fp16_storage": "use_fp16_storage", "use_fp16_packed": "us
                   "use_fp16_arithmetic": "use_fp16_arithmetic", "use_bf16_storage": "use_bf16_storage"}
 
 
+# Speed switches of ncnn's Option the tune stage measures; unset ones keep ncnn's default (on).
+SPEED_SWITCHES = ("use_winograd_convolution", "use_sgemm_convolution", "use_packing_layout", "lightmode")
+
+
 def _set_options(opt, options: dict) -> None:
     opt.use_vulkan_compute = bool(options.get("use_vulkan", False))
     for key, field in _OPTION_FIELDS.items():
         setattr(opt, field, bool(options.get(key, False)))
     opt.use_bf16_packed = bool(options.get("use_bf16_storage", False))
+    for switch in SPEED_SWITCHES:
+        if switch in options:
+            setattr(opt, switch, bool(options[switch]))
     threads = int(options.get("threads", 0) or 0)
     if threads > 0:
         opt.num_threads = threads
+
+
+def tuning_space(settings: dict, level: str, objective: str, devices: List[str]) -> List[Tuple[str, list]]:
+    """Threads, the convolution/layout switches (normal, heavy) and, where tuning.devices
+    allows, the other device (Vulkan <-> CPU)."""
+    from pipeline.tuning import current_first, thread_counts
+
+    options = settings.get("options", {})
+    knobs = []
+    device = str(settings.get("device", "CPU")).upper()
+    others = [d.upper() for d in devices if d.upper() != device]
+    if others:
+        knobs.append(("device", current_first(device, others)))
+    knobs.append(("threads", thread_counts(int(options.get("threads", 0) or 0))))
+    if level != "fast":
+        knobs += [(switch, current_first(bool(options.get(switch, True)), [True, False])) for switch in SPEED_SWITCHES]
+    return knobs
+
+
+def with_options(settings: dict, changes: dict) -> dict:
+    """``device`` moves the session between Vulkan and the CPU; the rest are options."""
+    changes = dict(changes)
+    if "device" in changes:
+        settings["device"] = str(changes.pop("device")).upper()
+        settings["options"]["use_vulkan"] = settings["device"] == "VULKAN"
+    settings["options"].update(changes)
+    return settings
 
 
 _SESSIONS: "weakref.WeakSet[Session]" = weakref.WeakSet()
@@ -1046,7 +1080,9 @@ class Session:
         masked = {layer.name: layer.featmask for layer in self._network.layers if layer.featmask}
         if masked:
             layers += " (masked: " + ", ".join(f"{name}={mask}" for name, mask in masked.items()) + ")"
-        result = {"device": device, "precision": precision, "layers": layers}
+        opt = self._net.opt
+        result = {"device": device, "precision": precision, "layers": layers,
+                  "runtime_options": {"threads": opt.num_threads, **{s: bool(getattr(opt, s)) for s in SPEED_SWITCHES}}}
         if device == "VULKAN":
             result.update(self._vulkan_device())
         if self._options_vulkan and not self._gpu_count:

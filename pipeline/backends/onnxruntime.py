@@ -43,34 +43,68 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
     return ["model.onnx"], {"model": "model.onnx", "options": options}
 
 
+# Runtime options a bundle's runtime.yaml may set (the tune stage measures them), with
+# the values ONNX Runtime uses when they are not set.
+OPTION_DEFAULTS = {"graph_optimization_level": "all", "intra_op_num_threads": 0, "inter_op_num_threads": 0,
+                   "execution_mode": "sequential", "enable_mem_pattern": True, "enable_cpu_mem_arena": True}
+CACHED_MODEL = "model.optimized.onnx"  # compile cache: the graph after ONNX Runtime's optimizations
+
+
+def session_options(options: dict, optimized_path: Optional[Path] = None):
+    """ONNX Runtime SessionOptions from runtime.yaml's options."""
+    import onnxruntime as ort
+
+    levels = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    chosen = {**OPTION_DEFAULTS, **{k: v for k, v in options.items() if k in OPTION_DEFAULTS}}
+    result = ort.SessionOptions()
+    result.graph_optimization_level = levels[chosen["graph_optimization_level"]]
+    result.intra_op_num_threads = int(chosen["intra_op_num_threads"])
+    result.inter_op_num_threads = int(chosen["inter_op_num_threads"])
+    result.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if chosen["execution_mode"] == "parallel"
+                             else ort.ExecutionMode.ORT_SEQUENTIAL)
+    result.enable_mem_pattern = bool(chosen["enable_mem_pattern"])
+    result.enable_cpu_mem_arena = bool(chosen["enable_cpu_mem_arena"])
+    result.log_severity_level = 3
+    if optimized_path is not None:
+        result.optimized_model_filepath = str(optimized_path)
+    return result
+
+
+def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> None:
+    """ONNX Runtime's optimized graph for these options, loaded later with the graph
+    optimizations off. Layout rewrites of level "all" (NCHWc) depend on the CPU: the
+    cache key carries the machine's fingerprint."""
+    import onnxruntime as ort
+
+    options = session_options(settings.get("options", {}), folder / CACHED_MODEL)
+    ort.InferenceSession(str(Path(artifact_dir) / settings["model"]), options, providers=["CPUExecutionProvider"])
+
+
 class Session:
     def __init__(self, model_path: Path, device: str = "CPU", precision: str = "fp32",
-                 graph_optimization_level: str = "all", intra_op_num_threads: int = 0):
+                 graph_optimization_level: str = "all", intra_op_num_threads: int = 0, *,
+                 options: Optional[dict] = None, cached_model: Optional[Path] = None, cache_status: str = "none"):
         import onnxruntime as ort
 
-        self._model_path = Path(model_path)
-        self._level, self._threads = graph_optimization_level, intra_op_num_threads
-        options = self._options()
+        options = {**(options or {}), "graph_optimization_level": graph_optimization_level,
+                   "intra_op_num_threads": intra_op_num_threads}
         self._scratch = tempfile.TemporaryDirectory(prefix="parity-ort-")
         self._optimized = Path(self._scratch.name) / "optimized.onnx"
-        options.optimized_model_filepath = str(self._optimized)  # what ORT really executes
-        self._session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        # what ORT really executes; from a compile cache, the optimized graph is run as it is
+        executed = options if cached_model is None else {**options, "graph_optimization_level": "disabled"}
+        self._executed = (Path(cached_model or model_path), executed)  # a profiling session runs the same
+        self._session = ort.InferenceSession(str(cached_model or model_path),
+                                             session_options(executed, self._optimized),
+                                             providers=["CPUExecutionProvider"])
+        self._model_path = Path(model_path)
+        self._level = graph_optimization_level
+        self._cache_status = cache_status
         self._probe = None
         self.inputs = [i.name for i in self._session.get_inputs()]
         self.outputs = [o.name for o in self._session.get_outputs()]
-
-    def _options(self):
-        import onnxruntime as ort
-
-        levels = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
-        options = ort.SessionOptions()
-        options.graph_optimization_level = levels[self._level]
-        options.intra_op_num_threads = self._threads
-        options.log_severity_level = 3
-        return options
 
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         values = self._session.run(self.outputs, feeds)
@@ -86,10 +120,11 @@ class Session:
 
         from pipeline import profiling
 
-        options = self._options()
+        path, executed = self._executed
+        options = session_options(executed)
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(self._scratch.name) / "profile")
-        session = ort.InferenceSession(str(self._model_path), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         for _ in range(warmup + runs):
             session.run(self.outputs, feeds)
         trace = Path(session.end_profiling())
@@ -161,7 +196,17 @@ class Session:
         providers = self._session.get_providers()
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
         precision, layers = executed_precision(self._optimized)
-        return {"device": device, "precision": precision, "layers": layers}
+        return {"device": device, "precision": precision, "layers": layers, "compile_cache": self._cache_status,
+                "runtime_options": self._read_back()}
+
+    def _read_back(self) -> dict:
+        """The session options ONNX Runtime holds (a compile-cache session runs the cached,
+        already optimized graph with its own optimizations off)."""
+        held = self._session.get_session_options()
+        return {"graph_optimization_level": self._level if self._cache_status != "hit" else
+                f"{self._level} (cached graph)", "intra_op_num_threads": held.intra_op_num_threads,
+                "inter_op_num_threads": held.inter_op_num_threads, "execution_mode": held.execution_mode.name,
+                "enable_mem_pattern": held.enable_mem_pattern, "enable_cpu_mem_arena": held.enable_cpu_mem_arena}
 
 
 def _ort_candidates(node: str, op_type: str, index) -> List[str]:
@@ -278,9 +323,26 @@ def _output_qparams(tensor: str, producers, constants, depth: int = 0):
 
 
 def load(artifact_dir: Path, settings: dict) -> Session:
+    from pipeline import compile_cache
+
     options = settings.get("options", {})
+    folder, status = compile_cache.usable(artifact_dir, settings, NAME, versions())
     return Session(Path(artifact_dir) / settings["model"], settings.get("device", "CPU"), settings["precision"],
-                   options.get("graph_optimization_level", "all"), options.get("intra_op_num_threads", 0))
+                   options.get("graph_optimization_level", "all"), options.get("intra_op_num_threads", 0),
+                   options=options, cached_model=folder / CACHED_MODEL if folder else None, cache_status=status)
+
+
+def tuning_space(settings: dict, level: str, objective: str, devices: List[str]) -> List[Tuple[str, list]]:
+    """Runtime options the tune stage tries, each with its values (the current one first)."""
+    from pipeline.tuning import current_first, thread_counts
+
+    options = {**OPTION_DEFAULTS, **settings.get("options", {})}
+    knobs = [("intra_op_num_threads", thread_counts(options["intra_op_num_threads"]))]
+    if level != "fast":
+        knobs += [("graph_optimization_level", ["all", "extended", "basic"]),
+                  ("execution_mode", ["sequential", "parallel"]),
+                  ("enable_mem_pattern", [True, False]), ("enable_cpu_mem_arena", [True, False])]
+    return [(name, current_first(options[name], values)) for name, values in knobs]
 
 
 def reference(model_path: Path) -> Session:

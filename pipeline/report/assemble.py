@@ -51,6 +51,7 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         "calibration": _calibration(results),
         "sensitivity": results["sensitivity"].summary if "sensitivity" in results else None,
         "build": results["build"].summary if "build" in results else None,
+        "tuning": results["tune"].summary if "tune" in results else None,
         "data": verify["data"] if verify else None,
         "verify": verify,
         "profile": results["profile"].summary if "profile" in results else None,

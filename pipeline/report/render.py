@@ -673,11 +673,12 @@ def _profile_section(profile: dict) -> list:
     if top:
         rows = [[fmt_value(r.get("onnx_node")) if r.get("onnx_node") else "—", ", ".join(map(str, _as_list(
             r.get("onnx_nodes"))[1:])) or "—", fmt_value(r.get("onnx_op_type") or r.get("type")),
-                 fmt_value(r.get("name")), fmt_value(r.get("kernel")), fmt_ms(r.get("ms")), fmt_share(r.get("share"))]
-                for r in top]
+                 fmt_value(r.get("name")), fmt_value(r.get("kernel")), fmt_ms(r.get("ms")), fmt_ms(r.get("median_ms")),
+                 fmt_share(r.get("share"))] for r in top]
         colors = [COMPUTED_COLOR if r.get("onnx_node") else CACHED_COLOR for r in top]
         blocks += [Heading(3, f"Top {len(top)} layers by time"),
-                   Table(["ONNX node", "also computes", "op type", "runtime layer", "kernel", "ms", "share"], rows),
+                   Table(["ONNX node", "also computes", "op type", "runtime layer", "kernel", "mean ms", "median ms",
+                          "share"], rows),
                    Charts([svg_bar_chart([str(r.get("onnx_node") or r.get("name")) for r in top],
                                          [r.get("ms") for r in top], title="time per layer (mean per run)",
                                          x_label="ms", colors=colors, value_format=fmt_ms,
@@ -807,6 +808,66 @@ def _build_section(build: dict) -> list:
     masks = _as_dict(_as_dict(build.get("quantization")).get("feature_masks"))
     if masks:
         blocks += _feature_masks_blocks(masks)
+    blocks += _compile_cache_blocks(_as_dict(build.get("compile_cache")))
+    return blocks
+
+
+def _compile_cache_blocks(cache: dict) -> list:
+    if not cache:
+        return []
+    key = _as_dict(cache.get("key"))
+    return [Heading(3, "Compile cache"),
+            Para(f"{fmt_value(len(_as_list(cache.get('files'))))} file(s), "
+                 f"{_fmt_number((cache.get('bytes') or 0) / 1024, '.1f')} KiB in {fmt_value(cache.get('folder'))}/, "
+                 f"written in {fmt_seconds(cache.get('compile_seconds'))}; used where the runtime versions, device, "
+                 f"machine fingerprint ({fmt_value(key.get('fingerprint'))}) and runtime options match.")]
+
+
+def _fmt_changes(changes: Any) -> str:
+    changes = _as_dict(changes)
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in changes.items()) or "build's settings"
+
+
+def _trial_cost(trial: dict, unit: str = "") -> str:
+    """A trial's median latency in ms, or its throughput per second."""
+    measurement = _as_dict(trial.get("measurement"))
+    if "throughput" in measurement:
+        return f"{_fmt_number(measurement.get('throughput'), '.1f')}{unit and ' inferences/s'}"
+    return f"{_fmt_number(measurement.get('median_ms'), '.4f')}{unit and ' ms'}"
+
+
+def _tuning_section(tuning: dict) -> list:
+    blocks: list = [Heading(2, "Tuning")]
+    if not tuning.get("ran"):
+        return blocks + [Para(fmt_value(tuning.get("reason")))]
+    chosen, baseline = _as_dict(tuning.get("chosen")), _as_dict(tuning.get("baseline"))
+    throughput = tuning.get("objective") == "throughput"
+    pairs = [("level", fmt_value(tuning.get("level"))), ("objective", fmt_value(tuning.get("objective"))),
+             ("measurements", "reused from the tuning cache" if tuning.get("reused") else "measured in this run"),
+             ("chosen", _fmt_changes(chosen.get("changes"))),
+             ("build's settings", _trial_cost(baseline, unit="yes")), ("tuned", _trial_cost(chosen, unit="yes")),
+             ("speed-up", f"{_fmt_number(tuning.get('speedup'), '.2f')}x"),
+             ("re-verified", f"on {fmt_value(tuning.get('verify_samples'))} validation samples; "
+                             f"{fmt_value(tuning.get('refused'))} setting(s) refused")]
+    blocks.append(KeyValues(pairs))
+    if tuning.get("note"):
+        blocks.append(Para(fmt_value(tuning["note"])))
+    trials = [t for t in _as_list(tuning.get("trials")) if isinstance(t, dict)]
+    unit = "inferences/s" if throughput else "median ms"
+    rows, classes = [], []
+    for trial in trials:
+        measurement = _as_dict(trial.get("measurement"))
+        spread = (f"{_fmt_number(measurement.get('p25_ms'), '.4f')} - {_fmt_number(measurement.get('p75_ms'), '.4f')}"
+                  if "p25_ms" in measurement else "")
+        verified = {True: "pass", False: "refused: " + "; ".join(map(str, _as_list(trial.get("failures"))))}.get(
+            trial.get("verified"), "")
+        rows.append([_fmt_changes(trial.get("changes")), trial.get("error") and "error" or _trial_cost(trial), spread,
+                     verified or (fmt_value(trial.get("error")) if trial.get("error") else "")])
+        classes.append("fail" if trial.get("verified") is False or trial.get("error") else "")
+    blocks += [Heading(3, "Candidates"), Table(["settings", unit, "interquartile ms", "re-verification"], rows, classes),
+               Charts([svg_bar_chart([_fmt_changes(t.get("changes")) for t in trials],
+                                     [t.get("score_ms") for t in trials], title="time per inference by candidate",
+                                     x_label="ms", value_format=lambda v: _fmt_number(v, ".4f"))])]
     return blocks
 
 
@@ -874,6 +935,8 @@ def build_document(report: dict) -> list:
         blocks += _data_section(report["data"])
     if isinstance(report.get("build"), dict):
         blocks += _build_section(report["build"])
+    if isinstance(report.get("tuning"), dict):
+        blocks += _tuning_section(report["tuning"])
     if isinstance(report.get("environment"), dict):
         blocks += _environment_section(report["environment"])
     return blocks

@@ -1,0 +1,211 @@
+"""The tune stage and compile caches: tuned settings reach runtime.yaml and the loader,
+measurements are reused on the same machine, a failing setting is refused, a stale cache
+falls back, and the search logic picks the fastest setting, ties toward the simpler one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import read_report, run_cli, run_dirs, single_bundle
+from pipeline import compile_cache, tuning
+from pipeline.config import asset_path
+
+TUNE_SAMPLES = 16  # conf/tuning/*.yaml verify_samples
+
+
+def digits_inputs(count: int):
+    with np.load(asset_path("digits.npz")) as data:
+        return [data["validation/input"][i:i + 1] for i in range(count)]
+
+
+def ort_error(level: str, inputs) -> float:
+    """Max abs difference between ONNX Runtime at this optimization level and the reference
+    (optimizations off) on the digits model."""
+    import onnxruntime as ort
+
+    def outputs(name):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, name)
+        session = ort.InferenceSession(asset_path("digits_cnn.onnx"), options, providers=["CPUExecutionProvider"])
+        return np.stack([session.run(None, {"input": x})[0] for x in inputs])
+
+    return float(np.abs(outputs(level) - outputs("ORT_DISABLE_ALL")).max())
+
+
+def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_the_tuned_one(tmp_path):
+    """With max_abs_error between the error of ONNX Runtime's fused kernels (level "all",
+    the build's setting) and that of level basic, every "all" candidate fails the
+    re-verification: tuning must refuse them and ship a basic/extended setting, which
+    runtime.yaml holds and parity-bundle run really uses (read back from the session)."""
+    inputs = digits_inputs(TUNE_SAMPLES)
+    fused, basic = ort_error("ORT_ENABLE_ALL", inputs), ort_error("ORT_ENABLE_BASIC", inputs)
+    assert basic < fused, "premise: level all changes the digits outputs, level basic does not"
+    result = run_cli(["tuning=normal", f"validation.max_abs_error={(basic + fused) / 2}"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    tuned = read_report(run_dir)["tuning"]
+    assert tuned["ran"] and tuned["baseline_passes"] is False
+    refused = [t for t in tuned["trials"] if t.get("verified") is False]
+    assert refused and all(t["changes"].get("graph_optimization_level", "all") == "all" for t in refused)
+    assert all("max abs error" in t["failures"][0] for t in refused)
+    chosen = tuned["chosen"]["changes"]
+    assert chosen["graph_optimization_level"] in ("basic", "extended")
+    bundle = single_bundle(run_dir)
+    runtime = yaml.safe_load((bundle / "runtime.yaml").read_text())
+    assert {k: runtime["options"][k] for k in chosen} == chosen
+    np.save(tmp_path / "x.npy", inputs[0])
+    ran = run_cli(["run", bundle, "--input", tmp_path / "x.npy"], tmp_path, program="parity-bundle")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "compile cache: hit" in ran.stdout
+    assert f"graph_optimization_level={chosen['graph_optimization_level']} (cached graph)" in ran.stdout
+    if "intra_op_num_threads" in chosen:
+        assert f"intra_op_num_threads={chosen['intra_op_num_threads']}" in ran.stdout
+
+
+def test_measurements_are_reused_on_the_same_machine(tmp_path):
+    first = run_cli(["target=openvino_cpu", "tuning=fast"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    report = read_report(run_dirs(tmp_path)[-1])
+    assert report["tuning"]["ran"] and not report["tuning"]["reused"]
+    assert {"INFERENCE_NUM_THREADS"} == {row["option"] for row in report["tuning"]["space"]}
+    # the same job: the whole stage comes from the stage cache
+    again = run_cli(["target=openvino_cpu", "tuning=fast"], tmp_path)
+    stages = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
+    assert again.returncode == 0 and stages["tune"] == "cached"
+    # other thresholds re-verify, but the measurements of this artifact on this machine are reused
+    other = run_cli(["target=openvino_cpu", "tuning=fast", "validation.min_cosine=0.999"], tmp_path)
+    report = read_report(run_dirs(tmp_path)[-1])
+    assert other.returncode == 0 and report["tuning"]["reused"]
+    assert {s["stage"]: s["status"] for s in report["stages"]}["tune"] == "computed"
+    effective = report["verify"]["effective"]
+    options = yaml.safe_load((single_bundle(run_dirs(tmp_path)[-1]) / "runtime.yaml").read_text())["options"]
+    assert effective["compile_cache"] == "hit"
+    if "INFERENCE_NUM_THREADS" in options:  # verify ran what runtime.yaml says
+        assert effective["runtime_options"]["INFERENCE_NUM_THREADS"] == str(options["INFERENCE_NUM_THREADS"])
+
+
+def test_tuning_none_keeps_the_build_settings(default_run):
+    _, run_dir, _ = default_run
+    report = read_report(run_dir)
+    assert report["tuning"] == {"ran": False, "level": "none",
+                                "reason": "tuning=none: the build's runtime settings are kept"}
+    assert not (run_dir / "stages" / "tune" / "runtime.yaml").exists()
+
+
+def test_a_gpu_target_that_falls_back_is_not_tuned(tmp_path):
+    pytest.importorskip("MNN")
+    result = run_cli(["target=mnn_opencl", "tuning=fast"], tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr  # verify reports the fallback
+    tuned = read_report(run_dirs(tmp_path)[-1])["tuning"]
+    assert not tuned["ran"] and tuned["reason"].startswith("OPENCL did not run (CPU did)")
+
+
+def test_throughput_objective_uses_concurrent_requests(tmp_path):
+    result = run_cli(["target=openvino_cpu", "tuning=fast", "tuning.objective=throughput"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tuned = read_report(run_dirs(tmp_path)[-1])["tuning"]
+    assert tuned["space"][0]["option"] == "PERFORMANCE_HINT"
+    measured = [t["measurement"] for t in tuned["trials"] if t["measurement"]]
+    assert all(m["throughput"] > 0 and m["requests"] >= 1 for m in measured)
+    hinted = next(t for t in tuned["trials"] if t["changes"].get("PERFORMANCE_HINT") == "THROUGHPUT")
+    assert hinted["measurement"]["requests"] > 1  # OpenVINO's optimal number of requests on 2+ cores
+
+
+@pytest.fixture(scope="module")
+def openvino_bundle(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("ov")
+    result = run_cli(["target=openvino_cpu"], cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return single_bundle(run_dirs(cwd)[-1])
+
+
+def loaded(module: str, bundle: Path, feeds):
+    import importlib
+
+    backend = importlib.import_module(module)
+    session = backend.load(bundle, yaml.safe_load((bundle / "runtime.yaml").read_text()))
+    return session.effective()["compile_cache"], session.run(feeds)
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("versions", {"openvino": "2020.1"}, "stale: built with openvino 2020.1 -> "),
+    ("fingerprint", "0000000000000000", "stale: built on another machine"),
+    ("options_sha256", "0", "stale: built for other runtime options")])
+def test_stale_compile_cache_falls_back_to_compiling(openvino_bundle, tmp_path, field, value, reason):
+    feeds = {"input": digits_inputs(1)[0]}
+    status, expected = loaded("pipeline.backends.openvino", openvino_bundle, feeds)
+    assert status == "hit"
+    copy = tmp_path / "bundle"
+    shutil.copytree(openvino_bundle, copy)
+    key_file = copy / compile_cache.FOLDER / compile_cache.KEY_FILE
+    key = json.loads(key_file.read_text())
+    key[field] = value
+    key_file.write_text(json.dumps(key))
+    status, outputs = loaded("pipeline.backends.openvino", copy, feeds)
+    assert status.startswith(reason), status
+    np.testing.assert_array_equal(outputs["logits"], expected["logits"])
+    assert sorted(p.name for p in (copy / compile_cache.FOLDER).iterdir()) == \
+        sorted(p.name for p in (openvino_bundle / compile_cache.FOLDER).iterdir())  # the bundle is never written
+
+
+def test_startup_measures_cold_and_warm_loads(openvino_bundle):
+    from pipeline.worker import BackendWorker
+
+    settings = yaml.safe_load((openvino_bundle / "runtime.yaml").read_text())
+    with BackendWorker("pipeline.backends.openvino", openvino_bundle, settings, label="ov") as worker:
+        result = worker.startup({"warm": settings, "cold": compile_cache.without_cache(settings)},
+                                {"input": digits_inputs(1)[0]}, 2)
+    assert result["compile_cache"] == {"warm": "hit", "cold": "none"}
+    assert set(result["seconds"]) == {"warm", "cold"} and all(v > 0 for v in result["seconds"].values())
+
+
+# -- the search itself, on measurements given as data
+
+
+def fixed(times: dict, spread: float = 0.0):
+    """A measure function from {changes as sorted tuple: ms}."""
+    def measure(changes):
+        ms = times[tuple(sorted(changes.items()))]
+        if ms is None:
+            raise RuntimeError("the runtime refused this setting")
+        return {"median_ms": ms, "p25_ms": ms - spread / 2, "p75_ms": ms + spread / 2}
+    return measure
+
+
+def test_search_descends_one_option_at_a_time():
+    space = [("threads", [0, 1, 2]), ("level", ["all", "basic"])]
+    times = {(): 10.0, (("threads", 1),): 8.0, (("threads", 2),): 6.0,
+             (("level", "basic"), ("threads", 2)): 5.0}
+    search = tuning.Search(space, fixed(times), noise=0.0, passes=1)
+    trials = search.run()
+    assert [t.changes for t in trials] == [{}, {"threads": 1}, {"threads": 2}, {"threads": 2, "level": "basic"}]
+    assert tuning.ranked(trials, 0.0)[0].changes == {"threads": 2, "level": "basic"}
+    assert search.planned() == 4
+
+
+def test_search_ties_go_to_the_simpler_setting():
+    space = [("threads", [0, 1])]
+    trials = tuning.Search(space, fixed({(): 10.0, (("threads", 1),): 9.8}), noise=0.03, passes=1).run()
+    assert tuning.best(trials, 0.03).changes == {}  # 2 % faster is noise at 3 %
+    assert tuning.best(trials, 0.01).changes == {"threads": 1}
+    wide = tuning.Search(space, fixed({(): 10.0, (("threads", 1),): 9.0}, spread=2.0), noise=0.0, passes=1).run()
+    assert tuning.best(wide, 0.0).changes == {}  # within the best's interquartile range
+
+
+def test_search_records_a_setting_that_cannot_run():
+    space = [("threads", [0, 1, 2])]
+    trials = tuning.Search(space, fixed({(): 10.0, (("threads", 1),): None, (("threads", 2),): 7.0}), 0.0, 1).run()
+    broken = next(t for t in trials if t.changes == {"threads": 1})
+    assert not broken.ok and "refused" in broken.error
+    assert [t.changes for t in tuning.ranked(trials, 0.0)] == [{"threads": 2}, {}]
+
+
+def test_throughput_scores_invert():
+    assert tuning.score({"throughput": 500.0}) == pytest.approx(2.0)
+    assert tuning.score({"median_ms": 3.0}) == 3.0
