@@ -53,7 +53,10 @@ def test_digits_cpu_fp32_matches_onnxruntime(digits_cpu):
     assert (out / "model.bin").stat().st_size >= 4 * params  # weights stay fp32 on disk (pnnx fp16=0)
     session = backend.load(out, settings)
     assert session.inputs == ["input"] and session.outputs == ["logits"]
-    assert session.effective() == {"device": "CPU", "precision": "fp32", "layers": "cpu: 6"}
+    effective = session.effective()
+    assert {key: effective[key] for key in ("device", "precision", "layers")} == {
+        "device": "CPU", "precision": "fp32", "layers": "cpu: 6"}
+    assert "device_name" not in effective  # named only for a Vulkan device
     for x in digits_inputs(20):
         expected = reference(DIGITS_MODEL, {"input": x})["logits"]
         actual = session.run({"input": x})["logits"]
@@ -70,6 +73,10 @@ def test_digits_vulkan_fp32_matches_onnxruntime(tmp_path):
     effective = session.effective()
     assert effective["device"] == "VULKAN" and effective["precision"] == "fp32"
     assert effective["layers"] == "vulkan: 6"
+    import ncnn
+
+    info = ncnn.get_gpu_info(0)  # what the device really is: Mesa's lavapipe is a CPU
+    assert effective["device_name"] == info.device_name() and effective["device_type"] == backend.VULKAN_DEVICE_TYPES[info.type()]
     for x in digits_inputs(10):
         expected = reference(DIGITS_MODEL, {"input": x})["logits"]
         actual = session.run({"input": x})["logits"]
