@@ -273,6 +273,7 @@ class ProfileConfig:
     runs: int = 20  # profiled runs of the first validation sample, after the warm-up
     warmup: int = 3
     top: int = 10  # layers the report shows
+    max_seconds: float = 5.0  # fewer runs (one at least) once profiling took this long
     worker_timeout_s: float = 600.0  # each request to the profiling worker
     worker_memory_mb: Optional[int] = None  # memory limit of the profiling worker; null: none
 
@@ -363,8 +364,9 @@ def _check_combinations(run: RunConfig) -> None:
     if unknown_methods or not run.sensitivity.methods:
         raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; allowed: kl, max, percentile, mse")
     profile = run.profile
-    if profile.runs < 1 or profile.warmup < 0 or profile.top < 1 or profile.worker_timeout_s <= 0:
-        raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1 and worker_timeout_s > 0")
+    if profile.runs < 1 or profile.warmup < 0 or profile.top < 1 or profile.worker_timeout_s <= 0 \
+            or profile.max_seconds <= 0:
+        raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1, max_seconds > 0 and worker_timeout_s > 0")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
     _check_tuning(run.tuning, backend)

@@ -29,6 +29,7 @@ onnx_op_type) and ``note``. ``summarize`` makes the report's view: top layers, t
 from __future__ import annotations
 
 import statistics
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
@@ -180,6 +181,31 @@ class Nodes:
         return readers if len(readers) == 1 and self.types.get(readers[0]) in ACTIVATIONS else []
 
 
+class Runs:
+    """``warmup`` runs, then up to ``runs`` counted ones, fewer when ``budget_s`` (warm-up
+    included) is spent, never fewer than one: iterating says whether each run counts."""
+
+    def __init__(self, runs: int, warmup: int, budget_s: Optional[float] = None):
+        self.runs, self.warmup, self.budget_s = runs, warmup, budget_s
+        self.counted = 0
+
+    def __iter__(self):
+        started = time.perf_counter()
+        for _ in range(self.warmup):
+            yield False
+        for _ in range(self.runs):
+            if self.counted and self.budget_s is not None and time.perf_counter() - started > self.budget_s:
+                return
+            self.counted += 1
+            yield True
+
+    def note(self) -> Optional[str]:
+        if self.counted >= self.runs:
+            return None
+        return (f"stopped after {self.counted} of {self.runs} runs: the time budget of {self.budget_s:g} s "
+                "(profile.max_seconds) was spent")
+
+
 class Timer:
     """Every time measured per layer, layers kept in first-seen order."""
 
@@ -203,8 +229,9 @@ class Timer:
 
 
 def result(measured_by: str, runs: int, warmup: int, layers: List[dict], run_ms: Optional[float],
-           device: dict, note: Optional[str] = None) -> dict:
+           device: dict, *notes: Optional[str]) -> dict:
     total = sum(layer["ms"] for layer in layers)
+    note = "; ".join(text for text in notes if text) or None
     for layer in layers:
         layer["ms"] = round(layer["ms"], 6)
         layer["share"] = round(layer["ms"] / total, 6) if total else 0.0

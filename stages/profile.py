@@ -70,7 +70,7 @@ def run(ctx: StageContext) -> StageResult:
         with BackendWorker(backend.__name__, artifact.out_dir, settings, label=label,
                            timeout_s=limits.worker_timeout_s, memory_mb=limits.worker_memory_mb) as worker:
             found = worker.call("profile", sample.feeds, limits.runs, limits.warmup,
-                                profiling.Nodes.load(convert.path("model")).to_json())
+                                profiling.Nodes.load(convert.path("model")).to_json(), limits.max_seconds)
     except BackendCrashed as err:
         log.warning("profile: %s", err)
         crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail, "stderr_tail": err.stderr_tail}

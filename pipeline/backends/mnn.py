@@ -737,11 +737,12 @@ class Session:
     # -- profile
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                nodes: Optional[dict] = None) -> dict:
+                nodes: Optional[dict] = None, budget_s: Optional[float] = None) -> dict:
         """Per-op times from MNN's per-op callbacks (runSessionWithCallBackInfo) on a second
         session of the same model and config: the wall time between an op's before and after
         callback, which includes a few microseconds of Python callback overhead per op.
-        ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json())."""
+        ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json());
+        ``budget_s``: stop early (after one counted run at least) once it is spent."""
         import time
 
         from pipeline import profiling
@@ -762,20 +763,22 @@ class Session:
                           "DT_INT8" if "DT_INT8" in kind else None)
             return True
 
-        for index in range(warmup + runs):
-            counting[0] = index >= warmup
+        plan = profiling.Runs(runs, warmup, budget_s)
+        for counted in plan:
+            counting[0] = counted
             self._set_inputs(session, feeds)
             begun = time.perf_counter()
             code = self._interpreter.runSessionWithCallBackInfo(session, before, after)
             wall += (time.perf_counter() - begun) if counting[0] else 0.0
             if code != 0:
                 raise RuntimeError(f"MNN runSessionWithCallBackInfo returned error code {code}")
+        runs = plan.counted
         layers = timer.layers(profiling.Nodes(nodes), runs, lambda name: _mnn_candidates(name, timer.info[name][0]))
         kind = int(self._interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS))
         return profiling.result("MNN per-op callbacks (runSessionWithCallBackInfo): wall time between each op's "
                                 "callbacks, Python callback overhead included; whole run: the callback run",
                                 runs, warmup, layers, wall * 1000.0 / runs,
-                                {"device": BACKEND_NAMES.get(kind, f"type {kind}")})
+                                {"device": BACKEND_NAMES.get(kind, f"type {kind}")}, plan.note())
 
     # -- what ran
 

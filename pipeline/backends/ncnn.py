@@ -970,7 +970,7 @@ class Session:
         return self._extract(feeds, self.outputs, keep_all=False)
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                nodes: Optional[dict] = None) -> dict:
+                nodes: Optional[dict] = None, budget_s: Optional[float] = None) -> dict:
         """Per-layer times by incremental extraction: ncnn's Python API has no per-layer
         timer (NCNN_BENCHMARK is a build option the wheel lacks), but an extractor computes
         only what an extracted blob needs and, with light mode off, keeps it. Extracting
@@ -979,12 +979,15 @@ class Session:
         is taken off. Light mode off makes in-place layers work on a copy of their input; on
         Vulkan every layer is submitted, waited for and downloaded on its own, overhead that
         a plain run pays once: such per-layer times overstate the GPU's share. ``nodes``: the
-        converted model's index (pipeline.profiling.Nodes.to_json())."""
+        converted model's index (pipeline.profiling.Nodes.to_json()); ``budget_s``: stop
+        early (after one counted run at least) once it is spent."""
         import time
 
         from pipeline import profiling
 
-        timer = self._layer_times(feeds, runs, warmup)
+        plan = profiling.Runs(runs, warmup, budget_s)
+        timer = self._layer_times(feeds, plan)
+        runs = plan.counted
         started = time.perf_counter()
         for _ in range(runs):
             self.run(feeds)
@@ -1000,10 +1003,11 @@ class Session:
         device = {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective}
         return profiling.result("ncnn incremental extraction: one Extractor.extract per layer in param order, call "
                                 "overhead taken off; whole run: a plain run", runs, warmup, rows, plain_ms, device,
-                                note)
+                                note, plan.note())
 
-    def _layer_times(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int):
-        """A profiling.Timer of every layer over ``runs`` runs of incremental extraction."""
+    def _layer_times(self, feeds: Dict[str, np.ndarray], plan):
+        """A profiling.Timer of every layer over the counted runs of ``plan`` (profiling.Runs)
+        of incremental extraction."""
         import time
 
         from pipeline import profiling
@@ -1011,7 +1015,7 @@ class Session:
         layers = [layer for layer in self._network.layers if layer.type != "Input" and layer.tops]
         kernels = {name: f"{device} {precision}" for name, device, precision in self.layer_devices()}
         timer = profiling.Timer()
-        for index in range(warmup + runs):
+        for counted in plan:
             extractor, held = self._extractor(feeds, keep_all=True)
             try:
                 for layer in layers:
@@ -1022,7 +1026,7 @@ class Session:
                     again = time.perf_counter()
                     if code != 0:
                         raise RuntimeError(f"ncnn could not compute layer {layer.name}: error {code}")
-                    if index >= warmup:
+                    if counted:
                         spent = max(0.0, (computed - started) - (again - computed)) * 1000.0
                         timer.add(layer.name, spent, layer.type, kernels.get(layer.name, "CPU fp32"))
             finally:

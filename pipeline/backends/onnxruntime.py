@@ -111,11 +111,12 @@ class Session:
         return dict(zip(self.outputs, values))
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                nodes: Optional[dict] = None) -> dict:
+                nodes: Optional[dict] = None, budget_s: Optional[float] = None) -> dict:
         """Per-node times from ONNX Runtime's profiler, in a second session with the same
         options plus enable_profiling (its trace goes to the scratch folder). Nodes are the
-        executed graph's (fusions, NCHWc and int8 kernels); only the last ``runs`` runs
-        count. ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json())."""
+        executed graph's (fusions, NCHWc and int8 kernels); the warm-up runs do not count.
+        ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json());
+        ``budget_s``: stop early (after one counted run at least) once it is spent."""
         import onnxruntime as ort
 
         from pipeline import profiling
@@ -125,13 +126,14 @@ class Session:
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(self._scratch.name) / "profile")
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        for _ in range(warmup + runs):
+        plan = profiling.Runs(runs, warmup, budget_s)
+        for _ in plan:
             session.run(self.outputs, feeds)
         trace = Path(session.end_profiling())
         events = json.loads(trace.read_text())
         trace.unlink()
         windows = sorted((e["ts"], e["ts"] + e["dur"], e["dur"]) for e in events
-                         if e.get("cat") == "Session" and e.get("name") == "model_run")[-runs:]
+                         if e.get("cat") == "Session" and e.get("name") == "model_run")[-plan.counted:]
         timer = profiling.Timer()
         for event in events:
             name = event.get("name", "")
@@ -148,7 +150,7 @@ class Session:
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
         return profiling.result("ONNX Runtime profiler (SessionOptions.enable_profiling): kernel time of each node "
                                 "of the executed graph; whole run: model_run", len(windows), warmup, layers, run_ms,
-                                {"device": device})
+                                {"device": device}, plan.note())
 
     def probe(self, names: List[str]) -> dict:
         """Prepare to expose these ONNX tensors. What runs is the graph this session

@@ -127,12 +127,13 @@ class Session:
         return {name: np.array(result[port], dtype=np.float32) for name, port in outputs}
 
     def profile(self, feeds: Dict[str, np.ndarray], runs: int, warmup: int = 1,
-                nodes: Optional[dict] = None) -> dict:
+                nodes: Optional[dict] = None, budget_s: Optional[float] = None) -> dict:
         """Per-layer times from OpenVINO's PERF_COUNT on a second compiled model with the
         same options: ``get_profiling_info`` after each run gives every executed layer of
         the compiled (runtime) model, its exec type (the kernel, e.g. brgconv_avx512_amx_I8)
         and real time; the runtime model's ``originalLayersNames`` name the IR ops it fused.
-        ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json())."""
+        ``nodes``: the converted model's index (pipeline.profiling.Nodes.to_json());
+        ``budget_s``: stop early (after one counted run at least) once it is spent."""
         import time
 
         from pipeline import profiling
@@ -140,24 +141,25 @@ class Session:
         model = self._core.read_model(str(self._model_path))
         compiled = self._core.compile_model(model, self._device, {**self._options, "PERF_COUNT": True})
         request = compiled.create_infer_request()
-        for _ in range(warmup):
-            request.infer(feeds)
-        timer, wall = profiling.Timer(), 0.0
-        for _ in range(runs):
+        timer, wall, plan = profiling.Timer(), 0.0, profiling.Runs(runs, warmup, budget_s)
+        for counted in plan:
             started = time.perf_counter()
             request.infer(feeds)
+            if not counted:
+                continue
             wall += time.perf_counter() - started
             for info in request.get_profiling_info():
                 if info.status == info.Status.EXECUTED:
                     timer.add(info.node_name, info.real_time.total_seconds() * 1000.0, info.node_type, info.exec_type)
         original = {op.get_friendly_name(): op.get_rt_info()["originalLayersNames"].astype(str)
                     for op in compiled.get_runtime_model().get_ordered_ops()}
+        runs = plan.counted
         layers = timer.layers(profiling.Nodes(nodes), runs,
                               lambda name: [n for n in original.get(name, name).split(",") if n])
         device = ",".join(compiled.get_property("EXECUTION_DEVICES"))
         return profiling.result("OpenVINO PERF_COUNT (InferRequest.get_profiling_info): real time and exec type of "
                                 "each executed layer; whole run: wall time of infer()", runs, warmup, layers,
-                                wall * 1000.0 / runs, {"device": device})
+                                wall * 1000.0 / runs, {"device": device}, plan.note())
 
     def effective(self) -> Dict[str, str]:
         """Device and the precision the compute layers of the compiled model really run in."""
