@@ -188,16 +188,24 @@ class Runs:
     def __init__(self, runs: int, warmup: int, budget_s: Optional[float] = None):
         self.runs, self.warmup, self.budget_s = runs, warmup, budget_s
         self.counted = 0
+        self.started = time.perf_counter()
 
     def __iter__(self):
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         for _ in range(self.warmup):
             yield False
         for _ in range(self.runs):
-            if self.counted and self.budget_s is not None and time.perf_counter() - started > self.budget_s:
+            if self.counted and self.spent():
                 return
             self.counted += 1
             yield True
+
+    def spent(self) -> bool:
+        return self.budget_s is not None and time.perf_counter() - self.started > self.budget_s
+
+    def abandon(self) -> None:
+        """The current counted run was given up (the budget ran out inside it)."""
+        self.counted -= 1
 
     def note(self) -> Optional[str]:
         if self.counted >= self.runs:

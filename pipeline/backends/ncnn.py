@@ -987,11 +987,12 @@ class Session:
 
         plan = profiling.Runs(runs, warmup, budget_s)
         timer = self._layer_times(feeds, plan)
-        runs = plan.counted
+        runs, plain = plan.counted, 0
         started = time.perf_counter()
-        for _ in range(runs):
+        while plain < runs and not (plain and plan.spent()):
             self.run(feeds)
-        plain_ms = (time.perf_counter() - started) * 1000.0 / runs
+            plain += 1
+        plain_ms = (time.perf_counter() - started) * 1000.0 / plain
         computes: Dict[str, List[str]] = {}
         for node, names in (self._options.get("layers") or {}).items():
             for name in names:
@@ -1007,32 +1008,45 @@ class Session:
 
     def _layer_times(self, feeds: Dict[str, np.ndarray], plan):
         """A profiling.Timer of every layer over the counted runs of ``plan`` (profiling.Runs)
-        of incremental extraction."""
-        import time
-
+        of incremental extraction; a run the time budget runs out in is given up (thousands
+        of small extractions are what a loaded machine slows down most)."""
         from pipeline import profiling
 
         layers = [layer for layer in self._network.layers if layer.type != "Input" and layer.tops]
         kernels = {name: f"{device} {precision}" for name, device, precision in self.layer_devices()}
         timer = profiling.Timer()
         for counted in plan:
-            extractor, held = self._extractor(feeds, keep_all=True)
-            try:
-                for layer in layers:
-                    started = time.perf_counter()
-                    code, _ = extractor.extract(layer.tops[0], 1)
-                    computed = time.perf_counter()
-                    extractor.extract(layer.tops[0], 1)  # computed already: the call's own cost
-                    again = time.perf_counter()
-                    if code != 0:
-                        raise RuntimeError(f"ncnn could not compute layer {layer.name}: error {code}")
-                    if counted:
-                        spent = max(0.0, (computed - started) - (again - computed)) * 1000.0
-                        timer.add(layer.name, spent, layer.type, kernels.get(layer.name, "CPU fp32"))
-            finally:
-                extractor.clear()
-                del extractor, held
+            times = self._incremental_run(feeds, layers, plan if counted and plan.counted > 1 else None)
+            if times is None:
+                plan.abandon()
+                break
+            for layer, spent in times if counted else ():
+                timer.add(layer.name, spent, layer.type, kernels.get(layer.name, "CPU fp32"))
         return timer
+
+    def _incremental_run(self, feeds: Dict[str, np.ndarray], layers, plan) -> Optional[list]:
+        """[(layer, ms)] of one run extracting every layer's output in turn, or None when
+        ``plan``'s budget is spent before the run ends."""
+        import time
+
+        extractor, held = self._extractor(feeds, keep_all=True)
+        times = []
+        try:
+            for layer in layers:
+                started = time.perf_counter()
+                code, _ = extractor.extract(layer.tops[0], 1)
+                computed = time.perf_counter()
+                extractor.extract(layer.tops[0], 1)  # computed already: the call's own cost
+                again = time.perf_counter()
+                if code != 0:
+                    raise RuntimeError(f"ncnn could not compute layer {layer.name}: error {code}")
+                times.append((layer, max(0.0, (computed - started) - (again - computed)) * 1000.0))
+                if plan is not None and plan.spent():
+                    return None
+        finally:
+            extractor.clear()
+            del extractor, held
+        return times
 
     def probe(self, names: List[str]) -> dict:
         """The ONNX tensors of ``names`` that have an ncnn blob; ``tensors``: the ONNX
