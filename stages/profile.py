@@ -64,13 +64,12 @@ def run(ctx: StageContext) -> StageResult:
     sample = next(iter(_dataset(ctx).validation), None)
     if sample is None:
         return _skipped(ctx, about, "no validation sample to profile")
-    limits = cfg.profile
+    limits, nodes = cfg.profile, profiling.Nodes.load(convert.path("model")).to_json()
     label = f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value}) profile"
     try:
         with BackendWorker(backend.__name__, artifact.out_dir, settings, label=label,
                            timeout_s=limits.worker_timeout_s, memory_mb=limits.worker_memory_mb) as worker:
-            found = worker.call("profile", sample.feeds, limits.runs, limits.warmup,
-                                profiling.Nodes.load(convert.path("model")).to_json(), limits.max_seconds)
+            found = worker.call("profile", sample.feeds, limits.runs, limits.warmup, nodes, limits.max_seconds)
     except BackendCrashed as err:
         log.warning("profile: %s", err)
         crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail, "stderr_tail": err.stderr_tail}
