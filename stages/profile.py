@@ -7,6 +7,9 @@ then ``runs`` profiled runs, through its Session's ``profile`` method (a separat
 session or compiled model: the one verify ran is not changed). ``profile.json`` holds every
 layer; the summary (the report's Profile section) the top layers and the time by op type.
 
+With a compile cache, the same worker also times start-up (load + first inference) with
+the cache and without it, alternating, so the report shows cold vs warm start-up.
+
 Profiling is information, never a gate: a backend without a profiler, or one that crashes,
 hangs or refuses while profiling, gives a summary that says so; the verdict and the exit
 code stay verify's. Timings belong to the machine: the cache key includes its fingerprint."""
@@ -19,7 +22,7 @@ from typing import List
 
 import yaml
 
-from pipeline import backends, environment, profiling
+from pipeline import backends, compile_cache, environment, profiling
 from pipeline.artifacts import write_json
 from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed
@@ -27,7 +30,7 @@ from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult, deployable
 
 NAME = "profile"
-VERSION = 1
+VERSION = 2
 CACHEABLE = True
 READS = {"convert": ["model"], "build": None, "tune": None}
 PROFILE_FILE = "profile.json"
@@ -70,6 +73,7 @@ def run(ctx: StageContext) -> StageResult:
         with BackendWorker(backend.__name__, artifact.out_dir, settings, label=label,
                            timeout_s=limits.worker_timeout_s, memory_mb=limits.worker_memory_mb) as worker:
             found = worker.call("profile", sample.feeds, limits.runs, limits.warmup, nodes, limits.max_seconds)
+            startup = _startup(worker, settings, sample.feeds, limits.startup_rounds)
     except BackendCrashed as err:
         log.warning("profile: %s", err)
         crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail, "stderr_tail": err.stderr_tail}
@@ -78,8 +82,19 @@ def run(ctx: StageContext) -> StageResult:
     write_json(ctx.out_dir / PROFILE_FILE, {**found, **about, "sample": sample.name,
                                             "machine": environment.fingerprint(), "cpu": environment.cpu()})
     summary = {**about, "ran": True, "sample": sample.name, "file": PROFILE_FILE,
-               **profiling.summarize(found, limits.top)}
+               **profiling.summarize(found, limits.top), "startup": startup}
     return StageResult(ctx.out_dir, {"profile": PROFILE_FILE}, summary)
+
+
+def _startup(worker: BackendWorker, settings: dict, feeds: dict, rounds: int):
+    """Load + first inference with the bundle's compile cache and without it, alternating,
+    in the worker (its runtime already initialised, so the two differ by the compilation)."""
+    if not rounds or not settings.get(compile_cache.CACHE_FIELD):
+        return None
+    found = worker.startup({"warm": settings, "cold": compile_cache.without_cache(settings)}, feeds, rounds)
+    cold, warm = found["seconds"]["cold"], found["seconds"]["warm"]
+    return {"cold_s": cold, "warm_s": warm, "speedup": cold / warm if warm > 0 else None,
+            "compile_cache": found["compile_cache"]["warm"], "rounds": rounds}
 
 
 def _skipped(ctx: StageContext, about: dict, reason: str, cache: bool = True, crash=None) -> StageResult:

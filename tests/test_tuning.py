@@ -165,6 +165,14 @@ def test_startup_measures_cold_and_warm_loads(openvino_bundle):
     assert set(result["seconds"]) == {"warm", "cold"} and all(v > 0 for v in result["seconds"].values())
 
 
+def test_report_shows_cold_and_warm_startup(openvino_bundle):
+    report = json.loads((openvino_bundle / "report.json").read_text())
+    startup = report["profile"]["startup"]
+    assert startup["compile_cache"] == "hit" and startup["rounds"] == 3
+    assert startup["cold_s"] > 0 and startup["warm_s"] > 0 and startup["speedup"] > 0
+    assert "ms with the compile cache (hit)" in (openvino_bundle / "report.md").read_text()
+
+
 # -- the search itself, on measurements given as data
 
 

@@ -666,6 +666,13 @@ def _profile_section(profile: dict) -> list:
     unmapped = [str(name) for name in _as_list(profile.get("unmapped"))]
     if unmapped:
         pairs.append(("inserted by the runtime (no ONNX node)", _first_names(unmapped)))
+    startup = _as_dict(profile.get("startup"))
+    if startup:
+        pairs.append(("start-up (load + first inference)",
+                      f"{_fmt_number((startup.get('warm_s') or 0) * 1000, '.1f')} ms with the compile cache "
+                      f"({fmt_value(startup.get('compile_cache'))}), "
+                      f"{_fmt_number((startup.get('cold_s') or 0) * 1000, '.1f')} ms compiling: "
+                      f"{_fmt_number(startup.get('speedup'), '.2f')}x"))
     blocks.append(KeyValues(pairs))
     if profile.get("note"):
         blocks.append(Para(str(profile["note"]), css="muted"))
