@@ -60,7 +60,7 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
     from pipeline.calibration.statistics import BatchRunner
     from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig
     from pipeline.data import TensorSpec, open_dataset
-    from pipeline.quantize import build_qdq, needs_reduce_range
+    from pipeline.quantize import QdqSettings, build_qdq, needs_reduce_range
 
     calibrate = run_dir / "stages" / "calibrate"
     prepared = calibrate / "prepared.onnx"
@@ -84,8 +84,8 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
             for method in ("kl", "max", "percentile", "mse"):
                 table = {name: entries[method] for name, entries in candidates.items()}
                 path = Path(scratch) / "single.onnx"
-                build_qdq(prepared, table, path, keep_float=[o for o in ops if o != op],
-                          reduce_range=needs_reduce_range())
+                build_qdq(prepared, table, path, QdqSettings(reduce_range=needs_reduce_range()),
+                          keep_float=[o for o in ops if o != op])
                 single = onnx.load(str(path))
                 values = BatchRunner(single, outputs, 30).run(feeds, 30)
                 loss, _ = output_loss(reference, [values[name] for name in outputs])

@@ -19,11 +19,11 @@ from pipeline.calibration.statistics import BatchRunner
 from pipeline.console import progress_bar
 from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import ConfigError, InputError
-from pipeline.quantize import build_qdq, needs_reduce_range
+from pipeline.quantize import QdqSettings, build_qdq
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 2
+VERSION = 3
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by every target
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -37,7 +37,7 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "sensitivity": cfg.sensitivity, "data": cfg.data, "precision": cfg.precision,
-            "reduce_range": _reduce_range(cfg)}
+            "qdq": _settings(cfg)}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -49,8 +49,9 @@ def _dataset(ctx: StageContext):
     return open_dataset(ctx.cfg.data, inputs)
 
 
-def _reduce_range(cfg) -> bool:
-    return needs_reduce_range() if cfg.precision.reduce_range is None else cfg.precision.reduce_range
+def _settings(cfg) -> QdqSettings:
+    """The search measures with ONNX Runtime, for every target: its placement."""
+    return QdqSettings.resolve(cfg.precision, "onnxruntime")
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -72,9 +73,10 @@ def run(ctx: StageContext) -> StageResult:
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
     with progress_bar() as progress:
-        task = progress.add_task("sensitivity search", total=len(search.quantizable_ops(prepared, candidates)))
+        task = progress.add_task("sensitivity search", total=len(search.quantizable_ops(prepared, candidates,
+                                                                                    _settings(cfg).quantize_ops)))
         trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
-                                  cfg.precision.activations.value, _reduce_range(cfg), cfg.sensitivity.screen,
+                                  _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n))
     ranking = _ranking(trials)
     best_table = _best_method_table(prepared, table, candidates, ranking)
@@ -118,8 +120,7 @@ class _MixedMeasure:
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
         with tempfile.TemporaryDirectory(prefix="parity-mixed-") as scratch:
             path = Path(scratch) / "mixed.onnx"
-            build_qdq(self.prepared, table, path, self.cfg.precision.activations.value,
-                      self.cfg.precision.per_channel, keep_float=float_ops, reduce_range=_reduce_range(self.cfg))
+            build_qdq(self.prepared, table, path, _settings(self.cfg), keep_float=float_ops)
             model = onnx.load(str(path))
         values = BatchRunner(model, self.outputs, self.count).run(self.feeds, self.count)
         actual = [values[name] for name in self.outputs]
