@@ -16,6 +16,8 @@ Nothing is rebuilt or re-run whole per trial:
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -30,6 +32,7 @@ from pipeline.quantize import WEIGHTED_OPS, QdqSettings
 
 WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": 1}
 CHUNK_OPS = 16  # ops whose float activations are fetched together
+MAX_WORKERS = 4  # ops searched at once (threads; ONNX Runtime releases the GIL while it runs)
 
 
 @dataclass
@@ -80,16 +83,24 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
     reference = [reference[name] for name in outputs]
     ops = quantizable_ops(model, candidates, settings.quantize_ops)
     trials: List[Trial] = []
-    for start in range(0, len(ops), CHUNK_OPS):
-        chunk = ops[start:start + CHUNK_OPS]
-        needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
-        floats = BatchRunner(model, needed, count).run(feeds, count)
-        for index in chunk:
-            trials += _trials_for_op(model, nodes[index], index, candidates, floats, reference, methods,
-                                     settings, screen, count)
-            if progress:
-                progress(1)
+    # One op per core at a time, each in single-threaded sessions: the op's trials are small
+    # graphs on a small batch, where ORT's intra-op threads cost more than they give.
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        for start in range(0, len(ops), CHUNK_OPS):
+            chunk = ops[start:start + CHUNK_OPS]
+            needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
+            floats = BatchRunner(model, needed, count).run(feeds, count)
+            jobs = [pool.submit(_trials_for_op, model, nodes[index], index, candidates, floats, reference, methods,
+                                settings, screen, count) for index in chunk]
+            for job in jobs:
+                trials += job.result()
+                if progress:
+                    progress(1)
     return trials
+
+
+def workers() -> int:
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
 def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
@@ -200,4 +211,4 @@ def _suffix_session(model: onnx.ModelProto, index: int):
     for value in suffix.graph.input:
         value.type.tensor_type.ClearField("shape")
     free_reshape_batch(suffix)
-    return session(suffix)
+    return session(suffix, tiny=True)
