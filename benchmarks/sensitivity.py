@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from calibration import classifier_args, last_report, parity, write_dataset  # benchmarks/calibration.py
+from calibration import classifier_args, last_report, last_run, parity, write_dataset  # benchmarks/calibration.py
 
 SEARCH = ["precision=mixed", "sensitivity.samples=30", "sensitivity.expected_cos=0.999"]
 
@@ -45,13 +45,13 @@ def search_figures(work: Path, data: Path) -> dict:
     peak = peak_run([*base, "pipeline.stages=[convert,calibrate,sensitivity]", "sensitivity.max_float_ops=0"], work)
     report = last_report(work)
     stage = next(s for s in report["stages"] if s["stage"] == "sensitivity")
-    summary = json.loads((sorted((work / "outputs").glob("*/*_*"))[-1] / "stages" / "sensitivity" /
+    summary = json.loads((last_run(work) / "stages" / "sensitivity" /
                           "result.json").read_text())["summary"]
     print(f"\n== 1. per-layer search: {summary['trials']} trials ({summary['measured']} measured in full) ==")
     print(f"  parity search stage: {stage['seconds']:.1f} s, process peak RSS {peak:.0f} MiB"
           f"   (targets <= 30 s, <= 600 MB; TPU-MLIR search_qtable: 706 s, 345 MB)")
     return {"seconds": stage["seconds"], "ranking": summary["ranking"],
-            "run": sorted((work / "outputs").glob("*/*_*"))[-1]}
+            "run": last_run(work)}
 
 
 def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
