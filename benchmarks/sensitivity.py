@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from calibration import classifier_args, last_report, parity, write_dataset  # benchmarks/calibration.py
+from calibration import classifier_args, last_report, last_run, parity, write_dataset  # benchmarks/calibration.py
 
 SEARCH = ["precision=mixed", "sensitivity.samples=30", "sensitivity.expected_cos=0.999"]
 
@@ -45,13 +45,13 @@ def search_figures(work: Path, data: Path) -> dict:
     peak = peak_run([*base, "pipeline.stages=[convert,calibrate,sensitivity]", "sensitivity.max_float_ops=0"], work)
     report = last_report(work)
     stage = next(s for s in report["stages"] if s["stage"] == "sensitivity")
-    summary = json.loads((sorted((work / "outputs").glob("*/*_*"))[-1] / "stages" / "sensitivity" /
+    summary = json.loads((last_run(work) / "stages" / "sensitivity" /
                           "result.json").read_text())["summary"]
     print(f"\n== 1. per-layer search: {summary['trials']} trials ({summary['measured']} measured in full) ==")
     print(f"  parity search stage: {stage['seconds']:.1f} s, process peak RSS {peak:.0f} MiB"
           f"   (targets <= 30 s, <= 600 MB; TPU-MLIR search_qtable: 706 s, 345 MB)")
     return {"seconds": stage["seconds"], "ranking": summary["ranking"],
-            "run": sorted((work / "outputs").glob("*/*_*"))[-1]}
+            "run": last_run(work)}
 
 
 def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
@@ -60,7 +60,7 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
     from pipeline.calibration.statistics import BatchRunner
     from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig
     from pipeline.data import TensorSpec, open_dataset
-    from pipeline.quantize import build_qdq, needs_reduce_range
+    from pipeline.quantize import QdqSettings, build_qdq, needs_reduce_range
 
     calibrate = run_dir / "stages" / "calibrate"
     prepared = calibrate / "prepared.onnx"
@@ -84,8 +84,8 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
             for method in ("kl", "max", "percentile", "mse"):
                 table = {name: entries[method] for name, entries in candidates.items()}
                 path = Path(scratch) / "single.onnx"
-                build_qdq(prepared, table, path, keep_float=[o for o in ops if o != op],
-                          reduce_range=needs_reduce_range())
+                build_qdq(prepared, table, path, QdqSettings(reduce_range=needs_reduce_range()),
+                          keep_float=[o for o in ops if o != op])
                 single = onnx.load(str(path))
                 values = BatchRunner(single, outputs, 30).run(feeds, 30)
                 loss, _ = output_loss(reference, [values[name] for name in outputs])
@@ -104,21 +104,28 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
 
 def selection(work: Path, data: Path) -> None:
     print("\n== 3. select=target vs top_n, and latency on OpenVINO ==")
-    base = [*classifier_args(data, 100, 100), *SEARCH]
-    rows = {}
-    for label, extra in (("target", []), ("top_n=3", ["sensitivity=top_n", "sensitivity.top_n=3"]),
-                         ("top_n=6", ["sensitivity=top_n", "sensitivity.top_n=6"])):
-        parity([*base, *extra, "target=openvino_cpu"], work)
-        report = last_report(work)
-        sensitivity, comparison = report["sensitivity"], report["verify"]["comparison"]
-        rows[label] = sensitivity
-        mixed = sensitivity.get("mixed") or sensitivity["int8"]
-        latencies = {k: v["latency"]["median_ms"] for k, v in comparison.items()}
-        gain = latencies["fp32"] - latencies["int8"]
-        kept = (latencies["fp32"] - latencies["mixed"]) / gain * 100 if gain > 0 else float("nan")
-        print(f"  {label:8s} float ops {len(sensitivity.get('float_ops') or []):2d}  search cosine {mixed['cosine']:.5f}"
-              f"  latency fp32 {latencies['fp32']:.3f} ms, int8 {latencies['int8']:.3f}, mixed {latencies['mixed']:.3f}"
-              f"  (int8 gain kept: {kept:.0f} %)")
+    base = [*classifier_args(data, 100, 100), *SEARCH, "target=openvino_cpu"]
+    parity(base, work)
+    report = last_report(work)
+    found = report["sensitivity"]
+    float_ops = found.get("float_ops") or []
+    mixed = found.get("mixed") or found["int8"]
+    print(f"  int8 on the search samples: cosine {found['int8']['cosine']:.5f}")
+    print(f"  select=target: {len(float_ops)} float ops, search cosine {mixed['cosine']:.5f}")
+    added = [point for point in found.get("curve", []) if point.get("added")]
+    reached = next((point["float_ops"] for point in added if point["cosine"] >= 0.999), None)
+    curve = ", ".join(f"{point['float_ops']}:{point['cosine']:.5f}" for point in added)
+    print(f"  top_n (the ranking's first N ops) first reaches 0.999 at N = {reached} (curve N:cosine {curve})")
+    if float_ops:
+        parity([*base, "sensitivity=top_n", f"sensitivity.top_n={len(float_ops)}"], work)
+        top_n = last_report(work)["sensitivity"]
+        print(f"  top_n={len(float_ops)} (as many float ops as target): search cosine {top_n['mixed']['cosine']:.5f}")
+    latencies = {k: v["latency"]["median_ms"] for k, v in report["verify"]["comparison"].items()}
+    gain = latencies["fp32"] - latencies["int8"]
+    kept = f"{(latencies['fp32'] - latencies['mixed']) / gain * 100:.0f} %" if gain > 0 else \
+        "none to keep: int8 is not faster than fp32 here"
+    print(f"  OpenVINO latency fp32 {latencies['fp32']:.3f} ms, int8 {latencies['int8']:.3f}, "
+          f"mixed {latencies['mixed']:.3f}; int8 gain kept by mixed: {kept}")
     print("  targets: target reaches 0.999 with fewer float ops than top_n needs; mixed keeps >= 80 % of the gain")
 
 

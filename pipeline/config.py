@@ -172,6 +172,12 @@ class PrecisionConfig:
     # int8 builds only:
     activations: QuantType = QuantType.uint8  # u8 activations x s8 weights: the x86 VNNI kernels
     per_channel: bool = True  # per-channel weight scales for Conv/Gemm/MatMul
+    # Op types whose activation inputs (and weights) are quantized; every other op runs in
+    # float between them (docs/calibration.md: placement).
+    quantize_ops: List[str] = field(default_factory=lambda: ["Conv", "ConvTranspose", "Gemm", "MatMul"])
+    # Also quantize those ops' outputs. null: per backend (ONNX Runtime yes: it fuses
+    # DQ -> op -> Q into its int8 kernels; OpenVINO no: it quantizes from the inputs).
+    quantize_outputs: Optional[bool] = None
     # 7-bit weights: u8 x s8 kernels saturate on x86 CPUs without VNNI. null: on for such CPUs.
     reduce_range: Optional[bool] = None
     # Ops (ONNX node names) kept in fp32 in fp16, int8 and mixed builds, on top of what the
@@ -366,8 +372,11 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; allowed: kl, max, percentile, mse")
     profile = run.profile
     if profile.runs < 1 or profile.warmup < 0 or profile.top < 1 or profile.worker_timeout_s <= 0 \
-            or profile.max_seconds <= 0:
-        raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1, max_seconds > 0 and worker_timeout_s > 0")
+            or profile.max_seconds <= 0 or profile.startup_rounds < 0:
+        raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1, max_seconds > 0, startup_rounds >= 0 "
+                          "and worker_timeout_s > 0")
+    if run.precision.name.value in ("int8", "mixed") and not run.precision.quantize_ops:
+        raise ConfigError("precision.quantize_ops: name at least one op type (default: Conv, ConvTranspose, Gemm, MatMul)")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
     _check_tuning(run.tuning, backend)

@@ -208,7 +208,7 @@ class Comparison:
                         "reference_max_abs": metrics["reference_max_abs"], "threshold": self.threshold,
                         "inputs": [{"tensor": a, "cosine": self.stats[a].result()["cosine"],
                                     "reference_max_abs": self.stats[a].reference_max_abs} for a in ancestors],
-                        "region": self.region(tensor.name)}
+                        "region": self.region(tensor.name), "consumers": self.graph.consumers(tensor.name)}
         return None
 
     def nan_origin(self) -> Optional[dict]:

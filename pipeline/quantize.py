@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, Tuple
 
@@ -54,16 +55,57 @@ def needs_reduce_range() -> bool:
     return info["machine"] in ("x86_64", "AMD64") and not vnni
 
 
-def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activations: str = "uint8",
-              per_channel: bool = True, keep_float: Iterable[str] = (), reduce_range: bool = False) -> None:
-    """Weights symmetric int8 (per channel by default), activations per tensor, bias int32;
-    nodes named in keep_float stay in float. The model's outputs stay float."""
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+# Backends whose int8 comes from quantized op inputs alone (OpenVINO's low-precision
+# transformations); ONNX Runtime fuses DequantizeLinear -> op -> QuantizeLinear into its
+# int8 kernels and runs the op in float when the output Q is missing.
+INPUT_ONLY_BACKENDS = ("openvino",)
+
+
+@dataclass(frozen=True)
+class QdqSettings:
+    """How the QDQ model is quantized: activation type, weight granularity, 7-bit weights,
+    which op types get quantized inputs, and whether their outputs are quantized too."""
+
+    activations: str = "uint8"
+    per_channel: bool = True
+    reduce_range: bool = False
+    quantize_ops: Tuple[str, ...] = WEIGHTED_OPS
+    quantize_outputs: bool = True
+
+    @classmethod
+    def resolve(cls, precision, backend: str = "onnxruntime") -> "QdqSettings":
+        """From a PrecisionConfig; nulls resolved for this machine and this backend."""
+        reduce_range = needs_reduce_range() if precision.reduce_range is None else precision.reduce_range
+        outputs = precision.quantize_outputs
+        if outputs is None:
+            outputs = backend not in INPUT_ONLY_BACKENDS
+        return cls(precision.activations.value, precision.per_channel, reduce_range,
+                   tuple(precision.quantize_ops), outputs)
+
+    def describe(self) -> dict:
+        return {"weights": "int8 symmetric, " + ("per channel" if self.per_channel else "per tensor"),
+                "activations": self.activations + (" symmetric" if self.activations == "int8" else " asymmetric")
+                + ", per tensor", "bias": "int32", "reduce_range": self.reduce_range,
+                "quantized_ops": list(self.quantize_ops),
+                "quantized": "inputs and outputs" if self.quantize_outputs else "inputs"}
+
+
+def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings: QdqSettings = QdqSettings(),
+              keep_float: Iterable[str] = ()) -> None:
+    """Weights symmetric int8 (per channel by default), activations per tensor, bias int32,
+    only at the op types of ``settings.quantize_ops``; nodes named in keep_float stay in
+    float. The model's outputs stay float."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+    symmetric = settings.activations == "int8"
+    options = {"WeightSymmetric": True, "ActivationSymmetric": symmetric}
+    if not settings.quantize_outputs:
+        options["OpTypesToExcludeOutputQuantization"] = list(settings.quantize_ops)
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache = Path(scratch) / "ranges.json"
-        write_ort_cache(table, activations, cache)
+        write_ort_cache(table, settings.activations, cache)
         quiet = logging.getLogger().level
         logging.getLogger().setLevel(logging.ERROR)  # ORT logs advice on the root logger
         try:
@@ -72,12 +114,13 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, activati
                 calibration_cache_path=str(cache),
                 calibrate_method=CalibrationMethod.MinMax,
                 quant_format=QuantFormat.QDQ,
-                per_channel=per_channel,
-                reduce_range=reduce_range,
-                activation_type=QuantType.QInt8 if activations == "int8" else QuantType.QUInt8,
+                op_types_to_quantize=list(settings.quantize_ops),
+                per_channel=settings.per_channel,
+                reduce_range=settings.reduce_range,
+                activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 nodes_to_exclude=list(keep_float),
-                extra_options={"WeightSymmetric": True, "ActivationSymmetric": activations == "int8"},
+                extra_options=options,
             )
         finally:
             logging.getLogger().setLevel(quiet)

@@ -83,12 +83,14 @@ def _divergence(culprit: dict, precision: str, table: dict) -> dict:
         if clipping:
             name, entry, how = clipping
             method = entry.get("method") if entry.get("method") not in (None, "unknown") else "imported"
+            # int8 builds quantize a tensor where its consumers read it (Conv/Gemm inputs): they stay float too
+            keep = list(dict.fromkeys([op, *(culprit.get("consumers", []) if name == tensor else [])]))
             return {"kind": "int8_threshold",
                     "text": f"{where}: the int8 threshold of {name} ({method}, "
                             f"{entry['threshold']:.4g}) {how}: use the percentile or mse threshold for it, "
-                            f"or keep {op} in float",
+                            f"or keep {' and '.join(keep)} in float",
                     "action": {"calibration": {name: "mse" if entry.get("method") != "mse" else "percentile"},
-                               "keep_float": [op]}}
+                               "keep_float": keep}}
         return {"kind": "int8_sensitive",
                 "text": f"{where}: keep {op} in float (precision=mixed puts it in the qtable)",
                 "action": {"keep_float": [op]}}

@@ -78,7 +78,8 @@ def find_jobs(sweep: Path, skip: Optional[Path] = None) -> List[Path]:
             found.append(here)
             dirs.clear()
             continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (skip is None or (here / d).resolve() != skip))
+        # not every dot-folder: a path-valued override nests folders such as /root/.pyenv/...
+        dirs[:] = sorted(d for d in dirs if d != ".hydra" and (skip is None or (here / d).resolve() != skip))
     return sorted(found)
 
 

@@ -15,12 +15,12 @@ from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
 from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.quantize import build_qdq, needs_reduce_range
+from pipeline.quantize import QdqSettings, build_qdq
 from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult
 
 NAME = "build"
-VERSION = 14
+VERSION = 15
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -30,8 +30,7 @@ def key_config(cfg):
     quantized = precision.name.value in ("int8", "mixed")
     backend = backends.spec(cfg.target.backend.value)
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
-            "int8": (precision.activations, precision.per_channel, precision.reduce_range,
-                     needs_reduce_range()) if quantized else None,
+            "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or (precision.name.value == "int8" and hasattr(backend, "build_int8"))
@@ -226,17 +225,10 @@ def _quantize(ctx: StageContext):
     keep_float, unknown = _requested_float(ctx, onnx.load(str(calibrate.path("prepared")), load_external_data=False),
                                            keep_float)
     quantized = ctx.out_dir / "quantized.onnx"
-    reduce_range = precision.reduce_range
-    if reduce_range is None:
-        reduce_range = needs_reduce_range()
+    settings = QdqSettings.resolve(precision, backends.spec(ctx.cfg.target.backend.value).NAME)
     try:
-        build_qdq(calibrate.path("prepared"), table, quantized, precision.activations.value, precision.per_channel,
-                  keep_float=keep_float, reduce_range=reduce_range)
+        build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
     except Exception as err:  # noqa: BLE001 - ORT's quantizer rejects some graphs
         raise BackendUnavailable(f"int8: ONNX Runtime's quantizer cannot quantize the model: {first_line(err)}") from err
-    settings = {"weights": "int8 symmetric, " + ("per channel" if precision.per_channel else "per tensor"),
-                "activations": precision.activations.value + (" symmetric" if precision.activations.value == "int8"
-                                                              else " asymmetric") + ", per tensor",
-                "bias": "int32", "reduce_range": reduce_range, "float_ops": keep_float,
-                "keep_float_not_found": unknown}
+    settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown}
     return quantized, settings

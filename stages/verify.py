@@ -26,13 +26,13 @@ from pipeline.console import progress_bar
 from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
 from pipeline.metrics import OutputStats, Top1, failures
-from pipeline.quantize import build_qdq
+from pipeline.quantize import QdqSettings, build_qdq
 from pipeline.recommend import recommend
 from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult, deployable
 
 NAME = "verify"
-VERSION = 5
+VERSION = 6
 CACHEABLE = True
 REFERENCE = ("pipeline.backends.onnxruntime", {"model": "model.onnx", "precision": "fp32",
                                                "options": {"graph_optimization_level": "disabled"}})
@@ -245,8 +245,7 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
         int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
         calibrate = ctx.results["calibrate"]
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
-                  ctx.cfg.precision.activations.value, ctx.cfg.precision.per_channel,
-                  reduce_range=ctx.results["build"].summary["quantization"]["reduce_range"])
+                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME))
         builds["int8"] = (int8, None)
     rows = {}
     for name, (onnx_path, ir_dir) in builds.items():

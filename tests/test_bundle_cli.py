@@ -83,7 +83,7 @@ def ort_bundle_before(ort_bundle):
 @pytest.fixture(scope="module")
 def ov_bundle(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("openvino")
-    result = run_cli(["target=openvino_cpu"], cwd)
+    result = run_cli(["target=openvino_cpu", "precision=fp32"], cwd)  # compared with the fp32 model
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = run_dirs(cwd)
     return single_bundle(run_dir)

@@ -154,3 +154,30 @@ def test_model_outputs_stay_float(int8_run):
     model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))
     producer = {o: n for n in model.graph.node for o in n.output}
     assert producer["logits"].op_type == "Gemm"
+
+
+def _dequantized_readers(model: onnx.ModelProto) -> set:
+    """Op types that read a DequantizeLinear output of an activation (weights are initializers)."""
+    initializers = {t.name for t in model.graph.initializer}
+    activation_dq = {n.output[0] for n in model.graph.node
+                     if n.op_type == "DequantizeLinear" and n.input[0] not in initializers}
+    return {n.op_type for n in model.graph.node if n.op_type != "QuantizeLinear" and set(n.input) & activation_dq}
+
+
+def test_only_conv_and_gemm_inputs_are_quantized(int8_run, tmp_path):
+    """The placement (precision.quantize_ops): ORT gets Q/DQ at Conv/Gemm inputs and outputs
+    (its int8 kernels need both), OpenVINO at their inputs only; MaxPool and Flatten run in float."""
+    from pipeline.quantize import QdqSettings, build_qdq
+
+    _, run_dir, _ = int8_run
+    ort_model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))
+    assert _dequantized_readers(ort_model) <= {"Conv", "Gemm", "Relu"}  # Relu reads a Conv/Gemm output's DQ
+    quantized = {n.input[0] for n in ort_model.graph.node if n.op_type == "QuantizeLinear"}
+    assert {"conv1_out", "relu1_out", "flatten_out"} <= quantized and "pool1_out" not in quantized
+    assert read_report(run_dir)["build"]["quantization"]["quantized"] == "inputs and outputs"
+    calibrate = run_dir / "stages" / "calibrate"
+    table = json.loads((calibrate / "calibration.json").read_text())["tensors"]
+    build_qdq(calibrate / "prepared.onnx", table, tmp_path / "inputs_only.onnx", QdqSettings(quantize_outputs=False))
+    inputs_only = onnx.load(str(tmp_path / "inputs_only.onnx"))
+    assert _dequantized_readers(inputs_only) == {"Conv", "Gemm"}
+    assert "conv1_out" not in {n.input[0] for n in inputs_only.graph.node if n.op_type == "QuantizeLinear"}

@@ -26,7 +26,7 @@ def last_run(cwd):
                                                                                marks=needs_vulkan),
                                             ("mnn_cpu", "CPU")])
 def test_default_model_passes_at_fp32(tmp_path, target, device):
-    result = run_cli([f"target={target}"], tmp_path)
+    result = run_cli([f"target={target}", "precision=fp32"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(last_run(tmp_path))
     assert report["verify"]["effective"]["device"] == device
@@ -36,7 +36,7 @@ def test_default_model_passes_at_fp32(tmp_path, target, device):
 
 
 def test_mnn_gpu_request_that_runs_on_the_cpu_is_caught(tmp_path):
-    result = run_cli(["target=mnn_opencl"], tmp_path)
+    result = run_cli(["target=mnn_opencl", "precision=fp32"], tmp_path)
     assert result.returncode == 4, result.stdout + result.stderr
     report = read_report(last_run(tmp_path))
     (reason,) = report["reasons"]
@@ -46,7 +46,7 @@ def test_mnn_gpu_request_that_runs_on_the_cpu_is_caught(tmp_path):
 
 def test_ncnn_vulkan_without_a_device_is_exit_4_naming_the_driver(tmp_path):
     missing = str(tmp_path / "no-driver.json")  # the Vulkan loader finds no ICD
-    result = run_cli(["target=ncnn_vulkan"], tmp_path, env={"VK_ICD_FILENAMES": missing, "VK_DRIVER_FILES": missing})
+    result = run_cli(["target=ncnn_vulkan", "precision=fp32"], tmp_path, env={"VK_ICD_FILENAMES": missing, "VK_DRIVER_FILES": missing})
     assert result.returncode == 4, result.stdout + result.stderr
     report = read_report(last_run(tmp_path))
     assert report["reasons"] == ["requested device VULKAN but CPU ran: no Vulkan device: install libvulkan1 and a "
@@ -99,7 +99,7 @@ def test_missing_optional_backend_is_exit_4_and_the_sweep_goes_on(tmp_path):
     hide.mkdir()
     (hide / "ncnn.py").write_text("raise ImportError('No module named ncnn (hidden by the test)')\n")
     env_path = os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])
-    result = run_cli(["-m", "target=ncnn_cpu,ort_cpu"], tmp_path, env={"PYTHONPATH": env_path})
+    result = run_cli(["-m", "target=ncnn_cpu,ort_cpu", "precision=fp32"], tmp_path, env={"PYTHONPATH": env_path})
     assert result.returncode == 4, result.stdout + result.stderr
     assert "pip install 'parity[ncnn]'" in result.stderr
     reports = [read_report(p.parent) for p in (tmp_path / "multirun").rglob("report.json")

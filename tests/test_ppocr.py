@@ -40,7 +40,7 @@ def run_ppocr(user_configs, *overrides):
 
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
 def test_fp32_passes_with_top1_reported(user_configs, target):
-    result, run_dir = run_ppocr(user_configs, f"target={target}")
+    result, run_dir = run_ppocr(user_configs, f"target={target}", "precision=fp32")
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dir)
     assert report["verdict"] == "pass"
@@ -123,7 +123,8 @@ def test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference(user_config
     every job's report says what ran."""
     targets = ["ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu"]
     result = run_cli(["--config-dir", user_configs / "conf", "-m", "model=ppocr_cls", "data=textlines",
-                      "data.validation_size=8", f"target={','.join(targets)}"], user_configs, timeout=600)
+                      "data.validation_size=8", "precision=fp32", f"target={','.join(targets)}"], user_configs,
+                     timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     sweep = sorted((user_configs / "multirun").glob("*/*"))[-1]
     reports = {target: read_report(next(sweep.glob(f"*target={target}"))) for target in targets}

@@ -76,7 +76,8 @@ def git_head(folder: Path):
 def sweep(tmp_path_factory):
     """A real sweep: ort_cpu and openvino_cpu, each with a passing and a failing min_cosine."""
     cwd = tmp_path_factory.mktemp("sweep")
-    result = run_cli(["-m", "target=ort_cpu,openvino_cpu", f"validation.min_cosine={PASS_COSINE},{FAIL_COSINE}"], cwd)
+    result = run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=fp32",
+                      f"validation.min_cosine={PASS_COSINE},{FAIL_COSINE}"], cwd)
     assert result.returncode == 3, result.stdout + result.stderr  # the failing threshold
     (folder,) = list(cwd.glob("multirun/*/*"))
     return folder, git_head(cwd)
@@ -278,7 +279,7 @@ def test_every_member_is_checked_before_anything_is_written(tmp_path):
 
 def test_bundle_archive_verifies(sweep):
     folder, _ = sweep
-    archive = folder / f"target=ort_cpu,{PASS}" / "bundle" / "digits_cnn-ort_cpu-fp32.tar.gz"
+    archive = folder / f"precision=fp32,target=ort_cpu,{PASS}" / "bundle" / "digits_cnn-ort_cpu-fp32.tar.gz"
     result = bundle_cli(["verify", archive], folder)
     assert_ok(result)
     assert "bundle digits_cnn-ort_cpu-fp32: 8 files match" in result.stdout  # 6 + the compile cache (2)

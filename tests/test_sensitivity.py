@@ -73,6 +73,24 @@ def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
     assert "float_ops" in read_report(run_dir)["build"]["quantization"]
 
 
+def test_search_measures_verify_cosine_and_starts_from_the_better_table(tmp_path):
+    """The selection's cosine is the one verify gates on (all samples together): on the same
+    samples it equals verify's int8 baseline; and the curve starts from whichever table, the
+    per-op best methods or calibrate's, does better with no op in float."""
+    result = run_cli(["precision=mixed", "sensitivity.expected_cos=0.99999", "data.validation_size=30",
+                      "sensitivity.samples=30"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    verify = read_report(run_dir)["verify"]
+    assert summary["int8"]["cosine"] == pytest.approx(verify["comparison"]["int8"]["cosine"], abs=1e-7)
+    per_op, plain = summary["per_op_methods"]["cosine"], summary["int8"]["cosine"]
+    assert summary["table"] == ("per-op methods" if per_op >= plain else "calibrate")
+    table = json.loads((run_dir / "stages" / "sensitivity" / "calibration.json").read_text())["tensors"]
+    calibrated = json.loads((run_dir / "stages" / "calibrate" / "calibration.json").read_text())["tensors"]
+    assert (table == calibrated) == (summary["table"] == "calibrate")
+
+
 def test_search_skips_itself_when_int8_meets_the_target(tmp_path):
     result = run_cli(["precision=mixed"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

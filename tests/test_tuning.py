@@ -46,7 +46,7 @@ def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_th
     inputs = digits_inputs(TUNE_SAMPLES)
     fused, basic = ort_error("ORT_ENABLE_ALL", inputs), ort_error("ORT_ENABLE_BASIC", inputs)
     assert basic < fused, "premise: level all changes the digits outputs, level basic does not"
-    result = run_cli(["tuning=normal", f"validation.max_abs_error={(basic + fused) / 2}"], tmp_path)
+    result = run_cli(["precision=fp32", "tuning=normal", f"validation.max_abs_error={(basic + fused) / 2}"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]
     tuned = read_report(run_dir)["tuning"]
@@ -69,17 +69,17 @@ def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_th
 
 
 def test_measurements_are_reused_on_the_same_machine(tmp_path):
-    first = run_cli(["target=openvino_cpu", "tuning=fast"], tmp_path)
+    first = run_cli(["target=openvino_cpu", "precision=fp32", "tuning=fast"], tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     report = read_report(run_dirs(tmp_path)[-1])
     assert report["tuning"]["ran"] and not report["tuning"]["reused"]
     assert {"INFERENCE_NUM_THREADS"} == {row["option"] for row in report["tuning"]["space"]}
     # the same job: the whole stage comes from the stage cache
-    again = run_cli(["target=openvino_cpu", "tuning=fast"], tmp_path)
+    again = run_cli(["target=openvino_cpu", "precision=fp32", "tuning=fast"], tmp_path)
     stages = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
     assert again.returncode == 0 and stages["tune"] == "cached"
     # other thresholds re-verify, but the measurements of this artifact on this machine are reused
-    other = run_cli(["target=openvino_cpu", "tuning=fast", "validation.min_cosine=0.999"], tmp_path)
+    other = run_cli(["target=openvino_cpu", "precision=fp32", "tuning=fast", "validation.min_cosine=0.999"], tmp_path)
     report = read_report(run_dirs(tmp_path)[-1])
     assert other.returncode == 0 and report["tuning"]["reused"]
     assert {s["stage"]: s["status"] for s in report["stages"]}["tune"] == "computed"
@@ -100,14 +100,14 @@ def test_tuning_none_keeps_the_build_settings(default_run):
 
 def test_a_gpu_target_that_falls_back_is_not_tuned(tmp_path):
     pytest.importorskip("MNN")
-    result = run_cli(["target=mnn_opencl", "tuning=fast"], tmp_path)
+    result = run_cli(["target=mnn_opencl", "precision=fp32", "tuning=fast"], tmp_path)
     assert result.returncode == 4, result.stdout + result.stderr  # verify reports the fallback
     tuned = read_report(run_dirs(tmp_path)[-1])["tuning"]
     assert not tuned["ran"] and tuned["reason"].startswith("OPENCL did not run (CPU did)")
 
 
 def test_throughput_objective_uses_concurrent_requests(tmp_path):
-    result = run_cli(["target=openvino_cpu", "tuning=fast", "tuning.objective=throughput"], tmp_path)
+    result = run_cli(["target=openvino_cpu", "precision=int8", "tuning=fast", "tuning.objective=throughput"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     tuned = read_report(run_dirs(tmp_path)[-1])["tuning"]
     assert tuned["space"][0]["option"] == "PERFORMANCE_HINT"
@@ -120,7 +120,7 @@ def test_throughput_objective_uses_concurrent_requests(tmp_path):
 @pytest.fixture(scope="module")
 def openvino_bundle(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("ov")
-    result = run_cli(["target=openvino_cpu"], cwd)
+    result = run_cli(["target=openvino_cpu", "precision=fp32"], cwd)
     assert result.returncode == 0, result.stdout + result.stderr
     return single_bundle(run_dirs(cwd)[-1])
 

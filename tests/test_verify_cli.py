@@ -66,7 +66,7 @@ def test_junit_xml_has_a_case_per_output_threshold(default_run):
 
 @pytest.fixture(scope="module")
 def broken_table(tmp_path_factory):
-    """The digits int8 calibration table with relu2_out's threshold at 1 % of its value."""
+    """The digits int8 calibration table with relu1_out's threshold (conv2's input) at 1 % of its value."""
     root = tmp_path_factory.mktemp("broken")
     result = run_cli(["precision=int8"], root)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -74,7 +74,7 @@ def broken_table(tmp_path_factory):
     lines = []
     for line in table.read_text().splitlines():
         fields = line.split()
-        if fields and fields[0] == "relu2_out":
+        if fields and fields[0] == "relu1_out":
             fields[1] = repr(float(fields[1]) * 0.01)
         lines.append(" ".join(fields))
     broken = root / "broken_table.txt"
@@ -93,12 +93,13 @@ def test_a_clipped_int8_threshold_is_named_as_the_first_divergence(broken_table,
     layers = report["verify"]["layerwise"]
     assert layers["ran"] and layers["reason"] == "the verdict failed"
     culprit = layers["first_divergence"]
-    assert culprit["tensor"] == "relu2_out" and culprit["op"] == "relu2", culprit
+    assert culprit["tensor"] == "relu1_out" and culprit["op"] == "relu1", culprit
     assert all(i["cosine"] >= layers["threshold"] for i in culprit["inputs"])
     (advice,) = [a for a in report["verify"]["recommendations"] if a["kind"] == "int8_threshold"]
-    assert advice["action"] == {"calibration": {"relu2_out": "mse"}, "keep_float": ["relu2"]}
+    # the build quantizes relu1_out where conv2 reads it: keeping conv2 float is the fix
+    assert advice["action"] == {"calibration": {"relu1_out": "mse"}, "keep_float": ["relu1", "conv2"]}
     assert "of the peak" in advice["text"]  # an imported table has no statistics: judged against the reference
-    assert "first divergence: op relu2" in result.stdout
+    assert "first divergence: op relu1" in result.stdout
 
 
 def test_a_backend_that_runs_out_of_memory_is_a_crash_verdict_and_the_run_goes_on(tmp_path):
@@ -142,10 +143,10 @@ def test_bundle_check_reproduces_the_verdict_from_recorded_inputs(default_run, t
 
 def test_applying_the_recommendation_fixes_the_broken_layer(broken_table):
     root, table = broken_table
-    result = run_cli(["precision=int8", f"calibration.table={table}", "precision.keep_float=[conv2,relu2]"], root)
+    result = run_cli(["precision=int8", f"calibration.table={table}", "precision.keep_float=[relu1,conv2]"], root)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(last_run(root))
-    assert {"conv2", "relu2"} <= set(report["build"]["quantization"]["float_ops"])
+    assert {"relu1", "conv2"} <= set(report["build"]["quantization"]["float_ops"])
     assert report["verify"]["effective"]["precision"] == "mixed"  # int8 with ops kept float is accepted
     typo = run_cli(["precision=int8", "precision.keep_float=[relu9]"], root)
     assert typo.returncode == 2 and "precision.keep_float: the model has no op 'relu9'" in typo.stderr

@@ -47,5 +47,5 @@ def test_wheel_installs_and_runs_default_job_outside_checkout(tmp_path):
     result = subprocess.run([str(env_dir / "bin" / "parity")], cwd=work, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verdict: PASS" in result.stdout
-    assert list(work.glob("outputs/*/*/bundle/digits_cnn-ort_cpu-fp32/manifest.json"))
+    assert list(work.glob("outputs/*/*/bundle/digits_cnn-ort_cpu-mixed/manifest.json"))
 

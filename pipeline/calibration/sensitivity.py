@@ -16,6 +16,8 @@ Nothing is rebuilt or re-run whole per trial:
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -26,11 +28,11 @@ from onnx import numpy_helper
 from pipeline.calibration.auto import fake_quantize
 from pipeline.calibration.single_node import elem_type, node_session, session
 from pipeline.calibration.statistics import BatchRunner, free_reshape_batch
+from pipeline.quantize import WEIGHTED_OPS, QdqSettings
 
-QUANTIZED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "Concat", "MaxPool", "AveragePool",
-                 "GlobalAveragePool"}
 WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": 1}
 CHUNK_OPS = 16  # ops whose float activations are fetched together
+MAX_WORKERS = 4  # ops searched at once (threads; ONNX Runtime releases the GIL while it runs)
 
 
 @dataclass
@@ -60,40 +62,48 @@ def output_loss(reference: Sequence[np.ndarray], actual: Sequence[np.ndarray]) -
     return float(np.mean(losses)), sqnr
 
 
-def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict]) -> List[int]:
+def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_types=WEIGHTED_OPS) -> List[int]:
     """Indices of the nodes the int8 build quantizes and that have thresholds for their inputs."""
     initializers = {t.name for t in model.graph.initializer}
     found = []
     for index, node in enumerate(model.graph.node):
         activations = [i for i in node.input if i and i not in initializers]
-        if node.op_type in QUANTIZED_OPS and activations and all(i in candidates for i in activations):
+        if node.op_type in op_types and activations and all(i in candidates for i in activations):
             found.append(index)
     return found
 
 
 def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], feeds: Dict[str, np.ndarray],
-              count: int, methods: Sequence[str], activations: str = "uint8", reduce_range: bool = False,
+              count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
               screen: int = 2, progress: Optional[Callable[[int], None]] = None) -> List[Trial]:
     """Every (op, method) trial; screen = methods measured in full per op (0: all)."""
     nodes = list(model.graph.node)
     outputs = [o.name for o in model.graph.output]
     reference = BatchRunner(model, outputs, count).run(feeds, count)
     reference = [reference[name] for name in outputs]
-    ops = quantizable_ops(model, candidates)
+    ops = quantizable_ops(model, candidates, settings.quantize_ops)
     trials: List[Trial] = []
-    for start in range(0, len(ops), CHUNK_OPS):
-        chunk = ops[start:start + CHUNK_OPS]
-        needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
-        floats = BatchRunner(model, needed, count).run(feeds, count)
-        for index in chunk:
-            trials += _trials_for_op(model, nodes[index], index, candidates, floats, reference, methods,
-                                     activations, reduce_range, screen, count)
-            if progress:
-                progress(1)
+    # One op per core at a time, each in single-threaded sessions: the op's trials are small
+    # graphs on a small batch, where ORT's intra-op threads cost more than they give.
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        for start in range(0, len(ops), CHUNK_OPS):
+            chunk = ops[start:start + CHUNK_OPS]
+            needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
+            floats = BatchRunner(model, needed, count).run(feeds, count)
+            jobs = [pool.submit(_trials_for_op, model, nodes[index], index, candidates, floats, reference, methods,
+                                settings, screen, count) for index in chunk]
+            for job in jobs:
+                trials += job.result()
+                if progress:
+                    progress(1)
     return trials
 
 
-def _trials_for_op(model, node, index, candidates, floats, reference, methods, activations, reduce_range,
+def workers() -> int:
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
                    screen, count) -> List[Trial]:
     initializers = {t.name: t for t in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
@@ -106,12 +116,12 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, a
         quantized_feeds = dict(float_feeds)
         for name in node.input:
             if name in candidates:
-                quantized_feeds[name] = fake_quantize(floats[name], candidates[name][method], activations)
+                quantized_feeds[name] = fake_quantize(floats[name], candidates[name][method], settings.activations)
             elif name in initializers and _is_weight(node, name):
-                quantized_feeds[name] = fake_quantize_weight(float_feeds[name], node, reduce_range)
+                quantized_feeds[name] = fake_quantize_weight(float_feeds[name], node, settings)
         output = single.run(None, quantized_feeds)[0]
-        if node.output[0] in candidates and node.output[0] not in graph_outputs:
-            output = fake_quantize(output, candidates[node.output[0]][method], activations)
+        if settings.quantize_outputs and node.output[0] in candidates and node.output[0] not in graph_outputs:
+            output = fake_quantize(output, candidates[node.output[0]][method], settings.activations)
         trials.append((Trial(node.name, node.op_type, method, _sqnr(expected, output)), output))
     ranked = sorted(trials, key=lambda t: -(t[0].op_sqnr_db if t[0].op_sqnr_db is not None else math.inf))
     measured = ranked if screen <= 0 else ranked[:screen]
@@ -138,13 +148,13 @@ def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int) -> List[np.nd
     return [np.concatenate([row[j] for row in rows]) for j in range(len(rows[0]))]
 
 
-def fake_quantize_weight(weight: np.ndarray, node: onnx.NodeProto, reduce_range: bool) -> np.ndarray:
-    """Symmetric int8 per output channel (7-bit with reduce_range), dequantized."""
+def fake_quantize_weight(weight: np.ndarray, node: onnx.NodeProto, settings: QdqSettings) -> np.ndarray:
+    """Symmetric int8 per output channel or per tensor (7-bit with reduce_range), dequantized."""
     axis = WEIGHT_AXIS.get(node.op_type, 0)
     if node.op_type == "Gemm":
         axis = 0 if any(a.name == "transB" and a.i for a in node.attribute) else 1
-    limit = 63 if reduce_range else 127
-    reduce_axes = tuple(a for a in range(weight.ndim) if a != axis)
+    limit = 63 if settings.reduce_range else 127
+    reduce_axes = tuple(a for a in range(weight.ndim) if a != axis or not settings.per_channel)
     scale = np.max(np.abs(weight), axis=reduce_axes, keepdims=True) / limit
     scale = np.where(scale > 0, scale, 1.0)
     return (np.clip(np.round(weight / scale), -limit, limit) * scale).astype(weight.dtype)
@@ -201,4 +211,4 @@ def _suffix_session(model: onnx.ModelProto, index: int):
     for value in suffix.graph.input:
         value.type.tensor_type.ClearField("shape")
     free_reshape_batch(suffix)
-    return session(suffix)
+    return session(suffix, tiny=True)
