@@ -51,8 +51,9 @@ def test_default_run_profiles_ort_by_onnx_node(default_run):
     profile = profile_of(run_dir)
     assert_named_by_onnx(profile)
     assert "ONNX Runtime profiler" in profile["measured_by"] and profile["device"] == "CPU"
-    fused = {layer["onnx_node"]: layer["onnx_nodes"] for layer in profile["layers"] if layer["onnx_node"]}
-    assert fused["fc1"] == ["fc1", "relu3"]  # ORT's FusedGemm computes the Relu after it
+    kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile["layers"] if layer["onnx_node"]}
+    # the default job is precision=mixed: ONNX Runtime's int8 kernels, named by the ONNX node they compute
+    assert kernels["conv1"] == "QLinearConv" and kernels["fc1"] == "QGemm"
     assert profile["machine"] == environment.fingerprint()
     summary = read_report(run_dir)["profile"]
     assert summary["ran"] and summary["layers"] == len(profile["layers"]) and summary["file"] == "profile.json"
@@ -74,7 +75,7 @@ def test_openvino_int8_convolutions_run_int8_kernels(tmp_path):
     kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile["layers"] if layer["onnx_node"]}
     for conv in ("conv1", "conv2"):
         assert re.search(r"_[IU]8$", kernels[conv]), kernels  # OpenVINO's exec type, e.g. brgconv_avx512_amx_I8
-    fp32 = run_cli(["target=openvino_cpu"], tmp_path)
+    fp32 = run_cli(["target=openvino_cpu", "precision=fp32"], tmp_path)
     assert fp32.returncode == 0, fp32.stdout + fp32.stderr
     kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile_of(run_dirs(tmp_path)[-1])["layers"]}
     assert kernels["conv1"].endswith("_f32"), kernels
@@ -112,7 +113,7 @@ def sweep(tmp_path_factory):
     """The digits model at fp32 on every CPU runtime and both GPU targets (the pip MNN
     wheel has no OpenCL: mnn_opencl runs on the CPU and fails with exit 4)."""
     cwd = tmp_path_factory.mktemp("sweep")
-    result = run_cli(["-m", f"target={','.join(SWEEP_TARGETS)}"], cwd, timeout=600)
+    result = run_cli(["-m", f"target={','.join(SWEEP_TARGETS)}", "precision=fp32"], cwd, timeout=600)
     (folder,) = sorted((cwd / "multirun").glob("*/*"))[-1:]
     return result, folder, json.loads((folder / "sweep.json").read_text())
 
@@ -122,7 +123,7 @@ def test_every_runtime_profiles_by_onnx_node(sweep, target):
     _, folder, _ = sweep
     if target == "ncnn_vulkan" and not has_vulkan():
         pytest.skip("no Vulkan device")
-    profile = profile_of(folder / f"target={target}")
+    profile = profile_of(folder / f"precision=fp32,target={target}")
     assert_named_by_onnx(profile)
     expected = {"ort_cpu": "ONNX Runtime profiler", "openvino_cpu": "PERF_COUNT", "ncnn_cpu": "incremental extraction",
                 "ncnn_vulkan": "incremental extraction", "mnn_cpu": "per-op callbacks", "mnn_opencl": "per-op callbacks"}
@@ -144,7 +145,7 @@ def test_sweep_recommends_the_fastest_passing_job_and_says_what_ran(sweep):
     assert found["ship"]["job"] == fastest["dir"] and found["ship"]["latency_ms"] == fastest["latency_ms"]
     assert all(tie["latency_ms"] <= fastest["latency_ms"] * 1.05 for tie in found["ties"])
     assert found["text"].startswith(f"ship {fastest['target']} fp32") and found["text"] in result.stdout
-    notes = {note["job"]: note for note in found["gpu_vs_cpu"]}
+    notes = {note["job"].split(",")[-1]: note for note in found["gpu_vs_cpu"]}  # precision=fp32,target=...
     assert notes["target=mnn_opencl"]["kind"] == "fallback" and "ran on CPU" in notes["target=mnn_opencl"]["text"]
     vulkan = next(job for job in jobs if job["target"] == "ncnn_vulkan")
     if vulkan["effective"].get("device_type") == "CPU":  # Mesa's lavapipe: slower than the CPU runtimes
