@@ -97,14 +97,15 @@ def run(ctx: StageContext) -> StageResult:
 def _material(ctx: StageContext, build, settings: dict, space, feeds) -> dict:
     """What the measurements depend on: the artifact, the runtime, this machine, the
     settings tried and how they are measured."""
-    from pipeline.artifacts import sha256_json
+    import hashlib
 
     artifacts = [build.out_dir / name for name in settings["files"]]
     cfg = ctx.cfg.tuning
     return {"artifact": sorted(hash_files(artifacts).values()), "settings": compile_cache.without_cache(settings),
             "versions": environment.versions(), "machine": environment.fingerprint(), "space": space,
             "level": cfg.level.value, "objective": cfg.objective.value, "warmup": cfg.warmup, "repeats": cfg.repeats,
-            "noise": cfg.noise, "feeds": sha256_json({k: v.tobytes().hex()[:4096] for k, v in feeds.items()})}
+            "noise": cfg.noise,
+            "feeds": hashlib.sha256(b"".join(feeds[name].tobytes() for name in sorted(feeds))).hexdigest()}
 
 
 def _search(ctx: StageContext, backend, build, settings: dict, space, feeds) -> dict:
