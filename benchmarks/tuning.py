@@ -45,7 +45,8 @@ print(time.perf_counter() - started, session.effective()["compile_cache"])
 
 def tune(model_args, target: str, work: Path) -> dict:
     """`parity tuning=fast` on a fresh cache: the run folder, tune seconds and chosen settings."""
-    result = parity([*model_args, f"target={target}", "tuning=fast", f"pipeline.cache_dir={work / 'cache'}"], work)
+    result = parity([*model_args, f"target={target}", "precision=fp32", "tuning=fast",
+                     f"pipeline.cache_dir={work / 'cache'}"], work)
     report = last_report(work)
     assert result.returncode == 0, result.stdout + result.stderr
     run = sorted((work / "outputs").glob("*/*_*"))[-1]
