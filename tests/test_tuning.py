@@ -45,7 +45,8 @@ def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_th
     runtime.yaml holds and parity-bundle run really uses (read back from the session)."""
     inputs = digits_inputs(TUNE_SAMPLES)
     fused, basic = ort_error("ORT_ENABLE_ALL", inputs), ort_error("ORT_ENABLE_BASIC", inputs)
-    assert basic < fused, "premise: level all changes the digits outputs, level basic does not"
+    if not basic < fused:  # NCHWc kernels of level "all" reorder the sums on every x86 CPU seen so far
+        pytest.skip(f"this CPU computes level all as exactly as level basic ({fused} vs {basic}): nothing to refuse")
     result = run_cli(["precision=fp32", "tuning=normal", f"validation.max_abs_error={(basic + fused) / 2}"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]
