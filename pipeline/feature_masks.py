@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from pipeline.errors import BackendCrashed
-from pipeline.metrics import OutputStats, failures
+from pipeline.metrics import output_failures
 from pipeline.worker import BackendWorker
 
 log = logging.getLogger("parity")
@@ -47,16 +47,10 @@ class Judge:
 
     def __call__(self, artifact_dir: Path, settings: dict, masks: Dict[str, int]) -> bool:
         started = time.perf_counter()
-        stats: Dict[str, OutputStats] = {}
         try:
             with BackendWorker(self.module, artifact_dir, settings, label=f"ncnn candidate {masks or 'no masks'}",
                                timeout_s=self.timeout_s) as worker:
-                for feeds, expected in zip(self.samples, self.expected):
-                    actual = worker.run(feeds)
-                    for name, value in expected.items():
-                        stats.setdefault(name, OutputStats()).update(value, actual[name])
-            reasons = [f"{name}: {failure}" for name, s in stats.items()
-                       for failure in failures(s.result(), self.thresholds_for(name))]
+                reasons = output_failures(worker.run, self.samples, self.expected, self.thresholds_for)
         except BackendCrashed as err:
             reasons = [str(err)]
         self.trials.append({"masks": dict(masks), "passed": not reasons, "reasons": reasons[:3],

@@ -141,6 +141,26 @@ class Top1:
                 "max_drop": max_drop, "passed": drop <= max_drop + 1e-12}
 
 
+def output_failures(run, samples, expected, thresholds_for) -> List[str]:
+    """Each sample through ``run`` (feeds -> outputs), its outputs compared with the
+    ``expected`` ones: one line per failed threshold ("output NAME: what failed"), a line
+    for an output the run did not produce, and one when nothing was compared."""
+    stats = {}
+    missing = set()
+    for feeds, reference in zip(samples, expected):
+        actual = run(feeds)
+        for name, value in reference.items():
+            if name in actual:
+                stats.setdefault(name, OutputStats()).update(value, actual[name])
+            else:
+                missing.add(name)
+    if not stats:
+        return ["no output was compared"]
+    return [f"output {name} was not produced" for name in sorted(missing)] + [
+        f"output {name}: {failure}" for name, output in stats.items()
+        for failure in failures(output.result(), thresholds_for(name))]
+
+
 def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
     """Median and spread of repeated single-sample runs, after warm-up runs."""
     import time

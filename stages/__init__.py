@@ -52,6 +52,13 @@ class StageContext:
     records: List[dict]  # timing records of earlier stages
     cache_root: Optional[Path] = None  # the stage cache, when enabled
 
+    def dataset(self):
+        """The run's calibration and validation data, checked against the converted model's inputs."""
+        from pipeline.data import TensorSpec, open_dataset
+
+        inputs = [TensorSpec(**spec) for spec in self.results["convert"].summary["inputs"]]
+        return open_dataset(self.cfg.data, inputs)
+
     def memo(self, name: str, material: dict, produce: Callable[[Path], None]) -> Tuple[Path, bool]:
         """A folder holding what ``produce(folder)`` writes, reused from the cache when the
         same ``material`` (JSON) produced it before: for work a stage shares between its
@@ -71,6 +78,15 @@ class StageContext:
                 produce(temp)
                 (temp / COMPLETE).touch()
         return entry, False
+
+
+REFERENCE_MODULE = "pipeline.backends.onnxruntime"
+
+
+def reference_settings(convert: StageResult) -> dict:
+    """The fp32 reference every comparison uses: ONNX Runtime on the converted model with
+    graph optimizations off (a loader's runtime.yaml for the convert stage's folder)."""
+    return {"model": convert.files["model"], "precision": "fp32", "options": {"graph_optimization_level": "disabled"}}
 
 
 def deployable(results: Dict[str, StageResult]) -> StageResult:

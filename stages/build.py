@@ -13,14 +13,13 @@ import yaml
 
 from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
-from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
 from pipeline.quantize import QdqSettings, build_qdq
 from pipeline.worker import BackendWorker
-from stages import StageContext, StageResult
+from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
 NAME = "build"
-VERSION = 15
+VERSION = 16
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -46,18 +45,14 @@ def _wants_masks(cfg, backend) -> bool:
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
     if _wants_masks(ctx.cfg, backend) or (ctx.cfg.precision.name.value == "int8" and hasattr(backend, "build_int8")):
-        return _dataset(ctx).files
+        return ctx.dataset().files
     return []
 
-
-def _dataset(ctx: StageContext):
-    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
-    return open_dataset(ctx.cfg.data, inputs)
 
 
 def _own_int8(ctx: StageContext, backend):
     """int8 through the backend's own offline quantizer, fed parity's calibration samples."""
-    samples = [sample.feeds for sample in _dataset(ctx).calibration]
+    samples = [sample.feeds for sample in ctx.dataset().calibration]
     if not samples:
         raise ConfigError(f"precision=int8 on {backend.NAME} needs calibration samples (data.calibration_size > 0)")
     try:
@@ -74,12 +69,10 @@ def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
     from pipeline import feature_masks, layerwise
 
     cfg = ctx.cfg
-    samples = [s.feeds for _, s in zip(range(MASK_SAMPLES), _dataset(ctx).validation)]
+    samples = [s.feeds for _, s in zip(range(MASK_SAMPLES), ctx.dataset().validation)]
     convert = ctx.results["convert"]
-    reference_settings = {"model": convert.files["model"], "precision": "fp32",
-                          "options": {"graph_optimization_level": "disabled"}}
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
-    with BackendWorker("pipeline.backends.onnxruntime", convert.out_dir, reference_settings,
+    with BackendWorker(REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
                        label="reference (onnxruntime fp32)", **limits) as reference:
         expected = [reference.run(feeds) for feeds in samples]
         judge = feature_masks.Judge(backend.__name__, samples, expected, cfg.validation.thresholds_for,

@@ -16,7 +16,6 @@ from pipeline.artifacts import hash_files, sha256_file, write_json
 from pipeline import fp16
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
-from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
 from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
@@ -47,12 +46,8 @@ def external_files(ctx: StageContext) -> List[Path]:
     if not needed(ctx.cfg):
         return []
     table = [Path(ctx.cfg.calibration.table).expanduser()] if ctx.cfg.calibration.table else []
-    return _dataset(ctx).files + [t for t in table if t.is_file()]
+    return ctx.dataset().files + [t for t in table if t.is_file()]
 
-
-def _dataset(ctx: StageContext):
-    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
-    return open_dataset(ctx.cfg.data, inputs)
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -82,7 +77,7 @@ def run(ctx: StageContext) -> StageResult:
 
 def _computed_table(ctx: StageContext, model_path: Path):
     cfg = ctx.cfg.calibration
-    dataset = _dataset(ctx)
+    dataset = ctx.dataset()
     split = dataset.calibration
     if len(split) == 0:
         raise InputError("calibration: no calibration samples (set data.calibration_size >= 1)")

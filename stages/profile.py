@@ -24,7 +24,6 @@ import yaml
 
 from pipeline import backends, compile_cache, environment, profiling
 from pipeline.artifacts import write_json
-from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed
 from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult, deployable
@@ -42,12 +41,8 @@ def key_config(cfg):
 
 
 def external_files(ctx: StageContext) -> List[Path]:
-    return _dataset(ctx).files if "convert" in ctx.results else []
+    return ctx.dataset().files if "convert" in ctx.results else []
 
-
-def _dataset(ctx: StageContext) -> Dataset:
-    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
-    return open_dataset(ctx.cfg.data, inputs)
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -64,7 +59,7 @@ def run(ctx: StageContext) -> StageResult:
         return _skipped(ctx, about, reason, cache=False)
     if not hasattr(getattr(backend, "Session", None), "profile"):
         return _skipped(ctx, about, f"backend {backend.NAME} has no per-layer profiler")
-    sample = next(iter(_dataset(ctx).validation), None)
+    sample = next(iter(ctx.dataset().validation), None)
     if sample is None:
         return _skipped(ctx, about, "no validation sample to profile")
     limits, nodes = cfg.profile, profiling.Nodes.load(convert.path("model")).to_json()

@@ -17,7 +17,6 @@ from pipeline.calibration import sensitivity as search
 from pipeline.calibration import tables
 from pipeline.calibration.statistics import BatchRunner
 from pipeline.console import progress_bar
-from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import ConfigError, InputError
 from pipeline.metrics import cosine
 from pipeline.quantize import QdqSettings, build_qdq
@@ -42,12 +41,8 @@ def key_config(cfg):
 
 
 def external_files(ctx: StageContext) -> List[Path]:
-    return _dataset(ctx).files if needed(ctx.cfg) else []
+    return ctx.dataset().files if needed(ctx.cfg) else []
 
-
-def _dataset(ctx: StageContext):
-    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
-    return open_dataset(ctx.cfg.data, inputs)
 
 
 def _settings(cfg) -> QdqSettings:
@@ -103,7 +98,7 @@ def run(ctx: StageContext) -> StageResult:
 
 
 def _samples(ctx: StageContext):
-    split = _dataset(ctx).validation
+    split = ctx.dataset().validation
     count = min(ctx.cfg.sensitivity.samples, len(split))
     if count == 0:
         raise InputError("sensitivity: no validation samples to measure on")

@@ -21,17 +21,14 @@ import yaml
 from pipeline import backends, compile_cache, environment, tuning
 from pipeline.artifacts import hash_files, read_json, write_json
 from pipeline.console import progress_bar
-from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed, BackendUnavailable
-from pipeline.metrics import OutputStats, failures
+from pipeline.metrics import output_failures
 from pipeline.worker import BackendWorker
-from stages import StageContext, StageResult
+from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
 NAME = "tune"
-VERSION = 1
+VERSION = 2
 CACHEABLE = True
-REFERENCE = ("pipeline.backends.onnxruntime", {"model": "model.onnx", "precision": "fp32",
-                                               "options": {"graph_optimization_level": "disabled"}})
 log = logging.getLogger("parity")
 
 
@@ -43,12 +40,8 @@ def key_config(cfg):
 
 
 def external_files(ctx: StageContext) -> List[Path]:
-    return [] if ctx.cfg.tuning.level.value == "none" else _dataset(ctx).files
+    return [] if ctx.cfg.tuning.level.value == "none" else ctx.dataset().files
 
-
-def _dataset(ctx: StageContext):
-    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
-    return open_dataset(ctx.cfg.data, inputs)
 
 
 def _skipped(ctx: StageContext, reason: str, **extra) -> StageResult:
@@ -69,7 +62,7 @@ def run(ctx: StageContext) -> StageResult:
     if not hasattr(backend, "tuning_space"):
         return _skipped(ctx, f"backend {backend.NAME} has no runtime settings to tune")
     space = backend.tuning_space(settings, cfg.level.value, cfg.objective.value, list(cfg.devices))
-    samples = [s.feeds for _, s in zip(range(cfg.verify_samples), _dataset(ctx).validation)]
+    samples = [s.feeds for _, s in zip(range(cfg.verify_samples), ctx.dataset().validation)]
     folder, reused = ctx.memo("tuning", _material(ctx, build, settings, space, samples[0]),
                               lambda out: write_json(out / "trials.json", _search(ctx, backend, build, settings,
                                                                                   space, samples[0])))
@@ -89,8 +82,8 @@ def run(ctx: StageContext) -> StageResult:
     summary.update(_outcome(trials, baseline, chosen, verdicts, len(samples)))
     files: Dict[str, str] = {}
     if chosen is not None and chosen is not baseline:
-        files = _write_tuned(ctx, backend, build, tuning.apply(backend, settings, chosen.changes))
-        summary["compile_cache"] = read_json(ctx.out_dir / "compile_cache.json") if files.get("cache_info") else None
+        files, summary["compile_cache"] = _write_tuned(ctx, backend, build,
+                                                       tuning.apply(backend, settings, chosen.changes))
     return StageResult(ctx.out_dir, files, summary)
 
 
@@ -142,8 +135,8 @@ def _verified_choice(ctx: StageContext, backend, build, settings: dict, baseline
     too (first), so the report says whether they pass. Returns (chosen, {order: failures})."""
     convert = ctx.results["convert"]
     limits = {"timeout_s": ctx.cfg.validation.worker_timeout_s, "memory_mb": ctx.cfg.validation.worker_memory_mb}
-    with BackendWorker(REFERENCE[0], convert.out_dir, REFERENCE[1], label="reference (onnxruntime fp32)",
-                       **limits) as reference:
+    with BackendWorker(REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
+                       label="reference (onnxruntime fp32)", **limits) as reference:
         expected = [reference.run(feeds) for feeds in samples]
     verdicts: Dict[int, List[str]] = {}
 
@@ -161,21 +154,12 @@ def _verified_choice(ctx: StageContext, backend, build, settings: dict, baseline
 
 
 def _failures(ctx: StageContext, backend, build, candidate: dict, samples, expected, limits) -> List[str]:
-    stats: Dict[str, OutputStats] = {}
     try:
         with BackendWorker(backend.__name__, build.out_dir, candidate, label=f"{backend.NAME} tuned (re-verify)",
                            **limits) as worker:
-            for feeds, reference in zip(samples, expected):
-                actual = worker.run(feeds)
-                for name, value in reference.items():
-                    if name in actual:
-                        stats.setdefault(name, OutputStats()).update(value, actual[name])
+            return output_failures(worker.run, samples, expected, ctx.cfg.validation.thresholds_for)
     except BackendCrashed as err:
         return [f"crashed while re-verifying: {err.detail}"]
-    if not stats:
-        return ["no output was compared"]
-    return [f"output {name}: {failure}" for name, output in stats.items()
-            for failure in failures(output.result(), ctx.cfg.validation.thresholds_for(name))]
 
 
 def _outcome(trials: List[tuning.Trial], baseline: tuning.Trial, chosen: Optional[tuning.Trial],
@@ -200,9 +184,10 @@ def _outcome(trials: List[tuning.Trial], baseline: tuning.Trial, chosen: Optiona
             "baseline_passes": not verdicts.get(baseline.order, ["not judged"])}
 
 
-def _write_tuned(ctx: StageContext, backend, build, settings: dict) -> Dict[str, str]:
+def _write_tuned(ctx: StageContext, backend, build, settings: dict):
     """The artifact folder with the tuned runtime.yaml and a compile cache for it (the
-    artifact files are hard links to build's where the file system allows)."""
+    artifact files are hard links to build's where the file system allows): (files, the
+    compile cache's summary or None)."""
     files = {}
     for name in settings["files"]:
         target = ctx.out_dir / name
@@ -214,8 +199,7 @@ def _write_tuned(ctx: StageContext, backend, build, settings: dict) -> Dict[str,
         files[f"artifact:{name}"] = name
     cache = compile_cache.write(backend, ctx.out_dir, settings)
     if cache:
-        write_json(ctx.out_dir / "compile_cache.json", cache)
-        files.update({"compile_cache": cache["folder"], "cache_info": "compile_cache.json"})
+        files["compile_cache"] = cache["folder"]
     (ctx.out_dir / "runtime.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     files["runtime"] = "runtime.yaml"
-    return files
+    return files, cache

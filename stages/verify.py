@@ -23,19 +23,16 @@ from pipeline import backends, layerwise, tuning
 from pipeline.artifacts import read_json, write_json, write_npz
 from pipeline.config import Layerwise
 from pipeline.console import progress_bar
-from pipeline.data import Dataset, TensorSpec, open_dataset
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
 from pipeline.metrics import OutputStats, Top1, failures
 from pipeline.quantize import QdqSettings, build_qdq
 from pipeline.recommend import recommend
 from pipeline.worker import BackendWorker
-from stages import StageContext, StageResult, deployable
+from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
 
 NAME = "verify"
 VERSION = 6
 CACHEABLE = True
-REFERENCE = ("pipeline.backends.onnxruntime", {"model": "model.onnx", "precision": "fp32",
-                                               "options": {"graph_optimization_level": "disabled"}})
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
 
@@ -45,17 +42,13 @@ def key_config(cfg):
 
 
 def external_files(ctx: StageContext) -> List[Path]:
-    return _dataset(ctx).files
+    return ctx.dataset().files
 
-
-def _dataset(ctx: StageContext) -> Dataset:
-    inputs = [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
-    return open_dataset(ctx.cfg.data, inputs)
 
 
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
-    dataset = _dataset(ctx)
+    dataset = ctx.dataset()
     convert, build, artifact = ctx.results["convert"], ctx.results["build"], deployable(ctx.results)
     settings = yaml.safe_load(artifact.path("runtime").read_text())
     backend = backends.spec(settings["backend"])
@@ -73,8 +66,8 @@ def run(ctx: StageContext) -> StageResult:
     effective, crash, layers, comparison = {}, None, None, {}
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         try:
-            reference = _launch(stack, REFERENCE[0], convert.out_dir, REFERENCE[1], "reference (onnxruntime fp32)",
-                                limits)
+            reference = _launch(stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
+                                "reference (onnxruntime fp32)", limits)
             target = _launch(stack, backend.__name__, artifact.out_dir, settings,
                              f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value})", limits)
             baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
