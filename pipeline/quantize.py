@@ -97,6 +97,35 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings
     only at the op types of ``settings.quantize_ops``; nodes named in keep_float stay in
     float. The model's outputs stay float."""
     import onnx
+
+    onnx.save(MixedModels(onnx.load(str(model_path)), table, settings).build(keep_float), str(out_path))
+
+
+class MixedModels:
+    """QDQ models of one prepared model and one table with different ops kept in float.
+    ONNX Runtime's quantizer runs once, for the all-int8 model; each mixed model is derived
+    from it (keep_in_float), identical to what the quantizer builds with those ops
+    excluded. Where the quantized op types include ops the quantizer rewrites beyond
+    adding Q/DQ pairs (it fuses a quantized Relu into its QuantizeLinear), the quantizer
+    builds every mixed model itself."""
+
+    def __init__(self, prepared, table: Dict[str, dict], settings: QdqSettings):
+        self.prepared, self.table, self.settings = prepared, table, settings
+        self._all_int8 = None
+
+    def build(self, keep_float: Iterable[str] = ()):
+        keep_float = sorted(set(keep_float))
+        if keep_float and not set(self.settings.quantize_ops) <= set(WEIGHTED_OPS):
+            return quantize_static_qdq(self.prepared, self.table, self.settings, keep_float)
+        if self._all_int8 is None:
+            self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings)
+        return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings)
+
+
+def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings, keep_float: Iterable[str] = ()):
+    """ONNX Runtime's quantizer fed parity's ranges; output Q/DQ pairs that only round what
+    the user reads are removed."""
+    import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     symmetric = settings.activations == "int8"
@@ -104,13 +133,14 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings
     if not settings.quantize_outputs:
         options["OpTypesToExcludeOutputQuantization"] = list(settings.quantize_ops)
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
-        cache = Path(scratch) / "ranges.json"
+        cache, source, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
         write_ort_cache(table, settings.activations, cache)
+        onnx.save(prepared, str(source))
         quiet = logging.getLogger().level
         logging.getLogger().setLevel(logging.ERROR)  # ORT logs advice on the root logger
         try:
             quantize_static(
-                str(model_path), str(out_path), None,
+                str(source), str(out), None,
                 calibration_cache_path=str(cache),
                 calibrate_method=CalibrationMethod.MinMax,
                 quant_format=QuantFormat.QDQ,
@@ -124,9 +154,116 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings
             )
         finally:
             logging.getLogger().setLevel(quiet)
-    model = onnx.load(str(out_path))
-    if strip_output_qdq(model):
-        onnx.save(model, str(out_path))
+        model = onnx.load(str(out))
+    strip_output_qdq(model)
+    return model
+
+
+def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSettings):
+    """A copy of ``quantized`` (every op of WEIGHTED_OPS in int8) with the ops named in ``float_ops`` back
+    in float: their weights and biases are the prepared model's, and an activation keeps
+    its Q/DQ pair only while an op still in int8 produces (with output quantization) or
+    reads it, which is where ONNX Runtime's quantizer puts pairs for
+    ``nodes_to_exclude=float_ops`` (checked graph for graph in tests/test_quantize.py).
+    Deriving a mixed model costs milliseconds where re-running the quantizer costs a third
+    of a second on PP-OCR, and the selection in stages/sensitivity.py measures dozens."""
+    import onnx
+
+    float_ops = set(float_ops)
+    if not float_ops:
+        return quantized
+    model = onnx.ModelProto()
+    model.CopyFrom(quantized)
+    graph = model.graph
+    nodes = {node.name: node for node in graph.node}
+    original = {node.name: node for node in prepared.graph.node}
+    absent = sorted(float_ops - nodes.keys())
+    if absent:
+        raise KeyError(f"no op named {absent[0]!r} in the quantized model")
+    weights = {init.name: init for init in prepared.graph.initializer}
+    in_int8 = {node.name for node in graph.node
+               if node.op_type in settings.quantize_ops and node.name not in float_ops}
+    producer = {out: node for node in graph.node for out in node.output}
+
+    restored = []  # (node, input index, float initializer name): set once their DQ is gone
+    for name in float_ops:
+        node = nodes[name]
+        for index, was in enumerate(original[name].input):
+            now = producer.get(node.input[index])
+            if was in weights and now is not None and now.op_type == "DequantizeLinear":
+                restored.append((node, index, was))
+                node.input[index] = ""
+    _drop_unneeded_pairs(graph, in_int8, settings.quantize_outputs)
+    _remove_dead_qdq(graph)
+    taken = {out for node in graph.node for out in node.output} | {i.name for i in graph.initializer} | \
+        {i.name for i in graph.input}
+    added: Dict[str, str] = {}
+    for node, index, was in restored:
+        if was not in added:
+            added[was] = was if was not in taken else _fresh_name(f"{was}_float", taken)
+            taken.add(added[was])
+            copy = graph.initializer.add()
+            copy.CopyFrom(weights[was])
+            copy.name = added[was]
+        node.input[index] = added[was]
+    return model
+
+
+def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool) -> None:
+    """Remove each activation's Q -> DQ pair unless an int8 op produces the activation (and
+    outputs are quantized) or reads the pair's result; its readers get the float tensor."""
+    from collections import defaultdict
+
+    producer = {out: node for node in graph.node for out in node.output}
+    readers = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    outputs = {o.name for o in graph.output}
+    for quantize in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
+        source = quantize.input[0]
+        made_by = producer.get(source)
+        if quantize_outputs and made_by is not None and made_by.name in in_int8:
+            continue
+        dequantized = [dq.output[0] for dq in readers[quantize.output[0]] if dq.op_type == "DequantizeLinear"]
+        if any(name in outputs for name in dequantized) or \
+                any(reader.name in in_int8 for name in dequantized for reader in readers[name]):
+            continue
+        for name in dequantized:
+            for reader in readers[name]:
+                for index, value in enumerate(reader.input):
+                    if value == name:
+                        reader.input[index] = source
+
+
+def _remove_dead_qdq(graph) -> None:
+    """Q/DQ nodes whose results nobody reads, and the initializers only they read."""
+    outputs = {o.name for o in graph.output}
+    before = {name for node in graph.node for name in node.input}
+    while True:
+        read = {name for node in graph.node for name in node.input} | outputs
+        dead = [node for node in graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and not any(out in read for out in node.output)]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    _drop_unread_initializers(graph, before)
+
+
+def _drop_unread_initializers(graph, before: set) -> None:
+    """Initializers that were read (names in ``before``) and no longer are."""
+    read = {name for node in graph.node for name in node.input}
+    for init in [i for i in graph.initializer if i.name in before and i.name not in read]:
+        graph.initializer.remove(init)
+
+
+def _fresh_name(base: str, taken: set) -> str:
+    name, number = base, 1
+    while name in taken:
+        number += 1
+        name = f"{base}_{number}"
+    return name
 
 
 def strip_output_qdq(model) -> int:
@@ -134,6 +271,7 @@ def strip_output_qdq(model) -> int:
     save no compute and only round what the user reads. Returns how many were removed."""
     outputs = {o.name for o in model.graph.output}
     producer = {o: n for n in model.graph.node for o in n.output}
+    read = {name for node in model.graph.node for name in node.input}
     removed = 0
     for name in outputs:
         dequantize = producer.get(name)
@@ -147,6 +285,8 @@ def strip_output_qdq(model) -> int:
         model.graph.node.remove(quantize)
         model.graph.node.remove(dequantize)
         removed += 1
+    if removed:
+        _drop_unread_initializers(model.graph, before=read)
     return removed
 
 

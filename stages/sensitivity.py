@@ -5,7 +5,6 @@ the configured target. Skipped when plain int8 already meets it."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Dict, List
 
@@ -19,11 +18,11 @@ from pipeline.calibration.statistics import BatchRunner
 from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
 from pipeline.metrics import cosine
-from pipeline.quantize import QdqSettings, build_qdq
+from pipeline.quantize import MixedModels, QdqSettings
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 4
+VERSION = 5
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by every target
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -61,7 +60,7 @@ def run(ctx: StageContext) -> StageResult:
     table = read_json(calibrate.path("table"))["tensors"]
     candidates = read_json(calibrate.path("candidates"))
     feeds, labels, count = _samples(ctx)
-    measure = _MixedMeasure(calibrate.path("prepared"), feeds, labels, count, cfg)
+    measure = _MixedMeasure(prepared, feeds, labels, count, cfg)
     plain = measure(table, [])
     summary = {"samples": count, "int8": plain, "select": cfg.sensitivity.select.value,
                "expected_cos": cfg.sensitivity.expected_cos}
@@ -112,19 +111,18 @@ class _MixedMeasure:
     """The whole mixed model, really quantized (ONNX Runtime, the build's settings), on the
     search samples: output cosine (as verify computes it), SQNR and top-1 against the float model."""
 
-    def __init__(self, prepared: Path, feeds, labels, count: int, cfg):
+    def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg):
         self.prepared, self.feeds, self.labels, self.count, self.cfg = prepared, feeds, labels, count, cfg
-        model = onnx.load(str(prepared))
-        self.outputs = [o.name for o in model.graph.output]
-        reference = BatchRunner(model, self.outputs, count).run(feeds, count)
+        self.outputs = [o.name for o in prepared.graph.output]
+        reference = BatchRunner(prepared, self.outputs, count).run(feeds, count)
         self.reference = [reference[name] for name in self.outputs]
         self.reference_top1 = self._top1(self.reference[0])
+        self._models = None
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
-        with tempfile.TemporaryDirectory(prefix="parity-mixed-") as scratch:
-            path = Path(scratch) / "mixed.onnx"
-            build_qdq(self.prepared, table, path, _settings(self.cfg), keep_float=float_ops)
-            model = onnx.load(str(path))
+        if self._models is None or self._models.table is not table:  # tables are never mutated
+            self._models = MixedModels(self.prepared, table, _settings(self.cfg))
+        model = self._models.build(float_ops)
         values = BatchRunner(model, self.outputs, self.count).run(self.feeds, self.count)
         actual = [values[name] for name in self.outputs]
         _, sqnr = search.output_loss(self.reference, actual)
