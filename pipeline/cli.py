@@ -22,6 +22,7 @@ from rich.table import Table
 import conf
 from pipeline import config
 from pipeline.console import set_plain_progress, stderr_console, stdout_console
+from pipeline.environment import cores, share_cores
 from pipeline.errors import ExitCode, ParityError
 from pipeline.report import render_html, render_markdown, write_junit
 from pipeline.report.assemble import assemble
@@ -79,6 +80,7 @@ def execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
     log_file = run_dir / f"{hydra_cfg.job.name}.log"
     if hydra_cfg.mode == RunMode.MULTIRUN and "BasicLauncher" not in str(hydra_cfg.launcher.get("_target_")):
         set_plain_progress()  # jobs run side by side: log lines, not live bars fighting over one terminal
+        share_cores(_jobs_side_by_side(hydra_cfg.launcher))
     code, error = ExitCode.INTERNAL, None
     try:
         run_cfg = config.validate(cfg)
@@ -98,6 +100,16 @@ def execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
                                f"{escape(str(err))} (traceback in {escape(str(log_file))})", soft_wrap=True)
     write_job_record(run_dir, code, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), error)
     return code
+
+
+def _jobs_side_by_side(launcher) -> int:
+    """How many jobs of a parallel sweep share this machine's cores: joblib's n_jobs (-1:
+    one per core). A submitit job counts as one: on SLURM its allocation is its affinity
+    mask already."""
+    jobs = launcher.get("n_jobs")
+    if jobs is None:
+        return 1
+    return cores() if int(jobs) < 0 else int(jobs)
 
 
 def _write_run_report(run_dir: Path, report: dict) -> None:

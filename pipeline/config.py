@@ -317,6 +317,10 @@ def register() -> None:
     ConfigStore.instance().store(name="parity_schema", node=RunConfig)
     if not OmegaConf.has_resolver("parity_asset"):
         OmegaConf.register_new_resolver("parity_asset", asset_path)
+    if not OmegaConf.has_resolver("parity_job_folder"):
+        from pipeline.sweep import job_folder
+
+        OmegaConf.register_new_resolver("parity_job_folder", job_folder)
 
 
 def validate(cfg: DictConfig) -> RunConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from functools import lru_cache
@@ -52,6 +53,27 @@ def fingerprint() -> str:
     return hashlib.sha256(json.dumps(cpu(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+_SIDE_BY_SIDE = {"jobs": 1}
+
+
+def share_cores(jobs: int) -> None:
+    """This process is one of ``jobs`` sweep jobs running side by side on this machine."""
+    _SIDE_BY_SIDE["jobs"] = max(1, jobs)
+
+
+def own_threads() -> int:
+    """Threads for parity's own work (calibration passes, the sensitivity search): the
+    cores this process may use, shared out between the jobs running side by side. The
+    targets' sessions keep the threads their runtime settings ask for."""
+    return max(1, cores() // _SIDE_BY_SIDE["jobs"])
+
+
+def cores() -> int:
+    """The cores this process may use (its affinity mask, e.g. a SLURM allocation)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def describe() -> dict:
     return {"versions": versions(), "cpu": cpu(), "fingerprint": fingerprint(), "platform": platform.platform(),
-            "python_executable": sys.executable}
+            "python_executable": sys.executable,
+            "cores": {"available": cores(), "jobs_side_by_side": _SIDE_BY_SIDE["jobs"], "own_threads": own_threads()}}

@@ -40,6 +40,25 @@ def write_job_record(run_dir: Path, exit_code: int, overrides: List[str], choice
                                           "target": choices.get("target"), "precision": choices.get("precision")})
 
 
+def job_folder(overrides, sweep_dir: str, number: int) -> str:
+    """A job's folder name: its values of the swept keys, as Hydra's override_dirname
+    writes them (``precision=int8,target=ort_cpu``). Overrides every job shares (a
+    model.path, a data folder) stay out of the name, so that a path never nests the
+    folder. The swept keys are read from the sweep's multirun.yaml, which Hydra writes
+    before it launches a job; without it, or without a swept key, the job's number."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    try:
+        sweep = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())["hydra"]["overrides"]["task"]
+        swept = {o.key_or_group for o in parser.parse_overrides(sweep) if o.is_sweep_override()}
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        swept = set()
+    mine = [o for o in parser.parse_overrides(list(overrides)) if o.key_or_group in swept]
+    named = ",".join(sorted(f"{o.key_or_group}={o.value()}".replace(os.sep, "_") for o in mine))
+    return named or str(number)
+
+
 class SweepSummary(Callback):
     def __init__(self) -> None:
         self.sweep_dir: Optional[Path] = None

@@ -14,11 +14,11 @@ that changes fewest options from the build's settings wins, then the one tried f
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from pipeline import compile_cache
+from pipeline.environment import cores
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ Changes = Dict[str, object]
 def thread_counts(current: int) -> list:
     """Thread counts worth trying on this machine: the current one, the runtime's
     default (0), 1, half and all of the cores this process may use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return current_first(current, [0, 1, max(1, cores // 2), cores])
+    count = cores()
+    return current_first(current, [0, 1, max(1, count // 2), count])
 
 
 def current_first(current, values: Sequence) -> list:

@@ -86,7 +86,8 @@ REFERENCE_MODULE = "pipeline.backends.onnxruntime"
 def reference_settings(convert: StageResult) -> dict:
     """The fp32 reference every comparison uses: ONNX Runtime on the converted model with
     graph optimizations off (a loader's runtime.yaml for the convert stage's folder)."""
-    return {"model": convert.files["model"], "precision": "fp32", "options": {"graph_optimization_level": "disabled"}}
+    return {"model": convert.files["model"], "precision": "fp32", "options": {"graph_optimization_level": "disabled",
+                                                                             "allow_spinning": False}}
 
 
 def deployable(results: Dict[str, StageResult]) -> StageResult:

@@ -85,16 +85,27 @@ def test_concurrent_jobs_sharing_the_cache_compute_once_and_agree(tmp_path):
     assert built and all(path.read_bytes() == (run / "stages" / "build" / path.name).read_bytes() for path in built)
 
 
-def test_jobs_whose_overrides_hold_paths_are_found(tmp_path):
-    """model.path=/x/y.onnx puts slashes into the job folder name: the job folder nests."""
+def test_job_folders_are_named_after_the_swept_keys_only(tmp_path):
+    """model.path=/x/y.onnx is the same for every job: it stays out of the folder names
+    (a slash would nest them); a swept path is flattened into one folder name."""
     import importlib.resources
 
     model = importlib.resources.files("pipeline") / "assets" / "digits_cnn.onnx"
     result = run_cli(["-m", f"model.path={model}", "target=ort_cpu,openvino_cpu"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())
-    assert sorted(job["target"] for job in summary["jobs"]) == ["openvino_cpu", "ort_cpu"]
-    assert all(job["verdict"] == "pass" and "/" in job["dir"] for job in summary["jobs"])
+    assert sorted(job["dir"] for job in summary["jobs"]) == ["target=openvino_cpu", "target=ort_cpu"]
+    assert all(job["verdict"] == "pass" for job in summary["jobs"])
+
+    (tmp_path / "copy").mkdir()
+    other = tmp_path / "copy" / "digits_cnn.onnx"
+    other.write_bytes(model.read_bytes())
+    swept = tmp_path / "swept"
+    swept.mkdir()
+    result = run_cli(["-m", f"model.path={model},{other}", "precision=fp32", "pipeline.stages=[convert]"], swept)
+    assert result.returncode == 0, result.stdout + result.stderr
+    folders = sorted(p.name for p in sweep_dir(swept).iterdir() if p.is_dir())
+    assert folders == sorted(f"model.path={path}".replace("/", "_") for path in (model, other))
 
 
 def test_parallel_jobs_get_plain_log_lines_not_live_bars(tmp_path):
@@ -110,3 +121,11 @@ def test_parallel_jobs_get_plain_log_lines_not_live_bars(tmp_path):
                      tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("stage verify: computed") == 2
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    for job in json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())["jobs"]:
+        report = json.loads((sweep_dir(tmp_path) / job["dir"] / "report.json").read_text())
+        # two jobs side by side share the cores for parity's own work
+        assert report["environment"]["cores"] == {"available": cores, "jobs_side_by_side": 2,
+                                                  "own_threads": max(1, cores // 2)}

@@ -537,6 +537,7 @@ def _onnx_fingerprints(model, runs: List[Dict[str, np.ndarray]],
     import onnx
     import onnxruntime as ort
 
+    from pipeline.backends.onnxruntime import untimed_options
     from pipeline.layerwise import dynamic_outputs, element_counts
 
     initializers = {t.name for t in model.graph.initializer}
@@ -554,9 +555,8 @@ def _onnx_fingerprints(model, runs: List[Dict[str, np.ndarray]],
     groups += [current] if current else []
     prints: Dict[str, _Fingerprint] = {}
     shapes: Dict[str, list] = {}
-    options = ort.SessionOptions()
+    options = untimed_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
     with tempfile.TemporaryDirectory(prefix="parity-ncnn-map-") as scratch:
         for number, group in enumerate(groups):
             probe = onnx.ModelProto()

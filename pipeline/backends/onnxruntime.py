@@ -46,7 +46,9 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
 # Runtime options a bundle's runtime.yaml may set (the tune stage measures them), with
 # the values ONNX Runtime uses when they are not set.
 OPTION_DEFAULTS = {"graph_optimization_level": "all", "intra_op_num_threads": 0, "inter_op_num_threads": 0,
-                   "execution_mode": "sequential", "enable_mem_pattern": True, "enable_cpu_mem_arena": True}
+                   "execution_mode": "sequential", "enable_mem_pattern": True, "enable_cpu_mem_arena": True,
+                   "allow_spinning": True}
+SPINNING = "session.intra_op.allow_spinning"
 CACHED_MODEL = "model.optimized.onnx"  # compile cache: the graph after ONNX Runtime's optimizations
 
 
@@ -68,9 +70,23 @@ def session_options(options: dict, optimized_path: Optional[Path] = None):
     result.enable_mem_pattern = bool(chosen["enable_mem_pattern"])
     result.enable_cpu_mem_arena = bool(chosen["enable_cpu_mem_arena"])
     result.log_severity_level = 3
+    result.add_session_config_entry(SPINNING, "1" if chosen["allow_spinning"] else "0")
     if optimized_path is not None:
         result.optimized_model_filepath = str(optimized_path)
     return result
+
+
+def untimed_options():
+    """SessionOptions for sessions parity runs for their values and never times
+    (calibration passes, the sensitivity search, layerwise probes, the reference): no
+    spin-waiting. ONNX Runtime's pool threads spin after every run by default, which
+    burns a core that a concurrent job of a sweep could use (docs/sweeps.md)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry(SPINNING, "0")
+    return options
 
 
 def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> None:
@@ -168,9 +184,8 @@ class Session:
         model.graph.output.extend(onnx.ValueInfoProto(name=m.tensor) for m in mapping.values())
         path = Path(self._scratch.name) / "probe.onnx"
         onnx.save(model, str(path), save_as_external_data=True, location="probe.onnx.data")
-        options = ort.SessionOptions()
+        options = untimed_options()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.log_severity_level = 3
         self._probe = (ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), mapping)
         return {"exposed": list(mapping), "tensors": tensors}
 
@@ -208,7 +223,8 @@ class Session:
         return {"graph_optimization_level": self._level if self._cache_status != "hit" else
                 f"{self._level} (cached graph)", "intra_op_num_threads": held.intra_op_num_threads,
                 "inter_op_num_threads": held.inter_op_num_threads, "execution_mode": held.execution_mode.name,
-                "enable_mem_pattern": held.enable_mem_pattern, "enable_cpu_mem_arena": held.enable_cpu_mem_arena}
+                "enable_mem_pattern": held.enable_mem_pattern, "enable_cpu_mem_arena": held.enable_cpu_mem_arena,
+                "allow_spinning": held.get_session_config_entry(SPINNING) != "0"}
 
 
 def _ort_candidates(node: str, op_type: str, index) -> List[str]:
@@ -343,7 +359,8 @@ def tuning_space(settings: dict, level: str, objective: str, devices: List[str])
     if level != "fast":
         knobs += [("graph_optimization_level", ["all", "extended", "basic"]),
                   ("execution_mode", ["sequential", "parallel"]),
-                  ("enable_mem_pattern", [True, False]), ("enable_cpu_mem_arena", [True, False])]
+                  ("enable_mem_pattern", [True, False]), ("enable_cpu_mem_arena", [True, False]),
+                  ("allow_spinning", [True, False])]
     return [(name, current_first(options[name], values)) for name, values in knobs]
 
 

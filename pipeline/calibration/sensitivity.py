@@ -16,7 +16,6 @@ Nothing is rebuilt or re-run whole per trial:
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -28,6 +27,7 @@ from onnx import numpy_helper
 from pipeline.calibration.auto import fake_quantize
 from pipeline.calibration.single_node import elem_type, node_session, session
 from pipeline.calibration.statistics import BatchRunner, free_reshape_batch
+from pipeline.environment import own_threads
 from pipeline.quantize import WEIGHTED_OPS, QdqSettings
 
 WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": 1}
@@ -100,7 +100,7 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
 
 
 def workers() -> int:
-    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    return min(MAX_WORKERS, own_threads())
 
 
 def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,

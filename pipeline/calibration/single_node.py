@@ -11,11 +11,13 @@ def session(model: onnx.ModelProto, tiny: bool = False):
     session costs more than the node)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
+    from pipeline.backends.onnxruntime import untimed_options
+    from pipeline.environment import own_threads
+
+    options = untimed_options()
     options.log_severity_level = 4
     options.inter_op_num_threads = 1
-    if tiny:
-        options.intra_op_num_threads = 1
+    options.intra_op_num_threads = 1 if tiny else own_threads()
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

@@ -5,7 +5,6 @@ samples except the few samples kept (``keep``) for comparing methods."""
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import onnx
 
 from pipeline.calibration.histogram import AbsHistogram
 from pipeline.data import Sample
+from pipeline.environment import own_threads
 from pipeline.errors import InputError
 
 ACTIVATION_BUDGET = 256 << 20  # bytes of activations held per group of samples
@@ -95,7 +95,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
             progress(len(batch))
         batch.clear()
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=own_threads()) as pool:
         for sample in samples:
             batch.append(sample)
             if len(batch) >= group:  # histograms update once per group, whatever the runner's batch
@@ -125,6 +125,7 @@ class BatchRunner:
 
     def _open(self, batched: bool):
         import onnxruntime as ort
+        from pipeline.backends.onnxruntime import untimed_options
 
         augmented = onnx.ModelProto()
         augmented.CopyFrom(self.model)
@@ -139,8 +140,9 @@ class BatchRunner:
                     dims[0].Clear()
                     dims[0].dim_param = "batch"
             free_reshape_batch(augmented)
-        options = ort.SessionOptions()
+        options = untimed_options()
         options.log_severity_level = 4
+        options.intra_op_num_threads = own_threads()
         try:
             return ort.InferenceSession(augmented.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception:  # noqa: BLE001 - a model that cannot take a free batch axis
