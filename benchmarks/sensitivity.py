@@ -60,7 +60,7 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
     from pipeline.calibration.statistics import BatchRunner
     from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig
     from pipeline.data import TensorSpec, open_dataset
-    from pipeline.quantize import QdqSettings, build_qdq, needs_reduce_range
+    from pipeline.quantize import QdqSettings, needs_reduce_range, quantize_static_qdq
 
     calibrate = run_dir / "stages" / "calibrate"
     prepared = calibrate / "prepared.onnx"
@@ -79,17 +79,16 @@ def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
     others = [op for op in ops if op not in top]
     measured_ops = top + [str(op) for op in rng.choice(others, size=max(0, sample_ops - len(top)), replace=False)]
     losses, started = {}, time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        for op in measured_ops:
-            for method in ("kl", "max", "percentile", "mse"):
-                table = {name: entries[method] for name, entries in candidates.items()}
-                path = Path(scratch) / "single.onnx"
-                build_qdq(prepared, table, path, QdqSettings(reduce_range=needs_reduce_range()),
-                          keep_float=[o for o in ops if o != op])
-                single = onnx.load(str(path))
-                values = BatchRunner(single, outputs, 30).run(feeds, 30)
-                loss, _ = output_loss(reference, [values[name] for name in outputs])
-                losses[op] = min(losses.get(op, np.inf), loss)
+    for op in measured_ops:
+        for method in ("kl", "max", "percentile", "mse"):
+            table = {name: entries[method] for name, entries in candidates.items()}
+            # the quantizer itself with every other op excluded (not parity's derivation
+            # from an all-int8 model, which would quantize every op first)
+            single = quantize_static_qdq(model, table, QdqSettings(reduce_range=needs_reduce_range()),
+                                         keep_float=[o for o in ops if o != op])
+            values = BatchRunner(single, outputs, 30).run(feeds, 30)
+            loss, _ = output_loss(reference, [values[name] for name in outputs])
+            losses[op] = min(losses.get(op, np.inf), loss)
     per_trial = (time.perf_counter() - started) / (len(measured_ops) * 4)
     extrapolated = per_trial * len(ops) * 4
     print(f"  naive loop: {per_trial:.2f} s per trial on {len(measured_ops)} ops x 4 methods, "
