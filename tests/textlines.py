@@ -1,5 +1,7 @@
 """Images of rendered text lines, upright (class 0) or rotated 180 degrees (class 1):
-real inputs with known labels for the PP-OCR text-direction classifier."""
+real inputs with known labels for the PP-OCR text-direction classifier. Every image of a
+dataset is a different (word, font size, font) line: no image repeats within a split or
+across the calibration and validation splits."""
 
 from __future__ import annotations
 
@@ -9,18 +11,21 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")  # Debian fonts-dejavu-core
+FONTS = tuple(FONT.parent / name for name in (  # every face fonts-dejavu-core installs
+    "DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf",
+    "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf"))
+SIZES = range(26, 35)
 WORDS = ("parity deploy model runtime verify bundle vulkan tensor layer accuracy "
          "Quick brown fox jumps over lazy dog 2026 ONNX OpenVINO calibration").split()
 
 
-def write_split(folder: Path, count: int, seed: int) -> None:
-    """`count` PNG text lines in `folder` with a labels.csv, half of them rotated."""
+def write_split(folder: Path, styles) -> None:
+    """One PNG text line per (word, size, font) in ``styles``, in `folder` with a
+    labels.csv; every second one rotated."""
     folder.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
     rows = []
-    for index in range(count):
-        text = rng.choice(WORDS)  # short lines: the model's 48x192 input fits aspect ratios up to 4
-        image = render(text, size=rng.randint(26, 34))
+    for index, (text, size, font) in enumerate(styles):
+        image = render(text, size, font)
         label = index % 2
         if label:
             image = image.rotate(180)
@@ -30,16 +35,22 @@ def write_split(folder: Path, count: int, seed: int) -> None:
     (folder / "labels.csv").write_text("sample,label\n" + "\n".join(rows) + "\n")
 
 
-def render(text: str, size: int) -> Image.Image:
-    font = ImageFont.truetype(str(FONT), size)
-    left, top, right, bottom = font.getbbox(text)
+def render(text: str, size: int, font: Path = FONT) -> Image.Image:
+    face = ImageFont.truetype(str(font), size)
+    left, top, right, bottom = face.getbbox(text)
     margin = size // 4
     image = Image.new("RGB", (right - left + 2 * margin, bottom - top + 2 * margin), "white")
-    ImageDraw.Draw(image).text((margin - left, margin - top), text, font=font, fill="black")
+    ImageDraw.Draw(image).text((margin - left, margin - top), text, font=face, fill="black")
     return image
 
 
-def write_dataset(root: Path, calibration: int = 8, validation: int = 24) -> Path:
-    write_split(root / "calibration", calibration, seed=1)
-    write_split(root / "validation", validation, seed=2)
+def write_dataset(root: Path, calibration: int = 8, validation: int = 24, seed: int = 1) -> Path:
+    """Calibration and validation splits of distinct lines (at most 1296 in all). Short
+    words only: the model's 48x192 input fits aspect ratios up to 4."""
+    styles = [(word, size, font) for word in WORDS for size in SIZES for font in FONTS]
+    if calibration + validation > len(styles):
+        raise ValueError(f"at most {len(styles)} distinct text lines")
+    random.Random(seed).shuffle(styles)
+    write_split(root / "calibration", styles[:calibration])
+    write_split(root / "validation", styles[calibration:calibration + validation])
     return root
