@@ -218,3 +218,35 @@ def test_search_records_a_setting_that_cannot_run():
 def test_throughput_scores_invert():
     assert tuning.score({"throughput": 500.0}) == pytest.approx(2.0)
     assert tuning.score({"median_ms": 3.0}) == 3.0
+
+
+def test_untimed_sessions_never_spin_and_shipped_ones_follow_runtime_yaml(tmp_path):
+    """Sessions parity runs only for their values (the reference among them) do not
+    spin-wait; a target's session spins unless its runtime options say otherwise, and
+    effective() reads back what ONNX Runtime holds."""
+    from pipeline.backends import onnxruntime as ort_backend
+    from stages import REFERENCE_MODULE, StageResult, reference_settings
+
+    assert ort_backend.untimed_options().get_session_config_entry(ort_backend.SPINNING) == "0"
+    model = Path(asset_path("digits_cnn.onnx"))
+    shipped = ort_backend.Session(model)
+    assert shipped.effective()["runtime_options"]["allow_spinning"] is True
+    quiet = ort_backend.Session(model, options={"allow_spinning": False})
+    assert quiet.effective()["runtime_options"]["allow_spinning"] is False
+    assert REFERENCE_MODULE == ort_backend.__name__
+    convert = StageResult(model.parent, {"model": model.name}, {})
+    assert reference_settings(convert)["options"]["allow_spinning"] is False
+    assert ("allow_spinning", [True, False]) in ort_backend.tuning_space({}, "normal", "latency", ["CPU"])
+
+
+def test_jobs_side_by_side_share_the_cores_for_parity_own_work():
+    from pipeline import environment
+
+    try:
+        environment.share_cores(2)
+        assert environment.own_threads() == max(1, environment.cores() // 2)
+        environment.share_cores(10 ** 6)
+        assert environment.own_threads() == 1
+    finally:
+        environment.share_cores(1)
+    assert environment.own_threads() == environment.cores()
