@@ -160,20 +160,20 @@ def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings,
 
 
 def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSettings):
-    """A copy of ``quantized`` (every op of WEIGHTED_OPS in int8) with the ops named in ``float_ops`` back
-    in float: their weights and biases are the prepared model's, and an activation keeps
-    its Q/DQ pair only while an op still in int8 produces (with output quantization) or
-    reads it, which is where ONNX Runtime's quantizer puts pairs for
+    """A copy of ``quantized`` (every op of WEIGHTED_OPS in int8) with the ops named in
+    ``float_ops`` back in float: their weights and biases are the prepared model's, and an
+    activation keeps its Q/DQ pair only while an op still in int8 produces (with output
+    quantization) or reads it, which is where ONNX Runtime's quantizer puts pairs for
     ``nodes_to_exclude=float_ops`` (checked graph for graph in tests/test_quantize.py).
     Deriving a mixed model costs milliseconds where re-running the quantizer costs a third
     of a second on PP-OCR, and the selection in stages/sensitivity.py measures dozens."""
     import onnx
 
     float_ops = set(float_ops)
-    if not float_ops:
-        return quantized
     model = onnx.ModelProto()
     model.CopyFrom(quantized)
+    if not float_ops:
+        return model
     graph = model.graph
     nodes = {node.name: node for node in graph.node}
     original = {node.name: node for node in prepared.graph.node}
