@@ -123,7 +123,7 @@ def test_every_runtime_profiles_by_onnx_node(sweep, target):
     _, folder, _ = sweep
     if target == "ncnn_vulkan":
         require_vulkan()  # skips locally without a Vulkan driver; fails in CI, which installs lavapipe
-    profile = profile_of(folder / f"precision=fp32,target={target}")
+    profile = profile_of(folder / f"target={target}")  # precision=fp32 is not swept
     assert_named_by_onnx(profile)
     expected = {"ort_cpu": "ONNX Runtime profiler", "openvino_cpu": "PERF_COUNT", "ncnn_cpu": "incremental extraction",
                 "ncnn_vulkan": "incremental extraction", "mnn_cpu": "per-op callbacks", "mnn_opencl": "per-op callbacks"}
@@ -145,7 +145,7 @@ def test_sweep_recommends_the_fastest_passing_job_and_says_what_ran(sweep):
     assert found["ship"]["job"] == fastest["dir"] and found["ship"]["latency_ms"] == fastest["latency_ms"]
     assert all(tie["latency_ms"] <= fastest["latency_ms"] * 1.05 for tie in found["ties"])
     assert found["text"].startswith(f"ship {fastest['target']} fp32") and found["text"] in result.stdout
-    notes = {note["job"].split(",")[-1]: note for note in found["gpu_vs_cpu"]}  # precision=fp32,target=...
+    notes = {note["job"].split(",")[-1]: note for note in found["gpu_vs_cpu"]}  # target=...
     assert notes["target=mnn_opencl"]["kind"] == "fallback" and "ran on CPU" in notes["target=mnn_opencl"]["text"]
     vulkan = next(job for job in jobs if job["target"] == "ncnn_vulkan")
     if vulkan["effective"].get("device_type") == "CPU":  # Mesa's lavapipe: slower than the CPU runtimes

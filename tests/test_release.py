@@ -279,7 +279,7 @@ def test_every_member_is_checked_before_anything_is_written(tmp_path):
 
 def test_bundle_archive_verifies(sweep):
     folder, _ = sweep
-    archive = folder / f"precision=fp32,target=ort_cpu,{PASS}" / "bundle" / "digits_cnn-ort_cpu-fp32.tar.gz"
+    archive = folder / f"target=ort_cpu,{PASS}" / "bundle" / "digits_cnn-ort_cpu-fp32.tar.gz"
     result = bundle_cli(["verify", archive], folder)
     assert_ok(result)
     assert "bundle digits_cnn-ort_cpu-fp32: 8 files match" in result.stdout  # 6 + the compile cache (2)
