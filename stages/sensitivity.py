@@ -22,7 +22,7 @@ from pipeline.quantize import MixedModels, QdqSettings
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 5
+VERSION = 6
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by every target
 QTABLE_TPU_MLIR = "qtable.txt"

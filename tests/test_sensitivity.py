@@ -58,6 +58,40 @@ def test_fragile_layer_ranks_first_and_stays_float(tmp_path):
     assert report["verify"]["effective"]["precision"] == "mixed"
 
 
+def tokens_model(path):
+    """A sample's [1, 4, 8] input becomes [4 tokens, 8 channels] (axis 0 is not a batch)
+    for two MatMuls, then [1, 4, 8] again: no batch fits, and a batch of tensors
+    concatenated sample after sample has 4 rows per sample (PP-OCRv4's recognizer)."""
+    rng = np.random.default_rng(5)
+    w1, w2 = (rng.normal(0, 0.5, (8, 8)).astype(np.float32) for _ in range(2))
+    shapes = [np.array(s, np.int64) for s in ([4, 8], [1, 4, 8])]
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "tokens"], ["t"], name="to_tokens"),
+         helper.make_node("MatMul", ["t", "w1"], ["a"], name="mm1"),
+         helper.make_node("Relu", ["a"], ["b"], name="relu"),
+         helper.make_node("MatMul", ["b", "w2"], ["c"], name="mm2"),
+         helper.make_node("Reshape", ["c", "back"], ["y"], name="to_sample")],
+        "tokens", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+        initializer=[numpy_helper.from_array(v, n) for v, n in ((w1, "w1"), (w2, "w2"), (shapes[0], "tokens"),
+                                                                 (shapes[1], "back"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_search_runs_samples_one_by_one_when_axis_0_is_not_a_batch(tmp_path):
+    model = tokens_model(tmp_path / "tokens.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "sensitivity=top_n",
+                      "sensitivity.top_n=1"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = sensitivity_summary(run_dirs(tmp_path)[-1])
+    assert sorted(row["op"] for row in summary["ranking"]) == ["mm1", "mm2"]
+    assert all(0 <= row["loss"] < 0.1 for row in summary["ranking"])
+    assert len(summary["float_ops"]) == 1
+
+
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
 def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
     result = run_cli(["precision=mixed", f"target={target}", "sensitivity.expected_cos=0.99999"], tmp_path)

@@ -89,9 +89,11 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
         for start in range(0, len(ops), CHUNK_OPS):
             chunk = ops[start:start + CHUNK_OPS]
             needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
-            floats = BatchRunner(model, needed, count).run(feeds, count)
+            runner = BatchRunner(model, needed, count)
+            floats = runner.run(feeds, count)
+            one_by_one = runner.batch_size == 1  # the model takes no batch: neither do its suffixes
             jobs = [pool.submit(_trials_for_op, model, nodes[index], index, candidates, floats, reference, methods,
-                                settings, screen, count) for index in chunk]
+                                settings, screen, count, one_by_one) for index in chunk]
             for job in jobs:
                 trials += job.result()
                 if progress:
@@ -104,7 +106,7 @@ def workers() -> int:
 
 
 def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
-                   screen, count) -> List[Trial]:
+                   screen, count, one_by_one: bool) -> List[Trial]:
     initializers = {t.name: t for t in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
     single = node_session(model, node)
@@ -125,27 +127,37 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, s
         trials.append((Trial(node.name, node.op_type, method, _sqnr(expected, output)), output))
     ranked = sorted(trials, key=lambda t: -(t[0].op_sqnr_db if t[0].op_sqnr_db is not None else math.inf))
     measured = ranked if screen <= 0 else ranked[:screen]
-    suffix = _suffix_session(model, index)
+    suffix = _suffix_session(model, index, one_by_one)
     for trial, output in measured:
         alive = {name: floats[name] for name in _alive_after(model, index)}
         alive[node.output[0]] = output
-        produced = _run_batched(suffix, {i.name: alive[i.name] for i in suffix.get_inputs()}, count) if suffix else []
+        produced = _run_batched(suffix, {i.name: alive[i.name] for i in suffix.get_inputs()}, count, one_by_one) \
+            if suffix else []
         by_name = dict(zip([o.name for o in suffix.get_outputs()], produced)) if suffix else {}
         actual = [by_name.get(name, alive.get(name)) for name in [o.name for o in model.graph.output]]
         trial.loss, trial.sqnr_db = output_loss(reference, actual)
     return [trial for trial, _ in trials]
 
 
-def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int) -> List[np.ndarray]:
-    """All samples in one run, or one at a time when the graph has a batch of 1 baked in."""
-    try:
-        values = suffix.run(None, feeds)
-        if all(v.ndim and v.shape[0] == count for v in values):
-            return values
-    except Exception:  # noqa: BLE001 - e.g. a Reshape to a fixed batch of 1
-        pass
-    rows = [suffix.run(None, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(count)]
+def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int, one_by_one: bool = False) -> List[np.ndarray]:
+    """All samples in one run, or one at a time when the graph has a batch of 1 baked in.
+    One at a time, the feeds are the samples' tensors concatenated (BatchRunner): sample i
+    is the i-th of ``count`` equal slices of axis 0, which is not always a batch axis (a
+    transformer's [tokens, channels] tensor)."""
+    if not one_by_one:
+        try:
+            values = suffix.run(None, feeds)
+            if all(v.ndim and v.shape[0] == count for v in values):
+                return values
+        except Exception:  # noqa: BLE001 - e.g. a Reshape to a fixed batch of 1
+            pass
+    rows = [suffix.run(None, {k: _sample(v, i, count) for k, v in feeds.items()}) for i in range(count)]
     return [np.concatenate([row[j] for row in rows]) for j in range(len(rows[0]))]
+
+
+def _sample(values: np.ndarray, index: int, count: int) -> np.ndarray:
+    size = len(values) // count
+    return values[index * size:(index + 1) * size]
 
 
 def fake_quantize_weight(weight: np.ndarray, node: onnx.NodeProto, settings: QdqSettings) -> np.ndarray:
@@ -192,9 +204,9 @@ def _sqnr(expected: np.ndarray, actual: np.ndarray) -> Optional[float]:
     return 10 * math.log10(signal / noise) if noise and signal else None
 
 
-def _suffix_session(model: onnx.ModelProto, index: int):
+def _suffix_session(model: onnx.ModelProto, index: int, one_by_one: bool):
     """The graph after node ``index``, fed the tensors alive at that point (None when the
-    node is the last one)."""
+    node is the last one); unless ``one_by_one``, with Reshapes freed to take a batch."""
     later = list(model.graph.node[index + 1:])
     if not later:
         return None
@@ -210,5 +222,12 @@ def _suffix_session(model: onnx.ModelProto, index: int):
     suffix.ir_version = model.ir_version
     for value in suffix.graph.input:
         value.type.tensor_type.ClearField("shape")
-    free_reshape_batch(suffix)
-    return session(suffix, tiny=True)
+    if one_by_one:
+        return session(suffix, tiny=True)
+    batched = onnx.ModelProto()
+    batched.CopyFrom(suffix)
+    free_reshape_batch(batched)
+    try:
+        return session(batched, tiny=True)
+    except Exception:  # noqa: BLE001 - a Reshape whose leading 1 is not the batch (PP-OCRv4 rec)
+        return session(suffix, tiny=True)  # _run_batched then runs the samples one at a time
