@@ -119,3 +119,18 @@ def test_atomic_directory_leaves_nothing_on_failure(tmp_path):
     with atomic_directory(final) as temp:
         (temp / "whole").write_text("x")
     assert [p.name for p in final.iterdir()] == ["whole"]
+
+
+def test_preflight_warnings_sum_up_a_kind_found_in_many_tensors():
+    from pipeline.report.assemble import preflight_warnings
+
+    def finding(name, check="fp32_denormal", severity="warning"):
+        return {"tensor": name, "check": check, "count": 1, "detail": "smallest |x| 1e-40 < 1.18e-38",
+                "severity": severity}
+
+    many = [finding(f"conv{i}.w") for i in range(5)]
+    few = [finding("bn.var", "fp16_overflow"), finding("w", "fp16_underflow", "info")]
+    lines = preflight_warnings(many + few)
+    assert lines == ["pre-flight: bn.var: smallest |x| 1e-40 < 1.18e-38",
+                     "pre-flight: 5 tensors hold float32 denormals (slow on CPUs): conv0.w, conv1.w, conv2.w, ... "
+                     "(every one in the report's convert pre-flight table)"]

@@ -32,8 +32,7 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         warnings.append(f"precision.keep_float: op {name} is not in the prepared graph (folded into another op), "
                         "nothing to keep in float")
     if convert:
-        warnings += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in convert["preflight"]
-                     if f["severity"] != "info"]
+        warnings += preflight_warnings(convert["preflight"])
     return {
         "schema_version": SCHEMA_VERSION,
         "parity_version": pipeline.__version__,
@@ -57,6 +56,26 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         "profile": results["profile"].summary if "profile" in results else None,
         "environment": environment.describe(),
     }
+
+
+PREFLIGHT_SAID = {"nan_inf": "hold NaN or Inf", "fp16_overflow": "exceed fp16's range",
+                  "fp32_denormal": "hold float32 denormals (slow on CPUs)"}
+PREFLIGHT_LISTED = 3  # findings of one kind named one per line; more are summed up in one
+
+
+def preflight_warnings(findings: List[dict]) -> List[str]:
+    """One line per warning finding; a kind found in many tensors (a model's weights full
+    of denormals) is one line naming the first few, the report lists them all."""
+    lines = []
+    for check, said in PREFLIGHT_SAID.items():
+        found = [f for f in findings if f["check"] == check and f["severity"] != "info"]
+        if len(found) <= PREFLIGHT_LISTED:
+            lines += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in found]
+        else:
+            named = ", ".join(f["tensor"] for f in found[:PREFLIGHT_LISTED])
+            lines.append(f"pre-flight: {len(found)} tensors {said}: {named}, ... (every one in the report's "
+                         "convert pre-flight table)")
+    return lines
 
 
 def _calibration(results: Dict):
