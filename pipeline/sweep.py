@@ -152,6 +152,7 @@ def _from_report(report: dict, folder: Path, sweep_dir: Path) -> dict:
             "effective": {key: effective[key] for key in ("device", "device_name", "device_type") if key in effective},
             "profile": _profile_brief(report.get("profile")),
             "stages": {s["stage"]: s["status"] for s in report.get("stages") or []},
+            "side_by_side": ((report.get("environment") or {}).get("cores") or {}).get("jobs_side_by_side", 1),
             "bundle": bundles[0].relative_to(sweep_dir).as_posix() if bundles else None}
 
 
@@ -226,6 +227,11 @@ def recommend(jobs: List[dict]) -> dict:
     if ties:
         text += (f". Within {TIE:.0%} of it, a tie on this machine's noise: "
                  + ", ".join(f"{_label(job)} {job['latency_ms']:.3f} ms" for job in ties))
+    side_by_side = max(job.get("side_by_side") or 1 for job in timed)
+    if side_by_side > 1:
+        found["contended"] = side_by_side
+        text += (f". These latencies were measured with {side_by_side} jobs side by side sharing the cores: "
+                 "re-time the candidates alone (a sequential sweep, or parity-bundle run) before choosing")
     found["text"] = text
     return found
 

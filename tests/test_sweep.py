@@ -36,6 +36,7 @@ def test_sweep_summary_and_worst_exit_code_with_each_launcher(tmp_path, launcher
     assert jobs["mnn_opencl", "fp32"]["exit_code"] == 4
     assert summary["exit_code"] == 4
     assert summary["matrix"]["best"] == {"ort_cpu": summary["jobs"].index(jobs["ort_cpu", "fp32"])}
+    assert ("contended" in summary["recommendation"]) == (launcher == "joblib")
 
     markdown = (folder / "sweep.md").read_text()
     assert "| ort_cpu | ★ pass (exit 0)" in markdown and "error (exit 2)" in markdown
@@ -129,3 +130,5 @@ def test_parallel_jobs_get_plain_log_lines_not_live_bars(tmp_path):
         # two jobs side by side share the cores for parity's own work
         assert report["environment"]["cores"] == {"available": cores, "jobs_side_by_side": 2,
                                                   "own_threads": max(1, cores // 2)}
+    found = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())["recommendation"]
+    assert found["contended"] == 2 and "2 jobs side by side" in found["text"] and found["text"] in result.stdout
