@@ -61,6 +61,10 @@ def share_cores(jobs: int) -> None:
     _SIDE_BY_SIDE["jobs"] = max(1, jobs)
 
 
+def jobs_side_by_side() -> int:
+    return _SIDE_BY_SIDE["jobs"]
+
+
 def own_threads() -> int:
     """Threads for parity's own work (calibration passes, the sensitivity search): the
     cores this process may use, shared out between the jobs running side by side. The
@@ -76,4 +80,4 @@ def cores() -> int:
 def describe() -> dict:
     return {"versions": versions(), "cpu": cpu(), "fingerprint": fingerprint(), "platform": platform.platform(),
             "python_executable": sys.executable,
-            "cores": {"available": cores(), "jobs_side_by_side": _SIDE_BY_SIDE["jobs"], "own_threads": own_threads()}}
+            "cores": {"available": cores(), "jobs_side_by_side": jobs_side_by_side(), "own_threads": own_threads()}}

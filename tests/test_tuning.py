@@ -241,12 +241,15 @@ def test_untimed_sessions_never_spin_and_shipped_ones_follow_runtime_yaml(tmp_pa
 
 def test_jobs_side_by_side_share_the_cores_for_parity_own_work():
     from pipeline import environment
+    from pipeline.backends.onnxruntime import untimed_options
 
     try:
         environment.share_cores(2)
         assert environment.own_threads() == max(1, environment.cores() // 2)
+        assert untimed_options().intra_op_num_threads == environment.own_threads()
         environment.share_cores(10 ** 6)
         assert environment.own_threads() == 1
     finally:
         environment.share_cores(1)
     assert environment.own_threads() == environment.cores()
+    assert untimed_options().intra_op_num_threads == 0  # alone: ONNX Runtime's default

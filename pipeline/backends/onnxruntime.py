@@ -79,13 +79,18 @@ def session_options(options: dict, optimized_path: Optional[Path] = None):
 def untimed_options():
     """SessionOptions for sessions parity runs for their values and never times
     (calibration passes, the sensitivity search, layerwise probes, the reference): no
-    spin-waiting. ONNX Runtime's pool threads spin after every run by default, which
-    burns a core that a concurrent job of a sweep could use (docs/sweeps.md)."""
+    spin-waiting, and this job's share of the cores when sweep jobs run side by side.
+    ONNX Runtime's pool threads spin after every run by default, which burns a core that
+    a concurrent job of a sweep could use (docs/sweeps.md)."""
     import onnxruntime as ort
+
+    from pipeline.environment import jobs_side_by_side, own_threads
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry(SPINNING, "0")
+    if jobs_side_by_side() > 1:
+        options.intra_op_num_threads = own_threads()
     return options
 
 

@@ -12,12 +12,12 @@ def session(model: onnx.ModelProto, tiny: bool = False):
     import onnxruntime as ort
 
     from pipeline.backends.onnxruntime import untimed_options
-    from pipeline.environment import own_threads
 
     options = untimed_options()
     options.log_severity_level = 4
     options.inter_op_num_threads = 1
-    options.intra_op_num_threads = 1 if tiny else own_threads()
+    if tiny:
+        options.intra_op_num_threads = 1
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

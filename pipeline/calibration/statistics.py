@@ -142,7 +142,6 @@ class BatchRunner:
             free_reshape_batch(augmented)
         options = untimed_options()
         options.log_severity_level = 4
-        options.intra_op_num_threads = own_threads()
         try:
             return ort.InferenceSession(augmented.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception:  # noqa: BLE001 - a model that cannot take a free batch axis
