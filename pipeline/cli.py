@@ -144,6 +144,8 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
                                   f"tensor {escape(found['tensor'])}")
         for advice in verify.get("recommendations", []):
             console.print(f"[cyan]recommendation:[/] {escape(advice['text'])}")
+    if verify and (verify.get("speed") or {}).get("speedups"):
+        console.print(_speed_line(verify))
     profile = outcome.results.get("profile")
     if profile:
         console.print(_profile_line(profile.summary))
@@ -158,6 +160,16 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
         console.print(f"bundle: {escape(package.summary['bundle'])}")
     console.print(f"run folder: {escape(str(outcome.run_dir))}")
     console.print(f"reports: {escape(', '.join(REPORT_FILES))} in the run folder")
+
+
+def _speed_line(verify: dict) -> str:
+    """Each build's speed-up over fp32 on this backend, timed interleaved (pipeline.speed)."""
+    parts = []
+    for name, found in verify["speed"]["speedups"].items():
+        mark = "" if found["faster"] else " [yellow](not faster)[/]"
+        parts.append(f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f}){mark}")
+    rounds = (verify["comparison"].get("fp32") or {}).get("latency") or {}
+    return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds): " + ", ".join(parts)
 
 
 def _profile_line(profile: dict) -> str:

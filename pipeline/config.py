@@ -254,6 +254,11 @@ class ValidationConfig:
     # Every backend run of verify is a worker process: a crash or hang fails the verdict.
     worker_timeout_s: float = 600.0  # per request (load, one sample, one latency measure)
     worker_memory_mb: Optional[int] = None  # address-space limit of a worker; null: none
+    # Speed: fp32, plain int8 and the shipped build timed interleaved in rounds (docs/verify.md).
+    min_speedup: Optional[float] = None  # shipped build vs fp32; null: a slow build is a warning only
+    timing_rounds: int = 7
+    timing_runs: int = 10  # runs of one sample per build and round
+    timing_max_seconds: float = 10.0  # no new round after this (3 rounds at least)
 
     def thresholds_for(self, output: str) -> OutputThresholds:
         base = OutputThresholds(self.min_cosine, self.max_abs_error,

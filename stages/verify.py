@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import yaml
 
-from pipeline import backends, layerwise, tuning
+from pipeline import backends, environment, layerwise, speed, tuning
 from pipeline.artifacts import read_json, write_json, write_npz
 from pipeline.config import Layerwise
 from pipeline.console import progress_bar
@@ -31,7 +31,7 @@ from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
 
 NAME = "verify"
-VERSION = 6
+VERSION = 7
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -63,7 +63,7 @@ def run(ctx: StageContext) -> StageResult:
     check = _Check(output_names, task_output)
     requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.name.value,
                  "accepted_precisions": _accepted_precisions(cfg.precision)}
-    effective, crash, layers, comparison = {}, None, None, {}
+    effective, crash, layers, comparison, timing = {}, None, None, {}, {}
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         try:
             reference = _launch(stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
@@ -78,9 +78,9 @@ def run(ctx: StageContext) -> StageResult:
             check.run(reference, target, baselines, dataset, progress, ctx.out_dir / files["reproduce"],
                       f"verify {cfg.target.name}")
             effective = target.effective()
-            comparison = {name: row.result(reference_sample=check.last) for name, row in baselines.items()}
-            comparison[cfg.precision.name.value] = _Row(target, build.summary.get("bytes"), check.stats,
-                                                        check.top1).result(check.last)
+            rows = {**baselines, cfg.precision.name.value: _Row(target, build.summary.get("bytes"), check.stats,
+                                                                check.top1)}
+            comparison, timing = _side_by_side(rows, check.last, cfg.precision.name.value, backend.NAME, cfg.validation)
         except BackendCrashed as err:
             crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
                      "stderr_tail": err.stderr_tail}
@@ -89,6 +89,9 @@ def run(ctx: StageContext) -> StageResult:
                    if name not in check.missing and check.stats[name].elements]
         task = check.top1.result(cfg.validation.max_metric_drop, task_output)
         reasons, exit_code = _verdict(outputs, check.missing, task, requested, effective, check.samples, crash)
+        if crash is None and timing.get("failure"):  # validation.min_speedup: after every accuracy reason
+            reasons.append(timing["failure"])
+            exit_code = exit_code if exit_code != ExitCode.OK else ExitCode.THRESHOLD
         if crash is None and _layerwise_wanted(cfg.validation.layerwise, exit_code):
             layers = _layerwise(ctx, reference, target, dataset, exit_code, progress)
             if layers.get("side_file"):
@@ -106,6 +109,7 @@ def run(ctx: StageContext) -> StageResult:
         "missing_outputs": check.missing,
         "task": task,
         "comparison": comparison,
+        "speed": timing,
         "data": dataset.summary(),
         "verdict": "pass" if exit_code == ExitCode.OK else "fail",
         "exit_code": int(exit_code),
@@ -211,17 +215,33 @@ class _Row:
         if sample.label is not None:
             self.top1.update(expected[task_output], actual[task_output], sample.label)
 
-    def result(self, reference_sample) -> dict:
-        if self.error:
-            return {"error": self.error, "bytes": self.size}
+    def result(self, timing: Optional[dict]) -> dict:
+        if self.error or (timing or {}).get("error"):
+            return {"error": self.error or timing["error"], "bytes": self.size}
         first = next(iter(self.stats.values()), None)
-        try:
-            timing = self.worker.latency(reference_sample) if reference_sample is not None else None
-        except BackendCrashed as err:
-            return {"error": str(err), "bytes": self.size}
         return {"latency": timing, "bytes": self.size,
                 "top1": self.top1.target_correct / self.top1.count if self.top1.count else None,
                 "cosine": first.result()["cosine"] if first and first.elements else None}
+
+
+def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name: str, validation):
+    """Every build of the table timed interleaved in rounds (pipeline.speed), its
+    speed-up over fp32, and the warning or failing check a build not faster than fp32 gets."""
+    workers = {name: row.worker for name, row in rows.items() if not row.error}
+    timings = {} if sample is None else speed.interleaved(
+        workers, sample, validation.timing_rounds, validation.timing_runs, validation.timing_max_seconds)
+    comparison = {name: row.result(timings.get(name)) for name, row in rows.items()}
+    speedups = speed.speedups(timings)
+    for name, found in speedups.items():
+        comparison[name]["speedup"] = found
+    fp32_ms = (timings.get("fp32") or {}).get("median_ms")
+    summary = {"method": f"interleaved rounds, order rotated, {validation.timing_runs} runs of one sample a round; "
+                         "median of round medians; speed-up: median of per-round ratios",
+               "speedups": speedups, "shipped": shipped,
+               "warning": speed.slow_build_warning(shipped, speedups.get(shipped), backend_name,
+                                                   environment.cpu()["flags"], fp32_ms),
+               "failure": speed.min_speedup_failure(shipped, speedups.get(shipped), validation.min_speedup)}
+    return comparison, summary
 
 
 def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:

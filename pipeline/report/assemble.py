@@ -33,6 +33,8 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
                         "nothing to keep in float")
     if convert:
         warnings += preflight_warnings(convert["preflight"])
+    if verify and (verify.get("speed") or {}).get("warning"):
+        warnings.append(f"speed: {verify['speed']['warning']}")
     return {
         "schema_version": SCHEMA_VERSION,
         "parity_version": pipeline.__version__,

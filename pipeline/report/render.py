@@ -282,21 +282,32 @@ def _verification_section(verify: dict) -> list:
 
 
 def _comparison_blocks(comparison: dict) -> list:
-    """The build next to an fp32 build on the same backend."""
+    """The build next to an fp32 build on the same backend, timed interleaved."""
     rows = []
     labels = {"fp32": "FLOAT", "int8": "INT8", "mixed": "MIX"}
     for precision, row in comparison.items():
         row = _as_dict(row)
-        timing = _as_dict(row.get("latency"))
+        timing, speedup = _as_dict(row.get("latency")), _as_dict(row.get("speedup"))
         size = row.get("bytes")
         rows.append([labels.get(str(precision), str(precision)), fmt_cosine(row.get("cosine")),
                      fmt_ratio(row.get("top1")), _fmt_number(timing.get("median_ms"), ".3f"),
-                     f"{_fmt_number(timing.get('min_ms'), '.3f')} - {_fmt_number(timing.get('max_ms'), '.3f')}",
+                     f"{_fmt_number(timing.get('p25_ms'), '.3f')} - {_fmt_number(timing.get('p75_ms'), '.3f')}",
+                     _fmt_speedup(speedup) if speedup else ("1.00x" if precision == "fp32" else "n/a"),
                      f"{size / 1024:.1f}" if _is_number(size) else "n/a"])
     title = "Latency and size" if len(rows) == 1 else "Side by side on the same backend"
-    headers = ["build", "cosine", "top-1", "median latency ms", "range ms", "artifact KiB"]
-    return [Heading(3, title), Table(headers, rows),
-            Para("latency: one sample, median of 20 runs after 3 warm-up runs")]
+    headers = ["build", "cosine", "top-1", "median latency ms", "round medians p25 - p75 ms", "speed-up vs fp32",
+               "artifact KiB"]
+    first = _as_dict(next(iter(comparison.values()), None)).get("latency") or {}
+    how = (f"latency: one sample, {first.get('runs_per_round', '?')} runs a round, {first.get('rounds', '?')} "
+           "rounds with every build timed in turn (order rotated); median of round medians. Speed-up: median of "
+           "the per-round ratios (p25 - p75); a build counts as faster only when its p25 is above 1.00x.")
+    return [Heading(3, title), Table(headers, rows), Para(how)]
+
+
+def _fmt_speedup(speedup: dict) -> str:
+    text = (f"{_fmt_number(speedup.get('speedup'), '.2f')}x ({_fmt_number(speedup.get('speedup_p25'), '.2f')} - "
+            f"{_fmt_number(speedup.get('speedup_p75'), '.2f')})")
+    return text if speedup.get("faster") else f"{text} not faster"
 
 
 def _sensitivity_section(sensitivity: dict) -> list:

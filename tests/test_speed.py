@@ -1,0 +1,84 @@
+"""Honest speed in verify: builds timed interleaved in rounds, speed-up over fp32, a
+warning for a build that is not faster, and validation.min_speedup as a failing check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from conftest import read_report, run_cli, run_dirs
+from pipeline import speed
+from pipeline.worker import BackendWorker
+
+ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
+
+
+def test_a_build_not_faster_than_fp32_is_never_a_silent_pass(default_run):
+    """The default job ships a mixed build: whatever this machine makes of it, the report
+    carries the interleaved speed-ups, and a build that is not faster says so."""
+    _, run_dir, result = default_run
+    report = read_report(run_dir)
+    found = report["verify"]["speed"]["speedups"]
+    assert set(found) == {"int8", "mixed"}
+    shipped = found["mixed"]
+    assert shipped["speedup_p25"] <= shipped["speedup"] <= shipped["speedup_p75"]
+    assert report["verify"]["comparison"]["mixed"]["speedup"] == shipped
+    latency = report["verify"]["comparison"]["fp32"]["latency"]
+    assert latency["rounds"] == len(latency["round_medians_ms"]) >= 3
+    warned = [w for w in report["warnings"] if w.startswith("speed: the mixed build")]
+    assert bool(warned) == (not shipped["faster"])
+    assert ("speed vs fp32" in result.stdout) and (("warning: speed:" in result.stdout) == bool(warned))
+    assert "speed-up vs fp32" in (run_dir / "report.md").read_text()
+    if warned:  # the warning sits in the verdict section of every report
+        assert warned[0] in (run_dir / "report.md").read_text()
+
+
+def test_min_speedup_fails_the_verdict_after_the_accuracy_checks(tmp_path):
+    result = run_cli(["precision=int8", "validation.min_speedup=1000", "validation.timing_max_seconds=0"], tmp_path)
+    assert result.returncode == 3, result.stderr
+    report = read_report(run_dirs(tmp_path)[0])
+    assert report["verdict"] == "fail"
+    assert report["reasons"][-1].startswith("speed: the int8 build is ")
+    assert "below validation.min_speedup 1000" in report["reasons"][-1]
+    assert (run_dirs(tmp_path)[0] / "bundle").is_dir()  # the report and bundle are still written
+
+
+def test_interleaved_rounds_and_time_budget():
+    """Real ONNX Runtime workers: every build gets one median per round; a spent time
+    budget stops after three rounds."""
+    settings = {"model": "digits_cnn.onnx", "options": {}, "device": "CPU", "precision": "fp32"}
+    feeds = {"input": np.zeros((1, 1, 8, 8), np.float32)}
+    with BackendWorker("pipeline.backends.onnxruntime", ASSETS, settings, label="a") as first, \
+            BackendWorker("pipeline.backends.onnxruntime", ASSETS, settings, label="b") as second:
+        found = speed.interleaved({"fp32": first, "int8": second}, feeds, rounds=5, runs=4, max_seconds=60)
+        assert [found[n]["rounds"] for n in ("fp32", "int8")] == [5, 5]
+        assert found["fp32"]["runs"] == 20 and len(found["int8"]["round_medians_ms"]) == 5
+        budget = speed.interleaved({"fp32": first}, feeds, rounds=50, runs=2, max_seconds=0)
+        assert budget["fp32"]["rounds"] == 3
+
+
+def _timing(medians):
+    return {"round_medians_ms": medians, "median_ms": float(np.median(medians))}
+
+
+def test_speedup_is_the_median_of_paired_round_ratios():
+    timings = {"fp32": _timing([2.0, 4.0, 2.0, 2.0]), "int8": _timing([1.0, 2.0, 1.0, 4.0])}
+    found = speed.speedups(timings)["int8"]
+    assert found["speedup"] == 2.0  # ratios 2, 2, 2, 0.5: one slow round does not decide
+    assert found["faster"] is True
+    noisy = speed.speedups({"fp32": _timing([1.0, 1.0, 1.0, 1.0]), "int8": _timing([0.9, 1.1, 0.95, 1.05])})
+    assert noisy["int8"]["faster"] is False
+
+
+def test_warning_names_the_known_cause():
+    slower = {"speedup": 0.6, "speedup_p25": 0.55, "speedup_p75": 0.65, "faster": False}
+    text = speed.slow_build_warning("int8", slower, "onnxruntime", ["avx2", "fma"], 3.0)
+    assert "slower than fp32" in text and "x86 without VNNI" in text and "u8s8" in text
+    vnni = speed.slow_build_warning("int8", slower, "openvino", ["avx2", "avx512_vnni"], 3.0)
+    assert "VNNI" not in vnni
+    assert speed.slow_build_warning("fp32", slower, "onnxruntime", [], 3.0) is None
+    faster = {**slower, "speedup": 1.5, "speedup_p25": 1.4, "speedup_p75": 1.6, "faster": True}
+    assert speed.slow_build_warning("int8", faster, "onnxruntime", ["avx2"], 3.0) is None
+    assert speed.min_speedup_failure("int8", faster, 1.2) is None
+    assert "below validation.min_speedup 2" in speed.min_speedup_failure("int8", faster, 2)
