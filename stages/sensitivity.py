@@ -22,9 +22,9 @@ from pipeline.quantize import MixedModels, QdqSettings
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 6
+VERSION = 7
 CACHEABLE = True
-READS = {"convert": ["model"], "calibrate": None}  # shared by every target
+READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
 
 
@@ -36,7 +36,7 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "sensitivity": cfg.sensitivity, "data": cfg.data, "precision": cfg.precision,
-            "qdq": _settings(cfg)}
+            "qdq": _settings(cfg), "measured_on": measured_on(cfg)}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -45,8 +45,15 @@ def external_files(ctx: StageContext) -> List[Path]:
 
 
 def _settings(cfg) -> QdqSettings:
-    """The search measures with ONNX Runtime, for every target: its placement."""
-    return QdqSettings.resolve(cfg.precision, "onnxruntime")
+    """The target's own Q/DQ placement: what the search selects is what the target runs."""
+    return QdqSettings.resolve(cfg.precision, cfg.target.backend.value)
+
+
+def measured_on(cfg) -> str:
+    """The runtime the whole mixed candidates are measured on: the target's where it runs
+    Q/DQ models (ONNX Runtime and OpenVINO disagree by up to 0.006 in cosine on the same
+    inputs-only placement of PP-OCRv4 rec: docs/sensitivity.md); else ONNX Runtime."""
+    return "openvino" if cfg.target.backend.value == "openvino" else "onnxruntime"
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -63,6 +70,7 @@ def run(ctx: StageContext) -> StageResult:
     measure = _MixedMeasure(prepared, feeds, labels, count, cfg)
     plain = measure(table, [])
     summary = {"samples": count, "int8": plain, "select": cfg.sensitivity.select.value,
+               "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
                "expected_cos": cfg.sensitivity.expected_cos}
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
         summary["skipped"] = "plain int8 already meets the target"
@@ -123,7 +131,7 @@ class _MixedMeasure:
         if self._models is None or self._models.table is not table:  # tables are never mutated
             self._models = MixedModels(self.prepared, table, _settings(self.cfg))
         model = self._models.build(float_ops)
-        values = BatchRunner(model, self.outputs, self.count).run(self.feeds, self.count)
+        values = self._run(model)
         actual = [values[name] for name in self.outputs]
         _, sqnr = search.output_loss(self.reference, actual)
         top1 = self._top1(actual[0])
@@ -131,6 +139,13 @@ class _MixedMeasure:
         cos = float(np.mean([cosine(ref, out) for ref, out in zip(self.reference, actual)]))
         return {"cosine": cos, "sqnr_db": sqnr,
                 "top1_drop": None if top1 is None else self.reference_top1 - top1}
+
+    def _run(self, model: onnx.ModelProto) -> Dict[str, np.ndarray]:
+        if measured_on(self.cfg) == "openvino":
+            from pipeline.backends import openvino
+
+            return openvino.run_model(model, self.feeds, self.count, self.outputs)
+        return BatchRunner(model, self.outputs, self.count).run(self.feeds, self.count)
 
     def _top1(self, output: np.ndarray):
         if self.labels is None:

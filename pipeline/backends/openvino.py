@@ -242,3 +242,31 @@ def with_options(settings: dict, changes: dict) -> dict:
     options = {**settings.get("options", {}), **changes}
     settings["options"] = {key: value for key, value in options.items() if value is not None}
     return settings
+
+
+def run_model(model, feeds: Dict[str, np.ndarray], count: int, outputs: List[str]) -> Dict[str, np.ndarray]:
+    """An in-memory ONNX model (e.g. a mixed candidate of the sensitivity search) compiled
+    for the CPU in f32 between its quantized ops, as a built int8 IR runs, and fed ``count``
+    samples (the feeds' leading axis) one at a time: what OpenVINO makes of exactly that
+    Q/DQ placement."""
+    import openvino as ov
+
+    from pipeline.environment import own_threads
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model.SerializeToString(), b""), "CPU",
+                                  {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": own_threads()})
+    request = compiled.create_infer_request()
+    ports = {name: _output_port(compiled, name) for name in outputs}
+    rows = []
+    for index in range(count):
+        result = request.infer({name: value[index:index + 1] for name, value in feeds.items()})
+        rows.append({name: np.array(result[port]) for name, port in ports.items()})
+    return {name: np.concatenate([row[name] for row in rows]) for name in outputs}
+
+
+def _output_port(compiled, name: str):
+    for port in compiled.outputs:
+        if name in port.get_names():
+            return port
+    raise KeyError(f"OpenVINO's compiled model has no output {name!r}")
