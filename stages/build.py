@@ -19,7 +19,7 @@ from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
 NAME = "build"
-VERSION = 17
+VERSION = 18
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
