@@ -23,12 +23,12 @@ import conf
 from pipeline import config
 from pipeline.console import set_plain_progress, stderr_console, stdout_console
 from pipeline.environment import cores, share_cores
-from pipeline.errors import ExitCode, ParityError
+from pipeline.errors import EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault, writing
 from pipeline.report import render_html, render_markdown, write_junit
 from pipeline.report.assemble import assemble
 from pipeline.artifacts import write_json
 from pipeline.runner import RunOutcome, run_pipeline
-from pipeline.sweep import worst_exit_codes, write_job_record
+from pipeline.sweep import claim_run_folder, packaged_bundles, worst_exit_codes, write_job_record
 
 CONFIG_DIR = str(Path(conf.__file__).parent)
 log = logging.getLogger("parity")
@@ -51,7 +51,9 @@ def main() -> None:
     except ParityError as err:
         _fail(str(err), err.exit_code)
     except Exception as err:  # noqa: BLE001 - the last line of defence
-        _fail(f"internal error: {type(err).__name__}: {err}", ExitCode.INTERNAL)
+        fault = environment_fault(err)  # e.g. Hydra cannot create a read-only run folder
+        _fail(str(fault), fault.exit_code) if fault else _fail(f"internal error: {type(err).__name__}: {err}",
+                                                                  ExitCode.INTERNAL)
     sys.exit(max([*_exit_codes, *worst_exit_codes], default=ExitCode.OK))
 
 
@@ -76,12 +78,23 @@ def _hydra_app(cfg: DictConfig) -> int:
 
 
 def execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
+    """One job, holding its run folder's lock: a second run into the same folder stops at
+    once with one line (exit 2) and leaves the first one's files alone."""
+    try:
+        with claim_run_folder(run_dir):
+            return _execute(cfg, run_dir)
+    except (RunFolderBusy, EnvironmentFault) as err:
+        stderr_console().print(f"[bold red]parity:[/] {escape(str(err))}", soft_wrap=True)
+        return err.exit_code
+
+
+def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
     hydra_cfg = HydraConfig.get()
     log_file = run_dir / f"{hydra_cfg.job.name}.log"
     if hydra_cfg.mode == RunMode.MULTIRUN and "BasicLauncher" not in str(hydra_cfg.launcher.get("_target_")):
         set_plain_progress()  # jobs run side by side: log lines, not live bars fighting over one terminal
         share_cores(_jobs_side_by_side(hydra_cfg.launcher))
-    code, error = ExitCode.INTERNAL, None
+    code, error, outcome = ExitCode.INTERNAL, None, None
     try:
         run_cfg = config.validate(cfg)
         outcome = run_pipeline(run_cfg, run_dir)
@@ -95,10 +108,13 @@ def execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
         code, error = err.exit_code, str(err)
     except Exception as err:  # noqa: BLE001 - reported, with the traceback in the log
         log.debug("internal error", exc_info=True)
-        error = f"internal error: {type(err).__name__}: {err} (traceback in {log_file})"
-        stderr_console().print(f"[bold red]parity: internal error:[/] {escape(type(err).__name__)}: "
-                               f"{escape(str(err))} (traceback in {escape(str(log_file))})", soft_wrap=True)
-    write_job_record(run_dir, code, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), error)
+        fault = environment_fault(err)  # a read-only or full disk: exit 5, one line
+        error = str(fault) if fault else f"internal error: {type(err).__name__}: {err} (traceback in {log_file})"
+        code = fault.exit_code if fault else ExitCode.INTERNAL
+        stderr_console().print(f"[bold red]parity:[/] {escape(error)}", soft_wrap=True)
+    with writing(run_dir):
+        write_job_record(run_dir, code, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), error,
+                         packaged_bundles(outcome))
     return code
 
 
@@ -152,9 +168,8 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     colour = {"pass": "green", "fail": "red"}.get(report["verdict"], "yellow")
-    console.print(f"verdict: [bold {colour}]{report['verdict'].upper()}[/] (exit {report['exit_code']})")
-    for reason in report["reasons"] if report["verdict"] != "pass" else []:
-        console.print(f"  - {escape(reason)}")
+    console.print(f"verdict: [bold {colour}]{report['verdict'].upper()}[/] (exit {report['exit_code']})"
+                  + _first_reasons(report))
     package = outcome.results.get("package")
     if package:
         console.print(f"bundle: {escape(package.summary['bundle'])}")
@@ -170,6 +185,18 @@ def _speed_line(verify: dict) -> str:
         parts.append(f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f}){mark}")
     rounds = (verify["comparison"].get("fp32") or {}).get("latency") or {}
     return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds): " + ", ".join(parts)
+
+
+SHOWN_REASONS = 2  # on the verdict line; report.json, report.md and junit.xml carry every reason
+
+
+def _first_reasons(report: dict) -> str:
+    """": first; second (+N more in report.md)" after a failing verdict, in pipeline/verdict.py's order."""
+    reasons = report["reasons"] if report["verdict"] != "pass" else []
+    if not reasons:
+        return ""
+    more = len(reasons) - SHOWN_REASONS
+    return ": " + escape("; ".join(reasons[:SHOWN_REASONS]) + (f" (+{more} more in report.md)" if more > 0 else ""))
 
 
 def _profile_line(profile: dict) -> str:
@@ -202,7 +229,8 @@ def _verify_table(report: dict, verify: dict) -> Table:
 
     for output in verify["outputs"]:
         m, limits, failed = output["metrics"], output["thresholds"], " ".join(output["failures"])
-        row(output["name"], "cosine", f"{m['cosine']:.6f}", f">= {limits['min_cosine']}", "cosine" not in failed)
+        row(output["name"], "cosine", f"{m['cosine']:.6f}",
+            f">= {limits['min_cosine']}" if limits["min_cosine"] is not None else "not gated", "cosine" not in failed)
         if limits.get("max_abs_error") is not None:
             row(output["name"], "max abs", f"{m['max_abs']:.3g}", f"<= {limits['max_abs_error']}",
                 "max abs" not in failed)
@@ -214,11 +242,16 @@ def _verify_table(report: dict, verify: dict) -> Table:
             row(output["name"], "SQNR", sqnr, f">= {limits['min_sqnr_db']} dB", "SQNR" not in failed)
         row(output["name"], "NaN/Inf", f"{m['nan']}/{m['inf']}", "0/0", not (m["nan"] or m["inf"]))
     task = verify.get("task")
-    if task:
+    if task and task["metric"] == "top1":
         row(task["output"], "top-1 drop", f"{task['drop'] * 100:.2f} pts", f"<= {task['max_drop'] * 100:.2f} pts",
             task["passed"])
-        table.caption = (f"top-1: reference {task['reference']:.4f}, target {task['target']:.4f}, "
-                         f"agreement {task['agreement']:.4f}")
+    elif task:
+        row(task["output"], f"{escape(task['metric'])} drop", f"{task['drop']:.4g}", f"<= {task['max_drop']:.4g}",
+            task["passed"])
+    if task:
+        agreement = f", agreement {task['agreement']:.4f}" if task.get("agreement") is not None else ""
+        table.caption = (f"{'top-1' if task['metric'] == 'top1' else escape(task['metric'])}: reference "
+                         f"{task['reference']:.4f}, target {task['target']:.4f}{agreement}")
     if verify.get("crash"):
         row("-", "backend", verify["crash"]["kind"], "runs to the end", False)
         return table

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
-from typing import Dict, List, Optional, get_type_hints
+from typing import Any, Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -98,6 +98,7 @@ class DataKind(Enum):
     tensors = "tensors"
     images = "images"
     random = "random"
+    custom = "custom"  # any file, read by data.preprocess._target_
 
 
 class Color(Enum):
@@ -129,14 +130,21 @@ class PreprocessConfig:
     mean: List[float] = field(default_factory=lambda: [0.0])
     std: List[float] = field(default_factory=lambda: [1.0])
     layout: Layout = Layout.nchw
+    # data.kind=custom: module.callable taking a file path, returning the input arrays
+    # (a dict by input name, or one array); path: a folder added to sys.path for it
+    _target_: Optional[str] = None
+    path: Optional[str] = None
 
 
 @dataclass
 class DataConfig:
     kind: DataKind = DataKind.tensors
     path: Optional[str] = None  # directory, or an .npz file (tensors only)
-    calibration_size: int = 32
-    validation_size: int = 64
+    # null: every sample found, up to the cap below (a warning says when the cap cuts)
+    calibration_size: Optional[int] = None
+    validation_size: Optional[int] = None
+    calibration_cap: int = 500
+    validation_cap: int = 2000
     labels: str = "labels.csv"  # per split directory: "sample,class" rows
     seed: int = 0  # random data only
     low: float = 0.0  # random data only
@@ -240,11 +248,11 @@ class OutputThresholds:
 
 @dataclass
 class ValidationConfig:
-    min_cosine: float = 0.9999
+    min_cosine: Optional[float] = 0.9999  # null: gate on the task metric (and the other thresholds) alone
     max_abs_error: Optional[float] = None
     max_mean_abs_error: Optional[float] = None
     min_sqnr_db: Optional[float] = None
-    max_metric_drop: float = 0.0  # top-1 accuracy points (0.01 = 1 %), when labels exist
+    max_metric_drop: float = 0.0  # the task metric's allowed drop (top1: 0.01 = 1 point), docs/metrics.md
     task_output: Optional[str] = None  # output holding class scores; default: the first
     outputs: Dict[str, OutputThresholds] = field(default_factory=dict)  # per-output overrides
     # Layerwise comparison of every intermediate tensor: off, when the verdict fails, always.
@@ -254,6 +262,9 @@ class ValidationConfig:
     # Every backend run of verify is a worker process: a crash or hang fails the verdict.
     worker_timeout_s: float = 600.0  # per request (load, one sample, one latency measure)
     worker_memory_mb: Optional[int] = None  # address-space limit of a worker; null: none
+    # int8 ran partly (quantized ops the runtime has no int8 kernel for ran float): a warning, or a failing check
+    fail_on_float_fallback: bool = False
+    advice_trials: int = 4  # keep-in-float candidates a failing int8/mixed verify builds and measures (0: none)
     # Speed: fp32, plain int8 and the shipped build timed interleaved in rounds (docs/verify.md).
     min_speedup: Optional[float] = None  # shipped build vs fp32; null: a slow build is a warning only
     timing_rounds: int = 7
@@ -311,6 +322,9 @@ class RunConfig:
     package: PackageConfig = field(default_factory=PackageConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # the task metric (conf/metric, docs/metrics.md): instantiated from _target_ with the
+    # other keys; output, path, higher_is_better and needs_labels are read by parity
+    metric: Dict[str, Any] = field(default_factory=dict)
 
 
 def asset_path(name: str) -> str:
@@ -369,8 +383,7 @@ def _check_combinations(run: RunConfig) -> None:
                           "(or use data.kind=random)")
     if run.validation.layerwise_samples < 1 or run.validation.worker_timeout_s <= 0:
         raise ConfigError("validation.layerwise_samples must be >= 1 and validation.worker_timeout_s > 0")
-    if run.data.calibration_size < 0 or run.data.validation_size < 1:
-        raise ConfigError("data.validation_size must be >= 1 and data.calibration_size >= 0")
+    _check_data(run.data)
     cal = run.calibration
     if not 0 < cal.percentile <= 100:
         raise ConfigError(f"calibration.percentile={cal.percentile}: must be in (0, 100]")
@@ -389,6 +402,26 @@ def _check_combinations(run: RunConfig) -> None:
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
     _check_tuning(run.tuning, backend)
+    _check_metric(run)
+
+
+def _check_data(data: DataConfig) -> None:
+    if (data.calibration_size is not None and data.calibration_size < 0) or \
+            (data.validation_size is not None and data.validation_size < 1):
+        raise ConfigError("data.validation_size must be >= 1 and data.calibration_size >= 0 (null: every sample found)")
+    if data.calibration_cap < 0 or data.validation_cap < 1:
+        raise ConfigError("data.validation_cap must be >= 1 and data.calibration_cap >= 0")
+    if (data.kind is DataKind.custom) != bool(data.preprocess._target_):
+        raise ConfigError("data.kind=custom reads files with data.preprocess._target_ (module.callable taking a "
+                          "file path): set both, or neither")
+
+
+def _check_metric(run: RunConfig) -> None:
+    """Instantiating the metric at start: a wrong _target_, path or argument is a one-line
+    error before any work (a metric's import loads no model)."""
+    from pipeline.task_metrics import load_metric
+
+    load_metric(run.metric)
 
 
 def _check_tuning(tuning: TuningConfig, backend) -> None:

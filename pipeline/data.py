@@ -6,9 +6,11 @@ grow with the size of a split; every sample is checked against the model's input
 from __future__ import annotations
 
 import csv
+import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -25,13 +27,15 @@ class TensorSpec:
     name: str
     shape: List[int]
     dtype: str  # numpy dtype name
+    # the axis samples stack on; None: the input has none (a scalar, a shared setting)
+    batch_axis: Optional[int] = 0
 
 
 @dataclass
 class Sample:
     name: str
     feeds: Dict[str, np.ndarray]
-    label: Optional[int] = None
+    label: Union[int, float, str, None] = None  # a class index, a number or a text (task metrics convert it)
 
 
 @dataclass
@@ -42,7 +46,8 @@ class Split:
     source: str
     names: List[str]
     read: Callable[[int], Dict[str, np.ndarray]]
-    labels: Optional[List[int]] = None
+    labels: Optional[List[Any]] = None
+    found: Optional[int] = None  # samples available; len(names) of them are used
 
     def __len__(self) -> int:
         return len(self.names)
@@ -63,8 +68,26 @@ class Dataset:
 
     def summary(self) -> dict:
         return {"kind": self.kind, "warnings": self.warnings,
-                "splits": {s.name: {"samples": len(s), "source": s.source, "labeled": s.labels is not None}
+                "splits": {s.name: {"samples": len(s), "found": s.found if s.found is not None else len(s),
+                                    "used": f"used {len(s)} of {s.found if s.found is not None else len(s)}",
+                                    "source": s.source, "labeled": s.labels is not None}
                            for s in (self.calibration, self.validation)}}
+
+
+def split_size(cfg: DataConfig, split: str, found: int, warnings: List[str]) -> int:
+    """How many of the ``found`` samples a split uses: data.<split>_size when set (a
+    warning when fewer exist), else every sample up to data.<split>_cap (a warning when
+    the cap cuts)."""
+    size = cfg.calibration_size if split == "calibration" else cfg.validation_size
+    if size is not None:
+        if found < size:
+            warnings.append(f"{split}: {found} samples found, {size} requested")
+        return min(found, size)
+    cap = cfg.calibration_cap if split == "calibration" else cfg.validation_cap
+    if found > cap:
+        warnings.append(f"{split}: used {cap} of {found} samples (data.{split}_cap); "
+                        f"set data.{split}_size={found} to use them all")
+    return min(found, cap)
 
 
 def open_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
@@ -83,11 +106,13 @@ def open_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
 # --- checks shared by every source -------------------------------------------------
 
 def conform(array: np.ndarray, spec: TensorSpec, where: str, label: str = "data") -> np.ndarray:
-    """The array with the model's batch axis and dtype, or an InputError naming the sample."""
+    """The array with the model's batch axis and dtype, or an InputError naming the sample.
+    A scalar input stays 0-d (np.ascontiguousarray would make it 1-d)."""
     array = np.asarray(array)
     shape = list(spec.shape)
-    if list(array.shape) == shape[1:] and shape and shape[0] == 1:
-        array = array[np.newaxis]
+    axis = spec.batch_axis
+    if axis is not None and axis < len(shape) and shape[axis] == 1 and list(array.shape) == shape[:axis] + shape[axis + 1:]:
+        array = np.expand_dims(array, axis)
     if list(array.shape) != shape:
         raise InputError(f"{label}: {where} has shape {list(array.shape)} but model input "
                          f"'{spec.name}' expects {shape}")
@@ -97,7 +122,83 @@ def conform(array: np.ndarray, spec: TensorSpec, where: str, label: str = "data"
             kind = "NaN" if np.isnan(array).any() else "Inf"
             raise InputError(f"{label}: {where} contains {kind} ({int(bad.sum())} non-finite values); "
                              "fix or remove that sample")
-    return np.ascontiguousarray(array.astype(spec.dtype, copy=False))
+    array = _cast(array, spec, where, label)
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+_CASTS_LOGGED: set = set()  # (input, data dtype, model dtype): warned once per process
+
+
+def _cast(array: np.ndarray, spec: TensorSpec, where: str, label: str) -> np.ndarray:
+    """The array in the model input's dtype; a warning the first time an input's data has
+    another dtype, an InputError when the cast would change values (fractions or
+    out-of-range values into an integer input, values beyond the range of a float type)."""
+    wanted = np.dtype(spec.dtype)
+    if array.dtype == wanted:
+        return array
+    cast = array.astype(wanted)
+    changed = _cast_changes(array, cast, wanted)
+    if changed:
+        raise InputError(f"{label}: {where} is {array.dtype} but model input '{spec.name}' is {wanted}, and the "
+                         f"cast would change values ({changed}); convert the data to {wanted} yourself")
+    if (spec.name, array.dtype.name, wanted.name) not in _CASTS_LOGGED:
+        _CASTS_LOGGED.add((spec.name, array.dtype.name, wanted.name))
+        logging.getLogger("parity").warning(f"{label}: model input '{spec.name}' is {wanted} but the data is "
+                                            f"{array.dtype} ({where}...): cast to {wanted}")
+    return cast
+
+
+def _cast_changes(array: np.ndarray, cast: np.ndarray, wanted: np.dtype) -> str:
+    if wanted.kind in "iub" and array.dtype.kind in "fc":
+        fractional = int(np.count_nonzero(np.asarray(array != np.round(array))))
+        if fractional:
+            return f"{fractional} non-integer values"
+    if wanted.kind in "iu" and array.dtype.kind in "iufc":
+        info = np.iinfo(wanted)
+        outside = int(np.count_nonzero((array < info.min) | (array > info.max)))
+        if outside:
+            return f"{outside} values outside [{info.min}, {info.max}]"
+    if wanted.kind == "f" and array.dtype.kind in "iuf":
+        overflow = int(np.count_nonzero(~np.isfinite(cast) & np.isfinite(array.astype(np.float64))))
+        if overflow:
+            return f"{overflow} values beyond the {wanted} range"
+    return ""
+
+
+# --- samples as one batch, and the packed form calibration passes around -------------------
+
+def stack(samples: Sequence[Dict[str, np.ndarray]], inputs: Sequence[TensorSpec]) -> Optional[Dict[str, np.ndarray]]:
+    """The samples as one batch, each input concatenated on its own batch axis; an input
+    with no batch axis (a scalar such as a sample rate) is fed once, which needs the same
+    value in every sample. None when the samples cannot form one batch."""
+    batch = {}
+    for spec in inputs:
+        values = [s[spec.name] for s in samples]
+        if spec.batch_axis is None or spec.batch_axis >= values[0].ndim:
+            if any(not np.array_equal(v, values[0]) for v in values[1:]):
+                return None
+            batch[spec.name] = values[0]
+        else:
+            batch[spec.name] = np.concatenate(values, axis=spec.batch_axis)
+    return batch
+
+
+def pack(samples: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    """The samples' tensors concatenated on axis 0, a scalar counting as shape [1]: sample i
+    is the i-th of equal slices (``unpack``), whatever the input's batch axis."""
+    return {name: np.concatenate([np.atleast_1d(s[name]) for s in samples]) for name in samples[0]}
+
+
+def unpack(packed: Dict[str, np.ndarray], index: int, count: int,
+           shapes: Dict[str, Sequence[int]]) -> Dict[str, np.ndarray]:
+    """Sample ``index`` of ``count`` from ``pack``'s form, in its own shape (``shapes``;
+    tensors not named there keep their slice's shape)."""
+    sample = {}
+    for name, values in packed.items():
+        size = len(values) // count
+        part = values[index * size:(index + 1) * size]
+        sample[name] = part.reshape(shapes[name]) if name in shapes else part
+    return sample
 
 
 def _read_tensor_file(path: Path, inputs: Sequence[TensorSpec], where: str) -> Dict[str, np.ndarray]:
@@ -132,51 +233,119 @@ def _directory_dataset(path: Path, cfg: DataConfig, inputs: Sequence[TensorSpec]
             other = next(iter(folders.values()))
             folders[split] = other
             warnings.append(f"no {split}/ folder in {path}: {split} uses {other.name}/")
-    suffixes = IMAGE_SUFFIXES if cfg.kind is DataKind.images else TENSOR_SUFFIXES
     if cfg.kind is DataKind.images:
         _check_image_model(inputs)
     splits, files = {}, []
     for split in SPLITS:
-        size = cfg.calibration_size if split == "calibration" else cfg.validation_size
         folder = folders[split]
-        found = sorted(p for p in folder.iterdir() if p.suffix.lower() in suffixes and p.is_file())
-        if not found and (size > 0 or split == "validation"):
-            raise InputError(f"data.path: {folder} contains no {'/'.join(suffixes)} files "
+        found = sorted(p for p in folder.iterdir() if p.is_file() and _is_sample(p, cfg))
+        if not found and (cfg.calibration_size != 0 or split == "validation"):
+            raise InputError(f"data.path: {folder} contains no {_sample_kinds(cfg)} files "
                              f"(data.kind={cfg.kind.value})")
-        chosen = found[:size]
-        if len(chosen) < size:
-            warnings.append(f"{split}: {len(chosen)} samples found, {size} requested")
+        chosen = found[:split_size(cfg, split, len(found), warnings)]
         labels, label_file = _read_labels(folder / cfg.labels, chosen)
         files += chosen + ([label_file] if label_file else [])
-        if cfg.kind is DataKind.images:
-            reader = _image_reader(chosen, inputs[0], cfg.preprocess)
-        else:
-            reader = _tensor_file_reader(chosen, inputs)
-        splits[split] = Split(split, str(folder), [p.name for p in chosen], reader, labels)
+        reader = file_reader(cfg.kind, cfg.preprocess, inputs)
+        splits[split] = Split(split, str(folder), [p.name for p in chosen],
+                              lambda index, chosen=chosen, reader=reader: reader(chosen[index]), labels, len(found))
     return Dataset(cfg.kind.value, splits["calibration"], splits["validation"], files, warnings)
 
 
-def _tensor_file_reader(paths: List[Path], inputs: Sequence[TensorSpec]):
-    return lambda index: _read_tensor_file(paths[index], inputs, str(paths[index]))
+def _is_sample(path: Path, cfg: DataConfig) -> bool:
+    if cfg.kind is DataKind.custom:  # any file but the labels and hidden files
+        return path.name != cfg.labels and not path.name.startswith(".")
+    return path.suffix.lower() in (IMAGE_SUFFIXES if cfg.kind is DataKind.images else TENSOR_SUFFIXES)
+
+
+def _sample_kinds(cfg: DataConfig) -> str:
+    if cfg.kind is DataKind.custom:
+        return "sample"
+    return "/".join(IMAGE_SUFFIXES if cfg.kind is DataKind.images else TENSOR_SUFFIXES)
+
+
+def file_reader(kind: DataKind, pre: PreprocessConfig, inputs: Sequence[TensorSpec], label: str = "data"):
+    """path -> model feeds, through the declared preprocessing: the one reader that
+    calibration, validation and ``parity-bundle run`` use for a file of this kind."""
+    if kind is DataKind.images:
+        _check_image_model(inputs)
+        return lambda path: {inputs[0].name: conform(load_image(path, inputs[0], pre, label), inputs[0], str(path),
+                                                     label)}
+    if kind is DataKind.custom:
+        return custom_reader(pre, inputs, label)
+    return lambda path: _read_tensor_file(path, inputs, str(path))
+
+
+def custom_reader(pre: PreprocessConfig, inputs: Sequence[TensorSpec], label: str = "data"):
+    """data.preprocess._target_ (through hydra.utils.instantiate): a callable taking a
+    file path and returning the input arrays, a dict by input name or one array."""
+    from hydra.utils import instantiate
+
+    if pre.path:
+        folder = str(Path(pre.path).expanduser().resolve())
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        function = instantiate({"_target_": pre._target_, "_partial_": True})
+    except Exception as err:  # noqa: BLE001 - the user's import path
+        cause = err.__cause__ or err
+        raise InputError(f"data.preprocess._target_: cannot import {pre._target_!r} ({type(cause).__name__}: "
+                         f"{str(cause).splitlines()[0] if str(cause) else ''}); set data.preprocess.path to the "
+                         "folder holding its module") from None
+
+    def read(path: Path) -> Dict[str, np.ndarray]:
+        try:
+            arrays = function(str(path))
+        except Exception as err:  # noqa: BLE001 - the user's code: one line
+            raise InputError(f"{label}: preprocess {pre._target_} raised {type(err).__name__} on {path}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        if not isinstance(arrays, dict):
+            arrays = {inputs[0].name: arrays} if len(inputs) == 1 else {}
+        missing = [i.name for i in inputs if i.name not in arrays]
+        if missing:
+            raise InputError(f"{label}: preprocess {pre._target_} returned no array for inputs {missing} on {path}")
+        return {i.name: conform(arrays[i.name], i, str(path), label) for i in inputs}
+
+    return read
+
+
+def preprocess_record(kind: DataKind, pre: PreprocessConfig) -> Optional[dict]:
+    """The declared preprocessing as runtime.yaml records it (None for tensor data)."""
+    from pipeline.config import plain
+
+    if kind not in (DataKind.images, DataKind.custom):
+        return None
+    return {"kind": kind.value, **plain(pre)}
+
+
+def preprocess_from_record(record: dict):
+    """(kind, PreprocessConfig) from a runtime.yaml record."""
+    values = {key: value for key, value in record.items() if key != "kind"}
+    kind = DataKind(record.get("kind", "images"))
+    for key, enum in (("color", Color), ("layout", Layout)):
+        if key in values:
+            values[key] = enum(values[key])
+    return kind, PreprocessConfig(**values)
+
+
+LABEL_HEADERS = {"sample", "file", "name", "image", "path"}
 
 
 def _read_labels(label_file: Path, samples: List[Path]):
-    """Labels for the chosen samples from a 'sample,class' CSV, or None when there is none."""
+    """Labels for the chosen samples from a 'sample,label' CSV, or None when there is none.
+    A label is kept as written (a class index, a number or a text); the task metric
+    converts it."""
     if not label_file.is_file():
         return None, None
     table = {}
-    with open(label_file, newline="") as handle:
+    with open(label_file, newline="", encoding="utf-8") as handle:
         for row_number, row in enumerate(csv.reader(handle), start=1):
             if not row or row[0].startswith("#"):
                 continue
             if len(row) < 2:
-                raise InputError(f"data: {label_file}:{row_number}: expected 'sample,class', got {','.join(row)!r}")
-            try:
-                table[row[0].strip()] = int(row[1])
-            except ValueError:
-                if row_number == 1:
-                    continue  # a header row
-                raise InputError(f"data: {label_file}:{row_number}: class {row[1]!r} is not an integer") from None
+                raise InputError(f"data: {label_file}:{row_number}: expected 'sample,label', got {','.join(row)!r}")
+            if row_number == 1 and row[0].strip().lower() in LABEL_HEADERS:
+                continue  # a header row
+            table[row[0].strip()] = _label(",".join(row[1:]))
     labels = []
     for sample in samples:
         label = table.get(sample.name, table.get(sample.stem))
@@ -194,11 +363,18 @@ def _check_image_model(inputs: Sequence[TensorSpec]) -> None:
                          f"this model has inputs {[(i.name, i.shape) for i in inputs]}")
 
 
-def _image_reader(paths: List[Path], spec: TensorSpec, pre: PreprocessConfig):
-    return lambda index: {spec.name: conform(load_image(paths[index], spec, pre), spec, str(paths[index]))}
+def _label(text: str):
+    """An int where the label is written as one (a class index: "7", not "007"), else
+    the text as written: str(label) gives the written text back."""
+    stripped = text.strip()
+    try:
+        number = int(stripped)
+    except ValueError:
+        return text
+    return number if str(number) == stripped else text
 
 
-def load_image(path: Path, spec: TensorSpec, pre: PreprocessConfig) -> np.ndarray:
+def load_image(path: Path, spec: TensorSpec, pre: PreprocessConfig, label: str = "data") -> np.ndarray:
     """One image as a batch-of-one tensor, preprocessed as the config declares."""
     from PIL import Image, UnidentifiedImageError
 
@@ -217,13 +393,13 @@ def load_image(path: Path, spec: TensorSpec, pre: PreprocessConfig) -> np.ndarra
                 size = (width, height)
             pixels = np.asarray(image.resize(size, Image.BILINEAR), dtype=np.float32)
     except (UnidentifiedImageError, OSError) as err:
-        raise InputError(f"data: {path} cannot be read as an image ({err})") from err
+        raise InputError(f"{label}: {path} cannot be read as an image ({err})") from err
     if pixels.ndim == 2:
         pixels = pixels[..., np.newaxis]
     if pre.color is Color.bgr:
         pixels = pixels[..., ::-1]
     if pixels.shape[-1] != channels:
-        raise InputError(f"data: {path} gives {pixels.shape[-1]} channels with data.preprocess.color="
+        raise InputError(f"{label}: {path} gives {pixels.shape[-1]} channels with data.preprocess.color="
                          f"{pre.color.value} but model input '{spec.name}' has {channels}")
     mean = np.asarray(pre.mean, dtype=np.float32)
     std = np.asarray(pre.std, dtype=np.float32)
@@ -261,29 +437,31 @@ def _npz_dataset(path: Path, cfg: DataConfig, inputs: Sequence[TensorSpec]) -> D
                 raise InputError(f"data: {path} has no array '{key}' for model input '{spec.name}' "
                                  f"(keys: {', '.join(sorted(keys))})")
             arrays[spec.name] = archive[key]
-        count = min(len(a) for a in arrays.values())
-        size = cfg.calibration_size if split == "calibration" else cfg.validation_size
-        if count < size:
-            warnings.append(f"{split}: {count} samples found, {size} requested")
-        count = min(count, size)
+        found = min(len(a) for a in arrays.values())
+        count = split_size(cfg, split, found, warnings)
         if count == 0 and split == "validation":
             raise InputError(f"data: {path} holds no validation samples")
-        labels = archive[prefix + "labels"][:count].astype(int).tolist() if prefix + "labels" in keys else None
+        labels = archive[prefix + "labels"][:count].tolist() if prefix + "labels" in keys else None
 
         def read(index, arrays=arrays, split=split):
             return {name: conform(array[index], spec, f"{path.name}[{split}][{index}]")
                     for (name, array), spec in zip(arrays.items(), inputs)}
 
-        splits[split] = Split(split, f"{path}:{prefix or '*'}", [f"{split}[{i}]" for i in range(count)], read, labels)
+        splits[split] = Split(split, f"{path}:{prefix or '*'}", [f"{split}[{i}]" for i in range(count)], read, labels,
+                              found)
     return Dataset("tensors", splits["calibration"], splits["validation"], [path], warnings)
 
 
 # --- seeded random tensors --------------------------------------------------------------
 
+RANDOM_SIZE = 16
+
+
 def _random_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
     splits = {}
     for offset, split in enumerate(SPLITS):
         size = cfg.calibration_size if split == "calibration" else cfg.validation_size
+        size = RANDOM_SIZE if size is None else size  # random data has no "every sample found"
 
         def read(index, offset=offset):
             rng = np.random.default_rng([cfg.seed, offset, index])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
@@ -112,33 +112,6 @@ def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
     if limits.min_sqnr_db is not None and sqnr is not None and not sqnr >= limits.min_sqnr_db:
         failed.append(f"SQNR {sqnr:.1f} dB < {limits.min_sqnr_db} dB")
     return failed
-
-
-@dataclass
-class Top1:
-    """Top-1 accuracy of reference and target, and how often the two agree."""
-
-    reference_correct: int = 0
-    target_correct: int = 0
-    agree: int = 0
-    count: int = 0
-
-    def update(self, reference: np.ndarray, output: np.ndarray, label: int) -> None:
-        ref_class = int(np.argmax(np.asarray(reference).reshape(-1)))
-        out_class = int(np.argmax(np.asarray(output).reshape(-1)))
-        self.reference_correct += ref_class == label
-        self.target_correct += out_class == label
-        self.agree += ref_class == out_class
-        self.count += 1
-
-    def result(self, max_drop: float, output: str) -> Optional[dict]:
-        if not self.count:
-            return None
-        reference, target = self.reference_correct / self.count, self.target_correct / self.count
-        drop = reference - target
-        return {"metric": "top1", "output": output, "samples": self.count, "reference": reference,
-                "target": target, "drop": drop, "agreement": self.agree / self.count,
-                "max_drop": max_drop, "passed": drop <= max_drop + 1e-12}
 
 
 def output_failures(run, samples, expected, thresholds_for) -> List[str]:

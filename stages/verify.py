@@ -19,30 +19,32 @@ import numpy as np
 import onnx
 import yaml
 
-from pipeline import backends, environment, layerwise, speed, tuning
+from pipeline import backends, environment, layerwise, speed, trials, truth as float64, tuning, verdict
 from pipeline.artifacts import read_json, write_json, write_npz
 from pipeline.config import Layerwise
 from pipeline.console import progress_bar
-from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
-from pipeline.metrics import OutputStats, Top1, failures
-from pipeline.quantize import QdqSettings, build_qdq
-from pipeline.recommend import recommend
+from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, first_line
+from pipeline.metrics import OutputStats, failures
+from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
+from pipeline.quantize import MixedModels, QdqSettings, build_qdq
+from pipeline.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
 
 NAME = "verify"
-VERSION = 7
+VERSION = 8
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
 
 
 def key_config(cfg):
-    return {"validation": cfg.validation, "data": cfg.data, "target": cfg.target, "precision": cfg.precision}
+    return {"validation": cfg.validation, "data": cfg.data, "target": cfg.target, "precision": cfg.precision,
+            "metric": cfg.metric}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
-    return ctx.dataset().files
+    return ctx.dataset().files + metric_files(ctx.cfg.metric)  # a charset, a custom metric's module
 
 
 
@@ -57,13 +59,18 @@ def run(ctx: StageContext) -> StageResult:
         raise BackendUnavailable(f"target {cfg.target.name}: {reason}")
     output_names = [o["name"] for o in convert.summary["outputs"]]
     _check_output_names(cfg.validation, output_names)
-    task_output = cfg.validation.task_output or output_names[0]
+    metric = load_metric(cfg.metric)
+    task_output = (metric and metric.output) or cfg.validation.task_output or output_names[0]
+    if task_output not in output_names:
+        raise ConfigError(f"metric.output: the model has no output {task_output!r}; outputs: {', '.join(output_names)}")
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
-    check = _Check(output_names, task_output)
+    check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
+                   cfg.precision.name.value)
     requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.name.value,
                  "accepted_precisions": _accepted_precisions(cfg.precision)}
     effective, crash, layers, comparison, timing = {}, None, None, {}, {}
+    truth, tried = None, []
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         try:
             reference = _launch(stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
@@ -78,8 +85,7 @@ def run(ctx: StageContext) -> StageResult:
             check.run(reference, target, baselines, dataset, progress, ctx.out_dir / files["reproduce"],
                       f"verify {cfg.target.name}")
             effective = target.effective()
-            rows = {**baselines, cfg.precision.name.value: _Row(target, build.summary.get("bytes"), check.stats,
-                                                                check.top1)}
+            rows = {**baselines, cfg.precision.name.value: _Row(target, build.summary.get("bytes"), check.stats)}
             comparison, timing = _side_by_side(rows, check.last, cfg.precision.name.value, backend.NAME, cfg.validation)
         except BackendCrashed as err:
             crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
@@ -87,8 +93,14 @@ def run(ctx: StageContext) -> StageResult:
             log.warning("%s", err)
         outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
                    if name not in check.missing and check.stats[name].elements]
-        task = check.top1.result(cfg.validation.max_metric_drop, task_output)
-        reasons, exit_code = _verdict(outputs, check.missing, task, requested, effective, check.samples, crash)
+        task = check.task_result(cfg.validation.max_metric_drop)
+        check.add_task_values(comparison)
+        checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, effective, check.samples,
+                                              crash)
+        if crash is None and _truth_wanted(cfg.precision.name.value, checks):
+            truth = _truth(ctx, reference, target, dataset, outputs)
+            checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, effective,
+                                                  check.samples, crash)
         if crash is None and timing.get("failure"):  # validation.min_speedup: after every accuracy reason
             reasons.append(timing["failure"])
             exit_code = exit_code if exit_code != ExitCode.OK else ExitCode.THRESHOLD
@@ -96,9 +108,13 @@ def run(ctx: StageContext) -> StageResult:
             layers = _layerwise(ctx, reference, target, dataset, exit_code, progress)
             if layers.get("side_file"):
                 files["layerwise"] = layers["side_file"]
-    calibrate = ctx.results.get("calibrate")
-    table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
-    advice = recommend(cfg.precision.name.value, backend.NAME, requested, effective, layers, table)
+        graph = _quantized_graph(ctx)
+        calibrate = ctx.results.get("calibrate")
+        table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
+        advice = recommend(cfg.precision.name.value, backend.NAME, requested, effective, layers, table, graph, truth)
+        if crash is None and _accuracy_failed(checks) and graph is not None and cfg.validation.advice_trials > 0:
+            advice, tried = _tried_advice(ctx, backend, stack, limits, (reference, target), advice, layers, graph,
+                                          outputs, task)
     write_json(ctx.out_dir / "recommendations.json", advice)
     files["recommendations"] = "recommendations.json"
     summary = {
@@ -114,9 +130,12 @@ def run(ctx: StageContext) -> StageResult:
         "verdict": "pass" if exit_code == ExitCode.OK else "fail",
         "exit_code": int(exit_code),
         "reasons": reasons,
+        "checks": checks,  # every check that did not pass, warnings too (pipeline/verdict.py)
+        "truth": truth,
         "crash": crash,
         "layerwise": layers if layers is not None else _layerwise_skipped(cfg.validation.layerwise, crash),
         "recommendations": advice,
+        "advice_tried": tried,
         "reproduce": {"file": files["reproduce"], "samples": min(check.samples, REPRODUCE_SAMPLES)},
     }
     files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
@@ -157,10 +176,10 @@ def _loaded(worker: BackendWorker) -> BackendWorker:
 class _Check:
     """Reference vs target on every validation sample, with the side-by-side baselines."""
 
-    def __init__(self, output_names: List[str], task_output: str):
+    def __init__(self, output_names: List[str], task_output: str, scorer: Optional[TaskScorer], shipped: str):
         self.stats = {name: OutputStats() for name in output_names}
         self.task_output = task_output
-        self.top1 = Top1()
+        self.scorer, self.shipped = scorer, shipped  # the task metric, of the reference and every build
         self.missing: List[str] = []
         self.samples = 0
         self.last: Optional[dict] = None
@@ -175,10 +194,10 @@ class _Check:
             for name, stats in self.stats.items():
                 if name in actual:
                     stats.update(expected[name], actual[name])
-            if sample.label is not None and self.task_output in actual:
-                self.top1.update(expected[self.task_output], actual[self.task_output], sample.label)
-            for baseline in baselines.values():
-                baseline.update(expected, sample, self.task_output)
+            self._score("reference", expected, expected, sample.label)
+            self._score(self.shipped, expected, actual, sample.label)
+            for name, baseline in baselines.items():
+                self._score(name, expected, baseline.update(expected, sample), sample.label)
             if index < REPRODUCE_SAMPLES:
                 recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
                 recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
@@ -187,13 +206,31 @@ class _Check:
             progress.advance(task)
         write_npz(reproduce, recorded)  # fixed zip entry times: the same inputs give the same bytes
 
+    def _score(self, build: str, expected: dict, actual: Optional[dict], label) -> None:
+        if self.scorer and actual is not None and self.task_output in actual and self.scorer.active(label):
+            self.scorer.add(build, actual[self.task_output], expected[self.task_output], label)
+
+    def task_result(self, max_drop: float) -> Optional[dict]:
+        if self.scorer is None:
+            return None
+        self.scorer.finish()
+        return self.scorer.result(self.shipped, max_drop)
+
+    def add_task_values(self, comparison: dict) -> None:
+        """The task metric of every build in the side-by-side table (``top1`` too, for top-1)."""
+        for name, row in comparison.items():
+            if self.scorer is not None and "error" not in row:
+                row["task_metric"] = self.scorer.value(name)
+                if self.scorer.metric.name == "top1":
+                    row["top1"] = row["task_metric"]
+
 
 class _Row:
     """One build in the side-by-side table: output agreement, top-1, latency, size."""
 
-    def __init__(self, worker, size, stats=None, top1=None):
+    def __init__(self, worker, size, stats=None):
         self.worker, self.size = worker, size
-        self.stats, self.top1 = stats if stats is not None else {}, top1 if top1 is not None else Top1()
+        self.stats = stats if stats is not None else {}
         self.error: Optional[str] = None
 
     def wait_loaded(self) -> None:
@@ -202,25 +239,24 @@ class _Row:
         except (BackendCrashed, BackendUnavailable) as err:  # a side-by-side build is information only
             self.error = str(err)
 
-    def update(self, expected, sample, task_output) -> None:
+    def update(self, expected, sample) -> Optional[dict]:
+        """This build's outputs for the sample (None once it failed), compared with the reference's."""
         if self.error:
-            return
+            return None
         try:
             actual = self.worker.run(sample.feeds)
         except BackendCrashed as err:  # a side-by-side build is information, not the verdict
             self.error = str(err)
-            return
+            return None
         for name in expected:
             self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
-        if sample.label is not None:
-            self.top1.update(expected[task_output], actual[task_output], sample.label)
+        return actual
 
     def result(self, timing: Optional[dict]) -> dict:
         if self.error or (timing or {}).get("error"):
             return {"error": self.error or timing["error"], "bytes": self.size}
         first = next(iter(self.stats.values()), None)
-        return {"latency": timing, "bytes": self.size,
-                "top1": self.top1.target_correct / self.top1.count if self.top1.count else None,
+        return {"latency": timing, "bytes": self.size, "top1": None,
                 "cosine": first.result()["cosine"] if first and first.elements else None}
 
 
@@ -249,8 +285,6 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     (TPU-MLIR's FLOAT / INT8 / MIX table)."""
     precision = ctx.cfg.precision.name.value
     convert = ctx.results["convert"]
-    tune = ctx.results.get("tune")
-    tuned = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}  # same settings
     builds = {}
     if precision != "fp32":
         builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None)
@@ -260,15 +294,20 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
                   QdqSettings.resolve(ctx.cfg.precision, backend.NAME))
         builds["int8"] = (int8, None)
-    rows = {}
-    for name, (onnx_path, ir_dir) in builds.items():
-        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{name}-")))
-        files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, name)
-        settings = tuning.apply(backend, {**settings, "device": ctx.cfg.target.device.upper(), "precision": name,
-                                          "outputs": convert.summary["outputs"]}, tuned)
-        size = sum((folder / f).stat().st_size for f in files)
-        rows[name] = _Row(_launch(stack, backend.__name__, folder, settings, f"{backend.NAME} {name}", limits), size)
-    return rows
+    return {name: _Row(*_built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}"))
+            for name, (onnx_path, ir_dir) in builds.items()}
+
+
+def _built_worker(ctx, backend, stack, limits: dict, onnx_path: Path, ir_dir, precision: str, label: str):
+    """(worker, bytes) of a build made here on the target's backend with the run's tuned settings."""
+    tune = ctx.results.get("tune")
+    tuned = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}  # same settings
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{precision}-")))
+    files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, precision)
+    settings = tuning.apply(backend, {**settings, "device": ctx.cfg.target.device.upper(), "precision": precision,
+                                      "outputs": ctx.results["convert"].summary["outputs"]}, tuned)
+    size = sum((folder / f).stat().st_size for f in files)
+    return _launch(stack, backend.__name__, folder, settings, label, limits), size
 
 
 def _layerwise_wanted(mode: Layerwise, exit_code: ExitCode) -> bool:
@@ -317,27 +356,102 @@ def _judge(name: str, stats: OutputStats, validation) -> dict:
             "per_sample": {"cosine": stats.sample_cosine[:1000], "max_abs": stats.sample_max_abs[:1000]}}
 
 
-def _verdict(outputs, missing, task, requested, effective, samples, crash):
-    """Reasons the run fails, and the exit code: 4 when the backend crashed, hung or did
-    not run what was asked, 3 when a threshold fails. A verdict never passes on nothing."""
-    if crash:
-        what = "hung" if crash["kind"] == "hung" else "crashed"
-        tail = "; ".join(crash["stderr_tail"][-3:])
-        return [f"backend {what}: {crash['detail']}" + (f" (stderr: {tail})" if tail else "")], ExitCode.BACKEND
-    accepted = {"device": {requested["device"]}, "precision": set(requested["accepted_precisions"])}
-    mismatched = [f"requested {key} {requested[key]} but {effective.get(key)} ran"
-                  for key in ("device", "precision") if str(effective.get(key, "")).lower() not in
-                  {value.lower() for value in accepted[key]}]
-    if mismatched:
-        why = effective.get("note")  # the backend's own account of the fallback
-        return [f"{reason}: {why}" if why else reason for reason in mismatched], ExitCode.BACKEND
-    reasons = [f"output {name} was not produced by the target" for name in missing]
-    if samples == 0:
-        reasons.append("no validation samples were compared")
-    if not outputs:
-        reasons.append("no outputs were compared")
-    reasons += [f"output {o['name']}: {failure}" for o in outputs for failure in o["failures"]]
-    if task and not task["passed"]:
-        reasons.append(f"top-1 accuracy dropped {task['drop'] * 100:.2f} points "
-                       f"({task['reference']:.4f} -> {task['target']:.4f}), allowed {task['max_drop'] * 100:.2f}")
-    return reasons, (ExitCode.THRESHOLD if reasons else ExitCode.OK)
+def _verdict(ctx, outputs, missing, task, requested, effective, samples, crash):
+    """(checks, reasons, exit code) through pipeline.verdict, which parity-bundle check shares."""
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    return verdict.judge(outputs, missing, task, requested, effective, samples, crash,
+                         ctx.cfg.validation.fail_on_float_fallback, tuple(quantization.get("float_ops") or ()))
+
+
+ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
+
+
+def _accuracy_failed(checks: List[dict]) -> bool:
+    return any(c["severity"] == "fail" and c["check"] in ACCURACY_CHECKS for c in checks)
+
+
+def _truth_wanted(precision: str, checks: List[dict]) -> bool:
+    """The float64 check of the reference: on fp32 targets (cheap, and where a reference
+    far from the truth hides behind a pass) and whenever accuracy fails (who is wrong?)."""
+    return precision == "fp32" or _accuracy_failed(checks)
+
+
+def _truth(ctx, reference, target, dataset, outputs: List[dict]) -> dict:
+    """Reference and target against a float64 run of the reference model on a few samples
+    (pipeline/truth.py); each compared output gets a ``truth`` entry."""
+    samples = [sample.feeds for _, sample in zip(range(float64.SAMPLES), dataset.validation)]
+    try:
+        exact, engine = float64.run_float64(onnx.load(str(ctx.results["convert"].path("model"))), samples)
+        expected = [reference.run(feeds) for feeds in samples[:len(exact)]]
+        actual = [target.run(feeds) for feeds in samples[:len(exact)]]
+    except Exception as err:  # noqa: BLE001 - a check of the reference: information, never the verdict
+        return {"ran": False, "reason": f"the float64 run failed: {first_line(err)}"}
+    found = float64.compare(exact, expected, actual, [o["name"] for o in outputs], engine)
+    for output in outputs:
+        if output["name"] in found:
+            output["truth"] = found[output["name"]]
+    warnings = [float64.reference_warning(o["name"], found[o["name"]], o["thresholds"]["min_cosine"])
+                for o in outputs if o["passed"] and o["name"] in found]
+    return {"ran": True, "engine": engine, "samples": len(exact), "outputs": found,
+            "warnings": [w for w in warnings if w]}
+
+
+def _quantized_graph(ctx) -> Optional[QuantizedGraph]:
+    """The converted model with the ops this build quantizes (int8/mixed through parity's
+    QDQ builds; None for the runtime's own int8 tooling, which takes no keep_float)."""
+    precision = ctx.cfg.precision
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    calibrate = ctx.results.get("calibrate")
+    if precision.name.value not in ("int8", "mixed") or "float_ops" not in quantization or calibrate is None:
+        return None
+    prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
+    model = onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False)
+    return QuantizedGraph(model, precision.quantize_ops, quantization["float_ops"],
+                          present={node.name for node in prepared.graph.node})
+
+
+def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], layers, graph: QuantizedGraph,
+                  outputs: List[dict], task) -> tuple:
+    """Keep-in-float candidates built, measured and judged like the build (pipeline/trials.py):
+    (the advice to print, every trial)."""
+    cfg, (reference, target) = ctx.cfg, workers
+    dataset = ctx.dataset()
+    metric = load_metric(cfg.metric)
+    task_output = (metric and metric.output) or cfg.validation.task_output or outputs[0]["name"]
+    found = trials.candidates(advice, layers, graph, [graph.op_of(o["name"]) for o in outputs],
+                              cfg.validation.advice_trials)
+
+    scorer = TaskScorer(metric, task_output) if metric else None
+
+    def judge(stats, build):
+        judged = [_judge(name, found_stats, cfg.validation) for name, found_stats in stats.items()]
+        measured_task = scorer.result(build, cfg.validation.max_metric_drop) if scorer else None
+        _, reasons, _ = verdict.judge(judged, [], measured_task, {}, {}, len(dataset.validation))
+        return reasons, min(o["metrics"]["cosine"] for o in judged), measured_task
+
+    tried = trials.run(found, _trial_launcher(ctx, backend, stack, limits), reference, target, dataset, judge,
+                       scorer)
+    base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
+    untouched = [a for a in advice if not a["action"].get("keep_float")]
+    return untouched + trials.advice(tried, base, list(cfg.precision.keep_float)), tried
+
+
+def _trial_launcher(ctx, backend, stack, limits):
+    """keep_float -> a loaded worker running the build with those ops (and the build's own
+    float ops) in float: the same quantizer, table and settings as the build stage."""
+    precision = ctx.cfg.precision
+    calibrate = ctx.results["calibrate"]
+    source = ctx.results["sensitivity"] if precision.name.value == "mixed" else calibrate
+    models = MixedModels(onnx.load(str(calibrate.path("prepared"))), read_json(source.path("table"))["tensors"],
+                         QdqSettings.resolve(precision, backend.NAME))
+    already = ctx.results["build"].summary["quantization"]["float_ops"]
+    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
+
+    def launch(keep: List[str]):
+        path = scratch / f"trial{len(list(scratch.iterdir()))}.onnx"
+        onnx.save(models.build([*already, *keep]), str(path))
+        worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.name.value,
+                                  f"advice keep_float=[{','.join(keep)}]")
+        return _loaded(worker)
+
+    return launch

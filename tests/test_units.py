@@ -12,7 +12,8 @@ from pipeline.artifacts import atomic_directory
 from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig, ValidationConfig
 from pipeline.data import TensorSpec, load_image, open_dataset
 from pipeline.errors import InputError
-from pipeline.metrics import OutputStats, Top1, cosine, failures
+from pipeline.metrics import OutputStats, cosine, failures
+from pipeline.task_metrics import TaskScorer, load_metric
 
 SPEC = TensorSpec("x", [1, 2, 3], "float32")
 
@@ -52,10 +53,13 @@ def test_per_output_thresholds_override_the_defaults():
 
 
 def test_top1_drop_and_agreement():
-    top1 = Top1()
-    top1.update(np.array([0.1, 0.9]), np.array([0.9, 0.1]), label=1)
-    top1.update(np.array([0.9, 0.1]), np.array([0.9, 0.1]), label=0)
-    result = top1.result(max_drop=0.0, output="y")
+    scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.Top1"}), "y")
+    for reference, output, label in (([0.1, 0.9], [0.9, 0.1], 1), ([0.9, 0.1], [0.9, 0.1], 0)):
+        assert scorer.active(label)
+        scorer.add("reference", np.array(reference), np.array(reference), label)
+        scorer.add("int8", np.array(output), np.array(reference), label)
+    scorer.finish()
+    result = scorer.result("int8", max_drop=0.0)
     assert (result["reference"], result["target"], result["agreement"]) == (1.0, 0.5, 0.5)
     assert not result["passed"]
 

@@ -277,11 +277,11 @@ def _verification_section(verify: dict) -> list:
         blocks += _device_precision_blocks(_as_dict(verify.get("requested")),
                                            _as_dict(verify.get("effective")))
     if isinstance(verify.get("comparison"), dict):
-        blocks += _comparison_blocks(verify["comparison"])
+        blocks += _comparison_blocks(verify["comparison"], _as_dict(verify.get("task")).get("metric"))
     return blocks
 
 
-def _comparison_blocks(comparison: dict) -> list:
+def _comparison_blocks(comparison: dict, metric=None) -> list:
     """The build next to an fp32 build on the same backend, timed interleaved."""
     rows = []
     labels = {"fp32": "FLOAT", "int8": "INT8", "mixed": "MIX"}
@@ -290,12 +290,12 @@ def _comparison_blocks(comparison: dict) -> list:
         timing, speedup = _as_dict(row.get("latency")), _as_dict(row.get("speedup"))
         size = row.get("bytes")
         rows.append([labels.get(str(precision), str(precision)), fmt_cosine(row.get("cosine")),
-                     fmt_ratio(row.get("top1")), _fmt_number(timing.get("median_ms"), ".3f"),
+                     fmt_ratio(row.get("task_metric", row.get("top1"))), _fmt_number(timing.get("median_ms"), ".3f"),
                      f"{_fmt_number(timing.get('p25_ms'), '.3f')} - {_fmt_number(timing.get('p75_ms'), '.3f')}",
                      _fmt_speedup(speedup) if speedup else ("1.00x" if precision == "fp32" else "n/a"),
                      f"{size / 1024:.1f}" if _is_number(size) else "n/a"])
     title = "Latency and size" if len(rows) == 1 else "Side by side on the same backend"
-    headers = ["build", "cosine", "top-1", "median latency ms", "round medians p25 - p75 ms", "speed-up vs fp32",
+    headers = ["build", "cosine", "top-1" if metric in (None, "top1") else str(metric), "median latency ms", "round medians p25 - p75 ms", "speed-up vs fp32",
                "artifact KiB"]
     first = _as_dict(next(iter(comparison.values()), None)).get("latency") or {}
     how = (f"latency: one sample, {first.get('runs_per_round', '?')} runs a round, {first.get('rounds', '?')} "
@@ -337,10 +337,10 @@ def _sensitivity_section(sensitivity: dict) -> list:
     curve = [p for p in _as_list(sensitivity.get("curve")) if isinstance(p, dict)]
     if curve:
         blocks += [Heading(3, "Selection"),
-                   Table(["step", "float ops", "cosine", "top-1 drop"],
+                   Table(["step", "float ops", "cosine", "task metric drop"],
                          [[("+ " + str(p["added"])) if p.get("added") else
                            ("best kept" if p.get("kept_best") else "- " + str(p.get("removed"))),
-                           fmt_value(p.get("float_ops")), fmt_cosine(p.get("cosine")), fmt_ratio(p.get("top1_drop"))]
+                           fmt_value(p.get("float_ops")), fmt_cosine(p.get("cosine")), fmt_ratio(p.get("metric_drop", p.get("top1_drop")))]
                           for p in curve]),
                    Charts([svg_line_chart([p.get("cosine") for p in curve], title="output cosine per selection step",
                                           x_label="step", y_label="cosine", value_format=fmt_cosine,
@@ -494,7 +494,7 @@ def _per_sample_blocks(outputs: list) -> list:
 
 def _task_blocks(task: dict) -> list:
     headers = ["metric", "output", "reference", "target", "drop", "max drop",
-               "top-1 agreement", "result"]
+               "agreement", "result"]
     row = [
         fmt_value(task.get("metric")),
         fmt_value(task.get("output")),
@@ -506,7 +506,9 @@ def _task_blocks(task: dict) -> list:
         fmt_pass(task.get("passed")),
     ]
     row_class = "row-fail" if task.get("passed") is False else ""
-    return [Heading(3, "Task metric"), Table(headers, [row], [row_class])]
+    extras = [f"{key}: reference {fmt_ratio(_as_dict(v).get('reference'))}, target {fmt_ratio(_as_dict(v).get('target'))}"
+              for key, v in _as_dict(task.get("extras")).items()]
+    return [Heading(3, "Task metric"), Table(headers, [row], [row_class])] + ([Items(extras)] if extras else [])
 
 
 def _device_precision_blocks(requested: dict, effective: dict) -> list:
@@ -802,7 +804,7 @@ def _data_section(data: dict) -> list:
         rows = []
         for name, split in splits.items():
             split = _as_dict(split)
-            rows.append([str(name), fmt_value(split.get("samples")),
+            rows.append([str(name), fmt_value(split.get("used", split.get("samples"))),
                          fmt_yes_no(split.get("labeled")), fmt_value(split.get("source"))])
         blocks.append(Table(["split", "samples", "labeled", "source"], rows))
     return blocks
