@@ -1,7 +1,7 @@
 """``parity-bundle``: check and run a packaged bundle.
 
     parity-bundle verify PATH   (a bundle or release folder, or its .tar.gz)
-    parity-bundle run BUNDLE --input x.npy [--output y.npz]
+    parity-bundle run BUNDLE INPUT [--output y.npz]   (an image, .npy, .npz, or what a custom preprocess reads)
     parity-bundle check BUNDLE   (re-run the recorded verify samples: reproduce the verdict)
 """
 
@@ -16,10 +16,11 @@ import numpy as np
 from rich.markup import escape
 
 from pipeline.archive import is_archive, safe_extract
-from pipeline.bundle import check_integrity, open_session, read_inputs, reproduce
+from pipeline.bundle import MANIFEST, check_integrity, open_session, read_inputs, reproduce, runtime_settings
 from pipeline.console import stderr_console, stdout_console
-from pipeline.errors import ExitCode, InputError, ParityError
-from pipeline.release import check_release, is_release
+from pipeline.errors import ExitCode, InputError, ParityError, environment_fault
+from pipeline.release import RELEASE_MANIFEST, check_release, is_release
+from pipeline.task_metrics import load_metric
 
 
 def main(argv=None) -> None:
@@ -30,7 +31,10 @@ def main(argv=None) -> None:
     verify.add_argument("bundle", type=Path, metavar="PATH")
     run = commands.add_parser("run", help="check the bundle, then run it on its backend")
     run.add_argument("bundle", type=Path)
-    run.add_argument("--input", type=Path, required=True, help=".npy (one input) or .npz (keys = input names)")
+    run.add_argument("input", type=Path, nargs="?", help="an image (through the bundle's recorded preprocessing), "
+                                                          ".npy (one input), .npz (keys = input names), or any file "
+                                                          "a custom preprocess reads")
+    run.add_argument("--input", type=Path, dest="input_option", help="the same as INPUT")
     run.add_argument("--output", type=Path, help="write the outputs to this .npz")
     check = commands.add_parser("check", help="check the bundle, then re-run the inputs verify recorded in it "
                                                "against the recorded reference outputs and thresholds")
@@ -43,9 +47,10 @@ def main(argv=None) -> None:
         stderr_console().print(f"[bold red]parity-bundle:[/] {escape(str(err))}", soft_wrap=True)
         code = err.exit_code
     except Exception as err:  # noqa: BLE001
-        stderr_console().print(f"[bold red]parity-bundle: internal error:[/] {escape(type(err).__name__)}: "
-                               f"{escape(str(err))}", soft_wrap=True)
-        code = ExitCode.INTERNAL
+        fault = environment_fault(err)  # a full or read-only disk (e.g. --output): exit 5
+        message = str(fault) if fault else f"internal error: {type(err).__name__}: {err}"
+        stderr_console().print(f"[bold red]parity-bundle:[/] {escape(message)}", soft_wrap=True)
+        code = fault.exit_code if fault else ExitCode.INTERNAL
     sys.exit(int(code))
 
 
@@ -53,7 +58,7 @@ def _verify(args) -> ExitCode:
     if not is_archive(args.bundle):
         return _verify_folder(args.bundle)
     with tempfile.TemporaryDirectory(prefix="parity-verify-") as scratch:
-        safe_extract(args.bundle, Path(scratch))
+        safe_extract(args.bundle, Path(scratch), manifests=(RELEASE_MANIFEST, MANIFEST))  # sizes checked first
         roots = list(Path(scratch).iterdir())
         if len(roots) != 1 or not roots[0].is_dir():
             raise InputError(f"archive {args.bundle} holds {len(roots)} top-level entries; "
@@ -81,21 +86,71 @@ def _print_bundle(manifest: dict) -> None:
 
 def _run(args) -> ExitCode:
     check_integrity(args.bundle)
+    if (args.input is None) == (args.input_option is None):
+        raise InputError("give one input file: parity-bundle run BUNDLE INPUT (an image, .npy or .npz)")
     if args.output and not args.output.parent.is_dir():
         raise InputError(f"--output: folder {args.output.parent} does not exist")
+    settings = runtime_settings(args.bundle)
+    feeds = _feeds(args.input or args.input_option, settings)  # the input's errors before any runtime loads
+    metric = load_metric(settings.get("metric"), root=str(args.bundle))
     session, settings = open_session(args.bundle)
-    outputs = session.run(read_inputs(args.input, settings))
+    outputs = session.run(feeds)
     console = stdout_console()
     for name, value in outputs.items():
         flat = value.reshape(-1)
         console.print(f"{escape(name)}: shape {list(value.shape)} {value.dtype}, argmax {int(np.argmax(flat))}, "
                       f"first values {np.array2string(flat[:5], precision=4)}")
+    decoded = _decoded(metric, outputs)
+    for name, text in decoded.items():
+        console.print(f"decoded {escape(name)} ({escape(metric.name)}): {escape(text)}")
     if args.output:
         with open(args.output, "wb") as handle:  # the exact path: np.savez would append .npz
-            np.savez(handle, **outputs)
+            np.savez(handle, **outputs, **{f"decoded/{name}": np.str_(text) for name, text in decoded.items()})
         console.print(f"outputs written to {escape(str(args.output))}")
     _print_effective(console, session.effective())
     return ExitCode.OK
+
+
+NUMPY_MAGIC = {".npy": b"\x93NUMPY", ".npz": b"PK"}
+
+
+def _feeds(path: Path, settings: dict) -> dict:
+    """The model's feeds from a user's file: .npy/.npz as tensors, anything else through
+    the preprocessing the bundle recorded (images, or a custom preprocess)."""
+    from pipeline.data import IMAGE_SUFFIXES, DataKind, TensorSpec, file_reader, preprocess_from_record
+
+    if not path.exists():
+        raise InputError(f"--input: {path} does not exist")
+    if not path.is_file():
+        raise InputError(f"--input: {path} is not a file")
+    suffix = path.suffix.lower()
+    record = settings.get("preprocess")
+    if suffix in NUMPY_MAGIC:
+        with open(path, "rb") as handle:
+            if not handle.read(6).startswith(NUMPY_MAGIC[suffix]):
+                raise InputError(f"--input: {path} is not a NumPy {suffix} file (wrong contents for its name); "
+                                 "save it with numpy.save / numpy.savez")
+        return read_inputs(path, settings)
+    if record is None:
+        kinds = "an image, " if suffix in IMAGE_SUFFIXES else ""
+        raise InputError(f"--input: {path} is {kinds or 'a ' + (suffix or 'suffix-less') + ' file, '}but this bundle "
+                         "records no preprocessing (built from tensor data); give a .npy or .npz file")
+    kind, pre = preprocess_from_record(record)
+    if kind is DataKind.images and suffix not in IMAGE_SUFFIXES:
+        raise InputError(f"--input: {path}: unsupported file type {suffix or '(none)'!r}; give an image "
+                         f"({', '.join(IMAGE_SUFFIXES)}), a .npy or a .npz file")
+    specs = [TensorSpec(**spec) for spec in settings["inputs"]]
+    return file_reader(kind, pre, specs, label="--input")(path)
+
+
+def _decoded(metric, outputs: dict) -> dict:
+    """The metric's decoding of its output (ctc: the text), where it has a decoder."""
+    decode = metric.hook("decode") if metric else None
+    if decode is None or not outputs:
+        return {}
+    name = metric.output if metric.output in outputs else next(iter(outputs))
+    text = metric.call(decode, outputs[name])
+    return {name: str(text)}
 
 
 def _print_effective(console, effective: dict) -> None:

@@ -188,6 +188,9 @@ class PrecisionConfig:
     quantize_outputs: Optional[bool] = None
     # 7-bit weights: u8 x s8 kernels saturate on x86 CPUs without VNNI. null: on for such CPUs.
     reduce_range: Optional[bool] = None
+    # Restore each quantized op's per-channel output mean measured on the calibration data
+    # (docs/calibration.md: bias correction).
+    bias_correction: bool = True
     # Ops (ONNX node names) kept in fp32 in fp16, int8 and mixed builds, on top of what the
     # pre-flight or the sensitivity search chose: how a verify recommendation is applied.
     keep_float: List[str] = field(default_factory=list)
@@ -216,7 +219,7 @@ class SensitivityConfig:
     methods: List[str] = field(default_factory=lambda: ["kl", "max", "percentile", "mse"])
     select: Selection = Selection.target
     expected_cos: float = 0.999  # select=target: output cosine to reach
-    max_drop: float = 0.01  # select=target: top-1 drop allowed, when labels exist
+    max_drop: float = 0.01  # select=target: task-metric (metric group) drop allowed, next to expected_cos
     top_n: int = 5  # select=top_n: this many of the most sensitive ops stay float
     samples: int = 30  # validation samples the search measures on
     screen: int = 2  # methods measured in full per op after the SQNR screen (0: all)

@@ -314,7 +314,10 @@ def preprocess_record(kind: DataKind, pre: PreprocessConfig) -> Optional[dict]:
 
     if kind not in (DataKind.images, DataKind.custom):
         return None
-    return {"kind": kind.value, **plain(pre)}
+    record = {"kind": kind.value, **plain(pre)}
+    if record.get("path"):  # a custom preprocess's folder, for loaders on this machine
+        record["path"] = str(Path(record["path"]).expanduser().resolve())
+    return record
 
 
 def preprocess_from_record(record: dict):

@@ -30,6 +30,7 @@ import numpy as np
 from pipeline.errors import ConfigError
 
 PARITY_KEYS = ("output", "path", "higher_is_better", "needs_labels", "name")  # read by parity, not the metric
+CHARSET_FILE = "charset.txt"  # in a bundle
 BATCH = 16  # samples per metric call during verify: bounded memory for large outputs
 
 
@@ -321,6 +322,21 @@ def files(config: Optional[Dict[str, Any]]) -> List[Path]:
         if module.is_file():
             found.append(module)
     return found
+
+
+def bundle_record(config: Optional[Dict[str, Any]], folder: Path) -> Optional[Dict[str, Any]]:
+    """The metric as a bundle's runtime.yaml records it (``parity-bundle run`` decodes
+    outputs with it): a charset file is copied into the bundle as CHARSET_FILE."""
+    if not config or not config.get("_target_"):
+        return None
+    record = dict(config)
+    charset = record.get("charset")
+    if isinstance(charset, str) and charset:
+        (Path(folder) / CHARSET_FILE).write_text("\n".join(read_charset(charset)) + "\n", encoding="utf-8")
+        record["charset"] = CHARSET_FILE
+    if record.get("path"):
+        record["path"] = str(Path(record["path"]).expanduser().resolve())
+    return record
 
 
 def per_sample(batched: np.ndarray, count: int) -> np.ndarray:

@@ -16,14 +16,17 @@ import yaml
 from pipeline import compile_cache, environment
 from pipeline.config import plain
 from pipeline.archive import write_tar_gz
-from pipeline.artifacts import atomic_directory, atomic_write_bytes, hash_tree, write_json
-from pipeline.bundle import REPORTS, content_sha256, is_cache
+from pipeline.artifacts import atomic_directory, hash_tree, remove_stale_temps, sha256_file, write_json
+from pipeline.bundle import REPORTS, compile_cache_entry, content_sha256, is_cache
+from pipeline.errors import writing
 from pipeline.report import render_html, render_markdown
 from pipeline.report.assemble import assemble, model_name
+from pipeline.data import preprocess_record
+from pipeline.task_metrics import bundle_record
 from stages import StageContext, StageResult, deployable
 
 NAME = "package"
-VERSION = 2
+VERSION = 3
 CACHEABLE = False  # cheap, and it must reflect this run's report
 MANIFEST = "manifest.json"
 REPRODUCE = "reproduce.npz"
@@ -42,35 +45,49 @@ def bundle_name(cfg) -> str:
 
 
 def run(ctx: StageContext) -> StageResult:
+    """bundle/<name>/ and bundle/<name>.tar.gz written side by side in a staging folder
+    that is renamed onto bundle/ last: a kill leaves the earlier bundle folder and archive,
+    or the new ones, never a mix (and job.json, set aside at the run's start, is written
+    after). Staging folders of earlier killed runs are removed first."""
     cfg = ctx.cfg
-    artifact = deployable(ctx.results)  # build's folder, or tune's with the tuned runtime.yaml
     name = bundle_name(cfg)
-    final = ctx.run_dir / "bundle" / name
-    report = assemble(cfg, ctx.records, ctx.results)
-    with atomic_directory(final, replace=True) as temp:
-        runtime = yaml.safe_load(artifact.path("runtime").read_text())
-        if cfg.data.kind.value == "images":
-            runtime["preprocess"] = plain(cfg.data.preprocess)
-        (temp / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
-        for file in runtime["files"]:
-            shutil.copyfile(artifact.out_dir / file, temp / file)
-        if runtime.get(compile_cache.CACHE_FIELD):
-            shutil.copytree(artifact.out_dir / runtime[compile_cache.CACHE_FIELD], temp / runtime[compile_cache.CACHE_FIELD])
-        verify = ctx.results.get("verify")
-        if verify and "reproduce" in verify.files:  # inputs and reference outputs: parity-bundle check
-            shutil.copyfile(verify.path("reproduce"), temp / REPRODUCE)
-        write_json(temp / "report.json", report)
-        (temp / "report.md").write_text(render_markdown(report))
-        (temp / "report.html").write_text(render_html(report))
-        write_json(temp / MANIFEST, manifest(temp, name, cfg, report))
+    parent = ctx.run_dir / "bundle"
+    with writing(ctx.run_dir):
+        remove_stale_temps(parent)
+        with atomic_directory(parent, replace=True) as staged:
+            _write_bundle(ctx, staged / name, name)
+            if cfg.package.archive:
+                write_tar_gz(staged / name, staged / f"{name}.tar.gz", name)
+    final = parent / name
     files = {"bundle": f"../../bundle/{name}"}
     if cfg.package.archive:
-        archive = final.parent / f"{name}.tar.gz"
-        atomic_write_bytes(archive, lambda temp: write_tar_gz(final, temp, name))
         files["archive"] = f"../../bundle/{name}.tar.gz"
-    summary = {"bundle": str(final), "archive": str(final.parent / f"{name}.tar.gz") if cfg.package.archive else None,
-               "files": sorted(p.name for p in final.iterdir())}
+    summary = {"bundle": str(final), "archive": str(parent / f"{name}.tar.gz") if cfg.package.archive else None,
+               "files": sorted(p.name for p in final.iterdir()), "manifest_sha256": sha256_file(final / MANIFEST)}
     return StageResult(ctx.out_dir, files, summary)
+
+
+def _write_bundle(ctx: StageContext, folder: Path, name: str) -> None:
+    cfg = ctx.cfg
+    artifact = deployable(ctx.results)  # build's folder, or tune's with the tuned runtime.yaml
+    report = assemble(cfg, ctx.records, ctx.results)
+    folder.mkdir()
+    runtime = yaml.safe_load(artifact.path("runtime").read_text())
+    # what parity-bundle run applies: the declared preprocessing, the metric (its decoder)
+    preprocess, metric = preprocess_record(cfg.data.kind, cfg.data.preprocess), bundle_record(cfg.metric, folder)
+    runtime.update({key: value for key, value in (("preprocess", preprocess), ("metric", metric)) if value})
+    (folder / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
+    for file in runtime["files"]:
+        shutil.copyfile(artifact.out_dir / file, folder / file)
+    if runtime.get(compile_cache.CACHE_FIELD):
+        shutil.copytree(artifact.out_dir / runtime[compile_cache.CACHE_FIELD], folder / runtime[compile_cache.CACHE_FIELD])
+    verify = ctx.results.get("verify")
+    if verify and "reproduce" in verify.files:  # inputs and reference outputs: parity-bundle check
+        shutil.copyfile(verify.path("reproduce"), folder / REPRODUCE)
+    write_json(folder / "report.json", report)
+    (folder / "report.md").write_text(render_markdown(report))
+    (folder / "report.html").write_text(render_html(report))
+    write_json(folder / MANIFEST, manifest(folder, name, cfg, report))
 
 
 def manifest(bundle: Path, name: str, cfg, report: dict) -> dict:
@@ -83,6 +100,7 @@ def manifest(bundle: Path, name: str, cfg, report: dict) -> dict:
         "files": {path: {"sha256": digest, "bytes": (bundle / path).stat().st_size} for path, digest in files.items()},
         "reports": [path for path in files if path in REPORTS],
         "caches": [path for path in files if is_cache(path)],
+        "compile_cache": compile_cache_entry(bundle, files),
         "content_sha256": content_sha256(files),
         "versions": environment.versions(),
         "cpu": environment.cpu(),

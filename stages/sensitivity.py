@@ -15,9 +15,11 @@ from pipeline.artifacts import read_json, write_json
 from pipeline.calibration import sensitivity as search
 from pipeline.calibration import tables
 from pipeline.calibration.statistics import BatchRunner
+from pipeline.data import pack
 from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
 from pipeline.metrics import cosine
+from pipeline.task_metrics import files as metric_files, load_metric, per_sample
 from pipeline.quantize import MixedModels, QdqSettings
 from stages import StageContext, StageResult
 
@@ -36,11 +38,11 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "sensitivity": cfg.sensitivity, "data": cfg.data, "precision": cfg.precision,
-            "qdq": _settings(cfg), "measured_on": measured_on(cfg)}
+            "qdq": _settings(cfg), "measured_on": measured_on(cfg), "metric": cfg.metric}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
-    return ctx.dataset().files if needed(ctx.cfg) else []
+    return ctx.dataset().files + metric_files(ctx.cfg.metric) if needed(ctx.cfg) else []
 
 
 
@@ -110,21 +112,23 @@ def _samples(ctx: StageContext):
     if count == 0:
         raise InputError("sensitivity: no validation samples to measure on")
     samples = [sample for _, sample in zip(range(count), split)]
-    feeds = {name: np.concatenate([s.feeds[name] for s in samples]) for name in samples[0].feeds}
+    feeds = pack([s.feeds for s in samples])  # scalars count as [1]; BatchRunner unpacks them
     labels = [s.label for s in samples] if all(s.label is not None for s in samples) else None
     return feeds, labels, count
 
 
 class _MixedMeasure:
     """The whole mixed model, really quantized (ONNX Runtime, the build's settings), on the
-    search samples: output cosine (as verify computes it), SQNR and top-1 against the float model."""
+    search samples: output cosine (as verify computes it), SQNR and the task metric's drop
+    (cfg.metric, as verify scores it) against the float model."""
 
     def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg):
         self.prepared, self.feeds, self.labels, self.count, self.cfg = prepared, feeds, labels, count, cfg
         self.outputs = [o.name for o in prepared.graph.output]
         reference = BatchRunner(prepared, self.outputs, count).run(feeds, count)
         self.reference = [reference[name] for name in self.outputs]
-        self.reference_top1 = self._top1(self.reference[0])
+        self.metric = load_metric(cfg.metric)
+        self.reference_task = self._task(self.reference)
         self._models = None
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
@@ -134,11 +138,12 @@ class _MixedMeasure:
         values = self._run(model)
         actual = [values[name] for name in self.outputs]
         _, sqnr = search.output_loss(self.reference, actual)
-        top1 = self._top1(actual[0])
+        task = self._task(actual)
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
         cos = float(np.mean([cosine(ref, out) for ref, out in zip(self.reference, actual)]))
         return {"cosine": cos, "sqnr_db": sqnr,
-                "top1_drop": None if top1 is None else self.reference_top1 - top1}
+                "metric_drop": None if task is None else (self.reference_task - task if self.metric.higher_is_better
+                                                          else task - self.reference_task)}
 
     def _run(self, model: onnx.ModelProto) -> Dict[str, np.ndarray]:
         if measured_on(self.cfg) == "openvino":
@@ -147,13 +152,21 @@ class _MixedMeasure:
             return openvino.run_model(model, self.feeds, self.count, self.outputs)
         return BatchRunner(model, self.outputs, self.count).run(self.feeds, self.count)
 
-    def _top1(self, output: np.ndarray):
-        if self.labels is None:
+    def _task(self, outputs: List[np.ndarray]):
+        """The task metric over the search samples; None without one, or when it needs
+        labels the samples lack."""
+        if self.metric is None or (self.metric.needs_labels and self.labels is None):
             return None
-        return float(np.mean(np.argmax(output.reshape(self.count, -1), axis=1) == np.asarray(self.labels)))
+        name = self.metric.output or self.cfg.validation.task_output or self.outputs[0]
+        if name not in self.outputs:
+            raise ConfigError(f"metric.output: the model has no output {name!r}; outputs: {', '.join(self.outputs)}")
+        index = self.outputs.index(name)
+        scores = self.metric(per_sample(outputs[index], self.count), per_sample(self.reference[index], self.count),
+                             self.labels)
+        return self.metric.aggregate(scores)
 
     def meets(self, result: dict) -> bool:
-        drop = result["top1_drop"]
+        drop = result["metric_drop"]
         return result["cosine"] >= self.cfg.sensitivity.expected_cos and (
             drop is None or drop <= self.cfg.sensitivity.max_drop + 1e-12)
 
