@@ -106,15 +106,22 @@ def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
         log.debug("stopped by %s", type(err).__name__, exc_info=True)
         stderr_console().print(f"[bold red]parity:[/] {escape(str(err))}", soft_wrap=True)
         code, error = err.exit_code, str(err)
+        if getattr(err, "partial", None):  # a valid model a tool could not handle: the report says how far it got
+            _write_run_report(run_dir, {**assemble(run_cfg, *err.partial), "exit_code": int(code), "reasons": [error]})
     except Exception as err:  # noqa: BLE001 - reported, with the traceback in the log
         log.debug("internal error", exc_info=True)
         fault = environment_fault(err)  # a read-only or full disk: exit 5, one line
         error = str(fault) if fault else f"internal error: {type(err).__name__}: {err} (traceback in {log_file})"
         code = fault.exit_code if fault else ExitCode.INTERNAL
         stderr_console().print(f"[bold red]parity:[/] {escape(error)}", soft_wrap=True)
-    with writing(run_dir):
-        write_job_record(run_dir, code, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), error,
-                         packaged_bundles(outcome))
+    try:
+        with writing(run_dir):
+            write_job_record(run_dir, code, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), error,
+                             packaged_bundles(outcome))
+    except EnvironmentFault as err:  # said once: the disk that stopped the run refuses job.json too
+        if code != err.exit_code:
+            stderr_console().print(f"[bold red]parity:[/] {escape(str(err))}", soft_wrap=True)
+        code = err.exit_code
     return code
 
 

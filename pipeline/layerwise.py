@@ -31,6 +31,7 @@ from pipeline.tensor_names import onnx_name  # noqa: F401 - its former home: kee
 
 CHUNK_BYTES = 256 * 1024 * 1024  # float32 bytes of probed tensors per sample and side
 DEPTH_POINTS = 2000  # chart points kept in the report; the side file has every tensor
+LOCAL_LOSSES = 10  # tensors adding the most error, kept in the summary
 
 
 def dynamic_outputs(nodes: Iterable, inputs: Iterable[str]) -> List[str]:
@@ -211,6 +212,21 @@ class Comparison:
                         "region": self.region(tensor.name), "consumers": self.graph.consumers(tensor.name)}
         return None
 
+    def local_losses(self, count: int = LOCAL_LOSSES) -> List[dict]:
+        """The tensors that lose the most cosine against their nearest compared inputs:
+        where error is added, not just carried (the candidates advice tries first)."""
+        found = []
+        for tensor in self.graph.tensors:
+            if tensor.name not in self.stats:
+                continue
+            cosine = self.stats[tensor.name].result()["cosine"]
+            inputs = [self.stats[a].result()["cosine"] for a in self.compared_ancestors(tensor.name)]
+            if isinstance(cosine, float) and not math.isnan(cosine):
+                loss = min([c for c in inputs if not math.isnan(c)], default=1.0) - cosine
+                found.append({"tensor": tensor.name, "op": tensor.op, "op_type": tensor.op_type,
+                              "cosine": cosine, "loss": loss})
+        return sorted(found, key=lambda row: -row["loss"])[:count]
+
     def nan_origin(self) -> Optional[dict]:
         for tensor in self.graph.tensors:
             stats = self.stats.get(tensor.name)
@@ -231,6 +247,7 @@ class Comparison:
                 "not_exposed": self.not_exposed, "unmappable": self.unmappable, "errors": self.errors,
                 "depth": depth, "worst": [_row_brief(r) for r in worst],
                 "first_divergence": self.first_divergence(), "nan_origin": self.nan_origin(),
+                "local_losses": self.local_losses(),
                 "side_file": side_file}
 
     def write_side_file(self, path: Path) -> None:

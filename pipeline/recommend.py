@@ -7,7 +7,7 @@ fp16 block list, a qtable, ncnn layers to mask), ``{"precision_hint": "f32"}`` o
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, Iterable, List, Optional, Set
 
 FP16_MAX = 65504.0
 FLOAT_PRECISIONS = {"fp16": "fp16", "bf16": "bf16"}
@@ -19,15 +19,70 @@ CLIPPED_TOO_MUCH = 0.001  # a threshold that clips more than 0.1 % of values is 
 THRESHOLD_BELOW_PEAK = 0.25
 
 
+class QuantizedGraph:
+    """Which ops of a model a build quantizes, and the quantized ops that feed an op
+    through the float ops in between: what precision.keep_float can change."""
+
+    def __init__(self, model, quantize_ops: Iterable[str], float_ops: Iterable[str] = (),
+                 present: Optional[Set[str]] = None):
+        """``present``: the op names the quantizer saw (the prepared graph, BatchNorm folded),
+        when ``model`` is the converted model that layerwise names ops by."""
+        nodes = list(model.graph.node)
+        self.op_types = {node.name: node.op_type for node in nodes}
+        self.quantize_ops = list(quantize_ops)
+        self.quantized: Set[str] = {node.name for node in nodes
+                                    if node.op_type in self.quantize_ops and node.name not in set(float_ops)
+                                    and (present is None or node.name in present)}
+        self._producer: Dict[str, object] = {out: node for node in nodes for out in node.output}
+        self._inputs = {node.name: list(node.input) for node in nodes}
+
+    def op_of(self, tensor: str) -> Optional[str]:
+        node = self._producer.get(tensor)
+        return node.name if node is not None else None
+
+    def producers(self, op: Optional[str]) -> List[str]:
+        """``op`` itself when it is quantized, else the nearest quantized ops upstream."""
+        if op is None:
+            return []
+        if op in self.quantized:
+            return [op]
+        found, seen, stack = [], set(), list(self._inputs.get(op, []))
+        while stack:
+            tensor = stack.pop()
+            node = self._producer.get(tensor)
+            if node is None or node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.name in self.quantized:
+                found.append(node.name)
+            else:
+                stack.extend(node.input)
+        order = {name: index for index, name in enumerate(self.op_types)}
+        return sorted(found, key=lambda name: -order[name])  # nearest first
+
+    def not_quantized_line(self, op: str) -> str:
+        producers = self.producers(op)
+        feeds = (f"its quantized producers are {', '.join(producers)}" if producers
+                 else "no quantized op feeds it")
+        return (f"{op} is not quantized in this build: quantize_ops=[{', '.join(self.quantize_ops)}]; {feeds} "
+                "(keep those in float instead)")
+
+
 def recommend(precision: str, backend: str, requested: dict, effective: dict,
-              layerwise: Optional[dict], calibration: Optional[dict]) -> List[dict]:
+              layerwise: Optional[dict], calibration: Optional[dict],
+              graph: Optional[QuantizedGraph] = None, truth: Optional[dict] = None) -> List[dict]:
     found = _fallbacks(precision, backend, requested, effective)
     if layerwise and layerwise.get("ran"):
         origin, culprit = layerwise.get("nan_origin"), layerwise.get("first_divergence")
         if origin:
             found.append(_nan_origin(origin, precision))
         if culprit and not (origin and culprit["tensor"] == origin["tensor"]):
-            found.append(_divergence(culprit, precision, (calibration or {}).get("tensors", {})))
+            found.append(_divergence(culprit, precision, (calibration or {}).get("tensors", {}), truth))
+    if graph is not None and precision in ("int8", "mixed"):
+        for advice in found:  # int8 builds can only keep their quantized ops in float
+            keep = advice["action"].get("keep_float")
+            if keep:
+                advice["action"]["keep_float"] = list(dict.fromkeys(p for op in keep for p in graph.producers(op)))
     for advice in found:
         keep = advice["action"].get("keep_float")
         if keep and precision in APPLIES_KEEP_FLOAT:
@@ -73,7 +128,7 @@ def _nan_origin(origin: dict, precision: str) -> dict:
             "action": {"keep_float": [origin["op"]], "tensor": origin["tensor"]}}
 
 
-def _divergence(culprit: dict, precision: str, table: dict) -> dict:
+def _divergence(culprit: dict, precision: str, table: dict, truth: Optional[dict] = None) -> dict:
     op, tensor = culprit["op"], culprit["tensor"]
     where = f"first divergence at {culprit['op_type']} {op} (tensor {tensor}, cosine {culprit['cosine']:.4f})"
     if precision in ("int8", "mixed"):
@@ -97,6 +152,14 @@ def _divergence(culprit: dict, precision: str, table: dict) -> dict:
     if precision in FLOAT_PRECISIONS:
         return {"kind": "float_precision",
                 "text": f"{where}: keep {op} in fp32", "action": {"keep_float": [op]}}
+    as_close = [o for o in ((truth or {}).get("outputs") or {}).values() if o["target_as_close"]]
+    if as_close:  # the reference is no closer to the exact result: no kernel to blame
+        return {"kind": "reference_imprecise",
+                "text": f"{where}: {as_close[0]['verdict']} (float64 run, {as_close[0]['samples']} samples), so "
+                        f"{culprit['op_type']} is not wrong beyond float32 rounding; the model is "
+                        "ill-conditioned in float32 here: compute it in float64, reformulate it, or set "
+                        "validation.min_cosine to what float32 reaches",
+                "action": {"inspect": [op]}}
     return {"kind": "kernel_mismatch",
             "text": f"{where}: this backend's {culprit['op_type']} kernel disagrees with the reference at fp32; "
                     "compare its attributes with the backend's supported set, or report it upstream",

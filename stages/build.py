@@ -3,6 +3,7 @@ loader needs (runtime.yaml)."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,13 +14,16 @@ import yaml
 
 from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
+from pipeline.calibration import bias_correction
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.quantize import QdqSettings, build_qdq
+from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
+log = logging.getLogger("parity")
+
 NAME = "build"
-VERSION = 18
+VERSION = 19
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -30,6 +34,8 @@ def key_config(cfg):
     backend = backends.spec(cfg.target.backend.value)
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
+            # bias correction measures the quantized ops on the calibration samples
+            "bias_correction": (cfg.data, cfg.calibration.batch_size) if _corrects_bias(cfg, backend) else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or (precision.name.value == "int8" and hasattr(backend, "build_int8"))
@@ -44,9 +50,17 @@ def _wants_masks(cfg, backend) -> bool:
 
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
-    if _wants_masks(ctx.cfg, backend) or (ctx.cfg.precision.name.value == "int8" and hasattr(backend, "build_int8")):
+    if _wants_masks(ctx.cfg, backend) or (ctx.cfg.precision.name.value == "int8" and hasattr(backend, "build_int8")) \
+            or _corrects_bias(ctx.cfg, backend):
         return ctx.dataset().files
     return []
+
+
+def _corrects_bias(cfg, backend) -> bool:
+    """precision.bias_correction on a QDQ int8/mixed build (not the runtime's own int8 tooling)."""
+    name = cfg.precision.name.value
+    return name in ("int8", "mixed") and cfg.precision.bias_correction and \
+        not (name == "int8" and hasattr(backend, "build_int8"))
 
 
 
@@ -126,8 +140,21 @@ def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str
     if typos:
         raise ConfigError(f"precision.keep_float: the model has no op {typos[0]!r} (names are ONNX node names, "
                           "as the report's layerwise section and recommendations give them)")
+    if ctx.cfg.precision.name.value in ("int8", "mixed"):
+        _only_quantized(model, asked, ctx.cfg.precision.quantize_ops)
     merged = list(dict.fromkeys([*chosen, *[name for name in asked if name in names]]))
     return merged, [name for name in asked if name not in names]
+
+
+def _only_quantized(model: onnx.ModelProto, asked: List[str], quantize_ops: List[str]) -> None:
+    """An int8 build keeps in float only what it quantizes: naming another op would
+    rebuild the same model (exit 2, naming the quantized ops that feed it)."""
+    from pipeline.recommend import QuantizedGraph
+
+    graph = QuantizedGraph(model, quantize_ops)
+    for name in asked:
+        if name in graph.op_types and name not in graph.quantized:
+            raise ConfigError(f"precision.keep_float: {graph.not_quantized_line(name)}")
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -220,8 +247,27 @@ def _quantize(ctx: StageContext):
     quantized = ctx.out_dir / "quantized.onnx"
     settings = QdqSettings.resolve(precision, backends.spec(ctx.cfg.target.backend.value).NAME)
     try:
-        build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
-    except Exception as err:  # noqa: BLE001 - ORT's quantizer rejects some graphs
-        raise BackendUnavailable(f"int8: ONNX Runtime's quantizer cannot quantize the model: {first_line(err)}") from err
-    settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown}
+        reshaped = build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
+    except QuantizerFailed as err:
+        raise err.with_run(ctx)
+    for fix in reshaped:
+        log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
+                 fix["op"], fix["bias_from"], fix["bias_to"])
+    settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
+                "gemm_bias_reshaped": reshaped, "bias_correction": _correct_biases(ctx, quantized)}
     return quantized, settings
+
+
+def _correct_biases(ctx: StageContext, quantized: Path) -> dict:
+    """precision.bias_correction: each quantized op's per-channel mean output restored on
+    the calibration samples (pipeline/calibration/bias_correction.py), in place."""
+    if not _corrects_bias(ctx.cfg, backends.spec(ctx.cfg.target.backend.value)):
+        return {"enabled": False}
+    model = onnx.load(str(quantized))
+    prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
+    samples = (sample.feeds for sample in ctx.dataset().calibration)
+    summary = bias_correction.correct(model, prepared, samples)
+    onnx.save(model, str(quantized))
+    log.info("build: bias correction on %d ops (%d calibration samples, %.1f s)", len(summary["corrected"]),
+             summary["samples"], summary["seconds"])
+    return summary

@@ -159,7 +159,7 @@ def test_openvino_without_a_precision_hint_is_caught_when_it_falls_back(tmp_path
 
     from pipeline.backends import openvino as ov_backend
     from pipeline.worker import BackendWorker
-    from stages.verify import _verdict
+    from pipeline.verdict import judge
 
     model = REPO / "pipeline" / "assets" / "digits_cnn.onnx"
     ov_backend.convert(model, tmp_path)
@@ -167,7 +167,7 @@ def test_openvino_without_a_precision_hint_is_caught_when_it_falls_back(tmp_path
                        label="openvino without a hint", timeout_s=120) as worker:
         effective = worker.effective()
     requested = {"device": "CPU", "precision": "fp32", "accepted_precisions": ["fp32"]}
-    reasons, code = _verdict([{"name": "logits", "failures": []}], [], None, requested, effective, 1, None)
+    _, reasons, code = judge([{"name": "logits", "failures": []}], [], None, requested, effective, 1, None)
     native_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     if native_bf16:
         assert effective["precision"] == "bf16" and code == 4
@@ -181,8 +181,8 @@ def test_openvino_without_a_precision_hint_is_caught_when_it_falls_back(tmp_path
     ([], [], 0, ["no validation samples were compared", "no outputs were compared"]),
 ])
 def test_a_verdict_never_passes_on_nothing(outputs, missing, samples, expected):
-    from stages.verify import _verdict
+    from pipeline.verdict import judge
 
     requested = {"device": "CPU", "precision": "fp32", "accepted_precisions": ["fp32"]}
-    reasons, code = _verdict(outputs, missing, None, requested, {"device": "CPU", "precision": "fp32"}, samples, None)
+    _, reasons, code = judge(outputs, missing, None, requested, {"device": "CPU", "precision": "fp32"}, samples, None)
     assert reasons == expected and code == 3

@@ -217,8 +217,9 @@ class Session:
     def effective(self) -> Dict[str, str]:
         providers = self._session.get_providers()
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
-        precision, layers = executed_precision(self._optimized)
-        return {"device": device, "precision": precision, "layers": layers, "compile_cache": self._cache_status,
+        precision, layers, float_ops = executed_precision(self._optimized)
+        return {"device": device, "precision": precision, "layers": layers, "float_ops": float_ops,
+                "compile_cache": self._cache_status,
                 "runtime_options": self._read_back()}
 
     def _read_back(self) -> dict:
@@ -247,25 +248,31 @@ def _ort_candidates(node: str, op_type: str, index) -> List[str]:
     return [name]
 
 
-def executed_precision(optimized_path: Path) -> Tuple[str, str]:
+def executed_precision(optimized_path: Path) -> Tuple[str, str, Dict[str, str]]:
     """Precision of the compute ops in the graph ORT executes after its optimizations:
-    integer kernels (QLinearConv, MatMulInteger...) count as int8, float ones by their type."""
+    integer kernels (QLinearConv, MatMulInteger...) count as int8, float ones by their type;
+    and the float compute ops by ONNX name ({name: op type}: verify tells an op the build
+    kept in float from one ORT has no int8 kernel for, such as ConvTranspose)."""
     import onnx
 
     model = onnx.load(str(optimized_path), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.value_info) + list(model.graph.input)}
     types.update({t.name: t.data_type for t in model.graph.initializer})
     counts: Counter = Counter()
+    float_ops: Dict[str, str] = {}
     for node in model.graph.node:
         if node.op_type in _INTEGER_OPS:
             counts["int8"] += 1
         elif node.op_type in _FLOAT_COMPUTE_OPS or node.op_type.startswith("Fused"):
             elem = types.get(node.input[1] if len(node.input) > 1 else node.input[0], 1)
             counts[_ONNX_FLOAT_TYPES.get(elem, "fp32")] += 1
+            name = re.sub(r"(_token_\d+)+$", "", node.name.removeprefix("fused "))
+            float_ops[name] = node.op_type.removeprefix("Fused")
     if not counts:
-        return "fp32", ""
+        return "fp32", "", {}
     layers = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    return ("mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]), layers
+    return ("mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]), layers, \
+        (float_ops if counts["int8"] else {})
 
 
 # Where the output scale and zero point of a quantized op are among its inputs.

@@ -33,6 +33,9 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
                         "nothing to keep in float")
     if convert:
         warnings += preflight_warnings(convert["preflight"])
+    if verify:  # checks that warn (int8 ran partly in float) and a reference far from float64 truth
+        warnings += [c["text"] for c in verify.get("checks") or [] if c["severity"] == "warning"]
+        warnings += (verify.get("truth") or {}).get("warnings", [])
     if verify and (verify.get("speed") or {}).get("warning"):
         warnings.append(f"speed: {verify['speed']['warning']}")
     return {

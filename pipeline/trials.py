@@ -1,0 +1,144 @@
+"""Advice tried before it is given: each keep-in-float candidate for a failing int8/mixed
+build is applied (rebuilt on the target's backend), re-measured on the validation set
+against the same reference and judged with the same thresholds. Only candidates that
+improve on the build are printed as advice; when none passes, the best one found is
+named as such (docs/verify.md, "Advice")."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional
+
+from pipeline import speed
+from pipeline.errors import BackendCrashed, BackendUnavailable
+from pipeline.metrics import OutputStats
+from pipeline.recommend import QuantizedGraph
+
+WORST_ROWS = 3  # layerwise tensors with the lowest cosine whose quantized producers are a candidate
+LOSSES_WIDE = 3  # tensors adding the most error whose quantized producers are kept in float together
+TIMING = {"rounds": 5, "runs": 5, "max_seconds": 2.0}
+log = logging.getLogger("parity")
+
+
+def candidates(advice: List[dict], layers: Optional[dict], graph: QuantizedGraph, output_ops: List[str],
+               limit: int) -> List[List[str]]:
+    """Op sets to keep in float, most specific first: what the evidence named (already
+    traced to quantized ops), the quantized producers of the tensors that add the most
+    error (layerwise local losses: the first, then the first LOSSES_WIDE), those of the
+    worst tensors, the quantized ops nearest the outputs."""
+    found = [list(a["action"]["keep_float"]) for a in advice if a["action"].get("keep_float")]
+    layers = layers or {}
+    losses = [row["op"] for row in layers.get("local_losses") or [] if row["loss"] > 0]
+    worst = [row["op"] for row in layers.get("worst") or [] if row.get("op")]
+    for ops in (losses[:1], losses[:LOSSES_WIDE], worst[:WORST_ROWS], output_ops, losses[:LOSSES_WIDE] + output_ops):
+        found.append(_union(graph.producers(op) for op in ops))
+    unique: List[List[str]] = []
+    for keep in found:
+        if keep and sorted(keep) not in [sorted(k) for k in unique]:
+            unique.append(keep)
+    return unique[:limit]
+
+
+def _union(groups) -> List[str]:
+    return list(dict.fromkeys(op for group in groups for op in group))
+
+
+def run(candidates_: List[List[str]], launch: Callable, reference, target, dataset, judge: Callable,
+        scorer=None) -> List[dict]:
+    """Each candidate built (``launch(keep_float) -> worker``), measured on every
+    validation sample next to the others (``scorer``: the run's task metric, a fresh
+    pipeline.task_metrics.TaskScorer), judged (``judge(stats, build key) -> (reasons,
+    cosine, task)``) and timed against the target build."""
+    workers, tried = {}, []
+    for keep in candidates_:
+        try:
+            workers[",".join(keep)] = (keep, launch(keep))
+        except (BackendCrashed, BackendUnavailable, ValueError, KeyError) as err:
+            tried.append({"keep_float": keep, "error": str(err), "passed": False})
+    stats: Dict[str, dict] = {key: {} for key in workers}
+    for sample in dataset.validation:
+        expected = reference.run(sample.feeds)
+        _score(scorer, "reference", expected, expected, sample.label)
+        for key, (keep, worker) in list(workers.items()):
+            try:
+                actual = worker.run(sample.feeds)
+            except BackendCrashed as err:
+                tried.append({"keep_float": keep, "error": str(err), "passed": False})
+                del workers[key]
+                continue
+            for name in expected:
+                if name in actual:
+                    stats[key].setdefault(name, OutputStats()).update(expected[name], actual[name])
+            _score(scorer, key, expected, actual, sample.label)
+    if scorer is not None:
+        scorer.finish()
+    sample = next(iter(dataset.validation), None)
+    for key, (keep, worker) in workers.items():
+        reasons, cosine, task = judge(stats[key], key)
+        timing = _slower_ms(target, worker, sample.feeds) if sample is not None else None
+        tried.append({"keep_float": keep, "passed": not reasons, "reasons": reasons, "cosine": cosine,
+                      "task": task, "slower_ms": timing})
+    return tried
+
+
+def _score(scorer, build: str, expected: dict, actual: dict, label) -> None:
+    if scorer is not None and scorer.output in actual and scorer.active(label):
+        scorer.add(build, actual[scorer.output], expected[scorer.output], label)
+
+
+def _slower_ms(target, trial, feeds) -> Optional[float]:
+    timings = speed.interleaved({"build": target, "trial": trial}, feeds, **TIMING)
+    if any("error" in t for t in timings.values()):
+        return None
+    return timings["trial"]["median_ms"] - timings["build"]["median_ms"]
+
+
+def improves(trial: dict, base: dict) -> bool:
+    """Passes where the build failed, or gets closer on cosine without losing task accuracy."""
+    if "error" in trial:
+        return False
+    if trial["passed"]:
+        return True
+    drop, base_drop = (trial.get("task") or {}).get("drop"), (base.get("task") or {}).get("drop")
+    no_worse_task = drop is None or base_drop is None or drop <= base_drop + 1e-12
+    return trial["cosine"] > base["cosine"] + 1e-6 and no_worse_task
+
+
+def describe(trial: dict, user_keep: List[str]) -> str:
+    """``keep_float=[Conv7] -> cosine 0.9962 (pass), 0.3 ms slower (apply: ...)``."""
+    if "error" in trial:
+        return f"keep_float=[{','.join(trial['keep_float'])}] -> could not be measured: {trial['error']}"
+    task = trial.get("task")
+    drop = ""
+    if task:
+        drop = (f", top-1 drop {task['drop'] * 100:.2f} pts" if task["metric"] == "top1"
+                else f", {task['metric']} drop {task['drop']:.4g}")
+    slower = trial.get("slower_ms")
+    speed_text = "" if slower is None else f", {abs(slower):.2f} ms {'slower' if slower > 0 else 'faster'}"
+    apply = ",".join(dict.fromkeys([*user_keep, *trial["keep_float"]]))
+    return (f"keep_float=[{','.join(trial['keep_float'])}] -> cosine {trial['cosine']:.4f} "
+            f"({'pass' if trial['passed'] else 'fail'}{drop}){speed_text} (apply: precision.keep_float=[{apply}])")
+
+
+def advice(tried: List[dict], base: dict, user_keep: List[str]) -> List[dict]:
+    """The recommendations: every improving trial, passing ones first; when none passed,
+    one line saying so with the best candidate found."""
+    ranked = sorted((t for t in tried if "error" not in t), key=lambda t: (not t["passed"], -t["cosine"]))
+    found = [{"kind": "tried_keep_float", "text": describe(t, user_keep), "tried": True,
+              "action": {"keep_float": list(dict.fromkeys([*user_keep, *t["keep_float"]]))},
+              "measured": _measured(t)} for t in ranked if improves(t, base) and t["passed"]]
+    if found:
+        return found
+    best = ranked[0] if ranked else None
+    text = f"none of the {len(tried)} keep-in-float candidates tried passed"
+    if best is not None:
+        text += f"; the best found: {describe(best, user_keep)}"
+        if not improves(best, base):
+            text += f" (no better than the build's cosine {base['cosine']:.4f})"
+    return [{"kind": "tried_none_passed", "text": text, "tried": True,
+             "action": {"keep_float": list(dict.fromkeys([*user_keep, *best["keep_float"]]))} if best else {},
+             "measured": _measured(best) if best else None}]
+
+
+def _measured(trial: dict) -> Dict[str, object]:
+    return {key: trial.get(key) for key in ("keep_float", "passed", "cosine", "task", "slower_ms", "reasons")}
