@@ -6,21 +6,27 @@ the same bytes.
 
 Reading: every member is checked before anything is written; absolute paths, ``..``
 components, links, devices, fifos and duplicate names are refused, and a truncated or
-corrupt archive is an InputError."""
+corrupt archive is an InputError. Sizes come from the member headers, so that a huge
+member is refused before a byte of it is written: the members must fit the free space,
+and with ``manifests`` every member must be listed, with its size, in the manifest at the
+top of the archive (a bundle's manifest.json, a release's release.json)."""
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import json
+import shutil
 import tarfile
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import List
+from typing import Dict, List, Sequence
 
 from pipeline.errors import InputError
 
 FILE_MODE = 0o644
 CHUNK = 1 << 20
+MANIFEST_LIMIT = 64 << 20  # a manifest is a few KiB; a bigger one is not read into memory
 _CORRUPT = (tarfile.TarError, EOFError, zlib.error, OSError)
 
 
@@ -48,9 +54,11 @@ def is_archive(path: Path) -> bool:
     return Path(path).is_file() and Path(path).name.endswith((".tar.gz", ".tgz", ".tar"))
 
 
-def safe_extract(archive: Path, destination: Path) -> List[str]:
+def safe_extract(archive: Path, destination: Path, manifests: Sequence[str] = ()) -> List[str]:
     """Extract ``archive`` into the existing folder ``destination`` once every member is
-    known to be safe; returns the member names."""
+    known to be safe; returns the member names. ``manifests``: file names of which the
+    first found in the archive's top folder must list every other member with its size
+    (``{"files": {path: {"bytes": n}}}``)."""
     archive, destination = Path(archive), Path(destination)
     with _reading(archive):
         tar = tarfile.open(archive, "r:*")
@@ -60,6 +68,9 @@ def safe_extract(archive: Path, destination: Path) -> List[str]:
         for member in members:
             _check_member(archive, member)
         _check_duplicates(archive, members)
+        _check_free_space(archive, members, destination)
+        if manifests:
+            _check_listed_sizes(archive, tar, members, manifests)
         for member in members:
             _extract_member(archive, tar, member, destination)
     return [m.name for m in members]
@@ -100,6 +111,51 @@ def _check_duplicates(archive: Path, members: List[tarfile.TarInfo]) -> None:
         if inside is not None:
             raise InputError(f"archive {archive}: member {name.as_posix()!r} is inside the file "
                              f"{inside.as_posix()!r}; refused")
+
+
+def _check_free_space(archive: Path, members: List[tarfile.TarInfo], destination: Path) -> None:
+    needed = sum(member.size for member in members if member.isfile())
+    free = shutil.disk_usage(destination).free
+    if needed > free:
+        raise InputError(f"archive {archive}: its members' headers claim {needed} bytes, more than the {free} bytes "
+                         f"free in {destination}; refused before extracting")
+
+
+def _check_listed_sizes(archive: Path, tar: tarfile.TarFile, members: List[tarfile.TarInfo],
+                        manifests: Sequence[str]) -> None:
+    """Every file member listed in the top folder's manifest with the size its header
+    claims; nothing is written before this holds."""
+    by_name = {member.name: member for member in members if member.isfile()}
+    roots = {PurePosixPath(name).parts[0] for name in by_name}
+    found = [f"{root}/{name}" for name in manifests for root in sorted(roots) if f"{root}/{name}" in by_name]
+    if len(roots) != 1 or not found:
+        return  # not one bundle or release folder: the caller says what is wrong
+    manifest, root = found[0], roots.pop()
+    listed = _read_listing(archive, tar, by_name[manifest])
+    for name, member in sorted(by_name.items()):
+        relative = PurePosixPath(name).relative_to(root).as_posix()
+        if name == manifest:
+            continue
+        if relative not in listed:
+            raise InputError(f"archive {archive}: member {name!r} ({member.size} bytes) is not listed in "
+                             f"{manifest}; refused before extracting")
+        if listed[relative] != member.size:
+            raise InputError(f"archive {archive}: member {name!r} claims {member.size} bytes in its header, "
+                             f"{manifest} lists {listed[relative]}; refused before extracting")
+
+
+def _read_listing(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo) -> Dict[str, int]:
+    """{path: bytes} of a manifest member (read into memory, at most MANIFEST_LIMIT bytes)."""
+    if member.size > MANIFEST_LIMIT:
+        raise InputError(f"archive {archive}: {member.name} claims {member.size} bytes, more than a manifest "
+                         f"holds ({MANIFEST_LIMIT}); refused")
+    with _reading(archive):
+        text = tar.extractfile(member).read()
+    try:
+        return {path: int(entry["bytes"]) for path, entry in json.loads(text)["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InputError(f"archive {archive}: {member.name} is not a readable manifest ({_describe(err)}); "
+                         f"refused") from err
 
 
 def _extract_member(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, destination: Path) -> None:

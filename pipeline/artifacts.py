@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -59,34 +59,57 @@ def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
                 np.lib.format.write_array(handle, np.asanyarray(value), allow_pickle=False)
 
 
+def _temp_name(final: Path) -> Path:
+    """A fresh hidden name beside ``final`` (".<name>.<random>"; remove_stale_temps finds them)."""
+    return final.parent / f".{final.name}.{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale_temps(final: Path) -> None:
+    """Remove the temporary folders and files that writers killed mid-way (kill -9, power
+    loss) left beside ``final``. Only for a place no other process is writing."""
+    for leftover in Path(final).parent.glob(f".{Path(final).name}.*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path, replace: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory next to ``final``; on success rename it into
     place, so readers never see half of it. With replace=False an existing ``final``
-    wins (another writer finished first) and the temporary copy is dropped."""
+    wins (another writer finished first) and the temporary copy is dropped; with
+    replace=True the old ``final`` is renamed aside first and removed last, so a kill
+    never leaves half of either. The folder gets the umask's mode (mkdtemp's is 0700)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    temp, aside = _temp_name(final), _temp_name(final)
+    temp.mkdir()
     try:
         yield temp
         if final.exists() and replace:
-            shutil.rmtree(final)
+            os.rename(final, aside)
         try:
             os.rename(temp, final)
         except OSError:
+            if aside.exists():  # the new one could not take its place: the old one goes back
+                os.rename(aside, final)
+                raise
             if not final.exists():
                 raise
     finally:
-        if temp.exists():
-            shutil.rmtree(temp, ignore_errors=True)
+        for leftover in (temp, aside):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def atomic_write_bytes(final: Path, writer) -> None:
-    """Call writer(temp_path) and rename the result onto ``final``."""
+    """Call writer(temp_path) and rename the result onto ``final`` (mode 0666 less the
+    umask, like any new file; mkstemp's would be 0600)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
-    os.close(handle)
+    temp = _temp_name(final)
+    os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         writer(Path(temp))
         os.replace(temp, final)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path, PurePosixPath
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import yaml
 
-from pipeline import backends
+from pipeline import backends, compile_cache
 from pipeline.artifacts import read_json, sha256_file
 from pipeline.data import TensorSpec, conform
-from pipeline.errors import BackendUnavailable, InputError
+from pipeline.errors import BackendUnavailable, ExitCode, InputError
 
 MANIFEST = "manifest.json"
 REPORTS = ("report.html", "report.json", "report.md")  # this run's timings: not reproducible
@@ -21,9 +21,7 @@ REPORTS = ("report.html", "report.json", "report.md")  # this run's timings: not
 def is_cache(path: str) -> bool:
     """A compile-cache file (pipeline/compile_cache.py): checked by sha256 like every file,
     but runtimes do not write the same bytes twice, so it is not part of content_sha256."""
-    from pipeline.compile_cache import FOLDER
-
-    return PurePosixPath(path).parts[0] == FOLDER
+    return PurePosixPath(path).parts[0] == compile_cache.FOLDER
 
 
 def content_sha256(files: Dict[str, str]) -> str:
@@ -50,7 +48,37 @@ def check_integrity(bundle: Path) -> dict:
     recorded = manifest.get("content_sha256")
     if recorded and recorded != content_sha256({name: entry["sha256"] for name, entry in listed.items()}):
         raise InputError(f"bundle: {bundle / MANIFEST} has a content_sha256 that does not match its file list")
+    check_compile_cache(bundle, manifest)
     return manifest
+
+
+def compile_cache_entry(bundle: Path, files: Dict[str, str]) -> Optional[dict]:
+    """The manifest's ``compile_cache`` entry: the sha256 of the cache files' listing (they
+    are left out of content_sha256) and of the artifact the cache was compiled from."""
+    caches = {path: digest for path, digest in files.items() if is_cache(path)}
+    if not caches:
+        return None
+    recorded = compile_cache.recorded_key(bundle, runtime_settings(bundle)) or {}
+    listing = "".join(f"{caches[path]}  {path}\n" for path in sorted(caches))
+    return {"files_sha256": hashlib.sha256(listing.encode()).hexdigest(),
+            "artifact_sha256": recorded.get("artifact_sha256")}
+
+
+def check_compile_cache(bundle: Path, manifest: dict) -> None:
+    """A compile cache compiled from another model than the bundle's (the model was
+    changed after packaging, or the cache swapped) is refused: a loader would run it."""
+    if not (bundle / "runtime.yaml").is_file() or not any(is_cache(path) for path in manifest["files"]):
+        return
+    files = {path: entry["sha256"] for path, entry in manifest["files"].items()}
+    entry = manifest.get("compile_cache")
+    if entry is not None and entry != compile_cache_entry(bundle, files):
+        raise InputError(f"bundle: {bundle / MANIFEST}: its compile_cache entry does not match the cache's files "
+                         f"and key (tampered or corrupt)")
+    settings = runtime_settings(bundle)
+    built_for = (compile_cache.recorded_key(bundle, settings) or {}).get("artifact_sha256")
+    if built_for is not None and built_for != compile_cache.artifact_sha256(bundle, settings):
+        raise InputError(f"bundle: its compile cache ({compile_cache.FOLDER}/) was compiled from another model "
+                         f"than the bundle's {settings['model']} (changed after packaging); rebuild the bundle")
 
 
 def check_files(root: Path, listed: dict, manifest_name: str, label: str) -> None:
@@ -106,49 +134,73 @@ def read_inputs(path: Path, settings: dict) -> Dict[str, np.ndarray]:
 
 
 def recorded_samples(bundle: Path) -> List[dict]:
-    """The validation inputs and reference outputs verify recorded in the bundle:
-    [{"inputs": {name: array}, "reference": {name: array}}] in sample order."""
+    """The validation inputs, reference outputs and (since verify VERSION 8) the target's
+    outputs verify recorded in the bundle: [{"inputs": {name: array}, "reference": {...},
+    "target": {...}}] in sample order."""
     path = Path(bundle) / "reproduce.npz"
     if not path.is_file():
         raise InputError(f"bundle: {path.name} is missing: the bundle was packaged without the verify stage")
     samples: Dict[int, dict] = {}
+    roles = {"input": "inputs", "reference": "reference", "target": "target"}
     with np.load(path, allow_pickle=False) as archive:
         for key in archive.files:
             role, index, name = key.split("/", 2)
-            samples.setdefault(int(index), {"inputs": {}, "reference": {}})[
-                "inputs" if role == "input" else "reference"][name] = archive[key]
+            samples.setdefault(int(index), {"inputs": {}, "reference": {}, "target": {}})[roles[role]][name] = \
+                archive[key]
     return [samples[i] for i in sorted(samples)]
 
 
+REPRODUCED_COSINE = 0.999999  # the bundle's outputs on this machine vs the packaged run's own outputs
+
+
 def reproduce(bundle: Path, timeout_s: float = 600.0) -> dict:
-    """Run the bundle on its recorded inputs, in a worker process, and judge its outputs
-    against the recorded reference outputs with the thresholds of the packaged verdict."""
+    """Run the bundle on its recorded inputs, in a worker process, and judge it with the
+    verdict the run used (pipeline.verdict). When its outputs reproduce the packaged run's
+    own outputs, the packaged accuracy, task and speed results stand (they were measured
+    on the whole validation set) and this machine's device and precision are judged anew:
+    the same bundle on the same machine gets the run's verdict and exit code. Otherwise
+    the outputs are judged on the recorded samples against the recorded reference."""
     from pipeline.config import OutputThresholds
     from pipeline.metrics import OutputStats, failures
+    from pipeline.verdict import judge
     from pipeline.worker import BackendWorker
 
     bundle = Path(bundle)
     settings = runtime_settings(bundle)
     report = read_json(bundle / "report.json")
-    thresholds = {o["name"]: OutputThresholds(**o["thresholds"]) for o in (report.get("verify") or {}).get("outputs", [])}
+    verify = report.get("verify") or {}
+    thresholds = {o["name"]: OutputThresholds(**o["thresholds"]) for o in verify.get("outputs", [])}
     samples = recorded_samples(bundle)
     backend = backends.spec(settings["backend"])
     ok, reason = backend.available()
     if not ok:
         raise BackendUnavailable(reason)
     stats: Dict[str, OutputStats] = {}
+    same: Dict[str, OutputStats] = {}
     with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name}", timeout_s=timeout_s) as worker:
         for sample in samples:
             actual = worker.run(sample["inputs"])
             for name, expected in sample["reference"].items():
                 if name in thresholds and name in actual:
                     stats.setdefault(name, OutputStats()).update(expected, actual[name])
+                if name in sample["target"] and name in actual:
+                    same.setdefault(name, OutputStats()).update(sample["target"][name], actual[name])
         effective = worker.effective()
     outputs = []
     for name, limits in thresholds.items():
         metrics = stats[name].result() if name in stats else None
         failed = failures(metrics, limits) if metrics else ["not produced"]
         outputs.append({"name": name, "metrics": metrics, "failures": failed, "passed": not failed})
-    passed = bool(outputs) and bool(samples) and all(o["passed"] for o in outputs)
-    return {"samples": len(samples), "outputs": outputs, "effective": effective,
-            "packaged_verdict": report.get("verdict"), "verdict": "pass" if passed else "fail"}
+    reproduced = bool(same) and len(same) == len(thresholds) and all(
+        s.result()["cosine"] >= REPRODUCED_COSINE for s in same.values())
+    judged = verify.get("judged_with") or {}
+    _, reasons, code = judge(verify["outputs"] if reproduced else outputs, [], verify.get("task") if reproduced
+                             else None, verify["requested"], effective, len(samples), None,
+                             judged.get("fail_on_float_fallback", False), tuple(judged.get("intended_float", ())))
+    speed_failure = (verify.get("speed") or {}).get("failure")
+    if reproduced and speed_failure:  # as verify appends it: after every other reason
+        reasons.append(speed_failure)
+        code = code if reasons[:-1] else ExitCode.THRESHOLD
+    return {"samples": len(samples), "outputs": outputs, "effective": effective, "reproduced": reproduced,
+            "reasons": reasons, "exit_code": int(code), "packaged_verdict": report.get("verdict"),
+            "packaged_exit_code": report.get("exit_code"), "verdict": "pass" if not reasons else "fail"}

@@ -1,7 +1,9 @@
 """Errors users can act on, each with the exit code the CLI returns for it."""
 
+import contextlib
+import errno
 from enum import IntEnum
-from typing import Sequence
+from typing import Iterator, Optional, Sequence
 
 
 class ExitCode(IntEnum):
@@ -10,6 +12,7 @@ class ExitCode(IntEnum):
     USAGE = 2  # usage, config or input error
     THRESHOLD = 3  # an accuracy threshold failed
     BACKEND = 4  # a backend could not run
+    ENVIRONMENT = 5  # this machine's file system refused a write (read-only, full, no permission)
 
 
 class ParityError(Exception):
@@ -54,6 +57,50 @@ class BackendCrashed(ParityError):
 
     def __reduce__(self):
         return type(self), (self.kind, self.detail, self.stderr_tail, self.worker)
+
+
+class RunFolderBusy(ParityError):
+    """Another parity run holds the run folder's lock."""
+
+    exit_code = ExitCode.USAGE
+    label = "run folder in use"
+
+
+class EnvironmentFault(ParityError):
+    """A write the file system refused: a read-only or full disk, a missing permission.
+    Nothing is wrong with the model, the data or the config; the machine needs fixing."""
+
+    exit_code = ExitCode.ENVIRONMENT
+    label = "environment error"
+
+
+# errnos that mean "this machine cannot store what parity writes", not a parity bug
+ENVIRONMENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def environment_fault(err: BaseException, path=None) -> Optional[EnvironmentFault]:
+    """An EnvironmentFault for an OSError with one of ENVIRONMENT_ERRNOS (looked for along
+    the exception's causes), naming the path and the errno; None for anything else."""
+    seen = err
+    while seen is not None and not (isinstance(seen, OSError) and seen.errno in ENVIRONMENT_ERRNOS):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return None
+    where = seen.filename or path or "?"
+    verb = "access" if seen.errno in (errno.EACCES, errno.EPERM) else "write"  # a refused read is EACCES too
+    return EnvironmentFault(f"cannot {verb} {where}: [Errno {seen.errno}] {seen.strerror}")
+
+
+@contextlib.contextmanager
+def writing(path) -> Iterator[None]:
+    """Turns a refused write below ``path`` into an EnvironmentFault (one line, exit 5)."""
+    try:
+        yield
+    except OSError as err:
+        fault = environment_fault(err, path)
+        if fault is None:
+            raise
+        raise fault from err
 
 
 def first_line(err: BaseException) -> str:

@@ -42,10 +42,11 @@ class Job:
     exit_code: Optional[int]
     reason: Optional[str]
     bundles: List[Path] = field(default_factory=list)
+    inconsistent: Optional[str] = None  # why job.json, report.json and the bundles disagree
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "pass" and self.exit_code == 0 and bool(self.bundles)
+        return self.verdict == "pass" and self.exit_code == 0 and bool(self.bundles) and not self.inconsistent
 
 
 @dataclass
@@ -71,12 +72,33 @@ def read_job(sweep: Path, folder: Path) -> Job:
     bundles = sorted(p.parent for p in (folder / "bundle").glob(f"*/{MANIFEST}"))
     job = Job(dir=folder.relative_to(sweep).as_posix(), target=_name(source.get("target")),
               precision=_name(source.get("precision")), verdict=verdict, exit_code=exit_code,
-              reason=None, bundles=bundles)
+              reason=None, bundles=bundles, inconsistent=_inconsistency(report, record, bundles))
     job.reason = None if job.passed else _reason(job, report, record)
     return job
 
 
+def _inconsistency(report: dict, record: dict, bundles: List[Path]) -> Optional[str]:
+    """Why the job's files are not one run's: job.json (written last), report.json and
+    the bundles must agree (a run that failed or was killed sets the earlier run's
+    report aside, but a folder may come from elsewhere); None when they agree."""
+    if not report:
+        return None  # no report: failing already
+    if not record:
+        return "report.json without job.json: the run that wrote it did not finish"
+    if record.get("exit_code") != report.get("exit_code"):
+        return (f"job.json says exit {record.get('exit_code')} but report.json exit {report.get('exit_code')}: "
+                f"the report is from another run")
+    packaged = record.get("bundles") or {}
+    for bundle in bundles:
+        if packaged.get(bundle.name) != sha256_file(bundle / MANIFEST):
+            return f"bundle {bundle.name} is not the one the job's last run packaged (job.json names its manifest)"
+    missing = sorted(set(packaged) - {bundle.name for bundle in bundles})
+    return f"bundle {missing[0]} named in job.json is missing" if missing else None
+
+
 def _reason(job: Job, report: dict, record: dict) -> str:
+    if job.inconsistent:
+        return f"inconsistent job: {job.inconsistent}"
     if report.get("reasons"):
         return "; ".join(str(r) for r in report["reasons"])
     if record.get("error"):

@@ -6,7 +6,8 @@ reproducible .tar.gz, with release.json (see docs/release.md).
 writes the release folder DIR (default SWEEP_DIR/release) and DIR.tar.gz next to it.
 
 Exit codes: 0 released, 2 usage or input error, 3 no passing bundle (nothing written
-unless --include-failing shipped failing ones).
+unless --include-failing shipped failing ones), 5 the output could not be written
+(read-only or full disk).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from pipeline.console import stderr_console, stdout_console
-from pipeline.errors import ExitCode, ParityError
+from pipeline.errors import ExitCode, ParityError, environment_fault
 from pipeline.release import Job, Release, make_release
 
 
@@ -39,8 +40,9 @@ def main(argv=None) -> None:
         _error(str(err))
         code = err.exit_code
     except Exception as err:  # noqa: BLE001
-        _error(f"internal error: {type(err).__name__}: {err}")
-        code = ExitCode.INTERNAL
+        fault = environment_fault(err)  # a full or read-only disk: exit 5
+        _error(str(fault) if fault else f"internal error: {type(err).__name__}: {err}")
+        code = fault.exit_code if fault else ExitCode.INTERNAL
     sys.exit(int(code))
 
 

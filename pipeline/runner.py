@@ -21,7 +21,7 @@ import stages
 from pipeline import environment
 from pipeline.artifacts import atomic_directory, cache_lock, hash_files, hash_tree, read_json, sha256_json, write_json
 from pipeline.config import RunConfig, plain
-from pipeline.errors import ExitCode
+from pipeline.errors import ExitCode, writing
 from stages import StageContext, StageResult
 
 log = logging.getLogger("parity")
@@ -56,7 +56,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
             if cache_root and stage.CACHEABLE else None
         # Jobs of a sweep share the cache: the first to take an entry's lock computes it,
         # the others wait and are served from it.
-        with cache_lock(cache_root, name, key) if key else contextlib.nullcontext():
+        with _locked_entry(cache_root, name, key):
             cached = _from_cache(cache_root / name / key, out_dir) if key else None
             if cached is not None:
                 result, computed_seconds = cached
@@ -76,14 +76,26 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
     return outcome
 
 
+@contextlib.contextmanager
+def _locked_entry(cache_root: Optional[Path], name: str, key: Optional[str]):
+    """The cache entry's lock (none without a key); a cache folder that cannot be written
+    (read-only, full) is an environment error, exit 5."""
+    with contextlib.ExitStack() as stack:
+        if key:
+            with writing(cache_root):
+                stack.enter_context(cache_lock(cache_root, name, key))
+        yield
+
+
 def _compute(stage, ctx: StageContext, out_dir: Path, started: float):
     log.info("stage %s: running", stage.NAME)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    result = stage.run(ctx)
-    computed_seconds = time.perf_counter() - started
-    write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
+    with writing(out_dir):
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
+        result = stage.run(ctx)
+        computed_seconds = time.perf_counter() - started
+        write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
     return result, computed_seconds
 
 
@@ -141,8 +153,6 @@ def _from_cache(entry: Path, out_dir: Path):
 
 
 def _to_cache(out_dir: Path, entry: Path) -> None:
-    try:
+    with writing(entry):  # a full or read-only cache: exit 5, naming the path
         with atomic_directory(entry) as temp:
             shutil.copytree(out_dir, temp, dirs_exist_ok=True)
-    except OSError as err:  # a full or read-only cache never fails the run
-        log.warning("could not store %s in the stage cache: %s", out_dir.name, err)

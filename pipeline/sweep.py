@@ -8,25 +8,29 @@ joblib, submitit), so it reads what the jobs wrote rather than their return valu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import yaml
+from filelock import FileLock, Timeout
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.markup import escape
 from rich.table import Table as RichTable
 
-from pipeline.artifacts import read_json, write_json
+from pipeline.artifacts import atomic_write_bytes, read_json, remove_stale_temps, write_json
 from pipeline.console import stdout_console
-from pipeline.errors import ExitCode
+from pipeline.errors import ExitCode, RunFolderBusy, writing
 from pipeline.report.junit import build_junit
 from pipeline.report.render import (Banner, Heading, Items, Para, Table, fmt_device, html_document,
                                     markdown_document)
 
 JOB_FILE = "job.json"
+LOCK_FILE = ".parity.lock"  # held by the run writing the folder
+RUN_RESULTS = (JOB_FILE, "report.json", "report.md", "report.html", "junit.xml")  # what a finished run leaves
 GPU_DEVICES = ("VULKAN", "OPENCL", "GPU", "CUDA", "METAL")
 TIE = 0.05  # latencies within 5 % of the fastest are a tie on a shared machine
 PRECISION_ORDER = ("fp32", "fp16", "bf16", "int8", "mixed")
@@ -34,10 +38,54 @@ worst_exit_codes: List[int] = []  # the sweep's exit code, read by pipeline.cli.
 
 
 def write_job_record(run_dir: Path, exit_code: int, overrides: List[str], choices: Dict[str, str],
-                     error: Optional[str] = None) -> None:
-    """What a job leaves for the sweep summary, whether or not it got as far as a report."""
-    write_json(Path(run_dir) / JOB_FILE, {"exit_code": int(exit_code), "error": error, "overrides": list(overrides),
-                                          "target": choices.get("target"), "precision": choices.get("precision")})
+                     error: Optional[str] = None, bundles: Optional[Dict[str, str]] = None) -> None:
+    """What a job leaves for the sweep summary, whether or not it got as far as a report;
+    ``bundles``: {bundle name: sha256 of its manifest.json} of the bundles this run packaged."""
+    record = {"exit_code": int(exit_code), "error": error, "overrides": list(overrides),
+              "target": choices.get("target"), "precision": choices.get("precision"), "bundles": dict(bundles or {})}
+    atomic_write_bytes(Path(run_dir) / JOB_FILE, lambda temp: write_json(temp, record))  # whole or absent
+    if (Path(run_dir) / "report.json").is_file():  # this run reported: the earlier run's reports are history
+        for name in RUN_RESULTS:
+            stale_name(Path(run_dir) / name).unlink(missing_ok=True)
+
+
+def packaged_bundles(outcome) -> Dict[str, str]:
+    """{bundle name: sha256 of its manifest.json} of what this run's package stage wrote."""
+    package = outcome.results.get("package") if outcome is not None else None
+    if package is None:
+        return {}
+    return {Path(package.summary["bundle"]).name: package.summary["manifest_sha256"]}
+
+
+def stale_name(path: Path) -> Path:
+    """report.json -> report.stale.json: an earlier run's result, kept for reading only."""
+    return path.with_name(f"{path.stem}.stale{path.suffix}")
+
+
+@contextlib.contextmanager
+def claim_run_folder(run_dir: Path) -> Iterator[None]:
+    """Hold the run folder's lock for the run (a second run into the same folder is
+    refused at once: RunFolderBusy, exit 2) and set the earlier run's results aside
+    (report.json -> report.stale.json, ...), so that a run that fails or is killed never
+    leaves an earlier run's report or job.json looking like its own."""
+    run_dir = Path(run_dir)
+    with writing(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(run_dir / LOCK_FILE))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise RunFolderBusy(f"{run_dir} is being written by another parity run (it holds {LOCK_FILE}); "
+                                f"wait for it to finish or choose another hydra.run.dir") from None
+    try:
+        with writing(run_dir):
+            remove_stale_temps(run_dir / JOB_FILE)
+            for name in RUN_RESULTS:
+                if (run_dir / name).is_file():
+                    os.replace(run_dir / name, stale_name(run_dir / name))
+        yield
+    finally:
+        lock.release()
 
 
 def job_folder(overrides, sweep_dir: str, number: int) -> str:
