@@ -7,9 +7,11 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from pipeline.errors import InputError, first_line
 
 RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
 
@@ -91,14 +93,75 @@ class QdqSettings:
                 "quantized": "inputs and outputs" if self.quantize_outputs else "inputs"}
 
 
+class QuantizerFailed(InputError):
+    """ONNX Runtime's quantizer raised on a valid model; the message names the op and the
+    setting that avoids it. The run still writes its report (``partial``: the finished
+    stages' records and results, set by the stage that ran the quantizer)."""
+
+    label = "cannot quantize"
+    partial = None
+
+    def with_run(self, ctx) -> "QuantizerFailed":
+        self.partial = (ctx.records, ctx.results)
+        return self
+
+
 def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings: QdqSettings = QdqSettings(),
-              keep_float: Iterable[str] = ()) -> None:
+              keep_float: Iterable[str] = ()) -> List[dict]:
     """Weights symmetric int8 (per channel by default), activations per tensor, bias int32,
     only at the op types of ``settings.quantize_ops``; nodes named in keep_float stay in
-    float. The model's outputs stay float."""
+    float. The model's outputs stay float. Returns the Gemm biases reshaped for the
+    quantizer (gemm_bias_fixes)."""
     import onnx
 
-    onnx.save(MixedModels(onnx.load(str(model_path)), table, settings).build(keep_float), str(out_path))
+    prepared = onnx.load(str(model_path))
+    keep_float = list(keep_float)
+    onnx.save(MixedModels(prepared, table, settings, always_float=keep_float).build(keep_float), str(out_path))
+    return [{"op": node, "bias_from": list(old), "bias_to": [size]}
+            for node, _, old, size in gemm_bias_fixes(prepared)] if settings.per_channel else []
+
+
+def gemm_bias_fixes(model) -> List[tuple]:
+    """Gemm ops whose bias C is an initializer of shape (1, N), (1, 1), (1,) or () with the
+    weight an initializer: (op name, bias name, old shape, N). C is broadcast to (M, N), so
+    a C with one row is the same as the (N,) vector, the one shape ONNX Runtime's
+    quantizer handles with per-channel weights (it raises on the others, ORT 1.31)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    found = []
+    for node in model.graph.node:
+        if node.op_type != "Gemm" or len(node.input) < 3 or node.input[1] not in initializers \
+                or node.input[2] not in initializers:
+            continue
+        dims = list(initializers[node.input[2]].dims)
+        transposed = any(a.name == "transB" and a.i for a in node.attribute)
+        weight = list(initializers[node.input[1]].dims)
+        columns = weight[0] if transposed else weight[-1]
+        one_row = (len(dims) == 2 and dims[0] == 1 and dims[1] in (1, columns)) or dims in ([], [1])
+        if one_row and len(weight) == 2 and dims != [columns]:
+            found.append((node.name, node.input[2], dims, columns))
+    return found
+
+
+def flatten_gemm_bias(model) -> None:
+    """Rewrite the biases gemm_bias_fixes finds as (N,) vectors, in place (a bias another
+    node also reads gets a copy of its own)."""
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in model.graph.initializer}
+    readers: Dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    nodes = {node.name: node for node in model.graph.node}
+    for op, bias, _, columns in gemm_bias_fixes(model):
+        values = numpy_helper.to_array(initializers[bias]).reshape(-1)
+        name = bias if readers[bias] == 1 else f"{bias}_{op}_vector"
+        flat = numpy_helper.from_array(np.broadcast_to(values, (columns,)).copy(), name)
+        if name == bias:
+            initializers[bias].CopyFrom(flat)
+        else:
+            model.graph.initializer.append(flat)
+        nodes[op].input[2] = name
 
 
 class MixedModels:
@@ -109,22 +172,44 @@ class MixedModels:
     adding Q/DQ pairs (it fuses a quantized Relu into its QuantizeLinear), the quantizer
     builds every mixed model itself."""
 
-    def __init__(self, prepared, table: Dict[str, dict], settings: QdqSettings):
+    def __init__(self, prepared, table: Dict[str, dict], settings: QdqSettings, always_float: Iterable[str] = ()):
+        """always_float: ops float in every model (precision.keep_float), left out of the
+        quantizer's own run too (names the prepared graph lacks are ignored)."""
         self.prepared, self.table, self.settings = prepared, table, settings
+        names = {node.name for node in prepared.graph.node}
+        self.always_float = sorted(set(always_float) & names)
         self._all_int8 = None
 
     def build(self, keep_float: Iterable[str] = ()):
-        keep_float = sorted(set(keep_float))
+        keep_float = sorted(set(keep_float) | set(self.always_float))
         if keep_float and not set(self.settings.quantize_ops) <= set(WEIGHTED_OPS):
             return quantize_static_qdq(self.prepared, self.table, self.settings, keep_float)
         if self._all_int8 is None:
-            self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings)
+            self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings, self.always_float)
         return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings)
 
 
 def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings, keep_float: Iterable[str] = ()):
     """ONNX Runtime's quantizer fed parity's ranges; output Q/DQ pairs that only round what
-    the user reads are removed."""
+    the user reads are removed. With per-channel weights, one-row Gemm biases are given as
+    vectors first (flatten_gemm_bias). A quantizer failure is a QuantizerFailed naming the
+    op and the setting that avoids it."""
+    import onnx
+
+    source = onnx.ModelProto()
+    source.CopyFrom(prepared)
+    if settings.per_channel:
+        flatten_gemm_bias(source)
+    keep_float = list(keep_float)
+    try:
+        model = _run_quantizer(source, table, settings, keep_float)
+    except Exception as err:  # noqa: BLE001 - ORT's quantizer raises bare numpy/Python errors
+        raise _explain_failure(source, table, settings, keep_float, err) from err
+    strip_output_qdq(model)
+    return model
+
+
+def _run_quantizer(source, table: Dict[str, dict], settings: QdqSettings, keep_float: Sequence[str]):
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
@@ -133,14 +218,14 @@ def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings,
     if not settings.quantize_outputs:
         options["OpTypesToExcludeOutputQuantization"] = list(settings.quantize_ops)
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
-        cache, source, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
+        cache, model_in, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
         write_ort_cache(table, settings.activations, cache)
-        onnx.save(prepared, str(source))
+        onnx.save(source, str(model_in))
         quiet = logging.getLogger().level
         logging.getLogger().setLevel(logging.ERROR)  # ORT logs advice on the root logger
         try:
             quantize_static(
-                str(source), str(out), None,
+                str(model_in), str(out), None,
                 calibration_cache_path=str(cache),
                 calibrate_method=CalibrationMethod.MinMax,
                 quant_format=QuantFormat.QDQ,
@@ -154,9 +239,43 @@ def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings,
             )
         finally:
             logging.getLogger().setLevel(quiet)
-        model = onnx.load(str(out))
-    strip_output_qdq(model)
-    return model
+        return onnx.load(str(out))
+
+
+def _explain_failure(source, table, settings: QdqSettings, keep_float: Sequence[str], err) -> QuantizerFailed:
+    """The op whose quantization alone fails (ONNX Runtime's errors name none), and whether
+    per-tensor weights avoid it."""
+    from dataclasses import replace
+
+    ops = [n.name for n in source.graph.node if n.op_type in settings.quantize_ops and n.name not in keep_float]
+
+    def fails(subset: Sequence[str], settings: QdqSettings = settings) -> bool:
+        try:
+            _run_quantizer(source, table, settings, [*keep_float, *(op for op in ops if op not in subset)])
+        except Exception:  # noqa: BLE001 - the same failure, or another one of that op
+            return True
+        return False
+
+    culprit = _first_failing(ops, fails)
+    said = first_line(err)
+    if culprit is None:
+        return QuantizerFailed(f"ONNX Runtime's quantizer fails on this model ({type(err).__name__}: {said}) and on "
+                               "no single op alone; try precision.per_channel=false, or precision=fp32")
+    op_type = next(n.op_type for n in source.graph.node if n.name == culprit)
+    per_tensor = settings.per_channel and not fails([culprit], replace(settings, per_channel=False))
+    fix = (f"precision.per_channel=false or 'precision.keep_float=[{culprit}]' avoids it" if per_tensor
+           else f"'precision.keep_float=[{culprit}]' avoids it")
+    return QuantizerFailed(f"ONNX Runtime's quantizer fails on op {culprit!r} ({op_type}): "
+                           f"{type(err).__name__}: {said}; {fix}")
+
+
+def _first_failing(ops: List[str], fails: Callable[[Sequence[str]], bool]) -> Optional[str]:
+    """The op that fails when quantized alone, halving the candidates at each step (a
+    failure is taken to come from one op); None when the one found does not fail alone."""
+    while len(ops) > 1:
+        half = ops[:len(ops) // 2]
+        ops = half if fails(half) else ops[len(ops) // 2:]
+    return ops[0] if ops and fails(ops) else None
 
 
 def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSettings):

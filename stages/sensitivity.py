@@ -20,14 +20,15 @@ from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
 from pipeline.metrics import cosine
 from pipeline.task_metrics import files as metric_files, load_metric, per_sample
-from pipeline.quantize import MixedModels, QdqSettings
+from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 7
+VERSION = 8
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
+CHUNK = 64  # validation samples measured in one run
 
 
 def needed(cfg) -> bool:
@@ -68,10 +69,14 @@ def run(ctx: StageContext) -> StageResult:
     prepared = onnx.load(str(calibrate.path("prepared")))
     table = read_json(calibrate.path("table"))["tensors"]
     candidates = read_json(calibrate.path("candidates"))
-    feeds, labels, count = _samples(ctx)
-    measure = _MixedMeasure(prepared, feeds, labels, count, cfg)
-    plain = measure(table, [])
-    summary = {"samples": count, "int8": plain, "select": cfg.sensitivity.select.value,
+    feeds, _, count = _samples(ctx, cfg.sensitivity.samples)  # the per-layer ranking's samples
+    # the skip and the selection are decided on every validation sample, the set verify judges
+    measure = _MixedMeasure(prepared, *_samples(ctx, len(ctx.dataset().validation)), cfg)
+    try:
+        plain = measure(table, [])
+    except QuantizerFailed as err:
+        raise err.with_run(ctx)
+    summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "select": cfg.sensitivity.select.value,
                "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
                "expected_cos": cfg.sensitivity.expected_cos}
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
@@ -106,9 +111,10 @@ def run(ctx: StageContext) -> StageResult:
     return _write(ctx, best_table, float_ops, trials, summary)
 
 
-def _samples(ctx: StageContext):
+def _samples(ctx: StageContext, size: int):
+    """The first ``size`` validation samples, packed: (feeds, labels, count)."""
     split = ctx.dataset().validation
-    count = min(ctx.cfg.sensitivity.samples, len(split))
+    count = min(size, len(split))
     if count == 0:
         raise InputError("sensitivity: no validation samples to measure on")
     samples = [sample for _, sample in zip(range(count), split)]
@@ -118,14 +124,16 @@ def _samples(ctx: StageContext):
 
 
 class _MixedMeasure:
-    """The whole mixed model, really quantized (ONNX Runtime, the build's settings), on the
-    search samples: output cosine (as verify computes it), SQNR and the task metric's drop
-    (cfg.metric, as verify scores it) against the float model."""
+    """The whole mixed model, really quantized (ONNX Runtime, the build's settings, the
+    user's precision.keep_float in float too), on the validation samples: output cosine (as
+    verify computes it), SQNR and the task metric's drop (cfg.metric, as verify scores it)
+    against the float model. Runs CHUNK samples at a time."""
 
     def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg):
         self.prepared, self.feeds, self.labels, self.count, self.cfg = prepared, feeds, labels, count, cfg
         self.outputs = [o.name for o in prepared.graph.output]
-        reference = BatchRunner(prepared, self.outputs, count).run(feeds, count)
+        reference = self._chunked(prepared, lambda model, feeds, count: BatchRunner(model, self.outputs, count)
+                                  .run(feeds, count))
         self.reference = [reference[name] for name in self.outputs]
         self.metric = load_metric(cfg.metric)
         self.reference_task = self._task(self.reference)
@@ -133,9 +141,10 @@ class _MixedMeasure:
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
         if self._models is None or self._models.table is not table:  # tables are never mutated
-            self._models = MixedModels(self.prepared, table, _settings(self.cfg))
+            self._models = MixedModels(self.prepared, table, _settings(self.cfg), self.cfg.precision.keep_float)
         model = self._models.build(float_ops)
-        values = self._run(model)
+        # OpenVINO compiles once per call and runs one sample at a time anyway
+        values = self._chunked(model, self._run, self.count if measured_on(self.cfg) == "openvino" else CHUNK)
         actual = [values[name] for name in self.outputs]
         _, sqnr = search.output_loss(self.reference, actual)
         task = self._task(actual)
@@ -145,12 +154,23 @@ class _MixedMeasure:
                 "metric_drop": None if task is None else (self.reference_task - task if self.metric.higher_is_better
                                                           else task - self.reference_task)}
 
-    def _run(self, model: onnx.ModelProto) -> Dict[str, np.ndarray]:
+    def _chunked(self, model: onnx.ModelProto, run, step: int = CHUNK) -> Dict[str, np.ndarray]:
+        """``run(model, feeds, count)`` on ``step`` samples at a time (sample i is the i-th of
+        ``count`` equal slices of axis 0, as BatchRunner packs them), outputs concatenated."""
+        parts = []
+        for start in range(0, self.count, step):
+            count = min(step, self.count - start)
+            feeds = {name: values[start * len(values) // self.count:(start + count) * len(values) // self.count]
+                     for name, values in self.feeds.items()}
+            parts.append(run(model, feeds, count))
+        return {name: np.concatenate([part[name] for part in parts]) for name in self.outputs}
+
+    def _run(self, model: onnx.ModelProto, feeds, count: int) -> Dict[str, np.ndarray]:
         if measured_on(self.cfg) == "openvino":
             from pipeline.backends import openvino
 
-            return openvino.run_model(model, self.feeds, self.count, self.outputs)
-        return BatchRunner(model, self.outputs, self.count).run(self.feeds, self.count)
+            return openvino.run_model(model, feeds, count, self.outputs)
+        return BatchRunner(model, self.outputs, count).run(feeds, count)
 
     def _task(self, outputs: List[np.ndarray]):
         """The task metric over the search samples; None without one, or when it needs
