@@ -80,7 +80,7 @@ def _write_bundle(ctx: StageContext, folder: Path, name: str) -> None:
     for file in runtime["files"]:
         shutil.copyfile(artifact.out_dir / file, folder / file)
     if runtime.get(compile_cache.CACHE_FIELD):
-        shutil.copytree(artifact.out_dir / runtime[compile_cache.CACHE_FIELD], folder / runtime[compile_cache.CACHE_FIELD])
+        _copy_files(artifact.out_dir / runtime[compile_cache.CACHE_FIELD], folder / runtime[compile_cache.CACHE_FIELD])
     verify = ctx.results.get("verify")
     if verify and "reproduce" in verify.files:  # inputs and reference outputs: parity-bundle check
         shutil.copyfile(verify.path("reproduce"), folder / REPRODUCE)
@@ -88,6 +88,15 @@ def _write_bundle(ctx: StageContext, folder: Path, name: str) -> None:
     (folder / "report.md").write_text(render_markdown(report))
     (folder / "report.html").write_text(render_html(report))
     write_json(folder / MANIFEST, manifest(folder, name, cfg, report))
+
+
+def _copy_files(source: Path, destination: Path) -> None:
+    """The files under ``source``, with new folders and files (the umask's modes, where
+    copytree would copy the stage cache's folder modes)."""
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        target = destination / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
 
 
 def manifest(bundle: Path, name: str, cfg, report: dict) -> dict:

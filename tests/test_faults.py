@@ -172,3 +172,227 @@ def test_a_swapped_cache_key_does_not_match_the_manifest(workspace, tmp_path):
     (copy / MANIFEST).write_text(json.dumps(manifest))
     result = run_cli(["verify", copy], tmp_path, program="parity-bundle")
     one_line_error(result, "parity-bundle", 2, ["compile_cache entry does not match"])
+
+
+# --- item 8: environment errors --------------------------------------------------------------
+
+ENVIRONMENT_ERRNOS = ("[Errno 30] Read-only file system", "[Errno 13] Permission denied",
+                      "[Errno 1] Operation not permitted")
+
+
+def environment_error(result, path: Path) -> str:
+    line = one_line_error(result, "parity", 5, ["environment error: cannot", str(path)])
+    assert any(errno in line for errno in ENVIRONMENT_ERRNOS), line
+    return line
+
+
+def test_read_only_output_folder_is_exit_5(workspace, read_only_dir):
+    result = parity([*FP32, f"hydra.run.dir={read_only_dir}/run"], workspace)
+    environment_error(result, read_only_dir)
+
+
+def test_read_only_cache_folder_is_exit_5(workspace, read_only_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    result = parity([*FP32, f"hydra.run.dir={run_dir}", f"pipeline.cache_dir={read_only_dir}/cache"], workspace)
+    line = environment_error(result, read_only_dir)
+    record = json.loads((run_dir / "job.json").read_text())  # the run folder still says why
+    assert record["exit_code"] == 5 and record["error"] == line.removeprefix("parity: ")
+
+
+def test_full_disk_is_exit_5(workspace, tmp_path):
+    """A 64 KiB tmpfs where this machine lets root mount one (ENOSPC); elsewhere a 32 KiB
+    file size limit (RLIMIT_FSIZE: EFBIG) stops the first big write the same way."""
+    full = tmp_path / "full"
+    mounted = mount_tmpfs(full, "size=64k")
+    try:
+        result = parity([*FP32, f"hydra.run.dir={full}/run", "pipeline.cache=false"], workspace,
+                        file_limit=None if mounted else 32 << 10)
+        errno = "[Errno 28] No space left on device" if mounted else "[Errno 27] File too large"
+        line = one_line_error(result, "parity", 5, ["environment error: cannot write", str(full / "run"), errno])
+        assert not (full / "run" / "job.json").exists() or json.loads((full / "run" / "job.json").read_text())
+    finally:
+        if mounted:
+            unmount(full)
+    assert line
+
+
+# --- item 9: kill -9 during package --------------------------------------------------------
+
+def kill_during_package(cwd: Path, run_dir: Path, attempts: int = 8) -> bool:
+    """Start a run into ``run_dir`` and kill -9 it while package writes its staging folder
+    (.bundle.*): True once a kill landed there."""
+    for _ in range(attempts):
+        process = parity([*FP32, f"hydra.run.dir={run_dir}"], cwd, popen=True)
+        while process.poll() is None:
+            if any(p.name.startswith(".bundle.") for p in os.scandir(run_dir)):
+                process.send_signal(signal.SIGKILL)
+                process.communicate()
+                return True
+        process.communicate()
+    return False
+
+
+def test_kill_during_package_then_rerun_leaves_one_consistent_bundle(workspace, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(workspace / "run", run_dir)  # an earlier finished run in the folder
+    before = tree(run_dir / "bundle")
+    assert kill_during_package(workspace, run_dir), "no kill landed during package"
+    leftovers = [p.name for p in run_dir.iterdir() if p.name.startswith(".bundle.")]
+    assert leftovers  # what a kill -9 leaves
+    assert tree(run_dir / "bundle") == before  # the earlier bundle folder and archive, whole
+    assert not (run_dir / "job.json").exists() and (run_dir / "job.stale.json").exists()
+    again = parity([*FP32, f"hydra.run.dir={run_dir}"], workspace)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".bundle.")]
+    assert not [p for p in run_dir.rglob(".*") if p.name != ".hydra" and ".hydra" not in p.parts
+                and p.name != ".parity.lock"]
+    record = json.loads((run_dir / "job.json").read_text())
+    bundle = run_dir / "bundle" / BUNDLE
+    assert record["bundles"] == {BUNDLE: sha256(bundle / MANIFEST)}
+    with tarfile.open(run_dir / "bundle" / f"{BUNDLE}.tar.gz") as archive:  # the archive holds the folder
+        members = {m.name.split("/", 1)[1]: hashlib.sha256(archive.extractfile(m).read()).hexdigest()
+                   for m in archive.getmembers() if m.isfile()}
+    assert members == tree(bundle)
+    assert sorted(p.name for p in (run_dir / "bundle").iterdir()) == [BUNDLE, f"{BUNDLE}.tar.gz"]
+
+
+# --- item 10: a failed run after a passing one ---------------------------------------------------
+
+def release(sweep: Path, cwd: Path):
+    return run_cli([sweep], cwd, program="parity-release")
+
+
+def test_failed_run_sets_the_earlier_report_aside_and_release_skips_it(workspace, tmp_path):
+    sweep = tmp_path / "sweep"
+    job = sweep / "job"
+    shutil.copytree(workspace / "run", job)
+    failed = parity([*FP32, f"hydra.run.dir={job}", f"model.path={tmp_path}/missing.onnx"], workspace)
+    assert failed.returncode == 2, failed.stdout + failed.stderr
+    assert not (job / "report.json").exists()
+    assert json.loads((job / "report.stale.json").read_text())["verdict"] == "pass"  # kept, marked stale
+    assert json.loads((job / "job.json").read_text())["exit_code"] == 2
+    result = release(sweep, tmp_path)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "skip  job  fail (exit 2)" in result.stdout
+    assert not (sweep / "release").exists()
+
+
+def test_release_skips_a_job_whose_files_disagree(workspace, tmp_path):
+    """A job folder whose job.json says exit 1 next to a passing report.json (as an older
+    parity left it after a failed run) or whose bundle is not the one its run packaged."""
+    sweep = tmp_path / "sweep"
+    for name in ("exit", "bundle", "good"):
+        shutil.copytree(workspace / "run", sweep / name)
+    record = json.loads((sweep / "exit" / "job.json").read_text())
+    (sweep / "exit" / "job.json").write_text(json.dumps({**record, "exit_code": 1}))
+    (sweep / "bundle" / "job.json").write_text(json.dumps({**record, "bundles": {BUNDLE: "0" * 64}}))
+    result = release(sweep, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "skip  exit  pass (exit 0): inconsistent job: job.json says exit 1 but report.json exit 0" in result.stdout
+    assert f"skip  bundle  pass (exit 0): inconsistent job: bundle {BUNDLE} is not the one" in result.stdout
+    assert "ship  good  pass" in result.stdout
+    shipped = json.loads((sweep / "release" / "release.json").read_text())["bundles"]
+    assert [bundle["job"] for bundle in shipped] == ["good"]
+
+
+# --- item 11: two runs into one folder -----------------------------------------------------------
+
+def test_second_run_into_a_locked_folder_is_refused(workspace, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(workspace / "run", run_dir)
+    before = tree(run_dir)
+    with FileLock(str(run_dir / ".parity.lock")):  # a run in progress holds it
+        result = parity([*FP32, f"hydra.run.dir={run_dir}"], workspace)
+    one_line_error(result, "parity", 2, ["run folder in use", str(run_dir), "hydra.run.dir"])
+    after = tree(run_dir)
+    assert {k: v for k, v in after.items() if k != "parity.log" and not k.startswith(".hydra/")} == \
+        {k: v for k, v in before.items() if k != "parity.log" and not k.startswith(".hydra/")}
+
+
+def test_two_concurrent_runs_into_one_folder(workspace, tmp_path):
+    run_dir = tmp_path / "run"
+    processes = [parity([*FP32, f"hydra.run.dir={run_dir}", "pipeline.cache=false"], workspace, popen=True)
+                 for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in processes]
+    codes = sorted(code for code, _, _ in results)
+    for code, out, err in results:
+        assert TRACEBACK not in out + err and code in (0, 2), out + err
+        if code == 2:
+            assert "run folder in use" in err
+    assert codes[0] == 0
+    record = json.loads((run_dir / "job.json").read_text())
+    assert record["exit_code"] == 0 and record["bundles"] == {BUNDLE: sha256(run_dir / "bundle" / BUNDLE / MANIFEST)}
+    assert json.loads((run_dir / "report.json").read_text())["verdict"] == "pass"
+
+
+# --- item 12: a huge member is refused from its header -------------------------------------------
+
+def sparse_tar(bundle: Path, path: Path, extra: str = "", extra_size: int = 0, resize: str = "") -> Path:
+    """An uncompressed tar of ``bundle`` plus a member ``extra`` whose header claims
+    ``extra_size`` bytes (or ``resize``'s header claiming it); its data is a hole, so the
+    file takes a few KiB on disk whatever the size claimed."""
+    with open(path, "wb") as handle:
+        for file in sorted(p for p in bundle.rglob("*") if p.is_file()):
+            name = f"{bundle.name}/{file.relative_to(bundle).as_posix()}"
+            data = file.read_bytes()
+            size = extra_size if name.endswith(f"/{resize}") and resize else len(data)
+            _add(handle, name, size, data)
+        if extra:
+            _add(handle, f"{bundle.name}/{extra}", extra_size, b"")
+        handle.write(b"\0" * 1024)
+    return path
+
+
+def _add(handle, name: str, size: int, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = size, 0o644
+    handle.write(info.tobuf(format=tarfile.PAX_FORMAT))
+    handle.write(data[:size])
+    handle.seek(handle.tell() + size - min(size, len(data)) + (-size) % 512)  # a hole: no bytes written
+
+
+@pytest.mark.parametrize("case", ["unlisted", "resized"])
+def test_huge_member_is_refused_before_anything_is_written(workspace, tmp_path, case):
+    bundle = workspace / "run" / "bundle" / BUNDLE
+    gib = 1 << 30
+    archive = sparse_tar(bundle, tmp_path / "big.tar", extra="big.bin" if case == "unlisted" else "",
+                         extra_size=gib, resize="model.onnx" if case == "resized" else "")
+    assert archive.stat().st_blocks * 512 < (4 << 20)  # small on disk
+    destination = tmp_path / "out"
+    destination.mkdir()
+    with pytest.raises(InputError, match="refused before extracting"):
+        safe_extract(archive, destination, manifests=("release.json", MANIFEST))
+    assert not any(destination.iterdir())
+    result = run_cli(["verify", archive], tmp_path, program="parity-bundle")
+    phrase = f"is not listed in {BUNDLE}/manifest.json" if case == "unlisted" else f"claims {gib} bytes in its header"
+    one_line_error(result, "parity-bundle", 2, [phrase, "refused before extracting"])
+
+
+def test_members_larger_than_the_free_space_are_refused(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    archive = tmp_path / "huge.tar"
+    with open(archive, "wb") as handle:
+        _add(handle, "folder/huge.bin", free + (1 << 30), b"")
+        handle.write(b"\0" * 1024)
+    destination = tmp_path / "out"
+    destination.mkdir()
+    with pytest.raises(InputError, match="free in"):
+        safe_extract(archive, destination)
+    assert not any(destination.iterdir())
+
+
+# --- item 14: permissions follow the umask ---------------------------------------------------
+
+@pytest.mark.parametrize("umask,folder_mode,file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_bundle_and_archive_modes_follow_the_umask(workspace, tmp_path, umask, folder_mode, file_mode):
+    run_dir = tmp_path / "run"
+    result = parity([*FP32, f"hydra.run.dir={run_dir}"], workspace, umask=umask)
+    assert result.returncode == 0, result.stdout + result.stderr
+    mode = lambda path: path.stat().st_mode & 0o777  # noqa: E731
+    bundle = run_dir / "bundle" / BUNDLE
+    assert mode(run_dir / "bundle") == mode(bundle) == mode(bundle / "compile_cache") == folder_mode
+    assert mode(run_dir / "bundle" / f"{BUNDLE}.tar.gz") == mode(bundle / MANIFEST) == file_mode
+    assert mode(run_dir / "job.json") == file_mode
+    released = run_cli([tmp_path], tmp_path, program="parity-release")  # the run folder as a one-job sweep
+    assert released.returncode == 0, released.stdout + released.stderr
+    assert mode(tmp_path / "release") == 0o755 and mode(tmp_path / "release.tar.gz") == 0o644  # pytest's umask
