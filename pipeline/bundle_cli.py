@@ -174,6 +174,12 @@ def _check(args) -> ExitCode:
         console.print(f"{escape(output['name'])}: cosine {metrics.get('cosine', float('nan')):.6f}, "
                       f"max abs {metrics.get('max_abs', float('nan')):.3g} -> {escape(status)}")
     _print_effective(console, result["effective"])
-    console.print(f"verdict on {result['samples']} recorded samples: {result['verdict'].upper()} "
-                  f"(packaged verdict: {result['packaged_verdict']})")
-    return ExitCode.OK if result["verdict"] == "pass" else ExitCode.THRESHOLD
+    basis = ("the bundle reproduces the packaged run's outputs: its accuracy on the whole validation set stands, "
+             "device and precision judged on this machine" if result["reproduced"] else
+             f"outputs differ from the packaged run's: judged on the {result['samples']} recorded samples")
+    console.print(f"{escape(basis)}")
+    console.print(f"verdict: {result['verdict'].upper()} (exit {result['exit_code']}; packaged verdict: "
+                  f"{result['packaged_verdict']}, exit {result['packaged_exit_code']})")
+    for reason in result["reasons"]:
+        console.print(f"  - {escape(reason)}")
+    return ExitCode(result["exit_code"])

@@ -16,6 +16,7 @@ from pipeline.recommend import QuantizedGraph
 
 WORST_ROWS = 3  # layerwise tensors with the lowest cosine whose quantized producers are a candidate
 LOSSES_WIDE = 3  # tensors adding the most error whose quantized producers are kept in float together
+SHOWN = 3  # passing candidates given as advice (every trial is in the report's verify.advice_tried)
 TIMING = {"rounds": 5, "runs": 5, "max_seconds": 2.0}
 log = logging.getLogger("parity")
 
@@ -116,27 +117,30 @@ def describe(trial: dict, user_keep: List[str]) -> str:
     slower = trial.get("slower_ms")
     speed_text = "" if slower is None else f", {abs(slower):.2f} ms {'slower' if slower > 0 else 'faster'}"
     apply = ",".join(dict.fromkeys([*user_keep, *trial["keep_float"]]))
-    return (f"keep_float=[{','.join(trial['keep_float'])}] -> cosine {trial['cosine']:.4f} "
+    return (f"keep_float=[{','.join(trial['keep_float'])}] -> cosine {trial['cosine']:.6f} "
             f"({'pass' if trial['passed'] else 'fail'}{drop}){speed_text} (apply: precision.keep_float=[{apply}])")
 
 
 def advice(tried: List[dict], base: dict, user_keep: List[str]) -> List[dict]:
     """The recommendations: every improving trial, passing ones first; when none passed,
     one line saying so with the best candidate found."""
-    ranked = sorted((t for t in tried if "error" not in t), key=lambda t: (not t["passed"], -t["cosine"]))
+    # passing ones with the fewest ops kept in float first (the least speed given up), then the closest
+    ranked = sorted((t for t in tried if "error" not in t),
+                    key=lambda t: (not t["passed"], len(t["keep_float"]) if t["passed"] else 0, -t["cosine"]))
     found = [{"kind": "tried_keep_float", "text": describe(t, user_keep), "tried": True,
               "action": {"keep_float": list(dict.fromkeys([*user_keep, *t["keep_float"]]))},
-              "measured": _measured(t)} for t in ranked if improves(t, base) and t["passed"]]
+              "measured": _measured(t)} for t in ranked if t["passed"]][:SHOWN]
     if found:
         return found
-    best = ranked[0] if ranked else None
+    best = max(ranked, key=lambda t: t["cosine"]) if ranked else None
     text = f"none of the {len(tried)} keep-in-float candidates tried passed"
     if best is not None:
         text += f"; the best found: {describe(best, user_keep)}"
         if not improves(best, base):
             text += f" (no better than the build's cosine {base['cosine']:.4f})"
     return [{"kind": "tried_none_passed", "text": text, "tried": True,
-             "action": {"keep_float": list(dict.fromkeys([*user_keep, *best["keep_float"]]))} if best else {},
+             "action": ({"keep_float": list(dict.fromkeys([*user_keep, *best["keep_float"]]))} if best
+                        else {"tried": len(tried)}),
              "measured": _measured(best) if best else None}]
 
 

@@ -131,6 +131,7 @@ def run(ctx: StageContext) -> StageResult:
         "exit_code": int(exit_code),
         "reasons": reasons,
         "checks": checks,  # every check that did not pass, warnings too (pipeline/verdict.py)
+        "judged_with": _judged_with(ctx),  # what parity-bundle check needs to judge alike
         "truth": truth,
         "crash": crash,
         "layerwise": layers if layers is not None else _layerwise_skipped(cfg.validation.layerwise, crash),
@@ -201,6 +202,7 @@ class _Check:
             if index < REPRODUCE_SAMPLES:
                 recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
                 recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
+                recorded.update({f"target/{index}/{k}": v for k, v in actual.items()})  # check: reproduced?
             self.samples += 1
             self.last = sample.feeds
             progress.advance(task)
@@ -292,7 +294,7 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
         int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
         calibrate = ctx.results["calibrate"]
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
-                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME))
+                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME), keep_float=ctx.cfg.precision.keep_float)
         builds["int8"] = (int8, None)
     return {name: _Row(*_built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}"))
             for name, (onnx_path, ir_dir) in builds.items()}
@@ -358,9 +360,15 @@ def _judge(name: str, stats: OutputStats, validation) -> dict:
 
 def _verdict(ctx, outputs, missing, task, requested, effective, samples, crash):
     """(checks, reasons, exit code) through pipeline.verdict, which parity-bundle check shares."""
-    quantization = ctx.results["build"].summary.get("quantization") or {}
+    judged = _judged_with(ctx)
     return verdict.judge(outputs, missing, task, requested, effective, samples, crash,
-                         ctx.cfg.validation.fail_on_float_fallback, tuple(quantization.get("float_ops") or ()))
+                         judged["fail_on_float_fallback"], tuple(judged["intended_float"]))
+
+
+def _judged_with(ctx) -> dict:
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    return {"fail_on_float_fallback": ctx.cfg.validation.fail_on_float_fallback,
+            "intended_float": list(quantization.get("float_ops") or [])}
 
 
 ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
@@ -444,9 +452,9 @@ def _trial_launcher(ctx, backend, stack, limits):
     precision = ctx.cfg.precision
     calibrate = ctx.results["calibrate"]
     source = ctx.results["sensitivity"] if precision.name.value == "mixed" else calibrate
-    models = MixedModels(onnx.load(str(calibrate.path("prepared"))), read_json(source.path("table"))["tensors"],
-                         QdqSettings.resolve(precision, backend.NAME))
     already = ctx.results["build"].summary["quantization"]["float_ops"]
+    models = MixedModels(onnx.load(str(calibrate.path("prepared"))), read_json(source.path("table"))["tensors"],
+                         QdqSettings.resolve(precision, backend.NAME), always_float=already)
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
 
     def launch(keep: List[str]):

@@ -156,6 +156,13 @@ def _device_precision_case(suite: _Suite, verify: dict) -> None:
         suite.case("backend", name, "; ".join(mismatched), failure_type="mismatch")
     else:
         suite.case("backend", name)
+    fallback = [c for c in _as_list(verify.get("checks")) if isinstance(c, dict) and c.get("check") == "float_fallback"]
+    for check in fallback:  # int8 that ran partly in float: a failure only when validation makes it one
+        failed = check.get("severity") == "fail"
+        case = suite.case("backend", "quantized ops ran in int8", str(check.get("text")) if failed else None,
+                          failure_type="float_fallback")
+        if not failed:
+            ET.SubElement(case, "system-out").text = _clean(f"warning: {check.get('text')}")
 
 
 def _crash_case(suite: _Suite, crash: dict) -> None:
