@@ -3,8 +3,10 @@ external data kept inside the model's directory, and the model's signature."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
@@ -98,15 +100,53 @@ def check(model: onnx.ModelProto, key: str = "model.path") -> None:
         raise InputError(f"{key}: the ONNX checker rejects the model: {first_line(err)}") from err
 
 
+BATCH_AXES_KEY = "parity.batch_axes"  # metadata_props: {input: batch axis or null}, written by convert
+
+
 def signature(model: onnx.ModelProto, outputs: bool = False) -> List[TensorSpec]:
     """The graph's real inputs (initializers excluded) or outputs, with dims as ints
-    (0 for an unknown dim) and numpy dtype names."""
+    (0 for an unknown dim), numpy dtype names and, for inputs, the batch axis (as convert
+    recorded it, else found from the dims' names: ``batch_axes``)."""
     initializers = {t.name for t in model.graph.initializer}
     values = model.graph.output if outputs else [v for v in model.graph.input if v.name not in initializers]
+    recorded = {p.key: p.value for p in model.metadata_props}.get(BATCH_AXES_KEY)
+    axes = json.loads(recorded) if recorded else batch_axes(model)
     specs = []
     for value in values:
         tensor_type = value.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tensor_type.shape.dim]
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)).name
-        specs.append(TensorSpec(value.name, dims, dtype))
+        axis = axes.get(value.name, 0 if dims else None) if not outputs else (0 if dims else None)
+        specs.append(TensorSpec(value.name, dims, dtype, axis))
     return specs
+
+
+def batch_axes(model: onnx.ModelProto) -> Dict[str, Optional[int]]:
+    """Each graph input's batch axis. The batch is the symbolic dim named like "batch" (or,
+    failing that, the name most inputs' first dims share); an input carrying that name has
+    its batch there (silero-vad's state [2, batch, 128]: axis 1). Otherwise axis 0 when the
+    first dim is symbolic or 1; none for a scalar or a fixed first dim > 1."""
+    initializers = {t.name for t in model.graph.initializer}
+    dims = {v.name: [d.dim_param if d.dim_param and not d.HasField("dim_value") else d.dim_value
+                     for d in v.type.tensor_type.shape.dim]
+            for v in model.graph.input if v.name not in initializers}
+    names = [d for shape in dims.values() for d in shape if isinstance(d, str)]
+    batch = next((d for d in names if "batch" in d.lower()), None)
+    if batch is None:
+        firsts = Counter(shape[0] for shape in dims.values() if shape and isinstance(shape[0], str))
+        batch = firsts.most_common(1)[0][0] if firsts else None
+    axes: Dict[str, Optional[int]] = {}
+    for name, shape in dims.items():
+        if batch is not None and batch in shape:
+            axes[name] = shape.index(batch)
+        elif shape and (isinstance(shape[0], str) or shape[0] in (0, 1)):
+            axes[name] = 0
+        else:
+            axes[name] = None
+    return axes
+
+
+def record_batch_axes(model: onnx.ModelProto, axes: Dict[str, Optional[int]]) -> None:
+    """Keep the batch axes in the model (convert fixes the symbolic dims they come from)."""
+    props = {p.key: p.value for p in model.metadata_props}
+    onnx.helper.set_model_props(model, {**props, BATCH_AXES_KEY: json.dumps(axes)})  # replaces them all

@@ -21,7 +21,7 @@ from pipeline.quantize import prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 7
+VERSION = 8  # 8: batches follow each input's batch axis, a note when they cannot
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
@@ -106,6 +106,8 @@ def _computed_table(ctx: StageContext, model_path: Path):
     if precision == "fp16":
         write_json(ctx.out_dir / FP16_FINDINGS, fp16.activation_findings(stats.histograms)
                    + fp16.constant_findings(onnx.load(str(model_path))))
+    if stats.batch_note:
+        warnings.append(stats.batch_note)
     zero = sorted(name for name, h in stats.histograms.items() if h.abs_max == 0)
     if zero:
         warnings.append(f"{len(zero)} tensors are always zero (threshold floor {thresholds.MIN_THRESHOLD:g}): "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
@@ -15,11 +15,11 @@ from onnx import numpy_helper, version_converter
 from pipeline import backends
 from pipeline.artifacts import sha256_file
 from pipeline.errors import InputError, first_line
-from pipeline.model import check, external_data_files, load_onnx, signature
+from pipeline.model import batch_axes, check, external_data_files, load_onnx, record_batch_axes, signature
 from stages import StageContext, StageResult
 
 NAME = "convert"
-VERSION = 1
+VERSION = 2  # 2: batch axes recorded in the model, batch dims fixed where they are
 CACHEABLE = True
 
 # ONNX Runtime 1.31 loads IR <= 13 and OpenVINO reads IR 10 files; IR 10 covers opsets up to 21.
@@ -44,10 +44,12 @@ def run(ctx: StageContext) -> StageResult:
     source = Path(cfg.path).expanduser()
     model = load_onnx(source)
     before = {"opset": _default_opset(model), "ir_version": model.ir_version}
-    fixed = _fix_input_shapes(model, cfg.input_shapes)
+    axes = batch_axes(model)
+    fixed = _fix_input_shapes(model, cfg.input_shapes, axes)
     model = _upgrade_opset(model, cfg.min_opset)
     model.ir_version = _ir_version(model)
     model = _infer_shapes(model)
+    record_batch_axes(model, axes)
     check(model)
     onnx.save(model, str(ctx.out_dir / "model.onnx"))
     files = {"model": "model.onnx"}
@@ -73,8 +75,9 @@ def _default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
-def _fix_input_shapes(model: onnx.ModelProto, requested: Dict[str, List[int]]) -> dict:
-    """Make every input shape static: config first, then batch 1; other unknown dims are an error."""
+def _fix_input_shapes(model: onnx.ModelProto, requested: Dict[str, List[int]], axes: Dict[str, Optional[int]]) -> dict:
+    """Make every input shape static: config first, then batch 1 on each input's batch axis
+    (``axes``); other unknown dims are an error. A scalar input stays a scalar."""
     inputs = {s.name: s for s in signature(model)}
     unknown = sorted(set(requested) - set(inputs))
     if unknown:
@@ -96,7 +99,7 @@ def _fix_input_shapes(model: onnx.ModelProto, requested: Dict[str, List[int]]) -
                 after.append(int(wanted[index]))
             elif isinstance(dim, int):
                 after.append(dim)
-            elif index == 0:
+            elif index == axes.get(value.name):
                 after.append(1)
             else:
                 raise InputError(f"model input '{value.name}' has dynamic dims {before}: set "

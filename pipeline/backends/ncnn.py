@@ -360,6 +360,12 @@ def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
             continue
         tensor = value.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
+        if tensor.HasField("shape") and not dims:
+            from pipeline.errors import BackendUnavailable
+
+            raise BackendUnavailable(
+                f"ncnn cannot take scalar input {value.name!r}: pnnx's inputshape cannot write a 0-d shape and an "
+                "ncnn Mat has at least one dimension; run this model on ort_cpu or openvino_cpu")
         if not dims or any(d <= 0 for d in dims):
             raise ValueError(f"ncnn build: input {value.name!r} has dynamic or unknown dims {dims}; "
                              "fix them first (model.input_shapes)")

@@ -27,6 +27,7 @@ from onnx import numpy_helper
 from pipeline.calibration.auto import fake_quantize
 from pipeline.calibration.single_node import elem_type, node_session, session
 from pipeline.calibration.statistics import BatchRunner, free_reshape_batch
+from pipeline.data import unpack
 from pipeline.environment import own_threads
 from pipeline.quantize import WEIGHTED_OPS, QdqSettings
 
@@ -91,9 +92,10 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
             needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
             runner = BatchRunner(model, needed, count)
             floats = runner.run(feeds, count)
-            one_by_one = runner.batch_size == 1  # the model takes no batch: neither do its suffixes
+            # the model takes no plain batch (a batch of 1 baked in, or a batch axis other than 0): neither do its suffixes
+            one_by_one = not runner.batch_on_axis0
             jobs = [pool.submit(_trials_for_op, model, nodes[index], index, candidates, floats, reference, methods,
-                                settings, screen, count, one_by_one) for index in chunk]
+                                settings, screen, count, one_by_one, runner.shapes) for index in chunk]
             for job in jobs:
                 trials += job.result()
                 if progress:
@@ -106,7 +108,7 @@ def workers() -> int:
 
 
 def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
-                   screen, count, one_by_one: bool) -> List[Trial]:
+                   screen, count, one_by_one: bool, input_shapes: Dict[str, List[int]]) -> List[Trial]:
     initializers = {t.name: t for t in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
     single = node_session(model, node)
@@ -131,19 +133,21 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, s
     for trial, output in measured:
         alive = {name: floats[name] for name in _alive_after(model, index)}
         alive[node.output[0]] = output
-        produced = _run_batched(suffix, {i.name: alive[i.name] for i in suffix.get_inputs()}, count, one_by_one) \
-            if suffix else []
+        produced = _run_batched(suffix, {i.name: alive[i.name] for i in suffix.get_inputs()}, count, one_by_one,
+                                input_shapes) if suffix else []
         by_name = dict(zip([o.name for o in suffix.get_outputs()], produced)) if suffix else {}
         actual = [by_name.get(name, alive.get(name)) for name in [o.name for o in model.graph.output]]
         trial.loss, trial.sqnr_db = output_loss(reference, actual)
     return [trial for trial, _ in trials]
 
 
-def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int, one_by_one: bool = False) -> List[np.ndarray]:
+def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int, one_by_one: bool = False,
+                 input_shapes: Optional[Dict[str, List[int]]] = None) -> List[np.ndarray]:
     """All samples in one run, or one at a time when the graph has a batch of 1 baked in.
     One at a time, the feeds are the samples' tensors concatenated (BatchRunner): sample i
     is the i-th of ``count`` equal slices of axis 0, which is not always a batch axis (a
-    transformer's [tokens, channels] tensor)."""
+    transformer's [tokens, channels] tensor); graph inputs get back their own shape
+    (``input_shapes``: a scalar stays a scalar)."""
     if not one_by_one:
         try:
             values = suffix.run(None, feeds)
@@ -151,13 +155,8 @@ def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int, one_by_one: b
                 return values
         except Exception:  # noqa: BLE001 - e.g. a Reshape to a fixed batch of 1
             pass
-    rows = [suffix.run(None, {k: _sample(v, i, count) for k, v in feeds.items()}) for i in range(count)]
-    return [np.concatenate([row[j] for row in rows]) for j in range(len(rows[0]))]
-
-
-def _sample(values: np.ndarray, index: int, count: int) -> np.ndarray:
-    size = len(values) // count
-    return values[index * size:(index + 1) * size]
+    rows = [suffix.run(None, unpack(feeds, i, count, input_shapes or {})) for i in range(count)]
+    return [np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j in range(len(rows[0]))]
 
 
 def fake_quantize_weight(weight: np.ndarray, node: onnx.NodeProto, settings: QdqSettings) -> np.ndarray:

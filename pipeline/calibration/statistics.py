@@ -8,15 +8,16 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 import onnx
 
 from pipeline.calibration.histogram import AbsHistogram
-from pipeline.data import Sample
+from pipeline.data import Sample, pack, stack, unpack
 from pipeline.environment import own_threads
 from pipeline.errors import InputError
+from pipeline.model import signature
 
 ACTIVATION_BUDGET = 256 << 20  # bytes of activations held per group of samples
 
@@ -27,9 +28,10 @@ class Statistics:
     kept: Dict[str, np.ndarray] = field(default_factory=dict)  # tensor -> first samples, stacked
     samples: int = 0
     batch_size: int = 1
+    batch_note: str = ""  # why samples ran one at a time, when they did
 
     def save(self, folder: Path) -> None:
-        meta = {"samples": self.samples, "batch_size": self.batch_size,
+        meta = {"samples": self.samples, "batch_size": self.batch_size, "batch_note": self.batch_note,
                 "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
         (folder / "statistics.json").write_text(json.dumps(meta))
         np.savez(folder / "kept.npz", **self.kept)
@@ -40,7 +42,7 @@ class Statistics:
         with np.load(folder / "kept.npz") as kept:
             arrays = {key: kept[key] for key in kept.files}
         return cls({n: AbsHistogram.from_json(h) for n, h in meta["histograms"].items()},
-                   arrays, meta["samples"], meta["batch_size"])
+                   arrays, meta["samples"], meta["batch_size"], meta.get("batch_note", ""))
 
 
 def activation_names(model: onnx.ModelProto) -> List[str]:
@@ -83,7 +85,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
 
     def flush():
         nonlocal seen, group
-        feeds = {key: np.concatenate([s.feeds[key] for s in batch]) for key in batch[0].feeds}
+        feeds = pack([s.feeds for s in batch])
         values = runner.run(feeds, len(batch))
         per_sample = sum(v.nbytes for v in values.values()) / len(batch)
         group = int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
@@ -103,23 +105,38 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         if batch:
             flush()
     stacked = {name: np.concatenate(parts) for name, parts in kept.items() if parts}
-    return Statistics(histograms, stacked, seen, min(runner.batch_size, group))
+    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note)
 
 
 class BatchRunner:
-    """ONNX Runtime on the model with every activation as an output. Samples run in
-    batches when the model accepts a free batch axis (checked on the first batch),
-    otherwise one at a time."""
+    """ONNX Runtime on the model with the named tensors as outputs (graph inputs among them
+    come straight from the feeds). Feeds and results are packed (pipeline.data.pack):
+    sample i is the i-th of equal slices of axis 0. Samples run as one batch, stacked on
+    each input's batch axis, when the model takes it: the first batch is checked against
+    its first sample run alone. Otherwise they run one at a time (batch_size 1, ``note``)."""
 
     def __init__(self, model: onnx.ModelProto, names: List[str], batch_size: int):
         self.model = model
-        self.names = names
+        self.specs = signature(model)
+        self.shapes = {spec.name: spec.shape for spec in self.specs}
+        self.names = [n for n in names if n not in self.shapes]  # what ORT computes
+        self.fed = [n for n in names if n in self.shapes]  # graph inputs asked for
         self.batch_size = batch_size
-        self._session = self._open(batched=True) if batch_size > 1 else None
-        if self._session is None:
-            self._use_single()
+        self.note = ""
+        self._axes: Optional[Dict[str, int]] = None  # output -> the axis its batch came out on, once checked
+        self._session = self._open(batched=True) if batch_size > 1 and self.names else None
+        if self._session is None and self.names:
+            self._use_single("the model does not take a free batch dimension")
 
-    def _use_single(self) -> None:
+    @property
+    def batch_on_axis0(self) -> bool:
+        """Batches are plain: every input and every output carries its batch on axis 0."""
+        return self.batch_size > 1 and all(s.batch_axis == 0 for s in self.specs) and \
+            all(axis == 0 for axis in (self._axes or {}).values())
+
+    def _use_single(self, why: str) -> None:
+        if self.batch_size > 1:
+            self.note = f"calibration runs one sample at a time: {why}"
         self.batch_size = 1
         self._session = self._open(batched=False)
 
@@ -134,12 +151,14 @@ class BatchRunner:
         for name in self.names:
             augmented.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
         if batched:
+            axes = {spec.name: spec.batch_axis for spec in self.specs}
             for value in augmented.graph.input:
                 dims = value.type.tensor_type.shape.dim
-                if dims:
-                    dims[0].Clear()
-                    dims[0].dim_param = "batch"
+                if axes.get(value.name) is not None and axes[value.name] < len(dims):
+                    dims[axes[value.name]].Clear()
+                    dims[axes[value.name]].dim_param = "batch"
             free_reshape_batch(augmented)
+            _forget_subgraph_shapes(augmented.graph)
         options = untimed_options()
         options.log_severity_level = 4
         try:
@@ -150,18 +169,71 @@ class BatchRunner:
             raise
 
     def run(self, feeds: Dict[str, np.ndarray], count: int) -> Dict[str, np.ndarray]:
-        if self.batch_size > 1:
-            try:
-                values = self._session.run(self.names, feeds)
-                if all(v.ndim and v.shape[0] == count for v in values):
-                    return dict(zip(self.names, values))
-            except Exception:  # noqa: BLE001 - e.g. a Reshape with a batch of 1 baked in
-                pass
-            self._use_single()
-        if count == 1:
-            return dict(zip(self.names, self._session.run(self.names, feeds)))
-        rows = [self._session.run(self.names, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(count)]
-        return {name: np.concatenate([row[j] for row in rows]) for j, name in enumerate(self.names)}
+        samples = [unpack(feeds, i, count, self.shapes) for i in range(count)] if self.names else []
+        values = self._run_batch(samples) if self.batch_size > 1 and samples else None
+        if values is None:
+            rows = [self._session.run(self.names, sample) for sample in samples]
+            values = {name: np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j, name in enumerate(self.names)}
+        values.update({name: np.atleast_1d(feeds[name]) for name in self.fed})
+        return values
+
+    def _run_batch(self, samples: List[Dict[str, np.ndarray]]) -> Optional[Dict[str, np.ndarray]]:
+        """The batch's values packed, or None (and one at a time from now on) when the
+        model does not batch these samples correctly."""
+        feeds = stack(samples, self.specs)
+        if feeds is None:
+            return None  # inputs without a batch axis differ between these samples
+        try:
+            batched = dict(zip(self.names, self._session.run(self.names, feeds)))
+            if len(samples) == 1:
+                return batched
+            if self._axes is None:
+                alone = dict(zip(self.names, self._session.run(self.names, samples[0])))
+                self._axes = _batch_axes(batched, alone, len(samples))
+            packed = _packed(batched, self._axes, len(samples))
+        except Exception:  # noqa: BLE001 - e.g. a Reshape with a batch of 1 baked in
+            packed = None
+        if packed is None:
+            self._use_single("the model does not batch its samples correctly (a batch of 1 baked in)")
+        return packed
+
+
+def _forget_subgraph_shapes(graph: onnx.GraphProto) -> None:
+    """Drop the shapes inside If/Loop/Scan bodies: inferred for batch 1, they would pin it."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                del body.value_info[:]
+                for output in body.output:
+                    output.type.tensor_type.ClearField("shape")
+                _forget_subgraph_shapes(body)
+
+
+def _batch_axes(batched: Dict[str, np.ndarray], alone: Dict[str, np.ndarray], count: int) -> Optional[Dict[str, int]]:
+    """For each output, the axis the batch came out on: the one axis where the batch's shape
+    is ``count`` times the first sample's, and the first slice there equals that sample.
+    None when an output has no such axis."""
+    axes = {}
+    for name, value in batched.items():
+        single = alone[name]
+        found = [a for a in range(single.ndim) if value.shape[a] == count * single.shape[a]
+                 and value.shape[:a] + value.shape[a + 1:] == single.shape[:a] + single.shape[a + 1:]]
+        if value.ndim != single.ndim or not found:
+            return None
+        first = np.take(value, range(single.shape[found[0]]), axis=found[0])
+        scale = float(np.max(np.abs(single))) if single.size and single.dtype.kind == "f" else 1.0
+        if not np.allclose(first, single, rtol=1e-3, atol=1e-3 * max(scale, 1e-6), equal_nan=True):  # kernels differ a little
+            return None
+        axes[name] = found[0]
+    return axes
+
+
+def _packed(batched: Dict[str, np.ndarray], axes: Optional[Dict[str, int]], count: int) -> Optional[Dict[str, np.ndarray]]:
+    """Batch values in the packed form: each sample's slice on its batch axis, on axis 0."""
+    if axes is None or any(batched[n].shape[axes[n]] % count for n in batched):
+        return None
+    return {name: value if axes[name] == 0 else np.concatenate(np.split(value, count, axis=axes[name]))
+            for name, value in batched.items()}
 
 
 def free_reshape_batch(model: onnx.ModelProto) -> None:
