@@ -20,7 +20,8 @@ from typing import List, Optional, Tuple
 
 import pipeline
 from pipeline.archive import write_tar_gz
-from pipeline.artifacts import atomic_directory, atomic_write_bytes, read_json, sha256_file, write_json
+from pipeline.artifacts import (atomic_directory, atomic_write_bytes, read_json, remove_stale_temps, sha256_file,
+                                write_json)
 from pipeline.bundle import MANIFEST, check_files, check_integrity
 from pipeline.errors import InputError
 from pipeline.sweep import find_jobs, read_optional_json
@@ -142,6 +143,7 @@ def make_release(sweep: Path, output: Optional[Path], name: Optional[str], inclu
         for bundle in job.bundles:
             _check_bundle(job, bundle)
     places = _places(shipped)
+    remove_stale_temps(final)  # folders and archives of a release killed mid-way (.<name>.*)
     with atomic_directory(final, replace=True) as temp:
         for _, bundle, place in places:
             shutil.copytree(bundle, temp / place)

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional
 
 import stages
 from pipeline import environment
-from pipeline.artifacts import atomic_directory, cache_lock, hash_files, hash_tree, read_json, sha256_json, write_json
+from pipeline.artifacts import (atomic_directory, cache_lock, hash_files, hash_tree, read_json, remove_stale_temps,
+                                sha256_json, write_json)
 from pipeline.config import RunConfig, plain
 from pipeline.errors import ExitCode, writing
 from stages import StageContext, StageResult
@@ -154,5 +155,6 @@ def _from_cache(entry: Path, out_dir: Path):
 
 def _to_cache(out_dir: Path, entry: Path) -> None:
     with writing(entry):  # a full or read-only cache: exit 5, naming the path
+        remove_stale_temps(entry)  # of writers killed mid-way; the entry's lock is held
         with atomic_directory(entry) as temp:
             shutil.copytree(out_dir, temp, dirs_exist_ok=True)
