@@ -105,7 +105,7 @@ def _run(args) -> ExitCode:
         console.print(f"decoded {escape(name)} ({escape(metric.name)}): {escape(text)}")
     if args.output:
         with open(args.output, "wb") as handle:  # the exact path: np.savez would append .npz
-            np.savez(handle, **outputs, **{f"decoded/{name}": np.str_(text) for name, text in decoded.items()})
+            np.savez(handle, **outputs)
         console.print(f"outputs written to {escape(str(args.output))}")
     _print_effective(console, session.effective())
     return ExitCode.OK

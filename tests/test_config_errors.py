@@ -18,11 +18,18 @@ CASES = [
     (["precision=fp64"], ["precision=fp64", "no such config", "allowed: bf16, fp16, fp32, int8, mixed"]),
     (["target=tpu"], ["target=tpu", "allowed: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu"]),
     (["model.path=???"], ["model.path", "a value is required"]),
-    (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random]"]),
+    (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random, custom]"]),
     (["data.path=null"], ["data.path", "required"]),
     (["target.threads=many"], ["target.threads", "many"]),
     (["pipeline.stages=[convert,deploy]"], ["pipeline.stages", "deploy", "allowed: convert, calibrate, sensitivity, build, tune, verify, profile, package"]),
     (["validation.min_cosine=high"], ["validation.min_cosine"]),
+    # thresholds out of their range: the key, the value and the range
+    (["validation.min_cosine=2"], ["validation.min_cosine=2.0", "out of range", "[-1.0, 1.0]"]),
+    (["validation.max_abs_error=-0.5"], ["validation.max_abs_error=-0.5", ">= 0.0"]),
+    (["validation.max_metric_drop=5"], ["validation.max_metric_drop=5.0", "[-1.0, 1.0]"]),
+    (["validation.min_sqnr_db=nan"], ["validation.min_sqnr_db=nan", "not NaN"]),
+    (["sensitivity.samples=0"], ["sensitivity.samples=0", ">= 1"]),
+    (["+validation.outputs={logits:{min_cosine:1.5}}"], ["validation.outputs.logits.min_cosine=1.5", "[-1.0, 1.0]"]),
 ]
 
 

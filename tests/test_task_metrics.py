@@ -252,9 +252,9 @@ def test_recognizer_with_ctc_text_labels_and_the_bundle_reads_a_png(ocr):
     render("deploy model", 30, FONTS[0]).save(ocr / "page.png")
     ran = run_cli(["run", bundle, ocr / "page.png", "--output", ocr / "out.npz"], ocr, program="parity-bundle")
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "(ctc): deploy model" in ran.stdout
+    assert "decoded softmax_11.tmp_0 (ctc): deploy model" in ran.stdout
     with np.load(ocr / "out.npz") as saved:
-        assert str(saved["decoded/softmax_11.tmp_0"]) == "deploy model"
+        assert saved["softmax_11.tmp_0"].shape == (1, 40, 6625)
 
 
 @needs_fonts
