@@ -9,6 +9,7 @@ a precision the target's backend cannot run, stage names).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
@@ -405,7 +406,51 @@ def _check_combinations(run: RunConfig) -> None:
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
     _check_tuning(run.tuning, backend)
+    check_ranges(run)
     _check_metric(run)
+
+
+COSINE = (-1.0, 1.0)
+DROP = (-1.0, 1.0)  # a task metric's drop, as a fraction; negative: the target must beat the reference
+# Thresholds and counts with a range (lowest, highest; None: unbounded). SQNR thresholds
+# take any real number (dB); a value that is None in the config is not checked.
+RANGES = {
+    "precision.min_cosine": COSINE, "precision.layer_min_cosine": COSINE, "precision.max_metric_drop": DROP,
+    "validation.min_cosine": COSINE, "validation.layer_min_cosine": COSINE,
+    "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),
+    "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
+    "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
+    "calibration.kl_max_clipped": (0.0, 1.0),
+    "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None),
+    "sensitivity.top_n": (0, None), "sensitivity.screen": (0, None), "sensitivity.max_float_ops": (0, None),
+    "tuning.verify_samples": (1, None),
+}
+OUTPUT_RANGES = {"min_cosine": COSINE, "max_abs_error": (0.0, None), "max_mean_abs_error": (0.0, None)}
+
+
+def check_ranges(run: RunConfig) -> None:
+    """Every threshold and count of RANGES (and each validation.outputs override) in its
+    range, else a ConfigError naming the key, the value and the range; no NaN anywhere."""
+    values = [(key, functools.reduce(getattr, key.split("."), run), allowed) for key, allowed in RANGES.items()]
+    for output, override in run.validation.outputs.items():
+        values += [(f"validation.outputs.{output}.{name}", getattr(override, name), allowed)
+                   for name, allowed in OUTPUT_RANGES.items()]
+    values += [(f"validation.outputs.{output}.min_sqnr_db", o.min_sqnr_db, (None, None))
+               for output, o in run.validation.outputs.items()]
+    values.append(("validation.min_sqnr_db", run.validation.min_sqnr_db, (None, None)))
+    for key, value, (low, high) in values:
+        if value is None:
+            continue
+        if value != value or (low is not None and value < low) or (high is not None and value > high):
+            raise ConfigError(f"{key}={value} is out of range: {_describe_range(low, high)}")
+
+
+def _describe_range(low, high) -> str:
+    if low is None and high is None:
+        return "a number (not NaN)"
+    if high is None:
+        return f"must be >= {low}"
+    return f"must be in [{low}, {high}]"
 
 
 def _check_data(data: DataConfig) -> None:
