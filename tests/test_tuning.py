@@ -137,7 +137,8 @@ def loaded(module: str, bundle: Path, feeds):
 @pytest.mark.parametrize("field,value,reason", [
     ("versions", {"openvino": "2020.1"}, "stale: built with openvino 2020.1 -> "),
     ("fingerprint", "0000000000000000", "stale: built on another machine"),
-    ("options_sha256", "0", "stale: built for other runtime options")])
+    ("options_sha256", "0", "stale: built for other runtime options"),
+    ("artifact_sha256", "0" * 64, "stale: built for another model")])
 def test_stale_compile_cache_falls_back_to_compiling(openvino_bundle, tmp_path, field, value, reason):
     feeds = {"input": digits_inputs(1)[0]}
     status, expected = loaded("pipeline.backends.openvino", openvino_bundle, feeds)
