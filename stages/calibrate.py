@@ -106,8 +106,6 @@ def _computed_table(ctx: StageContext, model_path: Path):
     if precision == "fp16":
         write_json(ctx.out_dir / FP16_FINDINGS, fp16.activation_findings(stats.histograms)
                    + fp16.constant_findings(onnx.load(str(model_path))))
-    if stats.batch_note:
-        warnings.append(stats.batch_note)
     zero = sorted(name for name, h in stats.histograms.items() if h.abs_max == 0)
     if zero:
         warnings.append(f"{len(zero)} tensors are always zero (threshold floor {thresholds.MIN_THRESHOLD:g}): "
@@ -117,6 +115,8 @@ def _computed_table(ctx: StageContext, model_path: Path):
         "tensors": len(table),
         "samples": stats.samples,
         "batch_size": stats.batch_size,
+        # how samples were batched: stacked on each input's batch axis, or why one at a time
+        "batching": stats.batch_note or "samples stacked on each input's batch axis",
         "statistics": "reused" if reused else "computed",
         "statistics_seconds": round(collected, 4),
         "thresholds_seconds": round(time.perf_counter() - started - collected, 4),

@@ -182,7 +182,8 @@ class BatchRunner:
         model does not batch these samples correctly."""
         feeds = stack(samples, self.specs)
         if feeds is None:
-            return None  # inputs without a batch axis differ between these samples
+            self.note = self.note or "some samples ran one at a time: an input without a batch axis differs between them"
+            return None
         try:
             batched = dict(zip(self.names, self._session.run(self.names, feeds)))
             if len(samples) == 1:
