@@ -60,13 +60,16 @@ def _argmax(batch: np.ndarray) -> np.ndarray:
     return np.argmax(batch.reshape(len(batch), -1), axis=1)
 
 
+LABEL_HINT = "top1 needs class indices in labels.csv (texts: metric=ctc, numbers: metric=regression, none: metric=none)"
+
+
 def _class_index(label) -> int:
     try:
         number = float(label)
     except (TypeError, ValueError):
-        raise MetricError(f"label {label!r} is not a class index (labels.csv: 'sample,class')") from None
+        raise MetricError(f"label {label!r} is not a class index; {LABEL_HINT}") from None
     if not number.is_integer():
-        raise MetricError(f"label {label!r} is not a class index (labels.csv: 'sample,class')")
+        raise MetricError(f"label {label!r} is not a class index; {LABEL_HINT}")
     return int(number)
 
 
@@ -95,6 +98,7 @@ class CTC:
     def __init__(self, charset: Any, blank: int = 0, root: Optional[str] = None):
         self.symbols = read_charset(charset, root)
         self.blank = int(blank)
+        self._recent: List[tuple] = []  # (batch, texts): score, extras and agreement decode the same batches
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
         texts = self.decode_batch(outputs)
@@ -114,9 +118,17 @@ class CTC:
 
     def decode_batch(self, outputs: np.ndarray) -> List[str]:
         """Each sample's [steps, classes] scores (leading 1-axes dropped) as text."""
+        for batch, texts in self._recent:
+            if batch is outputs:
+                return texts
+        texts = self._decode(outputs)
+        self._recent = [(outputs, texts), *self._recent[:1]]
+        return texts
+
+    def _decode(self, outputs: np.ndarray) -> List[str]:
         steps = np.argmax(outputs.reshape(len(outputs), -1, outputs.shape[-1]), axis=2)
         if outputs.shape[-1] != len(self.symbols) + 1:
-            raise MetricError(f"ctc: the output has {outputs.shape[-1]} classes but the charset has "
+            raise MetricError(f"the output has {outputs.shape[-1]} classes but the charset has "
                               f"{len(self.symbols)} symbols plus the blank; check metric.charset")
         texts = []
         for row in steps:
@@ -133,14 +145,14 @@ def read_charset(charset: Any, root: Optional[str] = None) -> List[str]:
     if isinstance(charset, (list, tuple)):
         return [str(symbol) for symbol in charset]
     if not isinstance(charset, str) or not charset:
-        raise MetricError("ctc: metric.charset must be a file (one symbol per line) or a list of symbols")
+        raise MetricError("metric.charset must be a file (one symbol per line) or a list of symbols")
     path = Path(charset).expanduser()
     if not path.is_absolute() and root:
         path = Path(root) / path
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise MetricError(f"ctc: metric.charset {path} cannot be read ({err})") from err
+        raise MetricError(f"metric.charset {path} cannot be read ({err})") from err
     symbols = text.split("\n")
     if symbols and symbols[-1] == "":
         symbols.pop()  # the file's final line break
@@ -154,6 +166,8 @@ def char_accuracy(text: str, label: str) -> float:
 
 def edit_distance(a: str, b: str) -> int:
     """Levenshtein distance (insertions, deletions, substitutions)."""
+    if a == b:  # most predictions: no table to fill
+        return 0
     previous = list(range(len(b) + 1))
     for i, char_a in enumerate(a, start=1):
         current = [i]
@@ -172,7 +186,7 @@ class Regression:
 
     def __init__(self, statistic: str = "mae"):
         if statistic not in ("mae", "rmse"):
-            raise MetricError(f"regression: metric.statistic={statistic!r}; allowed: mae, rmse")
+            raise MetricError(f"metric.statistic={statistic!r}; allowed: mae, rmse")
         self.statistic = statistic
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
@@ -285,14 +299,22 @@ def _instantiate(name: str, arguments: Dict[str, Any]):
         raise MetricError(f"metric {name}: cannot import {arguments['_target_']!r} ({_cause(err)}); "
                           "set metric._target_ to module.callable and metric.path to the folder holding "
                           "the module") from None
+    plain = {**arguments, "_convert_": "all"}  # lists and dicts as Python's, not OmegaConf's
     try:
         if isinstance(target, type):
-            return instantiate(arguments)
+            return instantiate(plain)
         if not callable(target):
             raise MetricError(f"metric {name}: {arguments['_target_']!r} is not callable")
-        return instantiate({**arguments, "_partial_": True}) if len(arguments) > 1 else target
+        return instantiate({**plain, "_partial_": True}) if len(arguments) > 1 else target
     except InstantiationException as err:
-        raise MetricError(f"metric {name}: {_cause(err)}") from None
+        own = _metric_error(err)  # the metric's own account (a charset it cannot read)
+        raise MetricError(f"metric {name}: {own.args[0] if own else _cause(err)}") from None
+
+
+def _metric_error(err: Optional[BaseException]) -> Optional[MetricError]:
+    while err is not None and not isinstance(err, MetricError):
+        err = err.__cause__ or err.__context__
+    return err
 
 
 def _cause(err: BaseException) -> str:
@@ -358,6 +380,7 @@ class TaskScorer:
         self.extras: Dict[str, Dict[str, List[np.ndarray]]] = {}
         self.agreement: Dict[str, List[np.ndarray]] = {}
         self.labeled: Optional[bool] = None
+        self._stacks: List[tuple] = []  # the last two batches stacked (the reference's, a build's)
 
     def active(self, label) -> bool:
         """Whether samples with this label can be scored (a metric that needs labels gets none)."""
@@ -378,8 +401,8 @@ class TaskScorer:
         pending, self.pending[build] = self.pending[build], []
         if not pending:
             return
-        outputs = np.stack([p[0] for p in pending])
-        reference = np.stack([p[1] for p in pending])
+        reference = self._stacked([p[1] for p in pending])  # one copy per batch, shared by the builds
+        outputs = self._stacked([p[0] for p in pending])
         labels = [p[2] for p in pending] if self.labeled else None
         self.scores.setdefault(build, []).append(self.metric(outputs, reference, labels))
         name, count = self.metric.name, len(outputs)
@@ -391,6 +414,15 @@ class TaskScorer:
         if agreement and build != "reference":
             values = check_scores(name, self.metric.call(agreement, outputs, reference), count, "agreement")
             self.agreement.setdefault(build, []).append(values)
+
+    def _stacked(self, arrays: List[np.ndarray]) -> np.ndarray:
+        key = tuple(id(array) for array in arrays)
+        for known, _, stacked in self._stacks:
+            if known == key:
+                return stacked
+        stacked = np.stack(arrays)
+        self._stacks = [(key, arrays, stacked), *self._stacks[:1]]  # the arrays kept: their ids stay theirs
+        return stacked
 
     def value(self, build: str) -> Optional[float]:
         parts = self.scores.get(build)

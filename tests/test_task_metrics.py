@@ -310,3 +310,48 @@ def test_sizes_default_to_every_sample_up_to_the_cap(tmp_path):
     assert any("used 3 of 5 samples (data.validation_cap)" in w for w in data.warnings)
     sized = open_dataset(DataConfig(kind=DataKind.tensors, path=str(tmp_path), validation_size=8), [spec])
     assert len(sized.validation) == 5 and "validation: 5 samples found, 8 requested" in sized.warnings
+
+
+# --- a custom preprocess: any file, read by the user's function, everywhere -----------------------
+
+READER = '''
+import numpy as np
+
+
+def read_digit(path):
+    """An 8x8 digit written as 64 numbers in a text file: the model's input."""
+    values = np.loadtxt(path, dtype=np.float32)
+    if values.size != 64:
+        raise ValueError(f"expected 64 numbers, got {values.size}")
+    return values.reshape(1, 1, 8, 8)
+'''
+
+
+def test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle(tmp_path):
+    from pipeline.config import asset_path
+
+    with np.load(asset_path("digits.npz")) as digits:
+        images, labels = digits["validation/input"][:12], digits["validation/labels"][:12]
+    for split, rows in (("calibration", range(4)), ("validation", range(12))):
+        (tmp_path / "data" / split).mkdir(parents=True)
+        for index in rows:
+            np.savetxt(tmp_path / "data" / split / f"{index:02d}.txt", images[index].reshape(8, 8))
+        (tmp_path / "data" / split / "labels.csv").write_text(
+            "sample,label\n" + "".join(f"{index:02d}.txt,{labels[index]}\n" for index in rows))
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "digitreader.py").write_text(READER)
+    result = run_cli(["precision=fp32", "data.kind=custom", f"data.path={tmp_path / 'data'}",
+                      "data.preprocess._target_=digitreader.read_digit", f"data.preprocess.path={tmp_path / 'code'}"],
+                     tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(run_dirs(tmp_path)[-1])
+    assert report["verify"]["task"]["samples"] == 12 and report["verify"]["task"]["reference"] > 0.9
+    assert report["data"]["splits"]["calibration"]["used"] == "used 4 of 4"
+    bundle = single_bundle(run_dirs(tmp_path)[-1])
+    ran = run_cli(["run", bundle, tmp_path / "data" / "validation" / "03.txt"], tmp_path, program="parity-bundle")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert f"(top1): class {labels[3]}" in ran.stdout
+    (tmp_path / "short.txt").write_text("1 2 3")
+    ran = run_cli(["run", bundle, tmp_path / "short.txt"], tmp_path, program="parity-bundle")
+    assert ran.returncode == 2 and "preprocess digitreader.read_digit raised ValueError" in ran.stderr, ran.stderr
+    assert len(ran.stderr.strip().splitlines()) == 1

@@ -138,7 +138,9 @@ def _task_case(suite: _Suite, task: dict) -> None:
     name = f"{metric} drop <= {_fmt(task.get('max_drop'))}"
     if task.get("passed") is False:
         drop, reference, target = task.get("drop"), task.get("reference"), task.get("target")
-        if all(_is_number(v) for v in (drop, reference, target)):
+        if task.get("reason"):  # metrics other than top-1 word their own failure
+            message = str(task["reason"])
+        elif all(_is_number(v) for v in (drop, reference, target)):
             message = (f"{metric} dropped {drop * 100:.2f} points ({reference:.4f} -> {target:.4f}), "
                        f"allowed {_fmt(task.get('max_drop'))}")
         else:
