@@ -395,4 +395,6 @@ def test_bundle_and_archive_modes_follow_the_umask(workspace, tmp_path, umask, f
     assert mode(run_dir / "job.json") == file_mode
     released = run_cli([tmp_path], tmp_path, program="parity-release")  # the run folder as a one-job sweep
     assert released.returncode == 0, released.stdout + released.stderr
-    assert mode(tmp_path / "release") == 0o755 and mode(tmp_path / "release.tar.gz") == 0o644  # pytest's umask
+    mine = os.umask(0o022)
+    os.umask(mine)  # the umask this process (and so parity-release) runs with
+    assert mode(tmp_path / "release") == 0o777 & ~mine and mode(tmp_path / "release.tar.gz") == 0o666 & ~mine
