@@ -106,8 +106,9 @@ def run(ctx: StageContext) -> StageResult:
                     "mixed": curve[-1] if curve else plain, "trials": len(trials),
                     "measured": sum(t.loss is not None for t in trials)})
     if cfg.sensitivity.select.value == "target" and not measure.meets(summary["mixed"]):
-        summary["warning"] = (f"the target cosine {cfg.sensitivity.expected_cos} was not reached with "
-                              f"{len(float_ops)} float ops (sensitivity.max_float_ops)")
+        summary["warning"] = (f"the target (cosine {cfg.sensitivity.expected_cos}, task-metric drop <= "
+                              f"{cfg.sensitivity.max_drop}) was not reached with {len(float_ops)} float ops "
+                              "(sensitivity.max_float_ops)")
     return _write(ctx, best_table, float_ops, trials, summary)
 
 

@@ -355,3 +355,20 @@ def test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle(tmp_path
     ran = run_cli(["run", bundle, tmp_path / "short.txt"], tmp_path, program="parity-bundle")
     assert ran.returncode == 2 and "preprocess digitreader.read_digit raised ValueError" in ran.stderr, ran.stderr
     assert len(ran.stderr.strip().splitlines()) == 1
+
+
+def test_the_mixed_search_keeps_ops_float_for_the_task_metric(custom_metrics, tmp_path):
+    """sensitivity.select=target with a cosine target plain int8 meets: with no task
+    metric nothing stays float; with a metric whose drop int8 exceeds, ops do."""
+    search = ["precision=mixed", "sensitivity.expected_cos=0.5", "validation.min_cosine=null",
+              "validation.max_metric_drop=1", "pipeline.stages=[convert,calibrate,sensitivity]"]
+    result = run_cli([*search, "metric=none"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    plain = read_report(run_dirs(tmp_path)[-1])["sensitivity"]
+    assert plain["skipped"] and plain["int8"]["metric_drop"] is None
+    result = run_cli([*search, "metric=custom", "metric._target_=usermetrics.Distance", f"metric.path={custom_metrics}",
+                      "sensitivity.max_drop=1e-7"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    mixed = read_report(run_dirs(tmp_path)[-1])["sensitivity"]
+    assert mixed["int8"]["metric_drop"] > 1e-7 and "skipped" not in mixed
+    assert mixed["float_ops"] and mixed["curve"][0]["metric_drop"] is not None
