@@ -101,7 +101,7 @@ def run_stateful(stateful, *overrides, data=None):
 # --- the CLI on every target --------------------------------------------------------------------
 
 @pytest.mark.parametrize("target,precision", [("ort_cpu", "fp32"), ("ort_cpu", "int8"), ("ort_cpu", "mixed"),
-                                              ("openvino_cpu", "fp32")])
+                                              ("openvino_cpu", "fp32"), ("openvino_cpu", "mixed")])
 def test_stateful_model_passes(stateful, target, precision):
     result, run_dir = run_stateful(stateful, f"target={target}", f"precision={precision}")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -247,7 +247,7 @@ def with_options(settings: dict, changes: dict) -> dict:
 def run_model(model, feeds: Dict[str, np.ndarray], count: int, outputs: List[str]) -> Dict[str, np.ndarray]:
     """An in-memory ONNX model (e.g. a mixed candidate of the sensitivity search) compiled
     for the CPU in f32 between its quantized ops, as a built int8 IR runs, and fed ``count``
-    samples (the feeds' leading axis) one at a time: what OpenVINO makes of exactly that
+    samples (packed: pipeline.data.pack) one at a time: what OpenVINO makes of exactly that
     Q/DQ placement."""
     import openvino as ov
 
@@ -258,10 +258,14 @@ def run_model(model, feeds: Dict[str, np.ndarray], count: int, outputs: List[str
                                   {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": own_threads()})
     request = compiled.create_infer_request()
     ports = {name: _output_port(compiled, name) for name in outputs}
+    from pipeline.data import unpack
+
+    shapes = {port.get_any_name(): list(port.get_shape()) for port in compiled.inputs  # a scalar stays 0-d
+              if port.get_partial_shape().is_static}
     rows = []
     for index in range(count):
-        result = request.infer({name: value[index:index + 1] for name, value in feeds.items()})
-        rows.append({name: np.array(result[port]) for name, port in ports.items()})
+        result = request.infer(unpack(feeds, index, count, shapes))
+        rows.append({name: np.atleast_1d(np.array(result[port])) for name, port in ports.items()})
     return {name: np.concatenate([row[name] for row in rows]) for name in outputs}
 
 
