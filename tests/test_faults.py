@@ -199,6 +199,17 @@ def test_read_only_cache_folder_is_exit_5(workspace, read_only_dir, tmp_path):
     assert record["exit_code"] == 5 and record["error"] == line.removeprefix("parity: ")
 
 
+def test_bundle_output_into_a_read_only_folder_is_exit_5(workspace, read_only_dir, tmp_path):
+    folder = read_only_dir if read_only_dir.is_dir() else read_only_dir.parent  # /sys itself refuses new files
+    bundle = workspace / "run" / "bundle" / BUNDLE
+    shape = yaml.safe_load((bundle / "runtime.yaml").read_text())["inputs"][0]["shape"]
+    np.save(tmp_path / "x.npy", np.zeros(shape, np.float32))
+    result = run_cli(["run", bundle, "--input", tmp_path / "x.npy", "--output", folder / "y.npz"], tmp_path,
+                     program="parity-bundle")
+    line = one_line_error(result, "parity-bundle", 5, ["environment error: cannot", str(folder / "y.npz")])
+    assert any(errno in line for errno in ENVIRONMENT_ERRNOS), line
+
+
 def test_full_disk_is_exit_5(workspace, tmp_path):
     """A 64 KiB tmpfs where this machine lets root mount one (ENOSPC); elsewhere a 32 KiB
     file size limit (RLIMIT_FSIZE: EFBIG) stops the first big write the same way."""
