@@ -280,13 +280,15 @@ def load_metric(config: Optional[Dict[str, Any]], root: Optional[str] = None) ->
     arguments = {key: value for key, value in config.items() if key not in PARITY_KEYS}
     if target == f"{__name__}.CTC" and root:
         arguments.setdefault("root", root)
-    score = _instantiate(name, arguments)
-    higher = config.get("higher_is_better")
-    needs = config.get("needs_labels")
+    target, score = _instantiate(name, arguments)
+
+    def declared(key: str, default: bool) -> bool:  # the config, else the metric (instance, then class/function)
+        value = config.get(key)
+        return bool(getattr(score, key, getattr(target, key, default)) if value is None else value)
+
     return TaskMetric(name=name, score=score, output=config.get("output"),
-                      higher_is_better=bool(getattr(score, "higher_is_better", True) if higher is None else higher),
-                      needs_labels=bool(getattr(score, "needs_labels", False) if needs is None else needs),
-                      config=config)
+                      higher_is_better=declared("higher_is_better", True),
+                      needs_labels=declared("needs_labels", False), config=config)
 
 
 def _instantiate(name: str, arguments: Dict[str, Any]):
@@ -302,10 +304,10 @@ def _instantiate(name: str, arguments: Dict[str, Any]):
     plain = {**arguments, "_convert_": "all"}  # lists and dicts as Python's, not OmegaConf's
     try:
         if isinstance(target, type):
-            return instantiate(plain)
+            return target, instantiate(plain)
         if not callable(target):
             raise MetricError(f"metric {name}: {arguments['_target_']!r} is not callable")
-        return instantiate({**plain, "_partial_": True}) if len(arguments) > 1 else target
+        return target, instantiate({**plain, "_partial_": True}) if len(arguments) > 1 else target
     except InstantiationException as err:
         own = _metric_error(err)  # the metric's own account (a charset it cannot read)
         raise MetricError(f"metric {name}: {own.args[0] if own else _cause(err)}") from None

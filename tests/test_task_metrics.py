@@ -96,7 +96,7 @@ def confidence(outputs, reference, labels, floor=0.0):
     return np.maximum(outputs.reshape(len(outputs), -1).max(axis=1), floor)
 
 
-confidence.higher_is_better = True
+confidence.higher_is_better = False  # declared on the function, kept when its keys are bound
 
 
 class Distance:
@@ -132,7 +132,7 @@ def custom_metrics(tmp_path_factory):
 
 def test_custom_function_and_class_load_through_hydra(custom_metrics):
     function = load_metric({"_target_": "usermetrics.confidence", "path": str(custom_metrics), "floor": 0.5})
-    assert function.name == "confidence" and function.higher_is_better
+    assert function.name == "confidence" and not function.higher_is_better
     assert function(np.array([[0.2, 0.1], [0.9, 0.3]]), None, None).tolist() == [0.5, 0.9]
     distance = load_metric({"_target_": "usermetrics.Distance", "path": str(custom_metrics), "scale": 2.0,
                             "output": "y"})
