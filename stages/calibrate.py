@@ -17,11 +17,12 @@ from pipeline import fp16
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
-from pipeline.quantize import prepare, write_ort_cache
+from pipeline.calibration.measure import OutputJudge
+from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 8  # 8: batches follow each input's batch axis, a note when they cannot
+VERSION = 9  # 8: batches follow each input's batch axis, a note when they cannot; 9: auto judged at the outputs
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
@@ -39,7 +40,15 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
-            "activations": cfg.precision.activations, "precision": cfg.precision.name}
+            "activations": cfg.precision.activations, "precision": cfg.precision.name,
+            # auto's choice measures int8 models built with these (_auto_at_outputs)
+            "auto": (QdqSettings.resolve(cfg.precision, "onnxruntime"), sorted(cfg.precision.keep_float))
+            if _judged_at_outputs(cfg) else None}
+
+
+def _judged_at_outputs(cfg) -> bool:
+    """calibration=auto for an int8 build: the final choice is measured at the outputs."""
+    return cfg.calibration.method.value == "auto" and cfg.precision.name.value in ("int8", "mixed")
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -100,7 +109,7 @@ def _computed_table(ctx: StageContext, model_path: Path):
     collected = time.perf_counter() - started
     precision = ctx.cfg.precision.name.value
     every_method = _candidates(stats, cfg) if precision == "mixed" else None
-    table, choices = _thresholds(stats, ctx, model_path, every_method)
+    table, choices, decision = _thresholds(stats, ctx, model_path, every_method)
     if every_method is not None:
         write_json(ctx.out_dir / CANDIDATES, every_method)
     if precision == "fp16":
@@ -124,6 +133,7 @@ def _computed_table(ctx: StageContext, model_path: Path):
         "zero_tensors": zero,
         "warnings": warnings,
         "auto": choices,
+        "auto_choice": decision,
     }
     return table, summary
 
@@ -145,7 +155,31 @@ def _thresholds(stats, ctx: StageContext, model_path: Path, every_method=None):
     choices = auto.choose(model, stats.kept, undecided, ctx.cfg.precision.activations.value) if undecided else {}
     table = {name: entries[choices[name]["method"]] if name in choices else next(iter(entries.values()))
              for name, entries in candidates.items()}
-    return table, {name: c["errors"] for name, c in list(choices.items())[:200]} or None
+    decision = None
+    if undecided and _judged_at_outputs(ctx.cfg):
+        table, decision = _auto_at_outputs(ctx, model_path, table, candidates)
+    return table, {name: c["errors"] for name, c in list(choices.items())[:200]} or None, decision
+
+
+def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, dict], candidates):
+    """auto's final choice between the per-tensor table and each single method's table: the
+    one whose int8 model (ONNX Runtime's placement, precision.keep_float kept float) does
+    best at the network outputs on the whole calibration set (auto.choose_table)."""
+    tables_by_name = {"per-tensor": per_tensor}
+    for method in AUTO_CANDIDATES:  # model inputs keep their own method (calibration.inputs)
+        tables_by_name[method] = {name: entries[method] if method in entries else next(iter(entries.values()))
+                                  for name, entries in candidates.items()}
+    split = ctx.dataset().calibration
+    prepared = onnx.load(str(model_path))
+    judge = OutputJudge(prepared, [sample.feeds for sample in split])
+    settings = QdqSettings.resolve(ctx.cfg.precision, "onnxruntime")
+    try:
+        chosen, scores = auto.choose_table(judge, tables_by_name, lambda table: MixedModels(
+            prepared, table, settings, ctx.cfg.precision.keep_float).build())
+    except QuantizerFailed as err:
+        raise err.with_run(ctx)
+    return tables_by_name[chosen], {"chosen": chosen, "samples": judge.count, "criterion": auto.CRITERION,
+                                    "candidates": scores}
 
 
 def _method_options(cfg) -> Dict[str, dict]:

@@ -19,7 +19,7 @@ from pipeline.model import batch_axes, check, external_data_files, load_onnx, re
 from stages import StageContext, StageResult
 
 NAME = "convert"
-VERSION = 2  # 2: batch axes recorded in the model, batch dims fixed where they are
+VERSION = 3  # 2: batch axes recorded in the model, batch dims fixed where they are; 3: output_shapes
 CACHEABLE = True
 
 # ONNX Runtime 1.31 loads IR <= 13 and OpenVINO reads IR 10 files; IR 10 covers opsets up to 21.
@@ -67,6 +67,7 @@ def run(ctx: StageContext) -> StageResult:
         "outputs": [vars(s) for s in signature(model, outputs=True)],
         "fixed_shapes": fixed,
         "preflight": preflight(model),
+        "output_shapes": output_shape_check(ctx.out_dir / "model.onnx", model),
     }
     return StageResult(ctx.out_dir, files, summary)
 
@@ -175,3 +176,30 @@ def preflight(model: onnx.ModelProto) -> List[dict]:
 
 def _finding(tensor: str, check_name: str, count: int, detail: str, severity: str) -> dict:
     return {"tensor": tensor, "check": check_name, "count": count, "detail": detail, "severity": severity}
+
+
+def output_shape_check(path: Path, model: onnx.ModelProto) -> dict:
+    """Each output's declared static dims against the shape ONNX Runtime returns for
+    all-zero inputs. Runtimes accept a wrong declaration silently (ONNX Runtime only logs
+    it), and a loader that trusts runtime.yaml's shapes would misread the output."""
+    import onnxruntime as ort
+
+    declared = {o.name: [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else "?"
+                         for d in o.type.tensor_type.shape.dim]
+                for o in model.graph.output if o.type.tensor_type.HasField("shape")}
+    feeds = {spec.name: np.zeros(spec.shape, spec.dtype) for spec in signature(model)}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3  # ONNX Runtime's own "Error merging shape info" line: reported here instead
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        returned = dict(zip((o.name for o in session.get_outputs()), session.run(None, feeds)))
+    except Exception as err:  # noqa: BLE001 - zeros are not every model's valid input
+        return {"checked": False, "reason": f"ONNX Runtime could not run the model on all-zero inputs: "
+                                            f"{first_line(err)}", "mismatches": []}
+    mismatches = []
+    for name, dims in declared.items():
+        shape = list(np.shape(returned[name]))
+        if len(dims) != len(shape) or any(d != "?" and d != r for d, r in zip(dims, shape)):
+            mismatches.append({"output": name, "declared": dims, "returned": shape})
+    return {"checked": True, "inputs": "zeros", "mismatches": mismatches}

@@ -33,6 +33,9 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
                         "nothing to keep in float")
     if convert:
         warnings += preflight_warnings(convert["preflight"])
+        warnings += [f"convert: output {m['output']!r} is declared {m['declared']} but the model returns "
+                     f"{m['returned']}; runtime.yaml lists the declared shape"
+                     for m in (convert.get("output_shapes") or {}).get("mismatches", [])]
     if verify:  # checks that warn (int8 ran partly in float) and a reference far from float64 truth
         warnings += [c["text"] for c in verify.get("checks") or [] if c["severity"] == "warning"]
         warnings += (verify.get("truth") or {}).get("warnings", [])
