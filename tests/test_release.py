@@ -20,7 +20,9 @@ from pipeline.archive import safe_extract
 from pipeline.errors import InputError
 from pipeline.release import SUMMARY_FILES
 
-PASS_COSINE, FAIL_COSINE = "0.999", "1.1"  # 1.1 fails every job: cosine is at most 1
+# 1.0 fails every job: ONNX Runtime's optimized graph and OpenVINO round differently from the
+# unoptimized reference (cosine 0.99999999999998 on ort_cpu), and cosine is at most 1
+PASS_COSINE, FAIL_COSINE = "0.999", "1.0"
 PASS, FAIL = f"validation.min_cosine={PASS_COSINE}", f"validation.min_cosine={FAIL_COSINE}"
 TRACEBACK = "Traceback (most recent call last)"
 
