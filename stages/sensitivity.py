@@ -24,7 +24,7 @@ from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 8
+VERSION = 9  # 9: metric_drop (the metric group) replaces top1_drop
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"

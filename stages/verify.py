@@ -32,7 +32,7 @@ from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
 
 NAME = "verify"
-VERSION = 8
+VERSION = 10  # 10: the task metric (metric group) in task and comparison
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -332,7 +332,7 @@ def _layerwise(ctx, reference, target, dataset, exit_code: ExitCode, progress) -
     samples = [sample.feeds for _, sample in zip(range(validation.layerwise_samples), dataset.validation)]
     try:
         result = layerwise.compare(reference, target, graph, samples, validation.layer_min_cosine,
-                                   progress=progress)
+                                   progress=progress, stop_at_divergence=mode != "always")  # always: every tensor
     except BackendCrashed as err:
         return {"mode": mode, "ran": False, "reason": f"layerwise probing failed: {err}"}
     side_file = "layerwise.json.gz"
