@@ -111,7 +111,8 @@ def conform(array: np.ndarray, spec: TensorSpec, where: str, label: str = "data"
     array = np.asarray(array)
     shape = list(spec.shape)
     axis = spec.batch_axis
-    if axis is not None and axis < len(shape) and shape[axis] == 1 and list(array.shape) == shape[:axis] + shape[axis + 1:]:
+    if axis is not None and axis < len(shape) and shape[axis] == 1 \
+            and list(array.shape) == shape[:axis] + shape[axis + 1:]:
         array = np.expand_dims(array, axis)
     if list(array.shape) != shape:
         raise InputError(f"{label}: {where} has shape {list(array.shape)} but model input "

@@ -92,7 +92,7 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
             needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
             runner = BatchRunner(model, needed, count)
             floats = runner.run(feeds, count)
-            # the model takes no plain batch (a batch of 1 baked in, or a batch axis other than 0): neither do its suffixes
+            # the model takes no plain batch (a batch of 1 baked in, a batch axis other than 0): nor do its suffixes
             one_by_one = not runner.batch_on_axis0
             jobs = [pool.submit(_trials_for_op, model, nodes[index], index, candidates, floats, reference, methods,
                                 settings, screen, count, one_by_one, runner.shapes) for index in chunk]

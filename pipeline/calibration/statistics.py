@@ -173,7 +173,8 @@ class BatchRunner:
         values = self._run_batch(samples) if self.batch_size > 1 and samples else None
         if values is None:
             rows = [self._session.run(self.names, sample) for sample in samples]
-            values = {name: np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j, name in enumerate(self.names)}
+            values = {name: np.concatenate([np.atleast_1d(row[j]) for row in rows])
+                      for j, name in enumerate(self.names)}
         values.update({name: np.atleast_1d(feeds[name]) for name in self.fed})
         return values
 
@@ -182,7 +183,8 @@ class BatchRunner:
         model does not batch these samples correctly."""
         feeds = stack(samples, self.specs)
         if feeds is None:
-            self.note = self.note or "some samples ran one at a time: an input without a batch axis differs between them"
+            self.note = self.note or ("some samples ran one at a time: an input without a batch axis differs "
+                                      "between them")
             return None
         try:
             batched = dict(zip(self.names, self._session.run(self.names, feeds)))
@@ -223,13 +225,15 @@ def _batch_axes(batched: Dict[str, np.ndarray], alone: Dict[str, np.ndarray], co
             return None
         first = np.take(value, range(single.shape[found[0]]), axis=found[0])
         scale = float(np.max(np.abs(single))) if single.size and single.dtype.kind == "f" else 1.0
-        if not np.allclose(first, single, rtol=1e-3, atol=1e-3 * max(scale, 1e-6), equal_nan=True):  # kernels differ a little
+        # batched kernels differ a little from single-sample ones; mixed-up samples differ a lot
+        if not np.allclose(first, single, rtol=1e-3, atol=1e-3 * max(scale, 1e-6), equal_nan=True):
             return None
         axes[name] = found[0]
     return axes
 
 
-def _packed(batched: Dict[str, np.ndarray], axes: Optional[Dict[str, int]], count: int) -> Optional[Dict[str, np.ndarray]]:
+def _packed(batched: Dict[str, np.ndarray], axes: Optional[Dict[str, int]],
+            count: int) -> Optional[Dict[str, np.ndarray]]:
     """Batch values in the packed form: each sample's slice on its batch axis, on axis 0."""
     if axes is None or any(batched[n].shape[axes[n]] % count for n in batched):
         return None
