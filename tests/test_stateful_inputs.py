@@ -131,7 +131,7 @@ def test_scalars_stay_scalars_and_batches_follow_the_batch_axis(stateful, tmp_pa
     from pipeline.calibration.statistics import BatchRunner, activation_names
     from pipeline.config import DataConfig
     from pipeline.data import open_dataset, pack, stack
-    from pipeline.model import batch_axes, signature
+    from pipeline.model import batch_axes, record_batch_axes, signature
 
     _, model_path, data = stateful
     model = onnx.load(str(model_path))
@@ -146,6 +146,7 @@ def test_scalars_stay_scalars_and_batches_follow_the_batch_axis(stateful, tmp_pa
     assert batch["state"].shape == (2, 3, HIDDEN) and batch["input"].shape == (3, SAMPLES) and batch["sr"].shape == ()
     assert stack([samples[0], {**samples[1], "sr": np.array(8000)}], specs) is None  # a shared input differs
     # the calibration runner: a batch on axis 1 gives the same values as one sample at a time
+    record_batch_axes(model, batch_axes(model))  # as convert does before fixing the dims
     for value in model.graph.input:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param:
