@@ -189,7 +189,7 @@ class BatchRunner:
         try:
             batched = dict(zip(self.names, self._session.run(self.names, feeds)))
             if len(samples) == 1:
-                return batched
+                return {name: np.atleast_1d(value) for name, value in batched.items()}
             if self._axes is None:
                 alone = dict(zip(self.names, self._session.run(self.names, samples[0])))
                 self._axes = _batch_axes(batched, alone, len(samples))
@@ -197,7 +197,8 @@ class BatchRunner:
         except Exception:  # noqa: BLE001 - e.g. a Reshape with a batch of 1 baked in
             packed = None
         if packed is None:
-            self._use_single("the model does not batch its samples correctly (a batch of 1 baked in)")
+            self._use_single("a batch of samples does not give each sample's own values (a batch of 1 baked "
+                             "into the graph, or ops that mix samples)")
         return packed
 
 
