@@ -81,8 +81,13 @@ def recommend(precision: str, backend: str, requested: dict, effective: dict,
     if graph is not None and precision in ("int8", "mixed"):
         for advice in found:  # int8 builds can only keep their quantized ops in float
             keep = advice["action"].get("keep_float")
+            traced = list(dict.fromkeys(p for op in keep or [] for p in graph.producers(op)))
+            if keep and traced != keep:
+                untraced = ", ".join(op for op in keep if op not in graph.quantized)
+                advice["text"] += (f"; this build does not quantize {untraced}: the quantized ops feeding it are "
+                                   f"{', '.join(traced)}" if traced else f"; this build does not quantize {untraced}")
             if keep:
-                advice["action"]["keep_float"] = list(dict.fromkeys(p for op in keep for p in graph.producers(op)))
+                advice["action"]["keep_float"] = traced
     for advice in found:
         keep = advice["action"].get("keep_float")
         if keep and precision in APPLIES_KEEP_FLOAT:

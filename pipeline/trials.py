@@ -34,8 +34,8 @@ def candidates(advice: List[dict], layers: Optional[dict], graph: QuantizedGraph
     for ops in (losses[:1], losses[:LOSSES_WIDE], worst[:WORST_ROWS], output_ops, losses[:LOSSES_WIDE] + output_ops):
         found.append(_union(graph.producers(op) for op in ops))
     unique: List[List[str]] = []
-    for keep in found:
-        if keep and sorted(keep) not in [sorted(k) for k in unique]:
+    for keep in found:  # every quantized op in float is fp32, not advice for an int8 build
+        if keep and set(keep) < graph.quantized and sorted(keep) not in [sorted(k) for k in unique]:
             unique.append(keep)
     return unique[:limit]
 
@@ -75,7 +75,7 @@ def run(candidates_: List[List[str]], launch: Callable, reference, target, datas
         scorer.finish()
     sample = next(iter(dataset.validation), None)
     for key, (keep, worker) in workers.items():
-        reasons, cosine, task = judge(stats[key], key)
+        reasons, cosine, task = judge(stats[key], key, worker.effective())
         timing = _slower_ms(target, worker, sample.feeds) if sample is not None else None
         tried.append({"keep_float": keep, "passed": not reasons, "reasons": reasons, "cosine": cosine,
                       "task": task, "slower_ms": timing})

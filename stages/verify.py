@@ -433,10 +433,15 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
 
     scorer = TaskScorer(metric, task_output) if metric else None
 
-    def judge(stats, build):
+    already = _judged_with(ctx)["intended_float"]
+    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value,
+                 "accepted_precisions": ["int8", "mixed"]}  # as a run with precision.keep_float accepts
+
+    def judge(stats, build, effective):
         judged = [_judge(name, found_stats, cfg.validation) for name, found_stats in stats.items()]
         measured_task = scorer.result(build, cfg.validation.max_metric_drop) if scorer else None
-        _, reasons, _ = verdict.judge(judged, [], measured_task, {}, {}, len(dataset.validation))
+        _, reasons, _ = verdict.judge(judged, [], measured_task, requested, effective, len(dataset.validation),
+                                      None, cfg.validation.fail_on_float_fallback, (*already, *build.split(",")))
         return reasons, min(o["metrics"]["cosine"] for o in judged), measured_task
 
     tried = trials.run(found, _trial_launcher(ctx, backend, stack, limits), reference, target, dataset, judge,
