@@ -1,0 +1,161 @@
+"""Bias correction (pipeline/calibration/bias_correction.py): on by default in int8 builds,
+recorded in the build summary, switched off by precision.bias_correction=false, and it
+reduces the per-channel mean error of the quantized ops on real models."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import random
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from conftest import run_cli, run_dirs
+from pipeline.calibration import bias_correction, statistics, tables
+from pipeline.data import Sample
+from pipeline.quantize import QdqSettings, build_qdq, prepare, quantize_static_qdq
+from textlines import FONTS, WORDS, render
+
+STAGES = "pipeline.stages=[convert,calibrate,build]"
+
+
+@pytest.fixture(scope="module")
+def digits_builds(tmp_path_factory):
+    """The embedded digits job built int8 with and without bias correction (one cache)."""
+    cwd = tmp_path_factory.mktemp("bias")
+    runs = {}
+    for switch in ("true", "false"):
+        result = run_cli(["precision=int8", STAGES, f"precision.bias_correction={switch}"], cwd)
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[switch] = run_dirs(cwd)[-1]
+    return runs
+
+
+def _build_summary(run) -> dict:
+    return json.loads((run / "stages" / "build" / "result.json").read_text())["summary"]["quantization"]
+
+
+def _biases(model: onnx.ModelProto) -> dict:
+    """op name -> the int32 bias values it reads through its DequantizeLinear."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    producer = {out: node for node in model.graph.node for out in node.output}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] in producer:
+            found[node.name] = inits[producer[node.input[2]].input[0]]
+    return found
+
+
+def test_int8_build_corrects_biases_by_default_and_records_them(digits_builds):
+    summary = _build_summary(digits_builds["true"])["bias_correction"]
+    assert summary["enabled"] is True and summary["applied"] is True and summary["samples"] >= 8
+    assert summary["output_cosine"]["with"] > summary["output_cosine"]["without"]
+    assert set(summary["corrected"]) == {"conv1", "conv2", "fc1", "fc2"}, summary
+    assert all(shift > 0 for shift in summary["corrected"].values())
+    corrected = _biases(onnx.load(str(digits_builds["true"] / "stages" / "build" / "model.onnx")))
+    plain = _biases(onnx.load(str(digits_builds["false"] / "stages" / "build" / "model.onnx")))
+    assert corrected.keys() == plain.keys() == {"conv1", "conv2", "fc1", "fc2"}
+    assert all(not np.array_equal(corrected[op], plain[op]) for op in corrected)
+
+
+def test_switched_off_gives_the_uncorrected_build(digits_builds):
+    run = digits_builds["false"]
+    assert _build_summary(run)["bias_correction"] == {"enabled": False}
+    calibrate = run / "stages" / "calibrate"
+    table = json.loads((calibrate / "calibration.json").read_text())["tensors"]
+    settings = QdqSettings(reduce_range=_build_summary(run)["reduce_range"])
+    rebuilt = run / "rebuilt.onnx"
+    build_qdq(calibrate / "prepared.onnx", table, rebuilt, settings)
+    built = onnx.load(str(run / "stages" / "build" / "model.onnx"))
+    assert built.graph.SerializeToString() == onnx.load(str(rebuilt)).graph.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """The PP-OCR text-direction classifier prepared, 16 rendered text lines, its QDQ model."""
+    folder = tmp_path_factory.mktemp("cls")
+    source = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
+    model = onnx.version_converter.convert_version(onnx.load(str(source)), 13)
+    for dim, size in zip(model.graph.input[0].type.tensor_type.shape.dim, (1, 3, 48, 192)):
+        dim.Clear()
+        dim.dim_value = size
+    onnx.save(model, str(folder / "model.onnx"))
+    prepare(folder / "model.onnx", folder / "prepared.onnx")
+    rng = random.Random(3)
+    samples = [{"x": _line_tensor(rng.choice(WORDS), rng.randint(26, 34), rng.choice(FONTS))} for _ in range(16)]
+    stats = statistics.collect(folder / "prepared.onnx", [Sample(str(i), s) for i, s in enumerate(samples)],
+                               len(samples), 512, 8, 0)
+    prepared = onnx.load(str(folder / "prepared.onnx"))
+    quantized = quantize_static_qdq(prepared, tables.build_table(stats.histograms, "max"),
+                                    QdqSettings(quantize_outputs=False))
+    return prepared, quantized, samples
+
+
+def _line_tensor(text, size, font) -> np.ndarray:
+    image = render(text, size, font)
+    width = min(192, int(np.ceil(48 * image.width / image.height)))
+    pixels = np.asarray(image.resize((width, 48)), dtype=np.float32)
+    tensor = np.zeros((1, 3, 48, 192), np.float32)
+    tensor[0, :, :, :width] = ((pixels / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)
+    return tensor
+
+
+def _isolated_errors(prepared, quantized, samples, ops) -> dict:
+    """Per op: |per-channel mean of (fp32 op output - quantized op output)| with both fed the
+    fp32 model's input activation, the quantized op cut out of ``quantized`` with its Q/DQ
+    nodes and bias (onnx.utils.Extractor), independent of the module's own measuring."""
+    sources = {op.node.name: op.source for op in ops}
+    wanted = list(dict.fromkeys([*sources.values(), *(op.node.output[0] for op in ops)]))
+    reference = _run(prepared, wanted, samples)
+    errors = {}
+    for op in ops:
+        cut = onnx.utils.Extractor(quantized).extract_model([op.source], [op.node.output[0]])
+        session = ort.InferenceSession(cut.SerializeToString(), providers=["CPUExecutionProvider"])
+        built = [session.run(None, {op.source: values[op.source]})[0] for values in reference]
+        difference = np.stack([values[op.node.output[0]] - out for values, out in zip(reference, built)])
+        errors[op.node.name] = np.abs(difference.mean(axis=(0, 1, 3, 4)))
+    return errors
+
+
+def _run(model, names, samples) -> list:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    del copy.graph.output[:]
+    copy.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
+    session = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [dict(zip(names, session.run(names, feeds))) for feeds in samples]
+
+
+def test_shifts_remove_each_ops_channel_mean_error(classifier):
+    prepared, quantized, samples = classifier
+    corrected = onnx.ModelProto()
+    corrected.CopyFrom(quantized)
+    ops, skipped = bias_correction.quantized_ops(corrected, prepared)
+    assert not skipped and {op.node.name for op in ops} == \
+        {n.name for n in prepared.graph.node if n.op_type in ("Conv", "Gemm")}
+    bias_correction.measure(ops, corrected, prepared, [samples[i:i + 4] for i in range(0, len(samples), 4)])
+    for op in ops:
+        assert bias_correction.apply_shift(corrected, op.node, op.shift) is None
+    convs = [op for op in ops if op.node.op_type == "Conv"]
+    before = _isolated_errors(prepared, quantized, samples, convs)
+    after = _isolated_errors(prepared, corrected, samples, convs)
+    for op in convs:  # what is left is the int32 bias's rounding
+        assert after[op.node.name].mean() < 0.2 * before[op.node.name].mean() + 1e-6, op.node.name
+
+
+def test_correction_is_kept_only_when_the_output_gets_closer_to_fp32(classifier):
+    prepared, quantized, samples = classifier
+    model = onnx.ModelProto()
+    model.CopyFrom(quantized)
+    summary = bias_correction.correct(model, prepared, samples)
+    cosine = summary["output_cosine"]
+    weighted = {n.name for n in prepared.graph.node if n.op_type in ("Conv", "Gemm")}
+    assert summary["samples"] == 16 and set(summary["measured"]) == weighted
+    assert summary["applied"] == (cosine["with"] >= cosine["without"])
+    unchanged = model.SerializeToString() == quantized.SerializeToString()
+    assert unchanged != summary["applied"]
+    assert summary["corrected"] == (summary["measured"] if summary["applied"] else {})
