@@ -109,9 +109,12 @@ def test_token_classifier_builds_and_passes(tmp_path, precision):
         assert report["sensitivity"]["judged_samples"] == report["verify"]["samples"] == 40
 
 
-def test_quantizer_failure_is_exit_2_with_a_report(tmp_path):
+@pytest.mark.parametrize("precision, calibration", [("int8", "auto"), ("mixed", "max")])
+def test_quantizer_failure_is_exit_2_with_a_report(tmp_path, precision, calibration):
+    """auto meets the failure in calibrate, mixed with max in sensitivity: the same line."""
     model = batch_bias_gemm(tmp_path / "rows.onnx")
-    result = run_cli([f"model.path={model}", "data=random", "precision=int8"], tmp_path)
+    result = run_cli([f"model.path={model}", "data=random", f"precision={precision}", f"calibration={calibration}"],
+                     tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("parity:")]
     assert len(lines) == 1 and "op 'rows' (Gemm)" in lines[0] and "precision.per_channel=false" in lines[0]
@@ -120,6 +123,10 @@ def test_quantizer_failure_is_exit_2_with_a_report(tmp_path):
     report = read_report(run_dir)
     assert report["exit_code"] == 2 and "op 'rows'" in report["reasons"][0]
     assert report["convert"] is not None and not (run_dir / "bundle").exists()
+    finished = [record["stage"] for record in report["stages"]]
+    assert finished == (["convert", "calibrate"] if precision == "mixed" else ["convert"])
+    if precision == "mixed":
+        return
     again = run_cli([f"model.path={model}", "data=random", "precision=int8", "precision.per_channel=false"], tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
 
