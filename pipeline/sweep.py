@@ -193,7 +193,8 @@ def _from_report(report: dict, folder: Path, sweep_dir: Path) -> dict:
     effective = verify.get("effective") or {}
     return {"verdict": report.get("verdict"), "reason": "; ".join(report.get("reasons") or []) or None,
             "cosine": min(cosines) if cosines else None,
-            "top1": (verify.get("task") or {}).get("target"),
+            "top1": (verify.get("task") or {}).get("target"),  # the task metric's value (top-1 by default)
+            "task_metric": (verify.get("task") or {}).get("metric"),
             "latency_ms": (row.get("latency") or {}).get("median_ms"),
             "bytes": (report.get("build") or {}).get("bytes"),
             "device": str((verify.get("requested") or report.get("target") or {}).get("device", "CPU")).upper(),
@@ -337,7 +338,8 @@ def _cell(job: dict, best: bool) -> str:
     if job.get("cosine") is not None:
         parts.append(f"cos {job['cosine']:.6f}")
     if job.get("top1") is not None:
-        parts.append(f"top-1 {job['top1']:.4f}")
+        metric = job.get("task_metric") or "top1"
+        parts.append(f"{'top-1' if metric == 'top1' else metric} {job['top1']:.4f}")
     if job.get("latency_ms") is not None:
         parts.append(f"{job['latency_ms']:.3f} ms")
     if job.get("bytes") is not None:
