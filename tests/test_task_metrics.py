@@ -372,3 +372,17 @@ def test_the_mixed_search_keeps_ops_float_for_the_task_metric(custom_metrics, tm
     mixed = read_report(run_dirs(tmp_path)[-1])["sensitivity"]
     assert mixed["int8"]["metric_drop"] > 1e-7 and "skipped" not in mixed
     assert mixed["float_ops"] and mixed["curve"][0]["metric_drop"] is not None
+
+
+def test_report_shows_the_configured_metric_in_the_side_by_side_table():
+    from pipeline.report import render_markdown
+
+    task = {"metric": "ctc", "output": "y", "samples": 3, "reference": 0.99, "target": 0.98, "drop": 0.01,
+            "agreement": 0.9, "max_drop": 0.02, "passed": True, "extras": {"exact_match": {"reference": 0.9,
+                                                                                          "target": 0.8}}}
+    comparison = {"fp32": {"cosine": 1.0, "task_metric": 0.99, "top1": None, "bytes": 2048},
+                  "int8": {"cosine": 0.98, "task_metric": 0.98, "top1": None, "bytes": 1024}}
+    md = render_markdown({"verdict": "pass", "verify": {"samples": 3, "outputs": [], "task": task,
+                                                        "comparison": comparison}})
+    assert "| build | cosine | ctc |" in md
+    assert "| INT8 | 0.980000 | 0.9800 |" in md and "exact_match: reference 0.9000, target 0.8000" in md
