@@ -26,7 +26,8 @@ from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, first_line
 from pipeline.metrics import OutputStats, failures
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
-from pipeline.quantize import MixedModels, QdqSettings, build_qdq
+from pipeline.calibration import bias_correction
+from pipeline.quantize import QdqSettings, build_qdq
 from pipeline.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
@@ -94,6 +95,9 @@ def run(ctx: StageContext) -> StageResult:
         outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
                    if name not in check.missing and check.stats[name].elements]
         task = check.task_result(cfg.validation.max_metric_drop)
+        if metric and task is None and check.samples and crash is None:
+            dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
+                                    "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
         check.add_task_values(comparison)
         checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, effective, check.samples,
                                               crash)
@@ -453,18 +457,25 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
 
 def _trial_launcher(ctx, backend, stack, limits):
     """keep_float -> a loaded worker running the build with those ops (and the build's own
-    float ops) in float: the same quantizer, table and settings as the build stage."""
+    float ops) in float, made as the build stage makes it: the same quantizer, table,
+    settings and bias correction (a rerun with precision.keep_float gets this model)."""
     precision = ctx.cfg.precision
     calibrate = ctx.results["calibrate"]
     source = ctx.results["sensitivity"] if precision.name.value == "mixed" else calibrate
-    already = ctx.results["build"].summary["quantization"]["float_ops"]
-    models = MixedModels(onnx.load(str(calibrate.path("prepared"))), read_json(source.path("table"))["tensors"],
-                         QdqSettings.resolve(precision, backend.NAME), always_float=already)
+    table = read_json(source.path("table"))["tensors"]
+    settings = QdqSettings.resolve(precision, backend.NAME)
+    quantization = ctx.results["build"].summary["quantization"]
+    corrects = (quantization.get("bias_correction") or {}).get("enabled", False)
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
 
     def launch(keep: List[str]):
         path = scratch / f"trial{len(list(scratch.iterdir()))}.onnx"
-        onnx.save(models.build([*already, *keep]), str(path))
+        build_qdq(calibrate.path("prepared"), table, path, settings, keep_float=[*quantization["float_ops"], *keep])
+        if corrects:
+            model = onnx.load(str(path))
+            bias_correction.correct(model, onnx.load(str(calibrate.path("prepared"))),
+                                    (sample.feeds for sample in ctx.dataset().calibration))
+            onnx.save(model, str(path))
         worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.name.value,
                                   f"advice keep_float=[{','.join(keep)}]")
         return _loaded(worker)
