@@ -218,6 +218,7 @@ class Session:
         providers = self._session.get_providers()
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
         precision, layers, float_ops = executed_precision(self._optimized)
+        float_ops = _model_op_names(float_ops, self._model_path) if float_ops else float_ops
         return {"device": device, "precision": precision, "layers": layers, "float_ops": float_ops,
                 "compile_cache": self._cache_status,
                 "runtime_options": self._read_back()}
@@ -246,6 +247,17 @@ def _ort_candidates(node: str, op_type: str, index) -> List[str]:
     if not index.resolve([name]) and re.fullmatch(rf"{re.escape(op_type)}_\d+", name):
         return [found] if (found := index.only_unnamed(op_type)) else []
     return [name]
+
+
+def _model_op_names(ops: Dict[str, str], model_path: Path) -> Dict[str, str]:
+    """Executed-graph op names as the loaded model's op names: an NCHWc Conv is named after
+    the tensor it computes ("batch_norm_32.tmp_2_nchwc"), resolved to that tensor's producer."""
+    import onnx
+
+    producer = {out: node.name for node in onnx.load(str(model_path), load_external_data=False).graph.node
+                for out in node.output}
+    return {producer.get(name[: -len("_nchwc")], name) if name.endswith("_nchwc") else name: kind
+            for name, kind in ops.items()}
 
 
 def executed_precision(optimized_path: Path) -> Tuple[str, str, Dict[str, str]]:
