@@ -393,9 +393,10 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError(f"calibration.percentile={cal.percentile}: must be in (0, 100]")
     if cal.bins < cal.quantized_levels or cal.quantized_levels < 2 or cal.batch_size < 1:
         raise ConfigError("calibration: need bins >= quantized_levels >= 2 and batch_size >= 1")
-    unknown_methods = sorted(set(run.sensitivity.methods) - {"kl", "max", "percentile", "mse"})
+    unknown_methods = sorted(set(run.sensitivity.methods) - {"kl", "max", "percentile", "mse", "mean_min_max"})
     if unknown_methods or not run.sensitivity.methods:
-        raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; allowed: kl, max, percentile, mse")
+        raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; "
+                          "allowed: kl, max, percentile, mse, mean_min_max")
     profile = run.profile
     if profile.runs < 1 or profile.warmup < 0 or profile.top < 1 or profile.worker_timeout_s <= 0 \
             or profile.max_seconds <= 0 or profile.startup_rounds < 0:

@@ -22,10 +22,11 @@ from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, prepare
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 9  # 8: batches follow each input's batch axis, a note when they cannot; 9: auto judged at the outputs
+VERSION = 10  # 8: batches follow each input's batch axis, a note when they cannot; 9: auto judged at the outputs; 10: mean_min_max
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
+# mean_min_max is left out: judged at the outputs it lost on PP-OCRv4 det and rec (docs/calibration.md)
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
 ORT_QUANTIZE_CACHE = "ort_quantize_cache.json"  # quantize_static(calibration_cache_path=...)
 CANDIDATES = "candidates.json"  # every method's entry per tensor, for the sensitivity search
@@ -96,7 +97,7 @@ def _computed_table(ctx: StageContext, model_path: Path):
                         "thresholds may not represent real inputs")
     material = {"model": sha256_file(model_path), "data": hash_files(dataset.files), "split": split.names,
                 "data_config": str(ctx.cfg.data), "bins": cfg.bins, "batch_size": cfg.batch_size,
-                "keep": cfg.auto_samples}
+                "keep": cfg.auto_samples, "sample_ranges": True}
     started = time.perf_counter()
     def collect(out: Path) -> None:
         with progress_bar() as progress:
@@ -150,7 +151,7 @@ def _thresholds(stats, ctx: StageContext, model_path: Path, every_method=None):
         method = cfg.inputs.value if name in inputs and cfg.inputs else cfg.method.value
         methods = AUTO_CANDIDATES if method == "auto" else (method,)
         candidates[name] = {m: every_method[name][m] if every_method else
-                            tables.table_entry(histogram, m, **options.get(m, {})) for m in methods}
+                            _entry(stats, name, m, options) for m in methods}
     undecided = {name: entries for name, entries in candidates.items() if len(entries) > 1}
     choices = auto.choose(model, stats.kept, undecided, ctx.cfg.precision.activations.value) if undecided else {}
     table = {name: entries[choices[name]["method"]] if name in choices else next(iter(entries.values()))
@@ -190,8 +191,13 @@ def _method_options(cfg) -> Dict[str, dict]:
 def _candidates(stats, cfg) -> Dict[str, Dict[str, dict]]:
     """Every tensor's entry under each base method: what the sensitivity search tries."""
     options = _method_options(cfg)
-    return {name: {m: tables.table_entry(h, m, **options.get(m, {})) for m in thresholds.METHODS}
-            for name, h in stats.histograms.items()}
+    return {name: {m: _entry(stats, name, m, options) for m in thresholds.METHODS} for name in stats.histograms}
+
+
+def _entry(stats, name: str, method: str, options: Dict[str, dict]) -> dict:
+    """One tensor's table entry; mean_min_max reads the per-sample ranges of the statistics."""
+    extra = {"sample_range": stats.sample_ranges.get(name)} if method == "mean_min_max" else {}
+    return tables.table_entry(stats.histograms[name], method, **options.get(method, {}), **extra)
 
 
 def _imported_table(path: Path, model_path: Path):

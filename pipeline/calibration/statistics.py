@@ -29,10 +29,12 @@ class Statistics:
     samples: int = 0
     batch_size: int = 1
     batch_note: str = ""  # why samples ran one at a time, when they did
+    # tensor -> [mean over samples of the sample's min, ... of its max] (range estimator mean_min_max)
+    sample_ranges: Dict[str, List[float]] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
         meta = {"samples": self.samples, "batch_size": self.batch_size, "batch_note": self.batch_note,
-                "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
+                "sample_ranges": self.sample_ranges, "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
         (folder / "statistics.json").write_text(json.dumps(meta))
         np.savez(folder / "kept.npz", **self.kept)
 
@@ -42,7 +44,8 @@ class Statistics:
         with np.load(folder / "kept.npz") as kept:
             arrays = {key: kept[key] for key in kept.files}
         return cls({n: AbsHistogram.from_json(h) for n, h in meta["histograms"].items()},
-                   arrays, meta["samples"], meta["batch_size"], meta.get("batch_note", ""))
+                   arrays, meta["samples"], meta["batch_size"], meta.get("batch_note", ""),
+                   meta.get("sample_ranges", {}))
 
 
 def activation_names(model: onnx.ModelProto) -> List[str]:
@@ -67,6 +70,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     names = activation_names(model)
     histograms = {name: AbsHistogram(bins) for name in names}
     kept: Dict[str, List[np.ndarray]] = {name: [] for name in names}
+    extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
     runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
     seen = 0
@@ -79,6 +83,10 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         except ValueError as err:  # NaN/Inf inside the network, not in the data
             raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples "
                              f"{batch[0].name}..{batch[-1].name} ({err})") from err
+        per_sample = value.reshape(len(batch), -1) if value.size % len(batch) == 0 else value.reshape(1, -1)
+        if per_sample.size:
+            extremes[name] += (per_sample.min(axis=1).sum() * len(batch) / len(per_sample),
+                               per_sample.max(axis=1).sum() * len(batch) / len(per_sample))
         room = keep - sum(len(k) for k in kept[name])
         if room > 0:
             kept[name].append(value[:room])
@@ -105,7 +113,8 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         if batch:
             flush()
     stacked = {name: np.concatenate(parts) for name, parts in kept.items() if parts}
-    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note)
+    ranges = {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)] for name, (low, high) in extremes.items()}
+    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges)
 
 
 class BatchRunner:

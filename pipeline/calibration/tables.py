@@ -62,10 +62,11 @@ _ORT_METHODS = {"max": "MinMax", "percentile": "Percentile", "kl": "Entropy"}
 
 def table_entry(h: AbsHistogram, method: str, **options) -> dict:
     threshold = compute(h, method, **options)
+    low, high = options.get("sample_range") or (h.min, h.max)  # mean_min_max: the mean per-sample range
     return {
         "threshold": threshold,
-        "min": 0.0 if h.min is None else h.min,
-        "max": 0.0 if h.max is None else h.max,
+        "min": 0.0 if low is None else low,
+        "max": 0.0 if high is None else high,
         "method": method,
         "clipped": h.fraction_above(threshold),  # share of calibration values beyond the threshold
         "histogram": h.summary(),

@@ -18,7 +18,7 @@ KL_SMOOTHING_EPS = 1e-4
 # Rows of the (candidates x bins) KL matrices computed at once, bounding memory.
 _KL_MATRIX_ELEMENTS = 1 << 21
 
-METHODS = ("max", "percentile", "kl", "mse")
+METHODS = ("max", "percentile", "kl", "mse", "mean_min_max")
 
 
 def max_threshold(h: AbsHistogram) -> float:
@@ -135,9 +135,20 @@ def mse_threshold(h: AbsHistogram, bits: int = 8, max_iter: int = 100) -> float:
     return _floored(threshold)
 
 
+def mean_min_max_threshold(h: AbsHistogram, sample_range=None) -> float:
+    """NNCF/OpenVINO's mean_min_max range estimator: the larger magnitude of the mean over
+    calibration samples of each sample's min and of each sample's max (statistics.py
+    collects them in the streaming pass). A rare extreme sample widens the range by its
+    share only. Without per-sample ranges (an imported or older table): abs_max."""
+    if sample_range is None:
+        return max_threshold(h)
+    low, high = sample_range
+    return _floored(min(max(abs(low), abs(high)), h.abs_max))
+
+
 def compute(h: AbsHistogram, method: str, **options) -> float:
     functions = {"max": max_threshold, "percentile": percentile_threshold,
-                 "kl": kl_threshold, "mse": mse_threshold}
+                 "kl": kl_threshold, "mse": mse_threshold, "mean_min_max": mean_min_max_threshold}
     if method not in functions:
         raise ValueError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     return functions[method](h, **options)
