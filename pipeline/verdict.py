@@ -95,7 +95,7 @@ def _ran(requested: dict, effective: dict, fail_on_float_fallback: bool, intende
         text = f"requested device {requested['device']} but {device} ran"
         found.append(_check("device", f"{text}: {note}" if note else text))
     ran = str(effective.get("precision", "")).lower()
-    accepted = {p.lower() for p in requested["accepted_precisions"]}
+    accepted = {p.lower() for p in requested.get("accepted_precisions") or [requested["precision"]]}
     partly_int8 = requested["precision"] == "int8" and ran == "mixed"
     if ran not in accepted and not partly_int8:
         text = f"requested precision {requested['precision']} but {effective.get('precision')} ran"
