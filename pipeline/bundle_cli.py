@@ -90,6 +90,8 @@ def _run(args) -> ExitCode:
         raise InputError("give one input file: parity-bundle run BUNDLE INPUT (an image, .npy or .npz)")
     if args.output and not args.output.parent.is_dir():
         raise InputError(f"--output: folder {args.output.parent} does not exist")
+    if args.output and args.output.is_dir():
+        raise InputError(f"--output: {args.output} is a folder; give a file name such as outputs.npz")
     settings = runtime_settings(args.bundle)
     feeds = _feeds(args.input or args.input_option, settings)  # the input's errors before any runtime loads
     metric = load_metric(settings.get("metric"), root=str(args.bundle))

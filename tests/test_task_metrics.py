@@ -295,6 +295,8 @@ def test_classifier_bundle_runs_a_png_and_rejects_bad_inputs(ocr):
         ran = run_cli(["run", bundle, given], ocr, program="parity-bundle")
         assert ran.returncode == 2, (given, ran.stdout + ran.stderr)
         assert message in ran.stderr and len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    ran = run_cli(["run", bundle, page, "--output", ocr], ocr, program="parity-bundle")
+    assert ran.returncode == 2 and "is a folder; give a file name" in ran.stderr, ran.stderr
 
 
 # --- data sizes follow the data ----------------------------------------------------------------
