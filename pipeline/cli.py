@@ -158,8 +158,11 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
                 console.print(f"  [dim]{escape(line)}[/]")
         layers = verify.get("layerwise") or {}
         if layers.get("ran"):
+            stopped = layers.get("stopped")
             console.print(f"layerwise: {layers['compared']} tensors compared on {layers['samples']} samples, "
-                          f"{len(layers['not_exposed'])} not exposed by the target")
+                          f"{len(layers['not_exposed'])} not exposed by the target, {layers['seconds']:.1f} s"
+                          + (f" (checkpoints, then {escape(' .. '.join(stopped['bracket']))}; "
+                             "validation.layerwise=always compares every tensor)" if stopped else ""))
             for key, title in (("first_divergence", "first divergence"), ("nan_origin", "first NaN/Inf")):
                 found = layers.get(key)
                 if found:

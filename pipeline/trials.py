@@ -23,15 +23,16 @@ log = logging.getLogger("parity")
 
 def candidates(advice: List[dict], layers: Optional[dict], graph: QuantizedGraph, output_ops: List[str],
                limit: int) -> List[List[str]]:
-    """Op sets to keep in float, most specific first: what the evidence named (already
-    traced to quantized ops), the quantized producers of the tensors that add the most
-    error (layerwise local losses: the first, then the first LOSSES_WIDE), those of the
-    worst tensors, the quantized ops nearest the outputs."""
+    """Op sets to keep in float, smallest first: what the evidence named (already traced
+    to quantized ops), then the quantized producers of the tensors that add the most error
+    (layerwise local losses: the first, the first LOSSES_WIDE, those with the outputs'
+    producers, then twice as many with the worst tensors')."""
     found = [list(a["action"]["keep_float"]) for a in advice if a["action"].get("keep_float")]
     layers = layers or {}
     losses = [row["op"] for row in layers.get("local_losses") or [] if row["loss"] > 0]
     worst = [row["op"] for row in layers.get("worst") or [] if row.get("op")]
-    for ops in (losses[:1], losses[:LOSSES_WIDE], worst[:WORST_ROWS], output_ops, losses[:LOSSES_WIDE] + output_ops):
+    wide = losses[:LOSSES_WIDE]
+    for ops in (losses[:1], wide, wide + output_ops, losses[:2 * LOSSES_WIDE] + worst[:WORST_ROWS] + output_ops):
         found.append(_union(graph.producers(op) for op in ops))
     unique: List[List[str]] = []
     for keep in found:  # every quantized op in float is fp32, not advice for an int8 build

@@ -10,8 +10,8 @@ from typing import List, Optional, Tuple
 
 from pipeline.errors import ExitCode
 
-# Order of the reasons: what the model computes first, what the machine ran last.
-ORDER = ("nothing", "accuracy", "task", "nan_inf", "crash", "device", "precision", "float_fallback")
+# Order of the reasons: a crash (it stops everything else), what the model computes, what the machine ran.
+ORDER = ("crash", "nothing", "accuracy", "task", "nan_inf", "device", "precision", "float_fallback")
 
 
 def judge(outputs: List[dict], missing: List[str], task: Optional[dict], requested: dict, effective: dict,

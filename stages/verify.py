@@ -452,7 +452,10 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
                        scorer)
     base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
     untouched = [a for a in advice if not a["action"].get("keep_float")]
-    return untouched + trials.advice(tried, base, list(cfg.precision.keep_float)), tried
+    found_advice = trials.advice(tried, base, list(cfg.precision.keep_float))
+    if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.name.value == "int8":
+        found_advice[0]["text"] += "; precision=mixed searches further (docs/sensitivity.md)"
+    return untouched + found_advice, tried
 
 
 def _trial_launcher(ctx, backend, stack, limits):
