@@ -70,7 +70,8 @@ def measure(name: str, base: list, work: Path, mode: str) -> dict:
              "stopped": layers.get("stopped"), "load_before": round(load_before, 2),
              "load_after": round(os.getloadavg()[0], 2),
              "culprit": culprit["op"] if culprit else None, "exit": result.returncode,
-             "peak_parity_mib": round(own), "peak_worker_mib": round(child), "side_mb": round(side.stat().st_size / 1e6, 3)}
+             "peak_parity_mib": round(own), "peak_worker_mib": round(child),
+             "side_mb": round(side.stat().st_size / 1e6, 3)}
     print(f"  {name:10s} layerwise={mode:8s} {found['seconds']:7.2f} s  (target <= {TARGET_S[name]:.0f} s in on_fail; "
           f"before: {BEFORE[name]})  {found['compared']} tensors compared, first divergence "
           f"{found['culprit']}, load {found['load_before']} -> {found['load_after']}, exit {found['exit']}")

@@ -163,7 +163,8 @@ def test_a_partial_float_fallback_is_a_warning_by_default_and_keep_float_must_be
     assert check["severity"] == "warning" and check["ops"] == ["deconv1", "conv2"]
     assert check["counts"] == {"ConvTranspose": 1, "Conv": 1}
     assert not any(r.startswith("int8 ran partly") for r in report["reasons"])
-    assert any(w.startswith("int8 ran partly") for w in report["warnings"]) and "warning: int8 ran partly" in result.stdout
+    assert any(w.startswith("int8 ran partly") for w in report["warnings"])
+    assert "warning: int8 ran partly" in result.stdout
     assert "⚠ MISMATCH" not in (run_dirs(root)[-1] / "report.md").read_text()
     refused = run_cli([*default, "precision.keep_float=[relu2]"], root)
     assert refused.returncode == 2
@@ -173,7 +174,8 @@ def test_a_partial_float_fallback_is_a_warning_by_default_and_keep_float_must_be
 
 
 def test_a_mixed_build_with_an_empty_qtable_ran_int8_without_a_mismatch(tmp_path):
-    args = ["precision=mixed", "validation.min_cosine=0.99999", "pipeline.stages=[convert,calibrate,sensitivity,build,verify]"]
+    args = ["precision=mixed", "validation.min_cosine=0.99999",
+            "pipeline.stages=[convert,calibrate,sensitivity,build,verify]"]
     result = run_cli(args, tmp_path)
     run_dir = run_dirs(tmp_path)[-1]
     report = read_report(run_dir)
@@ -202,7 +204,8 @@ def test_cdist_reference_far_from_float64_truth(tmp_path):
     assert failed.returncode == 3, failed.stdout + failed.stderr
     result = report["verify"]["outputs"][0]["truth"]
     assert result["target_as_close"]
-    assert "as close to the float64 truth" in report["reasons"][0] or "closer to the float64 truth" in report["reasons"][0]
+    reason = report["reasons"][0]
+    assert "as close to the float64 truth" in reason or "closer to the float64 truth" in reason
     assert not any("upstream" in a["text"] for a in report["verify"]["recommendations"])
     assert any(a["kind"] == "reference_imprecise" for a in report["verify"]["recommendations"])
 
