@@ -112,13 +112,8 @@ def run(ctx: StageContext) -> StageResult:
             layers = _layerwise(ctx, reference, target, dataset, exit_code, progress)
             if layers.get("side_file"):
                 files["layerwise"] = layers["side_file"]
-        graph = _quantized_graph(ctx)
-        calibrate = ctx.results.get("calibrate")
-        table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
-        advice = recommend(cfg.precision.name.value, backend.NAME, requested, effective, layers, table, graph, truth)
-        if crash is None and _accuracy_failed(checks) and graph is not None and cfg.validation.advice_trials > 0:
-            advice, tried = _tried_advice(ctx, backend, stack, limits, (reference, target), advice, layers, graph,
-                                          outputs, task)
+        advice, tried = _advice(ctx, backend, (stack, limits), None if crash else (reference, target),
+                                (requested, effective, checks), layers, truth, outputs, task)
     write_json(ctx.out_dir / "recommendations.json", advice)
     files["recommendations"] = "recommendations.json"
     summary = {
@@ -376,6 +371,19 @@ def _judged_with(ctx) -> dict:
 
 
 ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
+
+
+def _advice(ctx, backend, launching, workers, judged, layers, truth, outputs, task) -> tuple:
+    """(recommendations, trials): named from the evidence (pipeline/recommend.py), and for
+    an int8/mixed build failing on accuracy, keep-in-float candidates tried first."""
+    (requested, effective, checks), precision = judged, ctx.cfg.precision.name.value
+    graph = _quantized_graph(ctx)
+    calibrate = ctx.results.get("calibrate")
+    table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
+    advice = recommend(precision, backend.NAME, requested, effective, layers, table, graph, truth)
+    if workers is None or not _accuracy_failed(checks) or graph is None or ctx.cfg.validation.advice_trials <= 0:
+        return advice, []
+    return _tried_advice(ctx, backend, *launching, workers, advice, layers, graph, outputs, task)
 
 
 def _accuracy_failed(checks: List[dict]) -> bool:
