@@ -170,11 +170,20 @@ def parity_builds(kind: str, data: Path, work: Path, calibration: int, validatio
         runtime = yaml.safe_load((run / "stages" / "build" / "runtime.yaml").read_text())
         summary = json.loads((run / "stages" / "build" / "result.json").read_text())["summary"]["quantization"]
         seconds = stage_seconds(run, "build") + (stage_seconds(run, "sensitivity") if "mixed" in name else 0.0)
-        note = f"{len(summary.get('float_ops', []))} ops float" if "mixed" in name else ""
-        if "mixed" in name:
-            note += f", search {stage_seconds(run, 'sensitivity'):.1f} s"
+        note = f"{len(summary.get('float_ops', []))} ops float, search {stage_seconds(run, 'sensitivity'):.1f} s; " \
+            if "mixed" in name else ""
+        note += bias_note(summary.get("bias_correction") or {})
         builds[name] = (run / "stages" / "build" / runtime["model"], seconds, note)
     return builds
+
+
+def bias_note(summary: dict) -> str:
+    if not summary.get("enabled"):
+        return "bias correction off"
+    cosine = summary["output_cosine"]
+    verdict = "applied" if summary["applied"] else "not applied"
+    return (f"bias correction {verdict} (calibration cosine {cosine['without']:.4f} -> {cosine['with']:.4f}, "
+            f"{summary['seconds']:.1f} s)")
 
 
 def nncf_build(fp32: Path, calibration: np.ndarray, out: Path):
