@@ -10,7 +10,7 @@ import logging
 from typing import Callable, Dict, List, Optional
 
 from pipeline import speed
-from pipeline.errors import BackendCrashed, BackendUnavailable
+from pipeline.errors import BackendCrashed
 from pipeline.metrics import OutputStats
 from pipeline.recommend import QuantizedGraph
 
@@ -55,8 +55,8 @@ def run(candidates_: List[List[str]], launch: Callable, reference, target, datas
     for keep in candidates_:
         try:
             workers[",".join(keep)] = (keep, launch(keep))
-        except (BackendCrashed, BackendUnavailable, ValueError, KeyError) as err:
-            tried.append({"keep_float": keep, "error": str(err), "passed": False})
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot be built is a finding, not the verdict
+            tried.append({"keep_float": keep, "error": f"{type(err).__name__}: {err}", "passed": False})
     stats: Dict[str, dict] = {key: {} for key in workers}
     for sample in dataset.validation:
         expected = reference.run(sample.feeds)
