@@ -442,6 +442,8 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
     task_output = (metric and metric.output) or cfg.validation.task_output or outputs[0]["name"]
     found = trials.candidates(advice, layers, graph, [graph.op_of(o["name"]) for o in outputs],
                               cfg.validation.advice_trials)
+    if not found:  # nothing this build could keep in float (no quantized op upstream of the evidence)
+        return advice, []
 
     scorer = TaskScorer(metric, task_output) if metric else None
 
