@@ -30,7 +30,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.calibration.single_node import session
-from pipeline.calibration.statistics import BatchRunner
+from pipeline.calibration.statistics import ACTIVATION_BUDGET, BatchRunner
 from pipeline.data import pack
 
 CORRECTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -70,8 +70,11 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
     docs/calibration.md). Returns the summary the build records: per corrected op the
     largest |shift|, the ops skipped, and the output cosine with and without."""
     started = time.perf_counter()
-    batches = _batches(samples, max_samples)
     ops, skipped = quantized_ops(quantized, prepared)
+    batches = _batches(samples, max_samples, _batch_size(prepared, [op.source for op in ops]))
+    if not ops or not batches:
+        return {"enabled": True, "applied": False, "samples": len(batches), "corrected": {}, "skipped": skipped,
+                "reason": "no calibration samples" if ops else "no quantized op with a constant weight"}
     reference = measure(ops, quantized, prepared, batches)
     candidate = onnx.ModelProto()
     candidate.CopyFrom(quantized)
@@ -93,9 +96,18 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _batches(samples: Iterable[Dict[str, np.ndarray]], max_samples: int) -> List[List[Dict[str, np.ndarray]]]:
+def _batches(samples: Iterable[Dict[str, np.ndarray]], max_samples: int, size: int) -> List[List[Dict[str, np.ndarray]]]:
     kept = [feeds for _, feeds in zip(range(max_samples), samples)]
-    return [kept[start:start + BATCH] for start in range(0, len(kept), BATCH)]
+    return [kept[start:start + size] for start in range(0, len(kept), size)]
+
+
+def _batch_size(prepared: onnx.ModelProto, sources: List[str]) -> int:
+    """Up to BATCH samples per run, fewer where the activations the ops read (inferred
+    shapes, float32) would pass ACTIVATION_BUDGET: a large detector input."""
+    shapes = {v.name: v.type.tensor_type.shape.dim for v in
+              list(prepared.graph.input) + list(prepared.graph.value_info) + list(prepared.graph.output)}
+    per_sample = sum(4 * int(np.prod([max(d.dim_value, 1) for d in shapes.get(name, [])])) for name in set(sources))
+    return int(max(1, min(BATCH, ACTIVATION_BUDGET // max(per_sample, 1))))
 
 
 def measure(ops: List[_Op], quantized: onnx.ModelProto, prepared: onnx.ModelProto,
@@ -103,7 +115,7 @@ def measure(ops: List[_Op], quantized: onnx.ModelProto, prepared: onnx.ModelProt
     """Accumulate every op's per-channel mean output error (fp32 - quantized) over the
     samples' fp32 activations; returns the fp32 model's outputs per batch."""
     outputs = [o.name for o in prepared.graph.output]
-    runner = BatchRunner(prepared, list(dict.fromkeys([*(op.source for op in ops), *outputs])), BATCH)
+    runner = BatchRunner(prepared, list(dict.fromkeys([*(op.source for op in ops), *outputs])), len(batches[0]))
     constants = {t.name: t for t in quantized.graph.initializer}
     for op in ops:
         op.session = session(_difference_model(op, quantized, constants))
@@ -121,7 +133,7 @@ def measure(ops: List[_Op], quantized: onnx.ModelProto, prepared: onnx.ModelProt
 def output_cosine(model: onnx.ModelProto, batches, reference: List[Dict[str, np.ndarray]]) -> float:
     """Cosine of the model's outputs to the fp32 outputs over all samples (ONNX Runtime)."""
     names = list(reference[0]) if reference else []
-    runner = BatchRunner(model, names, BATCH)
+    runner = BatchRunner(model, names, len(batches[0]))
     built = [runner.run(pack(batch), len(batch)) for batch in batches]
     a = np.concatenate([values[n].ravel() for values in built for n in names]).astype(np.float64)
     b = np.concatenate([values[n].ravel() for values in reference for n in names]).astype(np.float64)
@@ -144,7 +156,7 @@ def quantized_ops(quantized: onnx.ModelProto, prepared: onnx.ModelProto):
         weight_index = _weight_index(node, producer, initializers)
         original = float_nodes.get(node.name)
         if weight_index is None or original is None or original.input[weight_index] not in float_weights:
-            skipped[node.name] = "weights not quantized (kept in float)"
+            skipped[node.name] = "no quantized constant weight (kept in float, or two activation inputs)"
             continue
         index = 1 - weight_index if node.op_type == "MatMul" else 0
         source, quantizers = _activation_path(node.input[index], producer)
