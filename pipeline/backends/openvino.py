@@ -18,7 +18,10 @@ DEVICES = ("CPU",)
 
 # Without an explicit hint the CPU plugin runs bf16 on CPUs that have it (shared/findings.md).
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32", "mixed": "f32"}  # int8: f32 between quantized ops
-_RUNTIME_PRECISIONS = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "u8": "int8", "i8": "int8"}
+# Every spelling OpenVINO reads back (Type.get_type_name(), str(Type), option values) -> parity's names.
+_PARITY_PRECISIONS = {"f32": "fp32", "float32": "fp32", "fp32": "fp32", "f16": "fp16", "float16": "fp16",
+                      "fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16", "u8": "int8", "uint8": "int8",
+                      "i8": "int8", "int8": "int8"}
 _READ_BACK = ("PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "INFERENCE_PRECISION_HINT")
 _COMPUTE_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution"}
 
@@ -161,23 +164,36 @@ class Session:
                                 "each executed layer; whole run: wall time of infer()", runs, warmup, layers,
                                 wall * 1000.0 / runs, {"device": device}, plan.note())
 
-    def effective(self) -> Dict[str, str]:
-        """Device and the precision the compute layers of the compiled model really run in."""
-        devices = list(self._compiled.get_property("EXECUTION_DEVICES"))
-        counts: Counter = Counter()
-        for op in self._compiled.get_runtime_model().get_ordered_ops():
-            info = op.get_rt_info()
-            if info["layerType"].astype(str) in _COMPUTE_LAYERS:
-                runtime = info["runtimePrecision"].astype(str)
-                counts[_RUNTIME_PRECISIONS.get(runtime, runtime)] += 1
-        if counts:
-            precision = "mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]
+    def effective(self) -> Dict[str, object]:
+        """Device and the precision the compiled model really runs in, read back from it: its
+        INFERENCE_PRECISION_HINT and the data type each compute layer computes on (never the
+        weights' storage type); a note says why when a requested float hint was not honoured."""
+        compiled = self._compiled
+        read_back = _option_text(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        hint = parity_precision(read_back)
+        counts = _layer_precisions(compiled.get_runtime_model())
+        if "int8" in counts:
+            precision = "mixed" if len(counts) > 1 else "int8"
         else:
-            hint = str(self._compiled.get_property("INFERENCE_PRECISION_HINT"))
-            precision = _RUNTIME_PRECISIONS.get(hint, hint)
-        return {"device": ",".join(devices), "precision": precision,
-                "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())), "compile_cache": self._cache_status,
-                "runtime_options": {name: str(self._compiled.get_property(name)) for name in _READ_BACK}}
+            precision = hint if hint in counts or not counts else counts.most_common(1)[0][0]
+        found = {"device": ",".join(compiled.get_property("EXECUTION_DEVICES")), "precision": precision,
+                 "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
+                 "compile_cache": self._cache_status,
+                 "runtime_options": {name: _option_text(compiled.get_property(name)) for name in _READ_BACK}}
+        note = self._hint_note(read_back, precision, found["layers"])
+        return {**found, "note": note} if note else found
+
+    def _hint_note(self, read_back: str, precision: str, layers: str) -> str:
+        """Why the float precision asked through INFERENCE_PRECISION_HINT is not what ran."""
+        asked = self._options.get("INFERENCE_PRECISION_HINT")
+        if asked is None or precision in ("int8", "mixed") or parity_precision(asked) == precision:
+            return ""
+        if parity_precision(read_back) == precision:
+            capabilities = self._core.get_property(self._device, "OPTIMIZATION_CAPABILITIES")
+            why = (f"; {self._device} OPTIMIZATION_CAPABILITIES: {', '.join(capabilities)}"
+                   + ("" if asked != "f16" or "FP16" in capabilities else " (no native f16 arithmetic here)"))
+            return f"OpenVINO compiled INFERENCE_PRECISION_HINT={asked} as {read_back}{why}"
+        return f"OpenVINO kept INFERENCE_PRECISION_HINT={asked} but its compute layers ran {layers}"
 
     def parallel_runners(self) -> list:
         """One infer request per request the compiled model runs best with (throughput)."""
@@ -188,6 +204,32 @@ class Session:
             return lambda feeds: {name: request.infer(feeds)[port] for name, port in outputs}
 
         return [runner(self._compiled.create_infer_request()) for _ in range(count)]
+
+
+def parity_precision(value) -> str:
+    """A precision OpenVINO reports (an ov.Type such as <Type: 'float32'>, or a name such as
+    'f32' or 'bfloat16') in parity's names: fp32, fp16, bf16, int8; any other as its name."""
+    name = value.get_type_name() if hasattr(value, "get_type_name") else str(value)
+    return _PARITY_PRECISIONS.get(name.strip().lower(), name)
+
+
+def _option_text(value) -> str:
+    """An option read back from OpenVINO as the text that sets it (a Type as 'f32', not <Type: 'float32'>)."""
+    if hasattr(value, "get_type_name"):
+        return value.get_type_name()
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _layer_precisions(runtime_model) -> Counter:
+    """How many compute layers of the compiled (runtime) model compute in each precision: the
+    type of each one's data input. Not rt_info's runtimePrecision, which also counts weights:
+    a Convolution with fp16-compressed weights reads f16 there while its kernel is
+    brgconv_avx512_f32 on f32 data (the weights are decompressed)."""
+    counts: Counter = Counter()
+    for op in runtime_model.get_ordered_ops():
+        if op.get_rt_info()["layerType"].astype(str) in _COMPUTE_LAYERS and op.inputs():
+            counts[parity_precision(op.input(0).get_element_type())] += 1
+    return counts
 
 
 def _activation_ports(model):
