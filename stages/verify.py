@@ -33,7 +33,8 @@ from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
 
 NAME = "verify"
-VERSION = 10  # 10: the task metric (metric group) in task and comparison
+VERSION = 11  # 10: the task metric (metric group) in task and comparison; 11: OpenVINO's effective
+# precision is the compiled model's execution precision (not weight storage), with a note
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
