@@ -160,9 +160,10 @@ def test_precisions_read_back_as_openvino_types_get_parity_names(tmp_path):
                 ov.Type.i8: "int8", "f32": "fp32", "bf16": "bf16", "float16": "fp16"}
     assert {str(key): parity_precision(key) for key in expected} == {str(k): v for k, v in expected.items()}
     # elementwise only: no compute layer, the precision is the hint read back (an ov.Type)
-    path = _save(helper.make_graph([helper.make_node("Mul", ["x", "x"], ["y"])], "square",
-                                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
-                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])]), tmp_path / "sq.onnx")
+    square = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["y"])], "square",
+                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])])
+    path = _save(square, tmp_path / "sq.onnx")
     effective = Session(path, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}, ["y"]).effective()
     assert effective["precision"] == "fp32" and effective["layers"] == ""
     assert all(isinstance(value, str) for value in effective["runtime_options"].values())
