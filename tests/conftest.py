@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import pipeline  # noqa: F401 - its telemetry opt-out also covers the tests' own openvino/onnxruntime imports
+
 REPO = Path(__file__).resolve().parents[1]
 
 
