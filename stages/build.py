@@ -35,7 +35,7 @@ def key_config(cfg):
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
             # bias correction measures the quantized ops on the calibration samples
-            "bias_correction": (cfg.data, cfg.calibration.batch_size) if _corrects_bias(cfg, backend) else False,
+            "bias_correction": cfg.data if _corrects_bias(cfg, backend) else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or (precision.name.value == "int8" and hasattr(backend, "build_int8"))
