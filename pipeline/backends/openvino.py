@@ -224,11 +224,14 @@ def _layer_precisions(runtime_model) -> Counter:
     """How many compute layers of the compiled (runtime) model compute in each precision: the
     type of each one's data input. Not rt_info's runtimePrecision, which also counts weights:
     a Convolution with fp16-compressed weights reads f16 there while its kernel is
-    brgconv_avx512_f32 on f32 data (the weights are decompressed)."""
+    brgconv_avx512_f32 on f32 data (the weights are decompressed). Integer math (an i32
+    MatMul on indices) is no precision choice and is left out."""
     counts: Counter = Counter()
     for op in runtime_model.get_ordered_ops():
         if op.get_rt_info()["layerType"].astype(str) in _COMPUTE_LAYERS and op.inputs():
-            counts[parity_precision(op.input(0).get_element_type())] += 1
+            precision = parity_precision(op.input(0).get_element_type())
+            if precision in PRECISIONS:
+                counts[precision] += 1
     return counts
 
 
