@@ -6,7 +6,10 @@ When the plain fp16 build fails its outputs' thresholds, the candidate layers ar
 ops the evidence names: the NaN/Inf origin and its consumers, the first divergence's
 region (layerwise comparison against the fp32 reference) and the fp16 pre-flight's
 block list. For each mask in order of cost (keep the layer on the GPU in fp32 first,
-then move it to the CPU), every candidate layer gets the mask; when that passes,
+then move it to the CPU), every candidate layer gets the mask; when that fails, the set
+grows along the overflow path (each masked layer's consumers, a step at a time, each step
+re-verified: the ``+1e-8`` Add between a reduction and its Sqrt carries the overflowing
+sum on); when that passes,
 layers are dropped one at a time while the build still passes (greedy: the result is
 a minimal set, not necessarily the smallest of all). Every candidate is re-verified in
 a worker process: on lavapipe some masks crash shader compilation or give wrong values,
@@ -67,26 +70,47 @@ class Outcome:
 
 
 def search(artifact_dir: Path, settings: dict, layers: Sequence[str], device: str, judge: Judge,
-           apply_masks: Callable) -> Outcome:
+           apply_masks: Callable, consumers: Optional[Dict[str, List[str]]] = None) -> Outcome:
     """The minimal set of masked ``layers`` (ncnn layer names, most likely first) that
     passes ``judge``; ``apply_masks(artifact_dir, settings, masks, out_dir)`` writes a
-    candidate and returns (files, settings)."""
+    candidate and returns (files, settings). When masking them all fails, the set grows
+    along the overflow path (``consumers``: ncnn layer -> the layers reading its outputs),
+    one step of consumers at a time, at most EXTEND_STEPS steps, each step re-verified: an
+    overflowing value also overflows where the next unmasked fp16 layer reads it."""
 
     def passes(masks: Dict[str, int]) -> bool:
         with tempfile.TemporaryDirectory(prefix="parity-masks-") as scratch:
             _, candidate = apply_masks(artifact_dir, settings, masks, Path(scratch))
             return judge(Path(scratch), candidate, masks)
 
+    tried = list(layers)
     for mask in MASKS.get(device, MASKS["CPU"]):
-        chosen = {layer: mask for layer in layers}
-        if not chosen or not passes(chosen):
+        found = _passing_set(list(layers), mask, passes, consumers or {})
+        if found is None:
             continue
-        for layer in reversed(list(layers)):  # least likely culprits are dropped first
+        tried = list(dict.fromkeys([*tried, *found]))
+        chosen = {layer: mask for layer in found}
+        for layer in reversed(found):  # least likely culprits (the extension first) are dropped first
             trial = {name: value for name, value in chosen.items() if name != layer}
             if trial and passes(trial):
                 chosen = trial
-        return Outcome(chosen, True, list(layers))
-    return Outcome({}, False, list(layers))
+        return Outcome(chosen, True, tried)
+    return Outcome({}, False, tried)
+
+
+EXTEND_STEPS = 2  # consumer steps the masked set may grow by along the overflow path
+
+
+def _passing_set(layers: List[str], mask: int, passes: Callable, consumers: Dict[str, List[str]]) -> Optional[List[str]]:
+    """``layers`` grown by their consumers until masking them all with ``mask`` passes, or None."""
+    for step in range(EXTEND_STEPS + 1):
+        if layers and passes({layer: mask for layer in layers}):
+            return layers
+        grown = list(dict.fromkeys([*layers, *(c for layer in layers for c in consumers.get(layer, []))]))
+        if step == EXTEND_STEPS or grown == layers:
+            return None
+        layers = grown
+    return None
 
 
 def candidate_ops(layerwise: Optional[dict], preflight_block: Sequence[str]) -> List[str]:

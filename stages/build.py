@@ -23,7 +23,7 @@ from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settin
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 19
+VERSION = 20  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -104,7 +104,8 @@ def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
     ops = feature_masks.candidate_ops(evidence, _preflight_block(ctx))
     layer_map = backend.layer_map(ctx.out_dir, runtime)
     layers = list(dict.fromkeys(layer_map[op] for op in ops if op in layer_map))
-    outcome = feature_masks.search(ctx.out_dir, runtime, layers, cfg.target.device.upper(), judge, backend.apply_masks)
+    outcome = feature_masks.search(ctx.out_dir, runtime, layers, cfg.target.device.upper(), judge, backend.apply_masks,
+                                   backend.layer_consumers(ctx.out_dir, runtime))
     onnx_of = {layer: op for op, layer in layer_map.items()}
     if outcome.masks:
         with tempfile.TemporaryDirectory(prefix="parity-masked-") as scratch:

@@ -91,3 +91,36 @@ def unsupported_model(path: Path) -> Path:
     model.ir_version = 8
     onnx.save(model, str(path))
     return path
+
+
+MODULATED_SHAPE = [1, 3, 32, 32]
+
+
+def modulated_conv_model(path: Path) -> Path:
+    """A StyleGAN2-style demodulation: y = conv(x); y / sqrt(sum_hw(y*y) + 1e-8). For inputs in
+    [0, 4) the sum of squares reaches ~1e5 (> 65504, fp16's largest) while every other tensor
+    fits fp16; the ``+1e-8`` Add leaves the sum unchanged in fp32, so its output equals the
+    reduction's (the name mapping must tell the two layers apart by graph structure)."""
+    rng = np.random.default_rng(1)
+    weight = rng.normal(0.5, 0.5, (8, MODULATED_SHAPE[1], 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["conv_out"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["conv_out", "conv_out"], ["square_out"], name="square"),
+             helper.make_node("ReduceSum", ["square_out", "axes"], ["sum_out"], name="sum", keepdims=1),
+             helper.make_node("Add", ["sum_out", "eps"], ["add_out"], name="add_eps"),
+             helper.make_node("Sqrt", ["add_out"], ["norm_out"], name="sqrt"),
+             helper.make_node("Div", ["conv_out", "norm_out"], ["y"], name="demodulate")]
+    graph = helper.make_graph(
+        nodes, "modulated_conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, MODULATED_SHAPE)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, *MODULATED_SHAPE[2:]])],
+        initializer=[onnx.numpy_helper.from_array(weight, "w"),
+                     onnx.numpy_helper.from_array(np.array([2, 3], dtype=np.int64), "axes"),
+                     onnx.numpy_helper.from_array(np.array(1e-8, dtype=np.float32), "eps")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def modulated_sample(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(0.0, 4.0, MODULATED_SHAPE).astype(np.float32)

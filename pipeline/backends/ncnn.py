@@ -237,6 +237,27 @@ def layer_map(artifact_dir: Path, settings: dict) -> Dict[str, str]:
     return {node: names[0] for node, names in layers.items() if names}
 
 
+def layer_consumers(artifact_dir: Path, settings: dict) -> Dict[str, List[str]]:
+    """{ncnn layer: the compute layers reading its outputs} (through Splits), for the mask
+    search to follow an overflowing value downstream."""
+    network = Param.read(Path(artifact_dir) / settings.get("model", PARAM_FILE))
+    readers: Dict[str, List[ParamLayer]] = {}
+    for layer in network.layers:
+        for blob in layer.bottoms:
+            readers.setdefault(blob, []).append(layer)
+    result: Dict[str, List[str]] = {}
+    for layer in network.layers:
+        found, stack = [], list(layer.tops)
+        while stack:
+            for reader in readers.get(stack.pop(), []):
+                if reader.type in _ALIAS_LAYERS:
+                    stack.extend(reader.tops)
+                elif reader.name not in found:
+                    found.append(reader.name)
+        result[layer.name] = found
+    return result
+
+
 def apply_masks(artifact_dir: Path, settings: dict, masks: Dict[str, int], out_dir: Path) -> Tuple[List[str], dict]:
     """Copy the artifact into ``out_dir`` with exactly these per-layer feature masks
     ({ncnn layer name: mask}, see MASK_BITS) as layer parameter 31 in the param file;
@@ -681,6 +702,7 @@ def map_names(model, param_path: Path, bin_path: Path) -> dict:
     downstream = _computed_downstream(model, set(onnx_prints))
     best: Dict[str, Tuple[tuple, str]] = {}  # onnx tensor -> (rank, blob)
     reproduces: Dict[str, Tuple[tuple, str]] = {}  # blob -> (rank, onnx tensor)
+    candidates = {}
     for blob, fingerprint in ncnn_prints.items():
         matches = {}
         for name in by_size.get(fingerprint.size, []):
@@ -689,6 +711,11 @@ def map_names(model, param_path: Path, bin_path: Path) -> dict:
                 wanted = _ncnn_shape(shapes[name])
                 matches[name] = (fingerprint.shape != wanted, _squeezed(fingerprint.shape) != _squeezed(wanted),
                                  error, order.get(blob, 0))
+        candidates[blob] = matches
+    resolved = resolve_by_structure({blob: set(m) for blob, m in candidates.items()}, downstream,
+                                    _ncnn_downstream(network))
+    for blob, matches in candidates.items():
+        matches = {name: rank for name, rank in matches.items() if name in resolved[blob]}
         # a blob equal to a tensor and to one computed from it holds the computed one
         # (ncnn's fused convrelu holds the Relu's output even where the Conv's is >= 0)
         dropped = [name for name in matches if any(other in matches for other in downstream(name))]
@@ -714,6 +741,68 @@ def map_names(model, param_path: Path, bin_path: Path) -> dict:
     layers = _map_layers(model, network, computed, set(inputs))
     return {"inputs": inputs, "outputs": outputs, "blobs": ordered, "blob_aliases": aliases,
             "shapes": {name: shapes[name] for name in ordered if name in shapes}, "layers": layers}
+
+
+_VALUE_PRESERVING_LAYERS = {"Reshape", "Flatten", "Squeeze", "ExpandDims", "Noop", "Dropout", *_ALIAS_LAYERS}
+
+
+def _ncnn_downstream(network: Param):
+    """A function: blob -> the blobs computed from it through at least one ncnn layer that
+    changes values (the ncnn side of _computed_downstream)."""
+    consumers: Dict[str, list] = {}
+    for layer in network.layers:
+        for blob in layer.bottoms:
+            consumers.setdefault(blob, []).append(layer)
+
+    def downstream(blob: str) -> set:
+        found, seen, stack = set(), set(), [(blob, False)]
+        while stack:
+            current, changed = stack.pop()
+            if (current, changed) in seen:
+                continue
+            seen.add((current, changed))
+            if changed:
+                found.add(current)
+            for layer in consumers.get(current, []):
+                stack.extend((top, changed or layer.type not in _VALUE_PRESERVING_LAYERS) for top in layer.tops)
+        return found
+
+    return downstream
+
+
+def resolve_by_structure(matches: Dict[str, set], onnx_downstream, ncnn_downstream) -> Dict[str, set]:
+    """Value matches made unambiguous by graph order. Where blobs reproduce a tensor *and*
+    tensors computed from it (``x + 1e-8`` equals ``x`` in fp32: the reduction's blob and the
+    Add's blob both match both tensors), the blobs and tensors of such a chain are ranked by
+    how many value-changing ops of the chain precede them (in ncnn and in ONNX) and paired
+    rank for rank, aligned at the end: ops ncnn fused away (a Conv's output inside
+    ``convrelu``) have no blob and are the earlier ones of their group, so the first blob
+    takes the later tensor. {blob: ONNX tensors} in, the same with those chains resolved out."""
+    chained = {blob: {name for name in names if any(other in onnx_downstream(name) or name in onnx_downstream(other)
+                                                    for other in names if other != name)}
+               for blob, names in matches.items()}
+    resolved = {blob: set(names) for blob, names in matches.items()}
+    for blobs, tensors in _chains(chained):
+        tensor_rank = {t: sum(t in onnx_downstream(o) for o in tensors if o != t) for t in tensors}
+        blob_rank = {b: sum(b in ncnn_downstream(o) for o in blobs if o != b) for b in blobs}
+        offset = max(0, max(tensor_rank.values()) - max(blob_rank.values()))
+        for blob in blobs:
+            keep = {t for t in chained[blob] if tensor_rank[t] == blob_rank[blob] + offset}
+            if keep:
+                resolved[blob] = (matches[blob] - chained[blob]) | keep
+    return resolved
+
+
+def _chains(chained: Dict[str, set]) -> List[Tuple[List[str], set]]:
+    """Groups of blobs whose chained tensors overlap, with the union of those tensors."""
+    groups: List[Tuple[List[str], set]] = []
+    for blob, tensors in chained.items():
+        if not tensors:
+            continue
+        joined = [g for g in groups if g[1] & tensors]
+        merged = ([blob] + [b for g in joined for b in g[0]], set(tensors).union(*(g[1] for g in joined)))
+        groups = [g for g in groups if g not in joined] + [merged]
+    return groups
 
 
 def _map_isolated(source: Path, param_path: Path, bin_path: Path, model) -> dict:
@@ -865,6 +954,25 @@ def with_options(settings: dict, changes: dict) -> dict:
         settings["options"]["use_vulkan"] = settings["device"] == "VULKAN"
     settings["options"].update(changes)
     return settings
+
+
+CPU_FP32_NOTE = ("ncnn's CPU path on this machine has no fp16 arithmetic and keeps activations fp32 (its Net casts "
+                 "activations to fp16 only on ARM with asimdhp and RISC-V with zfh); use_fp16_storage at most stores "
+                 "some layers' weights in fp16, which is storage, not execution precision")
+
+
+def cpu_fp16_storage() -> bool:
+    """Whether ncnn's CPU layers get fp16 activations under use_fp16_storage here: ncnn's
+    NetPrivate::convert_layout (src/net.cpp) casts a blob to fp16 for a layer with
+    support_fp16_storage only when built for ARM82 and the CPU has asimdhp (or RISC-V with
+    zfh); x86 has no such path (only InnerProduct & co. keep fp16 weights, computed in fp32)."""
+    import platform
+
+    import ncnn
+
+    if platform.machine().lower().startswith("riscv"):
+        return True  # the binding has no zfh query; ncnn's RVV path casts when the CPU has zfh
+    return bool(ncnn.cpu_support_arm_asimdhp())
 
 
 _SESSIONS: "weakref.WeakSet[Session]" = weakref.WeakSet()
@@ -1088,8 +1196,8 @@ class Session:
             if on_gpu:
                 precision = "fp16" if fp16_storage or fp16_math else "bf16" if bf16 else "fp32"
             else:
-                # x86 keeps activations fp32 and stores weights fp16 under use_fp16_storage
-                precision = "bf16" if bf16 and layer.support_bf16_storage else "fp16" if fp16_storage else "fp32"
+                cpu_fp16 = fp16_storage and layer.support_fp16_storage and cpu_fp16_storage()
+                precision = "bf16" if bf16 and layer.support_bf16_storage else "fp16" if cpu_fp16 else "fp32"
             rows.append((layer.name, "VULKAN" if on_gpu else "CPU", precision))
         return rows
 
@@ -1111,6 +1219,8 @@ class Session:
             result.update(self._vulkan_device())
         if self._options_vulkan and not self._gpu_count:
             result["note"] = NO_VULKAN_DEVICE
+        elif precision == "fp32" and (opt.use_fp16_storage or opt.use_fp16_packed or opt.use_fp16_arithmetic):
+            result["note"] = CPU_FP32_NOTE
         return result
 
     def _vulkan_device(self) -> Dict[str, str]:
