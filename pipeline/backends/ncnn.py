@@ -40,6 +40,9 @@ Names: ncnn blob <-> ONNX tensor, ncnn layer <-> ONNX node
       (pnnx's own rewrites, e.g. the ``x*1.2`` it puts before a HardSigmoid) keeps its
       ncnn name (unmappable); a second blob holding a mapped tensor's values in another
       layout (an InnerProduct's output before a Reshape) is a ``blob_alias``.
+      Where values coincide along a chain (``s + 1e-8`` equals ``s`` in fp32: the
+      Reduction's and the Add's blobs both reproduce both tensors), ``resolve_by_structure``
+      pairs blobs and tensors by graph order before the rule above.
       Measured: digits CNN 6 of 9 ONNX activations exposed (the Conv and Gemm outputs
       are fused with their Relu), every blob mapped; PP-OCR classifier 111 of 239 (not:
       Conv before BatchNorm, HardSwish internals, shape arithmetic), 9 blobs unmappable,
@@ -73,9 +76,10 @@ Runtime
     layer has a Vulkan implementation (``support_vulkan``) and its mask has no bit 16.
     Its precision: on Vulkan fp16 when fp16 storage/packed or arithmetic is on (mask
     permitting), bf16 for bf16 storage, else fp32; on the CPU bf16 when bf16 storage is
-    on and the layer supports it, fp16 when fp16 storage is on (x86 keeps activations
-    fp32 but stores Convolution/InnerProduct weights in fp16: the digits CNN's logits move
-    by 2e-2), else fp32. The reported precision is fp16/bf16 when any layer runs so (a
+    on and the layer supports it, fp16 when fp16 storage is on, the layer supports it and
+    ncnn casts activations to fp16 on this CPU (``cpu_fp16_storage``: ARM asimdhp; x86
+    keeps activations and arithmetic fp32 and at most stores InnerProduct weights in fp16,
+    which is storage: reported fp32 with ``CPU_FP32_NOTE``), else fp32. The reported precision is fp16/bf16 when any layer runs so (a
     masked layer is a deliberate exception), ``device`` VULKAN when any layer runs there,
     and ``layers`` counts the compute layers per device and lists the masks.
 
@@ -696,22 +700,10 @@ def map_names(model, param_path: Path, bin_path: Path) -> dict:
         shapes[name] = list(dims)
 
     order = {blob: i for i, blob in enumerate(network.dynamic_blobs())}
-    by_size: Dict[int, List[str]] = {}
-    for name, fingerprint in onnx_prints.items():
-        by_size.setdefault(fingerprint.size, []).append(name)
     downstream = _computed_downstream(model, set(onnx_prints))
     best: Dict[str, Tuple[tuple, str]] = {}  # onnx tensor -> (rank, blob)
     reproduces: Dict[str, Tuple[tuple, str]] = {}  # blob -> (rank, onnx tensor)
-    candidates = {}
-    for blob, fingerprint in ncnn_prints.items():
-        matches = {}
-        for name in by_size.get(fingerprint.size, []):
-            error = fingerprint.error(onnx_prints[name])
-            if error <= MATCH_TOLERANCE:
-                wanted = _ncnn_shape(shapes[name])
-                matches[name] = (fingerprint.shape != wanted, _squeezed(fingerprint.shape) != _squeezed(wanted),
-                                 error, order.get(blob, 0))
-        candidates[blob] = matches
+    candidates = _value_matches(ncnn_prints, onnx_prints, shapes, order)
     resolved = resolve_by_structure({blob: set(m) for blob, m in candidates.items()}, downstream,
                                     _ncnn_downstream(network))
     for blob, matches in candidates.items():
@@ -741,6 +733,25 @@ def map_names(model, param_path: Path, bin_path: Path) -> dict:
     layers = _map_layers(model, network, computed, set(inputs))
     return {"inputs": inputs, "outputs": outputs, "blobs": ordered, "blob_aliases": aliases,
             "shapes": {name: shapes[name] for name in ordered if name in shapes}, "layers": layers}
+
+
+def _value_matches(ncnn_prints, onnx_prints, shapes, order) -> Dict[str, Dict[str, tuple]]:
+    """{blob: {ONNX tensor it reproduces: rank}}; rank: shape differs, squeezed shape
+    differs, error, the blob's position (smaller is better)."""
+    by_size: Dict[int, List[str]] = {}
+    for name, fingerprint in onnx_prints.items():
+        by_size.setdefault(fingerprint.size, []).append(name)
+    candidates = {}
+    for blob, fingerprint in ncnn_prints.items():
+        matches = {}
+        for name in by_size.get(fingerprint.size, []):
+            error = fingerprint.error(onnx_prints[name])
+            if error <= MATCH_TOLERANCE:
+                wanted = _ncnn_shape(shapes[name])
+                matches[name] = (fingerprint.shape != wanted, _squeezed(fingerprint.shape) != _squeezed(wanted),
+                                 error, order.get(blob, 0))
+        candidates[blob] = matches
+    return candidates
 
 
 _VALUE_PRESERVING_LAYERS = {"Reshape", "Flatten", "Squeeze", "ExpandDims", "Noop", "Dropout", *_ALIAS_LAYERS}
