@@ -100,7 +100,7 @@ def slow_reason(precision: str, backend: str, cpu_flags: List[str], fp32_ms: Opt
     if precision == "bf16" and x86 and not flags & {"avx512_bf16", "amx_bf16"}:
         return "this CPU has no native bf16 arithmetic (avx512_bf16 or AMX): bf16 is emulated"
     if precision == "fp16" and x86 and not flags & {"avx512_fp16", "amx_fp16"}:
-        return "this CPU has no native fp16 arithmetic: fp16 is converted to fp32 to compute"
+        return "this CPU has no native fp16 arithmetic: the runtime computes an fp16 request in bf16 or fp32"
     if int8 and fp32_ms is not None and fp32_ms < 1.0:
         return (f"a small model ({fp32_ms:.3f} ms per inference in fp32): the quantize/dequantize steps "
                 "between layers likely cost more than int8 arithmetic saves")

@@ -48,16 +48,22 @@ def test_sweep_summary_and_worst_exit_code_with_each_launcher(tmp_path, launcher
 
 
 def test_sweep_of_passing_jobs_exits_0_and_shares_calibration(tmp_path):
-    """2 targets x 2 quantized precisions: calibration (and the sensitivity search) run
-    once per precision for the whole sweep; the other target is served from the cache."""
+    """2 targets x 2 quantized precisions: calibration runs once per precision for the
+    whole sweep; the other target is served from the cache. The sensitivity search runs
+    once per Q/DQ placement: ONNX Runtime's and OpenVINO's differ, and each target's
+    search measures its own placement (on OpenVINO for openvino_cpu)."""
     result = run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=int8,mixed"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())
     assert summary["exit_code"] == 0 and len(summary["jobs"]) == 4
     shared = summary["shared_work"]
     assert shared["calibrate"] == {"computed": 2, "cached": 2}
-    assert shared["sensitivity"]["computed"] == 2 and shared["sensitivity"]["cached"] == 2
+    assert shared["sensitivity"]["computed"] == 3 and shared["sensitivity"]["cached"] == 1  # int8: a no-op, shared
     reports = [json.loads((sweep_dir(tmp_path) / job["dir"] / "report.json").read_text()) for job in summary["jobs"]]
+    searched = {r["target"]["name"]: r["sensitivity"] for r in reports if r["precision"] == "mixed"}
+    assert searched["openvino_cpu"]["measured_on"] == "openvino" and searched["ort_cpu"]["measured_on"] == "onnxruntime"
+    assert searched["openvino_cpu"]["placement"]["quantized"] == "inputs"
+    assert searched["ort_cpu"]["placement"]["quantized"] == "inputs and outputs"
     statistics = sorted(r["calibration"]["statistics"] for r in reports if r["stages"][1]["status"] == "computed")
     assert statistics == ["computed", "reused"]  # one statistics pass for int8 and mixed together
 
