@@ -654,26 +654,12 @@ def _computed_downstream(model, floats: set):
     for node in model.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    cache: Dict[str, set] = {}
 
-    def downstream(tensor: str) -> set:
-        if tensor not in cache:
-            found, seen, stack = set(), set(), [(tensor, False)]
-            while stack:
-                current, changed = stack.pop()
-                if (current, changed) in seen:
-                    continue
-                seen.add((current, changed))
-                if changed:
-                    found.add(current)
-                for node in consumers.get(current, []):
-                    for output in node.output:
-                        if output in floats:
-                            stack.append((output, changed or node.op_type not in _VALUE_PRESERVING))
-            cache[tensor] = found
-        return cache[tensor]
+    def successors(tensor: str):
+        return [(output, node.op_type in _VALUE_PRESERVING) for node in consumers.get(tensor, [])
+                for output in node.output if output in floats]
 
-    return downstream
+    return _cached_walk(successors)
 
 
 def map_names(model, param_path: Path, bin_path: Path) -> dict:
@@ -765,18 +751,30 @@ def _ncnn_downstream(network: Param):
         for blob in layer.bottoms:
             consumers.setdefault(blob, []).append(layer)
 
-    def downstream(blob: str) -> set:
-        found, seen, stack = set(), set(), [(blob, False)]
-        while stack:
-            current, changed = stack.pop()
-            if (current, changed) in seen:
-                continue
-            seen.add((current, changed))
-            if changed:
-                found.add(current)
-            for layer in consumers.get(current, []):
-                stack.extend((top, changed or layer.type not in _VALUE_PRESERVING_LAYERS) for top in layer.tops)
-        return found
+    def successors(blob: str):
+        return [(top, layer.type in _VALUE_PRESERVING_LAYERS) for layer in consumers.get(blob, []) for top in layer.tops]
+
+    return _cached_walk(successors)
+
+
+def _cached_walk(successors):
+    """A function: node -> the nodes reached from it through at least one step that changes
+    values; ``successors(node)`` gives (next node, whether that step preserves values)."""
+    cache: Dict[str, set] = {}
+
+    def downstream(start: str) -> set:
+        if start not in cache:
+            found, seen, stack = set(), set(), [(start, False)]
+            while stack:
+                current, changed = stack.pop()
+                if (current, changed) in seen:
+                    continue
+                seen.add((current, changed))
+                if changed:
+                    found.add(current)
+                stack.extend((after, changed or not preserves) for after, preserves in successors(current))
+            cache[start] = found
+        return cache[start]
 
     return downstream
 
