@@ -9,12 +9,12 @@ import importlib.resources
 import pytest
 
 from conftest import read_report, run_cli, run_dirs
-from textlines import FONT, write_dataset
+from textlines import NEEDS_FONTS_SKIPPED, write_dataset
 
 MODEL = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 VALIDATION = 24
 
-pytestmark = pytest.mark.skipif(not FONT.exists(), reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
+pytestmark = pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
 
 
 @pytest.fixture(scope="module")

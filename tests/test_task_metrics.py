@@ -15,7 +15,7 @@ import onnx
 import pytest
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from textlines import FONT, FONTS, render, write_dataset
+from textlines import FONTS, NEEDS_FONTS_SKIPPED, render, write_dataset
 
 from pipeline.config import DataConfig, DataKind
 from pipeline.data import TensorSpec, open_dataset
@@ -27,7 +27,7 @@ DET = MODELS / "ch_PP-OCRv4_det_infer.onnx"
 CLS = MODELS / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 LINES = ("parity", "deploy model", "runtime 2026", "verify", "bundle", "tensor layer", "accuracy", "Quick fox",
          "lazy dog", "ONNX", "calibration", "OpenVINO")
-needs_fonts = pytest.mark.skipif(not FONT.exists(), reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
+needs_fonts = pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
 
 
 # --- the built-ins ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from textlines import FONT, write_dataset
+from textlines import NEEDS_FONTS_SKIPPED, write_dataset
 
 CLS = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 QUANTIZE_OPS = "quantize_ops=[Conv, ConvTranspose, Gemm, MatMul]"
@@ -88,7 +88,7 @@ def assert_applying_it_gives_what_was_printed(args, cwd, recommendation: dict, t
     assert (rerun.returncode == 0) == measured["passed"], rerun.stdout + rerun.stderr
 
 
-@pytest.mark.skipif(not FONT.exists(), reason="needs Debian's fonts-dejavu-core")
+@pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core")
 def test_classifier_kl_int8_on_ort_fails_on_cosine_with_advice_that_works(tmp_path):
     data = write_dataset(tmp_path / "textlines", calibration=8, validation=24)
     args = [f"model.path={CLS}", "+model.input_shapes.x=[1,3,48,192]", "data.kind=images", f"data.path={data}",

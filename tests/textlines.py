@@ -5,12 +5,16 @@ across the calibration and validation splits."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")  # Debian fonts-dejavu-core
+# Tests that render text lines skip without the fonts, except in CI (.ci/run installs them),
+# where a missing font must fail the run rather than hide the tests.
+NEEDS_FONTS_SKIPPED = not FONT.exists() and not os.environ.get("CI")
 FONTS = tuple(FONT.parent / name for name in (  # every face fonts-dejavu-core installs
     "DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf",
     "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf"))
