@@ -264,15 +264,12 @@ def _correct_biases(ctx: StageContext, quantized: Path) -> dict:
     the calibration samples (pipeline/calibration/bias_correction.py), in place."""
     if not _corrects_bias(ctx.cfg, backends.spec(ctx.cfg.target.backend.value)):
         return {"enabled": False}
-    model = onnx.load(str(quantized))
-    prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
     samples = (sample.feeds for sample in ctx.dataset().calibration)
     try:
-        summary = bias_correction.correct(model, prepared, samples)
+        summary = bias_correction.correct_file(quantized, ctx.results["calibrate"].path("prepared"), samples)
     except Exception as err:  # noqa: BLE001 - ONNX Runtime rejects a cut-out op: build without the correction
         log.warning("build: bias correction skipped: %s", first_line(err))
         return {"enabled": True, "applied": False, "corrected": {}, "error": first_line(err)}
-    onnx.save(model, str(quantized))
     log.info("build: bias correction on %d ops (%d calibration samples, %.1f s)", len(summary["corrected"]),
              summary["samples"], summary["seconds"])
     return summary

@@ -22,6 +22,8 @@ model's. docs/calibration.md gives the measured effect."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import time
 from typing import Dict, Iterable, List, Optional
 
@@ -61,6 +63,15 @@ class _Op:
     @property
     def shift(self) -> np.ndarray:
         return self.sum / max(self.count, 1)
+
+
+def correct_file(quantized_path: Path, prepared_path: Path, samples: Iterable[Dict[str, np.ndarray]]) -> dict:
+    """``correct`` on a QDQ model file, rewritten in place: how every int8 model parity
+    builds from a table (the build, verify's INT8 baseline, tried advice) gets its biases."""
+    model = onnx.load(str(quantized_path))
+    summary = correct(model, onnx.load(str(prepared_path)), samples)
+    onnx.save(model, str(quantized_path))
+    return summary
 
 
 def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]],
