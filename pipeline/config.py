@@ -219,12 +219,17 @@ class SensitivityConfig:
 
     methods: List[str] = field(default_factory=lambda: ["kl", "max", "percentile", "mse"])
     select: Selection = Selection.target
-    expected_cos: float = 0.999  # select=target: output cosine to reach
-    max_drop: float = 0.01  # select=target: task-metric (metric group) drop allowed, next to expected_cos
+    # select=target: output cosine to reach; null: validation.min_cosine (what verify checks)
+    expected_cos: Optional[float] = None
+    # select=target: task-metric (metric group) drop allowed; null: validation.max_metric_drop
+    max_drop: Optional[float] = None
     top_n: int = 5  # select=top_n: this many of the most sensitive ops stay float
     samples: int = 30  # validation samples the search measures on
     screen: int = 2  # methods measured in full per op after the SQNR screen (0: all)
     max_float_ops: int = 32  # select=target gives up beyond this many float ops
+    # select=target: weigh each op's accuracy against its latency cost on the target (ONNX
+    # Runtime, OpenVINO: per-op profiles of the fp32 and int8 builds); false: accuracy alone
+    latency_aware: bool = True
 
 
 @dataclass

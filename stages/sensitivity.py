@@ -5,15 +5,18 @@ the configured target. Skipped when plain int8 already meets it."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
 import onnx
 
+from pipeline import backends
 from pipeline.artifacts import read_json, write_json
 from pipeline.calibration import sensitivity as search
-from pipeline.calibration import tables
+from pipeline.calibration import latency, tables
 from pipeline.calibration.statistics import BatchRunner
 from pipeline.data import pack
 from pipeline.console import progress_bar
@@ -24,11 +27,15 @@ from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 9  # 9: metric_drop (the metric group) replaces top1_drop
+VERSION = 10  # 9: metric_drop (the metric group) replaces top1_drop; 10: latency-aware selection, the
+# target defaults to verify's thresholds
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
 CHUNK = 64  # validation samples measured in one run
+EDGE_WEIGHT = 1.0  # a new edge between an int8 chain and a float island costs about a median op (latency-aware)
+FLOOR_SHARE = 0.01  # no op is taken to cost less than 1 % of all the ops' costs
+PROFILED_BACKENDS = ("onnxruntime", "openvino")  # run the Q/DQ model the search selects for: its per-op costs
 
 
 def needed(cfg) -> bool:
@@ -39,7 +46,9 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "sensitivity": cfg.sensitivity, "data": cfg.data, "precision": cfg.precision,
-            "qdq": _settings(cfg), "measured_on": measured_on(cfg), "metric": cfg.metric}
+            "qdq": _settings(cfg), "measured_on": measured_on(cfg), "metric": cfg.metric, "goal": goal(cfg),
+            # per-op latency costs are the target's own: its threads and options are in the key
+            "costs_on": cfg.target if _latency_aware(cfg) else None}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -78,10 +87,11 @@ def run(ctx: StageContext) -> StageResult:
         raise err.with_run(ctx)
     summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "select": cfg.sensitivity.select.value,
                "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
-               "expected_cos": cfg.sensitivity.expected_cos}
+               "expected_cos": goal(cfg)[0], "max_drop": goal(cfg)[1]}
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
+    started = time.perf_counter()
     with progress_bar() as progress:
         task = progress.add_task("sensitivity search", total=len(search.quantizable_ops(prepared, candidates,
                                                                                     _settings(cfg).quantize_ops)))
@@ -89,6 +99,7 @@ def run(ctx: StageContext) -> StageResult:
                                   _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n))
     ranking = _ranking(trials)
+    seconds = {"per_layer": round(time.perf_counter() - started, 2)}
     best_table = _best_method_table(prepared, table, candidates, ranking)
     # Each op's best method was found with only that op in int8; together they can do worse
     # than calibrate's table (measured on PP-OCR): the better of the two is the base.
@@ -99,17 +110,61 @@ def run(ctx: StageContext) -> StageResult:
     summary["table"] = "per-op methods" if best_table is not table else "calibrate"
     if cfg.sensitivity.select.value == "top_n":
         float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
-        curve = [{"float_ops": len(float_ops), **measure(best_table, float_ops)}]
+        curve, costs = [{"float_ops": len(float_ops), **measure(best_table, float_ops)}], {}
     else:
-        float_ops, curve = _select_for_target(measure, best_table, ranking, cfg.sensitivity.max_float_ops)
-    summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve,
-                    "mixed": curve[-1] if curve else plain, "trials": len(trials),
-                    "measured": sum(t.loss is not None for t in trials)})
+        started = time.perf_counter()
+        costs = _costs(ctx, measure, best_table, ranking, summary)
+        seconds["costs"] = round(time.perf_counter() - started, 2)
+        float_ops, curve = _select_for_target(measure, best_table, ranking, cfg.sensitivity.max_float_ops, costs,
+                                              latency.quantizable_neighbours(prepared, costs))
+        seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
+    summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
+                    "measured": sum(t.loss is not None for t in trials),
+                    "float_op_details": _float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
+    final = [p for p in curve if not p.get("kept")]
+    summary["mixed"] = final[-1] if final else plain
     if cfg.sensitivity.select.value == "target" and not measure.meets(summary["mixed"]):
-        summary["warning"] = (f"the target (cosine {cfg.sensitivity.expected_cos}, task-metric drop <= "
-                              f"{cfg.sensitivity.max_drop}) was not reached with {len(float_ops)} float ops "
-                              "(sensitivity.max_float_ops)")
+        goal_cos, goal_drop = goal(cfg)
+        summary["warning"] = (f"the target (cosine {goal_cos}, task-metric drop <= {goal_drop}) was not reached "
+                              f"with {len(float_ops)} float ops (sensitivity.max_float_ops)")
     return _write(ctx, best_table, float_ops, trials, summary)
+
+
+def goal(cfg) -> tuple:
+    """(cosine, task-metric drop) the selection reaches: sensitivity.expected_cos and
+    max_drop, or where they are null (the default) the thresholds verify checks,
+    validation.min_cosine and max_metric_drop: a search aiming above the gate keeps ops in
+    float that the gate does not need (0.999 against mixed's 0.995 kept 20 ops float on
+    PP-OCRv4 det: docs/sensitivity.md). 0.999 / 0.01 where both are null."""
+    cos = cfg.sensitivity.expected_cos
+    if cos is None:
+        cos = cfg.validation.min_cosine if cfg.validation.min_cosine is not None else 0.999
+    drop = cfg.sensitivity.max_drop
+    if drop is None:
+        drop = cfg.validation.max_metric_drop if cfg.validation.max_metric_drop is not None else 0.01
+    return cos, drop
+
+
+def _latency_aware(cfg) -> bool:
+    return cfg.sensitivity.latency_aware and cfg.target.backend.value in PROFILED_BACKENDS
+
+
+def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict) -> Dict[str, float]:
+    """Per-op latency cost (ms given back when the op stays float) on the target's own
+    runtime, when sensitivity.latency_aware and the target runs the Q/DQ model; {} else."""
+    cfg = ctx.cfg
+    backend = cfg.target.backend.value
+    if not _latency_aware(cfg):
+        summary["latency"] = {"skipped": "sensitivity.latency_aware is false: selection by accuracy alone"
+                              if not cfg.sensitivity.latency_aware else
+                              f"{backend} builds its own int8 model, not this Q/DQ one: selection by accuracy alone"}
+        return {}
+    feeds = next(iter(ctx.dataset().validation)).feeds
+    measured = latency.op_costs(measure.prepared, measure.models(table).build([]), backends.spec(backend),
+                                cfg.target, feeds, [r["op"] for r in ranking])
+    write_json(ctx.out_dir / "costs.json", measured)
+    summary["latency"] = {k: v for k, v in measured.items() if k != "ops"}
+    return {op: entry["cost_ms"] for op, entry in measured["ops"].items()}
 
 
 def _samples(ctx: StageContext, size: int):
@@ -140,10 +195,13 @@ class _MixedMeasure:
         self.reference_task = self._task(self.reference)
         self._models = None
 
-    def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
+    def models(self, table: Dict[str, dict]) -> MixedModels:
         if self._models is None or self._models.table is not table:  # tables are never mutated
             self._models = MixedModels(self.prepared, table, _settings(self.cfg), self.cfg.precision.keep_float)
-        model = self._models.build(float_ops)
+        return self._models
+
+    def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
+        model = self.models(table).build(float_ops)
         # OpenVINO compiles once per call and runs one sample at a time anyway
         values = self._chunked(model, self._run, self.count if measured_on(self.cfg) == "openvino" else CHUNK)
         actual = [values[name] for name in self.outputs]
@@ -187,9 +245,9 @@ class _MixedMeasure:
         return self.metric.aggregate(scores)
 
     def meets(self, result: dict) -> bool:
+        cos, max_drop = goal(self.cfg)
         drop = result["metric_drop"]
-        return result["cosine"] >= self.cfg.sensitivity.expected_cos and (
-            drop is None or drop <= self.cfg.sensitivity.max_drop + 1e-12)
+        return result["cosine"] >= cos and (drop is None or drop <= max_drop + 1e-12)
 
 
 def _ranking(trials) -> List[dict]:
@@ -216,33 +274,68 @@ def _best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidate
     return updated
 
 
-def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: int):
-    """Add ops to the float set in rank order until the target is met, then drop every op
-    whose removal keeps it. Real int8 kernels do not always improve as ops go back to
-    float (measured: the curve is not monotonic on this CPU), so when the target is never
-    met the best point of the curve is kept. Returns (float ops, curve)."""
+def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: int, costs: dict,
+                       neighbours: Dict[str, List[str]]):
+    """Add ops to the float set until the target is met, then drop every op whose removal
+    keeps it. Without costs, ops join in rank order and the least sensitive go first in the
+    prune. With per-op costs (latency-aware), the op joining next is the one with the most
+    loss per millisecond it gives back (an op next to a float op costs less: no new edge
+    between an int8 chain and a float island), and the prune tries the costliest op first.
+    Real int8 kernels do not always improve as ops go back to float (measured: the curve is
+    not monotonic on this CPU), so when the target is never met the best point of the curve
+    is kept. Returns (float ops, curve); a prune trial that had to keep its op records the
+    op's measured gain (cosine with the op float minus with it int8)."""
     float_ops: List[str] = []
     curve = []
-    for row in ranking[:max_float_ops]:
+    remaining = list(ranking)
+    while remaining and len(float_ops) < max_float_ops:
+        row = max(remaining, key=lambda r: _value(r, float_ops, costs, neighbours)) if costs else remaining[0]
+        remaining.remove(row)
         float_ops.append(row["op"])
         result = measure(table, float_ops)
-        curve.append({"float_ops": len(float_ops), "added": row["op"], **result})
+        curve.append({"float_ops": len(float_ops), "added": row["op"], "cost_ms": latency.estimate_ms(float_ops, costs),
+                      **result})
         if measure.meets(result):
             break
     if not curve:
         return float_ops, curve
     if not measure.meets(curve[-1]):
         best = max(range(len(curve)), key=lambda i: curve[i]["cosine"])
-        float_ops = [row["op"] for row in ranking[:best + 1]]
+        float_ops = float_ops[:best + 1]
         curve.append({**curve[best], "added": None, "kept_best": True})
         return float_ops, curve
-    for op in list(reversed(float_ops[:-1])):
+    current = curve[-1]
+    order = (sorted(float_ops, key=lambda op: -costs.get(op, 0.0)) if costs
+             else list(reversed(float_ops[:-1])))
+    for op in order:
         trial = [o for o in float_ops if o != op]
         result = measure(table, trial)
         if measure.meets(result):
-            float_ops = trial
-            curve.append({"float_ops": len(float_ops), "removed": op, **result})
+            float_ops, current = trial, result
+            curve.append({"float_ops": len(float_ops), "removed": op, "cost_ms": latency.estimate_ms(float_ops, costs),
+                          **result})
+        else:
+            curve.append({"float_ops": len(float_ops), "kept": op, "gain": current["cosine"] - result["cosine"],
+                          **{f"without_{k}": v for k, v in result.items()}})
     return float_ops, curve
+
+
+def _value(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours: Dict[str, List[str]]) -> float:
+    """Loss per millisecond given back when the op joins the float set: its measured cost,
+    plus a typical op's cost for every new edge between the float set and an int8
+    neighbour (minus one for every such edge it closes), never below 1 % of all costs."""
+    edges = latency.island_edges([*float_ops, row["op"]], neighbours) - latency.island_edges(float_ops, neighbours)
+    spent = costs.get(row["op"], 0.0) + EDGE_WEIGHT * statistics.median(costs.values()) * edges
+    return row["loss"] / max(spent, FLOOR_SHARE * sum(costs.values()), 1e-9)
+
+
+def _float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], costs: dict) -> List[dict]:
+    """Each float op with its accuracy (loss when only it is int8; gain: what putting it
+    back to int8 cost the final set, where the prune measured it) and latency cost."""
+    losses = {r["op"]: r["loss"] for r in ranking}
+    gains = {p["kept"]: p["gain"] for p in curve if p.get("kept")}
+    return [{"op": op, "loss": losses.get(op), "gain": gains.get(op),
+             "cost_ms": costs.get(op)} for op in float_ops]
 
 
 def _write(ctx: StageContext, table, float_ops: List[str], trials, summary) -> StageResult:
@@ -254,6 +347,8 @@ def _write(ctx: StageContext, table, float_ops: List[str], trials, summary) -> S
     write_json(ctx.out_dir / "losses.json", [vars(t) for t in trials])
     files = {"qtable": "qtable.json", "qtable_tpu_mlir": QTABLE_TPU_MLIR, "table": "calibration.json",
              "tpu_mlir": tables.TPU_MLIR_FILE, "losses": "losses.json"}
+    if (ctx.out_dir / "costs.json").exists():
+        files["costs"] = "costs.json"
     return StageResult(ctx.out_dir, files, summary)
 
 

@@ -100,11 +100,59 @@ def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
     summary = sensitivity_summary(run_dir)
     assert summary["float_ops"] and "skipped" not in summary
     assert summary["mixed"]["cosine"] >= 0.99999
-    assert [p["added"] for p in summary["curve"] if p.get("added")] == [r["op"] for r in summary["ranking"]][
-        :len([p for p in summary["curve"] if p.get("added")])]  # ops join in rank order
+    # latency-aware: each ranked op's cost measured on the target's own runtime, each float op's in the report
+    costs = json.loads((run_dir / "stages" / "sensitivity" / "costs.json").read_text())
+    assert set(costs["ops"]) == {r["op"] for r in summary["ranking"]}
+    assert ("OpenVINO" if target == "openvino_cpu" else "ONNX Runtime") in costs["measured_by"]
+    assert all(c["fp32_ms"] > 0 for c in costs["ops"].values())  # every op found in the fp32 profile
+    details = summary["float_op_details"]
+    assert [d["op"] for d in details] == summary["float_ops"]
+    assert all(d["cost_ms"] == costs["ops"][d["op"]]["cost_ms"] for d in details)
+    assert "Ops kept in float" in (run_dir / "report.md").read_text()
     verify = read_report(run_dir)["verify"]
     assert verify["verdict"] == "pass" and verify["effective"]["precision"] == "mixed"
     assert "float_ops" in read_report(run_dir)["build"]["quantization"]
+
+
+class _SumOfLosses:
+    """A stand-in for the whole-model measure, to test the selection's logic alone: the
+    output cosine is 1 - the summed losses of the ops left int8."""
+
+    def __init__(self, losses, goal):
+        self.losses, self.goal, self.calls = losses, goal, 0
+
+    def __call__(self, table, float_ops):
+        self.calls += 1
+        return {"cosine": 1 - sum(v for op, v in self.losses.items() if op not in float_ops), "metric_drop": None}
+
+    def meets(self, result):
+        return result["cosine"] >= self.goal
+
+
+def test_latency_aware_selection_keeps_the_cheap_op_that_is_enough():
+    """A (most sensitive, 5 ms) or B (0.1 ms) alone meets the target: by accuracy alone A
+    stays float, latency-aware B does; with both, the prune drops the costlier first."""
+    from stages.sensitivity import _select_for_target
+
+    losses = {"A": 0.05, "B": 0.04, "C": 0.001}
+    ranking = [{"op": op, "loss": loss} for op, loss in losses.items()]
+    costs = {"A": 5.0, "B": 0.1, "C": 0.1}
+    measure = _SumOfLosses(losses, goal=1 - 0.052)
+    assert _select_for_target(measure, {}, ranking, 8, {}, {})[0] == ["A"]
+    float_ops, curve = _select_for_target(measure, {}, ranking, 8, costs, {})
+    assert float_ops == ["B"] and curve[0]["cost_ms"] == 0.1
+    # a tighter goal needs A and B; starting from both, nothing can go
+    measure = _SumOfLosses(losses, goal=1 - 0.0015)
+    float_ops, curve = _select_for_target(measure, {}, ranking, 8, costs, {})
+    assert sorted(float_ops) == ["A", "B"] and [p.get("kept") for p in curve if p.get("kept")] == ["A", "B"]
+    assert {p["kept"]: round(p["gain"], 6) for p in curve if p.get("kept")} == {"A": 0.05, "B": 0.04}
+    # an op next to a float op closes an island: it is preferred to an equal one that opens another
+    neighbours = {"B": ["C", "D"], "C": ["B"], "D": ["B"], "A": []}
+    losses = {"A": 0.01, "B": 0.05, "C": 0.01, "D": 0.0}
+    ranking = [{"op": op, "loss": loss} for op, loss in losses.items()]
+    measure = _SumOfLosses(losses, goal=1 - 0.015)
+    float_ops, _ = _select_for_target(measure, {}, ranking, 8, {"A": 1.0, "B": 1.0, "C": 1.0, "D": 1.0}, neighbours)
+    assert float_ops[:2] == ["B", "C"]
 
 
 def test_search_measures_verify_cosine_and_starts_from_the_better_table(tmp_path):

@@ -334,18 +334,42 @@ def _sensitivity_section(sensitivity: dict) -> list:
                    Charts([svg_bar_chart([str(r.get("op")) for r in ranking], [r.get("loss") for r in ranking],
                                          title="loss when only this op is int8", x_label="1 - cosine",
                                          value_format=fmt_error)])]
+    details = [d for d in _as_list(sensitivity.get("float_op_details")) if isinstance(d, dict)]
+    if details:
+        latency = _as_dict(sensitivity.get("latency"))
+        about = (f"cost: ms given back when the op stays float ({latency.get('measured_by')}; fp32 "
+                 f"{_fmt_number(latency.get('fp32_ms'), '.2f')} ms, int8 {_fmt_number(latency.get('int8_ms'), '.2f')} "
+                 "ms a run); gain: cosine lost when the prune put it back to int8")
+        blocks += [Heading(3, "Ops kept in float"),
+                   Table(["op", "loss alone (1 - cos)", "gain (cosine)", "cost ms"],
+                         [[str(d.get("op")), fmt_error(d.get("loss")), fmt_error(d.get("gain")),
+                           _fmt_number(d.get("cost_ms"), '.3f')] for d in details]),
+                   Para(about if latency.get("measured_by") else str(latency.get("skipped") or latency.get("error")
+                                                                      or "no latency costs"))]
     curve = [p for p in _as_list(sensitivity.get("curve")) if isinstance(p, dict)]
     if curve:
         blocks += [Heading(3, "Selection"),
-                   Table(["step", "float ops", "cosine", "task metric drop"],
-                         [[("+ " + str(p["added"])) if p.get("added") else
-                           ("best kept" if p.get("kept_best") else "- " + str(p.get("removed"))),
-                           fmt_value(p.get("float_ops")), fmt_cosine(p.get("cosine")), fmt_ratio(p.get("metric_drop", p.get("top1_drop")))]
+                   Table(["step", "float ops", "cosine", "task metric drop", "est. cost ms"],
+                         [[_curve_step(p), fmt_value(p.get("float_ops")),
+                           fmt_cosine(p.get("cosine", p.get("without_cosine"))),
+                           fmt_ratio(p.get("metric_drop", p.get("without_metric_drop", p.get("top1_drop")))),
+                           _fmt_number(p.get("cost_ms"), '.3f')]
                           for p in curve]),
-                   Charts([svg_line_chart([p.get("cosine") for p in curve], title="output cosine per selection step",
-                                          x_label="step", y_label="cosine", value_format=fmt_cosine,
+                   Charts([svg_line_chart([p.get("cosine") for p in curve if not p.get("kept")],
+                                          title="output cosine per selection step", x_label="step",
+                                          y_label="cosine", value_format=fmt_cosine,
                                           threshold=sensitivity.get("expected_cos"), threshold_label="target")])]
     return blocks
+
+
+def _curve_step(point: dict) -> str:
+    if point.get("added"):
+        return "+ " + str(point["added"])
+    if point.get("kept_best"):
+        return "best kept"
+    if point.get("kept"):
+        return f"keep {point['kept']} (int8: misses the target)"
+    return "- " + str(point.get("removed"))
 
 
 def _calibration_section(calibration: dict) -> list:
