@@ -9,6 +9,7 @@ joblib, submitit), so it reads what the jobs wrote rather than their return valu
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -22,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from pipeline.artifacts import atomic_write_bytes, read_json, remove_stale_temps, write_json
-from pipeline.console import stdout_console
+from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, RunFolderBusy, writing
 from pipeline.report.junit import build_junit
 from pipeline.report.render import (Banner, Heading, Items, Para, Table, fmt_device, html_document,
@@ -107,12 +108,44 @@ def job_folder(overrides, sweep_dir: str, number: int) -> str:
     return named or str(number)
 
 
+class QuietSacct(logging.Filter):
+    """submitit polls ``sacct`` for the states of a SLURM sweep's jobs and logs every
+    failure, three lines a poll. On a cluster without slurmdbd (accounting storage
+    disabled) every poll fails, so parity says it once, in its own words."""
+
+    NOTE = ("sacct fails on this cluster (without slurmdbd SLURM has no accounting storage; sacct's own "
+            "'Slurm accounting storage is disabled' repeats at each poll): the sweep learns that a job finished "
+            "from its result file instead, and submitit's sacct errors are not shown. A job that SLURM ends "
+            "before it writes its result (scancel, say) keeps the sweep waiting: watch squeue")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Bypassing sacct error" not in record.getMessage():
+            return True
+        if not self.said:
+            self.said = True
+            stderr_console().print(f"[yellow]warning:[/] {escape(self.NOTE)}", soft_wrap=True)
+        return False
+
+
+def quiet_sacct() -> None:
+    """On submitit's logger, in the process that launches the sweep (the filter stays
+    when submitit configures its logger on import)."""
+    submitit_log = logging.getLogger("submitit")
+    if not any(isinstance(found, QuietSacct) for found in submitit_log.filters):
+        submitit_log.addFilter(QuietSacct())
+
+
 class SweepSummary(Callback):
     def __init__(self) -> None:
         self.sweep_dir: Optional[Path] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        quiet_sacct()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         summary = summarize(self.sweep_dir or Path(config.hydra.sweep.dir))
