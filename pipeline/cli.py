@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import conf
-from pipeline import config
+from pipeline import auto, config
 from pipeline.console import set_plain_progress, stderr_console, stdout_console
 from pipeline.environment import cores, share_cores
 from pipeline.errors import EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault, writing
@@ -97,8 +97,14 @@ def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
     code, error, outcome = ExitCode.INTERNAL, None, None
     try:
         run_cfg = config.validate(cfg)
-        outcome = run_pipeline(run_cfg, run_dir)
+        chosen = None
+        if run_cfg.precision.name.value == "auto":
+            outcome, run_cfg, chosen = auto.run(cfg, run_cfg, run_dir)
+        else:
+            outcome = run_pipeline(run_cfg, run_dir)
         report = assemble(run_cfg, outcome.records, outcome.results)
+        if chosen:
+            report["auto"] = chosen
         _write_run_report(run_dir, report)
         _print_summary(outcome, report)
         code = outcome.exit_code
@@ -175,6 +181,9 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
     profile = outcome.results.get("profile")
     if profile:
         console.print(_profile_line(profile.summary))
+    if report.get("auto"):
+        console.print(_auto_table(report["auto"]))
+        console.print(f"precision=auto shipped {escape(report['auto']['why'])}")
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     colour = {"pass": "green", "fail": "red"}.get(report["verdict"], "yellow")
@@ -185,6 +194,24 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
         console.print(f"bundle: {escape(package.summary['bundle'])}")
     console.print(f"run folder: {escape(str(outcome.run_dir))}")
     console.print(f"reports: {escape(', '.join(REPORT_FILES))} in the run folder")
+
+
+def _auto_table(section: dict) -> Table:
+    """precision=auto's candidates: what each reached, how fast, how big."""
+    table = Table(title="precision=auto candidates", title_justify="left")
+    for column in ("precision", "cosine", "task metric", "speed-up vs fp32", "size", "verdict"):
+        table.add_column(column)
+    for row in section["candidates"]:
+        up = row.get("speedup")
+        speedup = (f"{up['speedup']:.2f}x ({up['speedup_p25']:.2f}-{up['speedup_p75']:.2f})" if up
+                   else "1.00x (reference)" if row["precision"] == "fp32" and row.get("latency") else "-")
+        metric = f"{row['metric']} {row['metric_value']:.4f}" if row.get("metric_value") is not None else "-"
+        verdict = row["verdict"] + (" (shipped)" if row["precision"] == section["chosen"] else "") + (
+            " (reference only)" if row["precision"] in section.get("reference_only", []) else "")
+        size = f"{row['bytes'] / 1e6:.2f} MB" if row.get("bytes") else "-"
+        table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-", metric,
+                      speedup, size, escape(verdict))
+    return table
 
 
 def _speed_line(verify: dict) -> str:

@@ -35,6 +35,7 @@ class Precision(Enum):
     bf16 = "bf16"
     int8 = "int8"
     mixed = "mixed"
+    auto = "auto"  # every precision the target builds, the fastest that passes (pipeline/auto.py)
 
 
 class CalibrationMethod(Enum):
@@ -195,6 +196,8 @@ class PrecisionConfig:
     # Ops (ONNX node names) kept in fp32 in fp16, int8 and mixed builds, on top of what the
     # pre-flight or the sensitivity search chose: how a verify recommendation is applied.
     keep_float: List[str] = field(default_factory=list)
+    # precision=auto only: the precisions tried (null: the target backend's AUTO_CANDIDATES)
+    candidates: Optional[List[str]] = None
 
 
 @dataclass
@@ -224,7 +227,7 @@ class SensitivityConfig:
     # select=target: task-metric (metric group) drop allowed; null: validation.max_metric_drop
     max_drop: Optional[float] = None
     top_n: int = 5  # select=top_n: this many of the most sensitive ops stay float
-    samples: int = 30  # validation samples the search measures on
+    samples: int = 8  # validation samples the per-layer ranking measures on (the selection: all of them)
     screen: int = 2  # methods measured in full per op after the SQNR screen (0: all)
     max_float_ops: int = 32  # select=target gives up beyond this many float ops
     # select=target: weigh each op's accuracy against its latency cost on the target (ONNX
@@ -370,7 +373,7 @@ def _check_combinations(run: RunConfig) -> None:
     from stages import STAGE_NAMES
 
     backend = backends.spec(run.target.backend.value)
-    if run.precision.name.value not in backend.PRECISIONS:
+    if run.precision.name.value not in (*backend.PRECISIONS, "auto"):
         raise ConfigError(
             f"precision={run.precision.name.value} is not supported by target {run.target.name} "
             f"(backend {backend.NAME}); allowed: {', '.join(backend.PRECISIONS)}")
@@ -381,7 +384,8 @@ def _check_combinations(run: RunConfig) -> None:
     if run.target.device.upper() not in backend.DEVICES:
         raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
                           f"{', '.join(backend.DEVICES)}")
-    problem = backend.check_config(run.target, run.precision.name.value) if hasattr(backend, "check_config") else None
+    problem = (backend.check_config(run.target, run.precision.name.value)
+               if hasattr(backend, "check_config") and run.precision.name.value != "auto" else None)
     if problem:
         raise ConfigError(problem)
     unknown = [s for s in run.pipeline.stages if s not in STAGE_NAMES]

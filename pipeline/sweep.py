@@ -235,7 +235,17 @@ def _from_report(report: dict, folder: Path, sweep_dir: Path) -> dict:
             "profile": _profile_brief(report.get("profile")),
             "stages": {s["stage"]: s["status"] for s in report.get("stages") or []},
             "side_by_side": ((report.get("environment") or {}).get("cores") or {}).get("jobs_side_by_side", 1),
-            "bundle": bundles[0].relative_to(sweep_dir).as_posix() if bundles else None}
+            "bundle": bundles[0].relative_to(sweep_dir).as_posix() if bundles else None,
+            "auto": _auto_brief(report.get("auto"))}
+
+
+def _auto_brief(section: Optional[dict]) -> Optional[dict]:
+    """precision=auto: what the job shipped and its measured speed-up over fp32."""
+    if not section:
+        return None
+    chosen = next((row for row in section["candidates"] if row["precision"] == section["chosen"]), {})
+    return {"chosen": section["chosen"], "speedup": (chosen.get("speedup") or {}).get("speedup"),
+            "why": section.get("why")}
 
 
 def _profile_brief(profile: Optional[dict]) -> Optional[dict]:
@@ -368,6 +378,9 @@ def _cell(job: dict, best: bool) -> str:
     if job["verdict"] == "error":
         return f"error (exit {job['exit_code']})"
     parts = [("★ " if best else "") + f"{job['verdict']} (exit {job['exit_code']})"]
+    if job.get("auto"):
+        up = job["auto"]["speedup"]
+        parts.append(f"shipped {job['auto']['chosen']}" + (f" {up:.2f}x fp32" if up is not None else ""))
     if job.get("cosine") is not None:
         parts.append(f"cos {job['cosine']:.6f}")
     if job.get("top1") is not None:

@@ -25,7 +25,7 @@ import yaml
 from filelock import FileLock
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import run_cli
+from conftest import TEST_PRECISION, run_cli
 from pipeline.archive import safe_extract
 from pipeline.bundle import MANIFEST, content_sha256
 from pipeline.errors import InputError
@@ -47,7 +47,10 @@ def parity(args, cwd, umask=None, file_limit=None, popen=False):
 
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    command = [str(Path(sys.executable).parent / "parity"), *map(str, args)]
+    args = [str(a) for a in args]
+    if not any(a.split("=")[0] == "precision" for a in args):
+        args = [TEST_PRECISION, *args]  # one build per job, as conftest.run_cli runs them
+    command = [str(Path(sys.executable).parent / "parity"), *args]
     if popen:
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=prepare)

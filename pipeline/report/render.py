@@ -310,6 +310,30 @@ def _fmt_speedup(speedup: dict) -> str:
     return text if speedup.get("faster") else f"{text} not faster"
 
 
+def _auto_section(section: dict) -> list:
+    """precision=auto: every candidate, what it reached, and why the shipped one won."""
+    rows = []
+    for row in [r for r in _as_list(section.get("candidates")) if isinstance(r, dict)]:
+        up = _as_dict(row.get("speedup"))
+        speedup = _fmt_speedup(up) if up else ("1.00x (reference)" if row.get("latency") else "-")
+        metric = (f"{row.get('metric')} {_fmt_number(row.get('metric_value'), '.4f')}"
+                  if row.get("metric_value") is not None else "-")
+        shipped = " (shipped)" if row.get("precision") == section.get("chosen") else ""
+        rows.append([str(row.get("precision")), fmt_cosine(row.get("cosine")), metric, speedup,
+                     _fmt_number((row.get("bytes") or 0) / 1e6, ".2f") + " MB" if row.get("bytes") else "-",
+                     f"{row.get('verdict')}{shipped}", "; ".join(map(str, _as_list(row.get("reasons"))))[:200]])
+    charts = [(str(r.get("precision")), _as_dict(r.get("speedup")).get("speedup", 1.0 if r.get("latency") else None))
+              for r in _as_list(section.get("candidates")) if isinstance(r, dict)]
+    charts = [(name, value) for name, value in charts if value is not None]
+    blocks = [Heading(2, "precision=auto"), Para(f"Shipped {section.get('why')}."),
+              Table(["precision", "cosine", "task metric", "speed-up vs fp32", "size", "verdict", "reasons"], rows)]
+    if charts:
+        blocks.append(Charts([svg_bar_chart([n for n, _ in charts], [v for _, v in charts],
+                                            title="speed-up over fp32 (interleaved rounds)", x_label="x fp32",
+                                            value_format=lambda v: f"{v:.2f}x")]))
+    return blocks
+
+
 def _sensitivity_section(sensitivity: dict) -> list:
     blocks: list = [Heading(2, "Sensitivity search (ops kept in float)")]
     if sensitivity.get("skipped") and not sensitivity.get("int8"):
@@ -959,6 +983,8 @@ def build_document(report: dict) -> list:
     if not isinstance(report, dict):
         raise TypeError(f"report must be a dict, got {type(report).__name__}")
     blocks = _header_section(report)
+    if isinstance(report.get("auto"), dict):
+        blocks += _auto_section(report["auto"])
     if isinstance(report.get("verify"), dict):
         verify = report["verify"]
         blocks += _verification_section(verify)

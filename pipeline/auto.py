@@ -1,0 +1,202 @@
+"""``precision=auto``: build and verify every precision the target can build, time the
+builds side by side, and ship the fastest one that passes.
+
+Each candidate is an ordinary run of the configured stages up to verify, in
+``candidates/<precision>/`` of the run folder, with that precision's own defaults and
+thresholds (``conf/precision/<name>.yaml``; ``precision.*`` overrides given with auto apply
+to every candidate that has the key). The stage cache makes the shared work happen once:
+convert for all, calibrate for int8 and mixed. The passing builds and the fp32 build are
+then timed interleaved in rounds (pipeline/speed.py, the target's own threads); the winner
+is the fastest by median latency, and among the builds whose spread overlaps the fastest's
+(p25 of one below p75 of the other), the smaller artifact, then the higher precision.
+The winner's configuration then runs the whole pipeline in the run folder (its stages up
+to verify served from the cache), so the bundle, report and exit code are the winner's,
+with the candidate table added (``report.json`` ``auto``). When nothing passes, the
+candidate closest to passing (highest output cosine) runs instead, and its failing verdict,
+reasons and recommendations are the run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+import conf
+from pipeline import backends, config, speed
+from pipeline.errors import BackendCrashed, ConfigError, ParityError, first_line
+from pipeline.runner import RunOutcome, run_pipeline
+
+log = logging.getLogger("parity")
+PRECISION_FILES = Path(conf.__file__).parent / "precision"
+# higher first: on a tie in speed and size the build closer to the model's own numbers wins
+FIDELITY = ("fp32", "bf16", "fp16", "mixed", "int8")
+NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
+# What auto tries per backend by default, as far as the backend builds it (PRECISIONS):
+# the precisions that can be faster than fp32 there. ONNX Runtime's fp16 runs in float on
+# CPUs (no fp16 kernels); OpenVINO's bf16 only where the CPU computes it (NATIVE_BF16).
+DEFAULT_CANDIDATES = {"onnxruntime": ["fp32", "int8", "mixed"], "openvino": ["fp32", "bf16", "int8", "mixed"],
+                      "ncnn": ["fp32", "fp16", "int8"], "mnn": ["fp32", "fp16", "int8"]}
+NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
+
+
+def candidates(run_cfg) -> List[str]:
+    """precision.candidates, or the backend's DEFAULT_CANDIDATES that it builds on this CPU."""
+    backend = backends.spec(run_cfg.target.backend.value)
+    if run_cfg.precision.candidates:
+        wanted = list(run_cfg.precision.candidates)
+        unknown = [p for p in wanted if p not in backend.PRECISIONS]
+        if unknown:
+            raise ConfigError(f"precision.candidates: target {run_cfg.target.name} cannot build {unknown[0]!r}; "
+                              f"allowed: {', '.join(backend.PRECISIONS)}")
+        return wanted
+    from pipeline.environment import cpu
+
+    wanted = [p for p in DEFAULT_CANDIDATES.get(backend.NAME, ["fp32"]) if p in backend.PRECISIONS]
+    if backend.NAME == "openvino" and run_cfg.target.device.upper() == "CPU" and not NATIVE_BF16 & set(cpu()["flags"]):
+        wanted.remove("bf16")
+    return wanted
+
+
+def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
+    """The user's composed config with the precision group replaced by ``precision``'s
+    file, keeping the precision.* values the user changed from auto's defaults."""
+    auto_defaults = OmegaConf.load(PRECISION_FILES / "auto.yaml")
+    chosen = OmegaConf.load(PRECISION_FILES / f"{precision}.yaml")
+    for key, value in cfg.precision.items():
+        if key not in ("name", "candidates") and (key not in auto_defaults or auto_defaults[key] != value):
+            chosen[key] = value
+    candidate = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    candidate.precision = chosen
+    return candidate
+
+
+def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, dict]:
+    """(the shipped run's outcome, its validated config, the ``auto`` report section)."""
+    if "verify" not in run_cfg.pipeline.stages:
+        raise ConfigError("precision=auto needs the verify stage in pipeline.stages: it ships what passes verify")
+    tried: Dict[str, dict] = {}
+    configs: Dict[str, Tuple[DictConfig, object]] = {}
+    outcomes: Dict[str, RunOutcome] = {}
+    for precision in _with_reference(candidates(run_cfg)):
+        raw = candidate_config(cfg, precision)
+        try:
+            checked = config.validate(raw)
+        except ConfigError as err:  # e.g. the backend's check_config: this target cannot build it
+            tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [str(err)]}
+            continue
+        configs[precision] = (raw, checked)
+        staged = OmegaConf.to_object(OmegaConf.structured(checked))
+        staged.pipeline.stages = [s for s in checked.pipeline.stages if s not in NOT_CANDIDATE_STAGES]
+        log.info("precision=auto: candidate %s", precision)
+        try:
+            outcomes[precision] = run_pipeline(staged, run_dir / "candidates" / precision)
+        except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
+            tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
+                                "reasons": [str(err)]}
+            continue
+        tried[precision] = _row(precision, outcomes[precision])
+    _time(outcomes, run_cfg, tried)
+    requested = candidates(run_cfg)
+    winner, why = choose({p: row for p, row in tried.items() if p in requested})
+    if winner is None:
+        raise ConfigError(f"precision=auto: no candidate could be built for target {run_cfg.target.name}: "
+                          + "; ".join(f"{p}: {first_line(' '.join(r['reasons']))}" for p, r in tried.items()))
+    raw, checked = configs[winner]
+    outcome = run_pipeline(checked, run_dir)
+    section = {"requested": "auto", "candidates": [tried[p] for p in tried], "chosen": winner, "why": why,
+               "reference_only": [p for p in tried if p not in requested]}
+    return outcome, checked, section
+
+
+def _with_reference(wanted: List[str]) -> List[str]:
+    """fp32 is always built: the speed-ups are against it (not shipped unless a candidate)."""
+    return wanted if "fp32" in wanted else ["fp32", *wanted]
+
+
+def _row(precision: str, outcome: RunOutcome) -> dict:
+    verify = outcome.verify or {}
+    outputs = verify.get("outputs") or []
+    task = verify.get("task") or {}
+    build = outcome.results.get("build")
+    return {"precision": precision, "verdict": verify.get("verdict", "unverified"),
+            "exit_code": int(verify.get("exit_code", 0)), "reasons": list(verify.get("reasons") or []),
+            "cosine": min((o["metrics"]["cosine"] for o in outputs), default=None),
+            "metric": task.get("metric"), "metric_value": task.get("target"), "metric_drop": task.get("drop"),
+            "bytes": build.summary.get("bytes") if build else None,
+            "run_folder": str(outcome.run_dir)}
+
+
+def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> None:
+    """Every passing build and fp32, timed interleaved on one validation sample; speed-ups
+    vs fp32 into the rows."""
+    timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == "fp32")]
+    if "fp32" not in timed or len(timed) < 2:
+        return
+    from pipeline.data import TensorSpec, open_dataset
+    from pipeline.worker import BackendWorker
+
+    validation = run_cfg.validation
+    with contextlib.ExitStack() as stack:
+        workers = {}
+        for precision in timed:
+            build = outcomes[precision].results["build"]
+            settings = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
+            worker = BackendWorker(backends.spec(settings["backend"]).__name__, build.out_dir, settings,
+                                   label=f"{settings['backend']} {precision}", timeout_s=validation.worker_timeout_s,
+                                   memory_mb=validation.worker_memory_mb)
+            stack.callback(worker.close)
+            worker.launch()
+            workers[precision] = worker
+        try:
+            for worker in workers.values():
+                worker.wait_loaded()
+            inputs = [TensorSpec(**spec) for spec in outcomes["fp32"].results["convert"].summary["inputs"]]
+            feeds = next(iter(open_dataset(run_cfg.data, inputs).validation)).feeds
+            timings = speed.interleaved(workers, feeds, validation.timing_rounds, validation.timing_runs,
+                                        validation.timing_max_seconds)
+        except BackendCrashed as err:
+            log.warning("precision=auto: timing stopped: %s", first_line(err))
+            return
+    ups = speed.speedups(timings)
+    for precision in timed:
+        tried[precision]["latency"] = timings[precision]
+        if precision in ups:
+            tried[precision]["speedup"] = ups[precision]
+
+
+def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
+    """(the precision to ship, one line saying why)."""
+    passing = [p for p, r in rows.items() if r["verdict"] == "pass" and "median_ms" in (r.get("latency") or {})]
+    if not passing:
+        built = [p for p, r in rows.items() if r.get("cosine") is not None]
+        if not built:
+            return None, "no candidate was built"
+        best = max(built, key=lambda p: rows[p]["cosine"])
+        if len([p for p, r in rows.items() if r["verdict"] == "pass"]) == 1:  # one passing build, nothing timed
+            only = next(p for p, r in rows.items() if r["verdict"] == "pass")
+            return only, f"{only} is the only candidate that passes"
+        return best, (f"no candidate passes: {best} comes closest (output cosine {rows[best]['cosine']:.6f}); "
+                      "its reasons and recommendations follow")
+    latency = {p: rows[p]["latency"] for p in passing}
+    fastest = min(passing, key=lambda p: latency[p]["median_ms"])
+    tied = [p for p in passing if latency[p]["p25_ms"] <= latency[fastest]["p75_ms"]]
+    winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
+    others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
+    if len(tied) > 1:
+        why = (f"{winner}: as fast as {', '.join(p for p in tied if p != winner)} within the timing spread, "
+               f"{'smaller' if len({rows[p].get('bytes') for p in tied}) > 1 else 'closer to the model'}")
+    else:
+        why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
+    failed = [p for p, r in rows.items() if r["verdict"] != "pass"]
+    return winner, why + (f"; other passing: {others}" if others else "") + (
+        f"; failed: {', '.join(failed)}" if failed else "")
+
+
+def _ratio(row: dict) -> str:
+    up = row.get("speedup")
+    return f"{up['speedup']:.2f}x fp32" if up else "the reference"
