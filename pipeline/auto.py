@@ -90,11 +90,16 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
             tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [str(err)]}
             continue
         configs[precision] = (raw, checked)
-        staged = OmegaConf.to_object(OmegaConf.structured(checked))
-        staged.pipeline.stages = [s for s in checked.pipeline.stages if s not in NOT_CANDIDATE_STAGES]
         log.info("precision=auto: candidate %s", precision)
+        folder = run_dir / "candidates" / precision
         try:
-            outcomes[precision] = run_pipeline(staged, run_dir / "candidates" / precision)
+            built = run_pipeline(_until_build(checked), folder)
+            twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
+            if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
+                tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
+                                    "same_as": twin, "run_folder": str(folder)}
+                continue
+            outcomes[precision] = run_pipeline(_candidate_stages(checked), folder)
         except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
             tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
                                 "reasons": [str(err)]}
@@ -111,6 +116,29 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     section = {"requested": "auto", "candidates": [tried[p] for p in tried], "chosen": winner, "why": why,
                "reference_only": [p for p in tried if p not in requested]}
     return outcome, checked, section
+
+
+def _candidate_stages(checked):
+    staged = OmegaConf.to_object(OmegaConf.structured(checked))
+    staged.pipeline.stages = [s for s in checked.pipeline.stages if s not in NOT_CANDIDATE_STAGES]
+    return staged
+
+
+def _until_build(checked):
+    staged = _candidate_stages(checked)
+    if "build" in staged.pipeline.stages:
+        staged.pipeline.stages = staged.pipeline.stages[:staged.pipeline.stages.index("build") + 1]
+    return staged
+
+
+def _artifact(outcome: RunOutcome) -> Optional[dict]:
+    """The build's artifact files by content (runtime.yaml aside: it names the precision)."""
+    from pipeline.artifacts import sha256_file
+
+    build = outcome.results.get("build")
+    if build is None:
+        return None
+    return {name: sha256_file(build.out_dir / name) for name in build.summary["files"]}
 
 
 def _with_reference(wanted: List[str]) -> List[str]:
@@ -187,14 +215,22 @@ def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
     tied = [p for p in passing if latency[p]["p25_ms"] <= latency[fastest]["p75_ms"]]
     winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
     others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
-    if len(tied) > 1:
-        why = (f"{winner}: as fast as {', '.join(p for p in tied if p != winner)} within the timing spread, "
-               f"{'smaller' if len({rows[p].get('bytes') for p in tied}) > 1 else 'closer to the model'}")
-    else:
+    if winner == fastest:
         why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
-    failed = [p for p, r in rows.items() if r["verdict"] != "pass"]
+        if len(tied) > 1:
+            why += f", and {_tie_edge(winner, tied, rows)} than {', '.join(p for p in tied if p != winner)}"
+    else:
+        why = (f"{winner}: as fast as {fastest} within the timing spread ({_ratio(rows[winner])} against "
+               f"{_ratio(rows[fastest])}), and {_tie_edge(winner, tied, rows)}")
+    failed = [p for p, r in rows.items() if r["verdict"] != "pass" and not r.get("same_as")]
     return winner, why + (f"; other passing: {others}" if others else "") + (
         f"; failed: {', '.join(failed)}" if failed else "")
+
+
+def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:
+    """What decided among builds of the same speed: size, else precision."""
+    sizes = {rows[p].get("bytes") or 0 for p in tied}
+    return "smaller" if len(sizes) > 1 and rows[winner].get("bytes") == min(sizes) else "closer to the model's numbers"
 
 
 def _ratio(row: dict) -> str:

@@ -206,7 +206,8 @@ def _auto_table(section: dict) -> Table:
         speedup = (f"{up['speedup']:.2f}x ({up['speedup_p25']:.2f}-{up['speedup_p75']:.2f})" if up
                    else "1.00x (reference)" if row["precision"] == "fp32" and row.get("latency") else "-")
         metric = f"{row['metric']} {row['metric_value']:.4f}" if row.get("metric_value") is not None else "-"
-        verdict = row["verdict"] + (" (shipped)" if row["precision"] == section["chosen"] else "") + (
+        verdict = row["verdict"] + (f" (exit {row['exit_code']})" if row.get("exit_code") else "") + (
+            " (shipped)" if row["precision"] == section["chosen"] else "") + (
             " (reference only)" if row["precision"] in section.get("reference_only", []) else "")
         size = f"{row['bytes'] / 1e6:.2f} MB" if row.get("bytes") else "-"
         table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-", metric,
