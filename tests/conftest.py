@@ -31,7 +31,7 @@ def run_cli(args, cwd, program="parity", timeout=300, env=None,
     args = [str(a) for a in args]
     if program == "parity" and default_precision and not any(a.split("=")[0].lstrip("+~") == "precision"
                                                              for a in args) and "--help" not in args:
-        args = [default_precision, *args]
+        args = [*args, default_precision]
     command = [str(script), *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

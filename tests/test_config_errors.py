@@ -15,7 +15,7 @@ CASES = [
     (["target.memory_mode=image"], ["target.memory_mode=image", "onnxruntime", "allowed: auto"]),
     (["target=openvino_cpu", "target.memory_mode=buffer"], ["target.memory_mode=buffer", "openvino"]),
     (["precision=bf16"], ["precision=bf16", "ort_cpu", "allowed: fp32"]),
-    (["precision=fp64"], ["precision=fp64", "no such config", "allowed: bf16, fp16, fp32, int8, mixed"]),
+    (["precision=fp64"], ["precision=fp64", "no such config", "allowed: auto, bf16, fp16, fp32, int8, mixed"]),
     (["target=tpu"], ["target=tpu", "allowed: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu"]),
     (["model.path=???"], ["model.path", "a value is required"]),
     (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random, custom]"]),
@@ -49,6 +49,6 @@ def test_config_error_is_exit_2_with_one_line(tmp_path, overrides, phrases):
 def test_help_lists_groups_and_options(tmp_path):
     result = run_cli(["--help"], tmp_path)
     assert result.returncode == 0
-    for phrase in ("target: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu", "precision: bf16, fp16, fp32, int8, mixed", "sensitivity: target, top_n", "model: digits", "data: digits, random"):
+    for phrase in ("target: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu", "precision: auto, bf16, fp16, fp32, int8, mixed", "sensitivity: target, top_n", "model: digits", "data: digits, random"):
         assert phrase in result.stdout
     assert "parity_schema" not in result.stdout.split("== Config ==")[0]

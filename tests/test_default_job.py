@@ -84,14 +84,15 @@ def test_second_run_reuses_stages_and_artifacts(default_run):
 
 def test_changing_one_option_reruns_only_what_depends_on_it(default_run):
     cwd, _, _ = default_run
-    result = run_cli(["validation.min_cosine=0.999"], cwd)
+    result = run_cli(["validation.min_sqnr_db=10"], cwd)  # a verify threshold the search does not aim at
     assert result.returncode == 0, result.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached",
                         "tune": "cached", "verify": "computed", "profile": "cached", "package": "computed"}
     result = run_cli(["target.threads=1"], cwd)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
-    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "computed",
+    # the latency-aware search weighs ops by their cost with the target's own threads: recomputed too
+    assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "computed", "build": "computed",
                         "tune": "computed", "verify": "computed", "profile": "computed", "package": "computed"}
 
 

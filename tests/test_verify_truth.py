@@ -174,7 +174,7 @@ def test_a_partial_float_fallback_is_a_warning_by_default_and_keep_float_must_be
 
 
 def test_a_mixed_build_with_an_empty_qtable_ran_int8_without_a_mismatch(tmp_path):
-    args = ["precision=mixed", "validation.min_cosine=0.99999",
+    args = ["precision=mixed", "validation.min_cosine=0.99999", "sensitivity.expected_cos=0.999",
             "pipeline.stages=[convert,calibrate,sensitivity,build,verify]"]
     result = run_cli(args, tmp_path)
     run_dir = run_dirs(tmp_path)[-1]
