@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
@@ -27,8 +27,8 @@ from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 10  # 9: metric_drop (the metric group) replaces top1_drop; 10: latency-aware selection, the
-# target defaults to verify's thresholds
+VERSION = 11  # 9: metric_drop (the metric group) replaces top1_drop; 10: latency-aware selection, the
+# target defaults to verify's thresholds; 11: ops ranked by cosine and task-metric budget spent
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -78,7 +78,7 @@ def run(ctx: StageContext) -> StageResult:
     prepared = onnx.load(str(calibrate.path("prepared")))
     table = read_json(calibrate.path("table"))["tensors"]
     candidates = read_json(calibrate.path("candidates"))
-    feeds, _, count = _samples(ctx, cfg.sensitivity.samples)  # the per-layer ranking's samples
+    feeds, labels, count = _samples(ctx, cfg.sensitivity.samples)  # the per-layer ranking's samples
     # the skip and the selection are decided on every validation sample, the set verify judges
     measure = _MixedMeasure(prepared, *_samples(ctx, len(ctx.dataset().validation)), cfg)
     try:
@@ -97,8 +97,9 @@ def run(ctx: StageContext) -> StageResult:
                                                                                     _settings(cfg).quantize_ops)))
         trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
                                   _settings(cfg), cfg.sensitivity.screen,
-                                  progress=lambda n: progress.advance(task, n))
-    ranking = _ranking(trials)
+                                  progress=lambda n: progress.advance(task, n),
+                                  score=_ranking_score(prepared, feeds, labels, count, cfg))
+    ranking = _ranking(trials, cfg)
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
     best_table = _best_method_table(prepared, table, candidates, ranking)
     # Each op's best method was found with only that op in int8; together they can do worse
@@ -143,6 +144,14 @@ def goal(cfg) -> tuple:
     if drop is None:
         drop = cfg.validation.max_metric_drop if cfg.validation.max_metric_drop is not None else 0.01
     return cos, drop
+
+
+def _ranking_score(prepared, feeds, labels, count: int, cfg) -> Optional[TaskDrop]:
+    """The task metric's drop on the ranking's samples, when a metric applies to them."""
+    outputs = [o.name for o in prepared.graph.output]
+    reference = BatchRunner(prepared, outputs, count).run(feeds, count)
+    scorer = TaskDrop(cfg, outputs, [reference[name] for name in outputs], labels, count)
+    return scorer if scorer.index is not None else None
 
 
 def _latency_aware(cfg) -> bool:
@@ -191,8 +200,7 @@ class _MixedMeasure:
         reference = self._chunked(prepared, lambda model, feeds, count: BatchRunner(model, self.outputs, count)
                                   .run(feeds, count))
         self.reference = [reference[name] for name in self.outputs]
-        self.metric = load_metric(cfg.metric)
-        self.reference_task = self._task(self.reference)
+        self.task_drop = TaskDrop(cfg, self.outputs, self.reference, labels, count)
         self._models = None
 
     def models(self, table: Dict[str, dict]) -> MixedModels:
@@ -206,12 +214,9 @@ class _MixedMeasure:
         values = self._chunked(model, self._run, self.count if measured_on(self.cfg) == "openvino" else CHUNK)
         actual = [values[name] for name in self.outputs]
         _, sqnr = search.output_loss(self.reference, actual)
-        task = self._task(actual)
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
         cos = float(np.mean([cosine(ref, out) for ref, out in zip(self.reference, actual)]))
-        return {"cosine": cos, "sqnr_db": sqnr,
-                "metric_drop": None if task is None else (self.reference_task - task if self.metric.higher_is_better
-                                                          else task - self.reference_task)}
+        return {"cosine": cos, "sqnr_db": sqnr, "metric_drop": self.task_drop(actual)}
 
     def _chunked(self, model: onnx.ModelProto, run, step: int = CHUNK) -> Dict[str, np.ndarray]:
         """``run(model, feeds, count)`` on ``step`` samples at a time (sample i is the i-th of
@@ -231,34 +236,65 @@ class _MixedMeasure:
             return openvino.run_model(model, feeds, count, self.outputs)
         return BatchRunner(model, self.outputs, count).run(feeds, count)
 
-    def _task(self, outputs: List[np.ndarray]):
-        """The task metric over the search samples; None without one, or when it needs
-        labels the samples lack."""
-        if self.metric is None or (self.metric.needs_labels and self.labels is None):
-            return None
-        name = self.metric.output or self.cfg.validation.task_output or self.outputs[0]
-        if name not in self.outputs:
-            raise ConfigError(f"metric.output: the model has no output {name!r}; outputs: {', '.join(self.outputs)}")
-        index = self.outputs.index(name)
-        scores = self.metric(per_sample(outputs[index], self.count), per_sample(self.reference[index], self.count),
-                             self.labels)
-        return self.metric.aggregate(scores)
-
     def meets(self, result: dict) -> bool:
         cos, max_drop = goal(self.cfg)
         drop = result["metric_drop"]
         return result["cosine"] >= cos and (drop is None or drop <= max_drop + 1e-12)
 
 
-def _ranking(trials) -> List[dict]:
+class TaskDrop:
+    """The task metric's drop (cfg.metric, as verify scores it) of outputs against the float
+    reference outputs of the same ``count`` samples; None without a metric, or when it needs
+    labels the samples lack."""
+
+    def __init__(self, cfg, output_names: List[str], reference: List[np.ndarray], labels, count: int):
+        self.metric, self.labels, self.count = load_metric(cfg.metric), labels, count
+        self.index = None
+        if self.metric is not None and not (self.metric.needs_labels and labels is None):
+            name = self.metric.output or cfg.validation.task_output or output_names[0]
+            if name not in output_names:
+                raise ConfigError(f"metric.output: the model has no output {name!r}; outputs: {', '.join(output_names)}")
+            self.index = output_names.index(name)
+        self.reference = reference
+        self.reference_value = self._value(reference)
+
+    def _value(self, outputs: List[np.ndarray]) -> Optional[float]:
+        if self.index is None:
+            return None
+        scores = self.metric(per_sample(outputs[self.index], self.count),
+                             per_sample(self.reference[self.index], self.count), self.labels)
+        return self.metric.aggregate(scores)
+
+    def __call__(self, outputs: List[np.ndarray]) -> Optional[float]:
+        value = self._value(outputs)
+        if value is None:
+            return None
+        return self.reference_value - value if self.metric.higher_is_better else value - self.reference_value
+
+
+def badness(loss: float, metric_drop: Optional[float], cfg) -> float:
+    """How much of the target's budget one op's int8 spends: its loss over the cosine budget
+    (1 - target cosine), plus its task-metric drop over the allowed drop when a metric is
+    measured; ops are ranked, and their methods chosen, by this."""
+    cos, max_drop = goal(cfg)
+    spent = loss / max(1.0 - cos, 1e-9)
+    if metric_drop is not None:
+        spent += max(metric_drop, 0.0) / max(max_drop, 1e-9)
+    return spent
+
+
+def _ranking(trials, cfg) -> List[dict]:
     """One row per op, its best method by the full measure, most sensitive first."""
     best: Dict[str, search.Trial] = {}
     for trial in trials:
-        if trial.loss is not None and (trial.op not in best or trial.loss < best[trial.op].loss):
+        if trial.loss is None:
+            continue
+        if trial.op not in best or (badness(trial.loss, trial.metric_drop, cfg) <
+                                    badness(best[trial.op].loss, best[trial.op].metric_drop, cfg)):
             best[trial.op] = trial
-    rows = [{"op": t.op, "op_type": t.op_type, "method": t.method, "loss": t.loss, "sqnr_db": t.sqnr_db}
-            for t in best.values()]
-    return sorted(rows, key=lambda r: -r["loss"])
+    rows = [{"op": t.op, "op_type": t.op_type, "method": t.method, "loss": t.loss, "sqnr_db": t.sqnr_db,
+             "metric_drop": t.metric_drop, "badness": badness(t.loss, t.metric_drop, cfg)} for t in best.values()]
+    return sorted(rows, key=lambda r: -r["badness"])
 
 
 def _best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidates, ranking) -> Dict[str, dict]:
@@ -326,7 +362,7 @@ def _value(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours:
     neighbour (minus one for every such edge it closes), never below 1 % of all costs."""
     edges = latency.island_edges([*float_ops, row["op"]], neighbours) - latency.island_edges(float_ops, neighbours)
     spent = costs.get(row["op"], 0.0) + EDGE_WEIGHT * statistics.median(costs.values()) * edges
-    return row["loss"] / max(spent, FLOOR_SHARE * sum(costs.values()), 1e-9)
+    return row.get("badness", row["loss"]) / max(spent, FLOOR_SHARE * sum(costs.values()), 1e-9)
 
 
 def _float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], costs: dict) -> List[dict]:

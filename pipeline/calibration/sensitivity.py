@@ -44,6 +44,7 @@ class Trial:
     op_sqnr_db: Optional[float]  # at the op's own output: the screen
     loss: Optional[float] = None  # 1 - cosine of the network outputs; None: screened out
     sqnr_db: Optional[float] = None  # of the network outputs
+    metric_drop: Optional[float] = None  # the task metric's drop (``score``), when one is given
 
 
 def output_loss(reference: Sequence[np.ndarray], actual: Sequence[np.ndarray]) -> tuple:
@@ -76,8 +77,10 @@ def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_type
 
 def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], feeds: Dict[str, np.ndarray],
               count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
-              screen: int = 2, progress: Optional[Callable[[int], None]] = None) -> List[Trial]:
-    """Every (op, method) trial; screen = methods measured in full per op (0: all)."""
+              screen: int = 2, progress: Optional[Callable[[int], None]] = None,
+              score: Optional[Callable[[List[np.ndarray]], Optional[float]]] = None) -> List[Trial]:
+    """Every (op, method) trial; screen = methods measured in full per op (0: all);
+    ``score(outputs)``: the task metric's drop for the network outputs (in graph order)."""
     nodes = list(model.graph.node)
     outputs = [o.name for o in model.graph.output]
     reference = BatchRunner(model, outputs, count).run(feeds, count)
@@ -95,7 +98,7 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
             # the model takes no plain batch (a batch of 1 baked in, a batch axis other than 0): nor do its suffixes
             one_by_one = not runner.batch_on_axis0
             jobs = [pool.submit(_trials_for_op, model, nodes[index], index, candidates, floats, reference, methods,
-                                settings, screen, count, one_by_one, runner.shapes) for index in chunk]
+                                settings, screen, count, one_by_one, runner.shapes, score) for index in chunk]
             for job in jobs:
                 trials += job.result()
                 if progress:
@@ -108,7 +111,7 @@ def workers() -> int:
 
 
 def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
-                   screen, count, one_by_one: bool, input_shapes: Dict[str, List[int]]) -> List[Trial]:
+                   screen, count, one_by_one: bool, input_shapes: Dict[str, List[int]], score=None) -> List[Trial]:
     initializers = {t.name: t for t in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
     single = node_session(model, node)
@@ -138,6 +141,7 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, s
         by_name = dict(zip([o.name for o in suffix.get_outputs()], produced)) if suffix else {}
         actual = [by_name.get(name, alive.get(name)) for name in [o.name for o in model.graph.output]]
         trial.loss, trial.sqnr_db = output_loss(reference, actual)
+        trial.metric_drop = score(actual) if score else None
     return [trial for trial, _ in trials]
 
 
