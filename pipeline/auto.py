@@ -132,13 +132,16 @@ def _until_build(checked):
 
 
 def _artifact(outcome: RunOutcome) -> Optional[dict]:
-    """The build's artifact files by content (runtime.yaml aside: it names the precision)."""
+    """What runs: the build's files by content and the runtime options it loads them with
+    (OpenVINO's fp32 and bf16 share their files and differ by the precision hint)."""
     from pipeline.artifacts import sha256_file
 
     build = outcome.results.get("build")
     if build is None:
         return None
-    return {name: sha256_file(build.out_dir / name) for name in build.summary["files"]}
+    runtime = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
+    return {"files": {name: sha256_file(build.out_dir / name) for name in build.summary["files"]},
+            "options": runtime.get("options"), "device": runtime.get("device")}
 
 
 def _with_reference(wanted: List[str]) -> List[str]:
