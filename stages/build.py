@@ -23,7 +23,8 @@ from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settin
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 20  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers
+VERSION = 21  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+# 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -38,8 +39,7 @@ def key_config(cfg):
             "bias_correction": cfg.data if _corrects_bias(cfg, backend) else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
-            if _wants_masks(cfg, backend) or (precision.name.value == "int8" and hasattr(backend, "build_int8"))
-            else None,
+            if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.name.value) else None,
             # a compile cache is made for this machine's CPU (pipeline/compile_cache.py)
             "machine": environment.fingerprint() if hasattr(backend, "write_compile_cache") else None}
 
@@ -50,7 +50,7 @@ def _wants_masks(cfg, backend) -> bool:
 
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
-    if _wants_masks(ctx.cfg, backend) or (ctx.cfg.precision.name.value == "int8" and hasattr(backend, "build_int8")) \
+    if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.name.value) \
             or _corrects_bias(ctx.cfg, backend):
         return ctx.dataset().files
     return []
@@ -59,21 +59,36 @@ def external_files(ctx: StageContext) -> List[Path]:
 def _corrects_bias(cfg, backend) -> bool:
     """precision.bias_correction on a QDQ int8/mixed build (not the runtime's own int8 tooling)."""
     name = cfg.precision.name.value
-    return name in ("int8", "mixed") and cfg.precision.bias_correction and \
-        not (name == "int8" and hasattr(backend, "build_int8"))
+    return name in ("int8", "mixed") and cfg.precision.bias_correction and not backends.own_quantizer(backend, name)
 
 
 
 def _own_int8(ctx: StageContext, backend):
-    """int8 through the backend's own offline quantizer, fed parity's calibration samples."""
+    """int8 through the backend's own offline quantizer, fed parity's calibration samples;
+    mixed: the qtable's ops (and precision.keep_float) named to it as ops to keep float."""
+    precision = ctx.cfg.precision.name.value
     samples = [sample.feeds for sample in ctx.dataset().calibration]
     if not samples:
-        raise ConfigError(f"precision=int8 on {backend.NAME} needs calibration samples (data.calibration_size > 0)")
+        raise ConfigError(f"precision={precision} on {backend.NAME} needs calibration samples "
+                          "(data.calibration_size > 0)")
+    extra = {"float_ops": _qtable_float_ops(ctx)} if precision == "mixed" else {}
     try:
         return backend.build_int8(ctx.results["convert"].path("model"), ctx.out_dir, ctx.cfg.target, samples,
-                                  ctx.cfg.calibration.method.value)
+                                  ctx.cfg.calibration.method.value, **extra)
+    except ConfigError:  # a quantizer setting that cannot build this precision
+        raise
     except Exception as err:  # noqa: BLE001 - the runtime's quantizer refused the model
-        raise BackendUnavailable(f"int8: {backend.NAME}'s quantizer failed: {first_line(err)}") from err
+        raise BackendUnavailable(f"{precision}: {backend.NAME}'s quantizer failed: {first_line(err)}") from err
+
+
+def _qtable_float_ops(ctx: StageContext) -> List[str]:
+    """The sensitivity stage's float ops plus precision.keep_float (checked as for Q/DQ builds)."""
+    found = ctx.results.get("sensitivity")
+    if found is None or "qtable" not in found.files:
+        raise ConfigError("precision=mixed needs the sensitivity stage: add it to pipeline.stages before build")
+    prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")), load_external_data=False)
+    float_ops, _ = _requested_float(ctx, prepared, read_json(found.path("qtable"))["float_ops"])
+    return float_ops
 
 
 def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
@@ -167,7 +182,7 @@ def run(ctx: StageContext) -> StageResult:
     convert = ctx.results["convert"]
     onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
     quantization = None
-    own_int8 = precision == "int8" and hasattr(backend, "build_int8")  # the runtime's own int8 tooling
+    own_int8 = backends.own_quantizer(backend, precision)  # the runtime's own int8 tooling
     if own_int8:
         artifacts, settings = _own_int8(ctx, backend)
         quantization = settings.get("options", {}).get("quantization")

@@ -36,6 +36,7 @@ NAME = "verify"
 VERSION = 11  # 10: the task metric (metric group) in task and comparison; 11: OpenVINO's effective
 # precision is the compiled model's execution precision (not weight storage), with a note
 VERSION += 1  # ncnn's CPU layers report fp16 only where ncnn casts activations to fp16 (not on x86)
+VERSION += 1  # MNN mixed: its INT8 baseline and advice trials through MNN's own quantizer
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -290,23 +291,33 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     convert = ctx.results["convert"]
     builds = {}
     if precision != "fp32":
-        builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None)
-    if precision == "mixed":
+        builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None, None)
+    if precision == "mixed" and backends.own_quantizer(backend, precision):
+        builds["int8"] = (None, None, [])  # the runtime's own quantizer, no op kept float
+    elif precision == "mixed":
         int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
         calibrate = ctx.results["calibrate"]
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
                   QdqSettings.resolve(ctx.cfg.precision, backend.NAME), keep_float=ctx.cfg.precision.keep_float)
-        builds["int8"] = (int8, None)  # uncorrected, as the sensitivity search measures plain int8
-    return {name: _Row(*_built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}"))
-            for name, (onnx_path, ir_dir) in builds.items()}
+        builds["int8"] = (int8, None, None)  # uncorrected, as the sensitivity search measures plain int8
+    return {name: _Row(*_built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}",
+                                      float_ops))
+            for name, (onnx_path, ir_dir, float_ops) in builds.items()}
 
 
-def _built_worker(ctx, backend, stack, limits: dict, onnx_path: Path, ir_dir, precision: str, label: str):
-    """(worker, bytes) of a build made here on the target's backend with the run's tuned settings."""
+def _built_worker(ctx, backend, stack, limits: dict, onnx_path: Optional[Path], ir_dir, precision: str, label: str,
+                  own_float_ops: Optional[List[str]] = None):
+    """(worker, bytes) of a build made here on the target's backend with the run's tuned settings;
+    ``own_float_ops``: made by the runtime's own quantizer (build_int8) with these ops float."""
     tune = ctx.results.get("tune")
     tuned = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}  # same settings
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{precision}-")))
-    files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, precision)
+    if own_float_ops is None:
+        files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, precision)
+    else:
+        samples = [sample.feeds for sample in ctx.dataset().calibration]
+        files, settings = backend.build_int8(ctx.results["convert"].path("model"), folder, ctx.cfg.target, samples,
+                                             ctx.cfg.calibration.method.value, float_ops=own_float_ops)
     settings = tuning.apply(backend, {**settings, "device": ctx.cfg.target.device.upper(), "precision": precision,
                                       "outputs": ctx.results["convert"].summary["outputs"]}, tuned)
     size = sum((folder / f).stat().st_size for f in files)
@@ -483,11 +494,15 @@ def _trial_launcher(ctx, backend, stack, limits):
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
 
     def launch(keep: List[str]):
+        label = f"advice keep_float=[{','.join(keep)}]"
+        if backends.own_quantizer(backend, precision.name.value):  # as the build: the runtime's quantizer
+            worker, _ = _built_worker(ctx, backend, stack, limits, None, None, precision.name.value, label,
+                                      [*quantization["float_ops"], *keep])
+            return _loaded(worker)
         path = scratch / f"trial{len(list(scratch.iterdir()))}.onnx"
         build_qdq(calibrate.path("prepared"), table, path, settings, keep_float=[*quantization["float_ops"], *keep])
         _correct_like_the_build(ctx, path)
-        worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.name.value,
-                                  f"advice keep_float=[{','.join(keep)}]")
+        worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.name.value, label)
         return _loaded(worker)
 
     return launch

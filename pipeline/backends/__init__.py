@@ -33,3 +33,10 @@ MODULES = {
 
 def spec(name: str) -> ModuleType:
     return importlib.import_module(MODULES[name])
+
+
+def own_quantizer(backend: ModuleType, precision: str) -> bool:
+    """Whether the backend builds this precision with the runtime's own offline quantizer
+    (``build_int8``, for the precisions in its ``OWN_QUANTIZER``, int8 by default) rather
+    than from parity's Q/DQ model."""
+    return hasattr(backend, "build_int8") and precision in getattr(backend, "OWN_QUANTIZER", ("int8",))

@@ -4,7 +4,9 @@ Conversion calls MNN's converter function ``_tools.mnnconvert([...])`` in-proces
 ``mnnconvert`` console script and ``MNN.tools.mnnconvert.main()`` import a usage logger
 that pip-installs a logging SDK and posts to the network, so nothing under ``MNN.tools``
 is ever imported here. int8 uses MNN's own offline quantizer (``_tools.mnnquant``, the
-``quantized.out`` tool) fed parity's calibration tensors as its "sequence" text input.
+``quantized.out`` tool) fed parity's calibration tensors as its "sequence" text input;
+mixed is the same with the qtable's ONNX ops named in the quantizer's
+``skip_quant_op_names`` (as the MNN ops they became), so that they stay float.
 
 A session is an ``MNN.Interpreter`` session configured by ``runtime.yaml``'s options:
 
@@ -45,7 +47,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 NAME = "mnn"
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "mixed")
+OWN_QUANTIZER = ("int8", "mixed")  # built by MNN's quantizer (build_int8); mixed: the qtable's ops skipped
 RUNTIME_PRECISIONS = ("fp16",)  # fp16 is a session setting (BackendConfig precision), built from the fp32 model
 MEMORY_MODES = ("auto", "buffer", "image")
 DEVICES = ("CPU", "OPENCL", "VULKAN")
@@ -58,7 +61,8 @@ BACKEND_NAMES = {0: "CPU", 1: "METAL", 2: "CUDA", 3: "OPENCL", 4: "AUTO", 5: "NN
 GPU_TUNING = {"none": 1 << 0, "heavy": 1 << 1, "wide": 1 << 2, "normal": 1 << 3, "fast": 1 << 4}  # MNNGpuMode
 GPU_MEMORY = {"auto": 0, "buffer": 1 << 6, "image": 1 << 7}
 PRECISION_MODES = {"normal": 0, "high": 1, "low": 2}  # BackendConfig::PrecisionMode
-DEFAULT_PRECISION = {"fp32": "high", "fp16": "low", "int8": "high"}  # int8: the float parts between int8 ops
+# int8 and mixed: the precision of the float parts between int8 ops
+DEFAULT_PRECISION = {"fp32": "high", "fp16": "low", "int8": "high", "mixed": "high"}
 SESSION_INFO_BACKENDS = 2  # Interpreter::SessionInfoCode
 CACHE_FILE = "tuning.cache"
 TENSOR_MAP = "tensors.json"
@@ -74,6 +78,8 @@ FEATURE_METHODS = {
     "max": ("EMA", "MNN has no plain max-range method; EMA (moving-average min/max ranges) is the closest"),
 }
 AUTO_CANDIDATES = ("KL", "ADMM", "EMA")
+# measured (MNN 3.6.1, digits model): EMA quantizes the ops skip_quant_op_names names; KL and ADMM keep them float
+IGNORES_SKIP = ("EMA",)
 EVAL_SAMPLES = 8  # calibration samples the quantized candidates are compared on
 QUANTIZE_TIMEOUT_S = 3600
 
@@ -82,6 +88,8 @@ _COMPUTE_OPS = {"Convolution", "ConvolutionDepthwise", "Deconvolution", "Deconvo
 _MNN_PASSTHROUGH = {"ConvertTensor", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
 _ONNX_PASSTHROUGH = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"}
 _FLOAT_ELEM_TYPES = {1, 10, 11, 16}  # ONNX float, float16, double, bfloat16
+_ONNX_COMPUTE = {"Conv", "ConvTranspose", "Gemm", "MatMul"}  # what MNN's compute ops stand for
+MAX_FUSED = 6  # single-input ops between a fused MNN op's name and the ONNX op it computes
 
 
 # ---------------------------------------------------------------- runtime imports
@@ -289,11 +297,16 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
 
 
 def _finish(onnx_path: Path, out_dir: Path, target, precision: str, extra: dict,
-            converted: Optional[Path] = None) -> Tuple[List[str], dict]:
+            converted: Optional[Path] = None, feeds: Optional[Dict[str, np.ndarray]] = None) -> Tuple[List[str], dict]:
     """Options, the tensor map and (GPU) the tuning cache next to out_dir/model.mnn;
-    ``converted``: the fp32 MNN model a quantized model.mnn was made from."""
+    ``converted``: the fp32 MNN model a quantized model.mnn was made from; ``feeds``: a
+    sample to run it on, for the map of its compute ops to ONNX nodes (``ops``, which
+    verify's read-back of the ops that ran int8 and float names them by)."""
     options = session_options(target, precision)
-    write_json(out_dir / TENSOR_MAP, tensor_map(onnx_path, out_dir / MODEL, converted))
+    found = tensor_map(onnx_path, out_dir / MODEL, converted)
+    if feeds is not None:
+        found["ops"] = onnx_ops(out_dir / MODEL, onnx_path, feeds)
+    write_json(out_dir / TENSOR_MAP, found)
     options["tensor_map"] = TENSOR_MAP
     options.update(extra)
     files = [MODEL, TENSOR_MAP]
@@ -444,11 +457,13 @@ def _mnn_root(graph: Dict[str, dict], name: str) -> str:
 
 
 def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[str, np.ndarray]],
-               method: str) -> Tuple[List[str], dict]:
+               method: str, float_ops: Sequence[str] = ()) -> Tuple[List[str], dict]:
     """int8 with MNN's offline quantizer: symmetric int8 weights per channel (MAX_ABS),
     activations per tensor with MNN's feature_quantize_method mapped from parity's method
     (``FEATURE_METHODS``; auto quantizes with KL, ADMM and EMA and keeps the model whose
-    outputs agree best with the fp32 MNN model on the first calibration samples)."""
+    outputs agree best with the fp32 MNN model on the first calibration samples).
+    ``float_ops`` (precision=mixed): ONNX nodes kept float, given to the quantizer as
+    ``skip_quant_op_names``; a candidate that still ran one of them in int8 is refused."""
     if not calibration:
         raise ValueError("MNN's quantizer needs calibration samples")
     out_dir = Path(out_dir)
@@ -457,25 +472,17 @@ def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[st
         fp32 = scratch / "fp32.mnn"
         convert(Path(onnx_path), fp32)
         samples_dir = write_samples(calibration, scratch / "samples")
-        forced = _has_batchnorm(fp32)
-        if method == "auto":
-            candidates = list(AUTO_CANDIDATES)
-            reason = "auto: each of MNN's methods quantized the model; kept the best output cosine vs fp32"
-        else:
-            mapped, reason = FEATURE_METHODS[method]
-            candidates = [mapped]
-        if forced:  # MNN's quantizer switches to EMA itself
-            candidates = ["EMA"]
-            reason += "; the converted model keeps BatchNorm ops, for which MNN's quantizer always uses EMA"
+        skip, unmapped = skipped_ops(onnx_ops(fp32, Path(onnx_path), calibration[0]), float_ops)
+        candidates, reason = _candidates(method, _has_batchnorm(fp32), bool(skip))
         eval_feeds = calibration[:EVAL_SAMPLES]
         reference = _outputs_of(fp32, eval_feeds)
         scores, failures = {}, {}
         for candidate in candidates:
             path = scratch / f"int8_{candidate}.mnn"
-            config = quantizer_config(samples_dir, calibration, candidate)
-            write_json(scratch / f"{candidate}.json", config)
+            write_json(scratch / f"{candidate}.json", quantizer_config(samples_dir, calibration, candidate, skip))
             try:
                 quantize(fp32, path, scratch / f"{candidate}.json")
+                _check_skipped(path, skip, calibration[0])
             except RuntimeError as err:
                 failures[candidate] = str(err)
                 continue
@@ -491,9 +498,86 @@ def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[st
                         "samples": len(calibration), "input_type": "sequence (parity's calibration tensors as text)",
                         "output_cosine_vs_fp32": {m: round(s, 6) for m, s in scores.items()},
                         "cosine_samples": len(eval_feeds)}
+        if float_ops:
+            quantization.update({"float_ops": list(float_ops), "skip_quant_op_names": skip,
+                                 "float_ops_not_in_mnn": unmapped})
         if failures:
             quantization["failed"] = failures
-        return _finish(Path(onnx_path), out_dir, target, "int8", {"quantization": quantization}, converted=fp32)
+        return _finish(Path(onnx_path), out_dir, target, "int8", {"quantization": quantization}, converted=fp32,
+                       feeds=calibration[0])
+
+
+def _candidates(method: str, has_batchnorm: bool, skipping: bool) -> Tuple[List[str], str]:
+    """MNN's feature methods to quantize with, and why."""
+    if method == "auto":
+        candidates = list(AUTO_CANDIDATES)
+        reason = "auto: each of MNN's methods quantized the model; kept the best output cosine vs fp32"
+    else:
+        mapped, reason = FEATURE_METHODS[method]
+        candidates = [mapped]
+    if has_batchnorm:  # MNN's quantizer switches to EMA itself
+        candidates = ["EMA"]
+        reason += "; the converted model keeps BatchNorm ops, for which MNN's quantizer always uses EMA"
+    if skipping:
+        kept = [c for c in candidates if c not in IGNORES_SKIP]
+        if not kept:
+            from pipeline.errors import ConfigError
+
+            fix = ("the model keeps BatchNorm ops, which force EMA: use precision=int8" if has_batchnorm
+                   else "use calibration.method=kl, percentile, mse or auto")
+            raise ConfigError(f"precision=mixed on MNN: its EMA quantizer ignores skip_quant_op_names and cannot keep "
+                              f"the qtable's ops float ({fix})")
+        if kept != candidates:
+            reason += "; mixed: EMA left out (it ignores skip_quant_op_names)"
+        candidates = kept
+    return candidates, reason
+
+
+def onnx_ops(mnn_path: Path, onnx_path: Path, feeds: Dict[str, np.ndarray]) -> Dict[str, str]:
+    """{MNN op name: ONNX node} for the compute ops of an MNN model, run once on ``feeds``
+    (op names exist only in a session), mapped as the per-op profile maps them."""
+    from pipeline import profiling
+
+    nodes = profiling.Nodes.load(onnx_path)
+    found = {}
+    for name, op_type, _ in op_census(mnn_path, feeds):
+        if op_type in _COMPUTE_OPS:
+            node = nodes.layer(name, op_type, None, 0.0, _mnn_candidates(name, op_type))["onnx_node"]
+            if node is not None:
+                found[name] = _computing(nodes, node)
+    return found
+
+
+def _computing(nodes, node: str) -> str:
+    """The Conv/Gemm/MatMul upstream of a node through single-input ops: MNN runs a MatMul
+    and the bias Add after it as one Convolution named after the Add (PP-OCR's classifier)."""
+    current = node
+    for _ in range(MAX_FUSED):
+        if nodes.types.get(current) in _ONNX_COMPUTE:
+            return current
+        inputs = nodes.inputs.get(current, [])
+        current = nodes.producers.get(inputs[0]) if len(inputs) == 1 else None
+        if current is None:
+            break
+    return node
+
+
+def skipped_ops(ops: Dict[str, str], float_ops: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(the MNN ops computing the ONNX nodes in ``float_ops``: skip_quant_op_names, the
+    nodes no MNN op computes)."""
+    wanted = set(float_ops)
+    skip = sorted(name for name, node in ops.items() if node in wanted)
+    mapped = set(ops.values())
+    return skip, [node for node in float_ops if node not in mapped]
+
+
+def _check_skipped(mnn_path: Path, skip: List[str], feeds: Dict[str, np.ndarray]) -> None:
+    """The quantized model runs every skipped op in float (read back from MNN's per-op tags)."""
+    if not skip:
+        return
+    still = sorted({name for name, _, int8 in op_census(mnn_path, feeds) if int8 and name in skip})
+    if still:
+        raise RuntimeError(f"MNN's quantizer ignored skip_quant_op_names: {', '.join(still)} ran in int8")
 
 
 def write_samples(calibration: List[Dict[str, np.ndarray]], folder: Path) -> Path:
@@ -515,9 +599,13 @@ def write_samples(calibration: List[Dict[str, np.ndarray]], folder: Path) -> Pat
     return folder
 
 
-def quantizer_config(samples_dir: Path, calibration: List[Dict[str, np.ndarray]], feature_method: str) -> dict:
+def quantizer_config(samples_dir: Path, calibration: List[Dict[str, np.ndarray]], feature_method: str,
+                     skip: Sequence[str] = ()) -> dict:
+    """MNN's quantizer config (tools/quantization calibration.cpp reads these keys);
+    ``skip``: MNN op names left float (skip_quant_op_names, matched against the op names
+    of a session of the fp32 model)."""
     first = calibration[0]
-    return {"path": str(samples_dir), "used_sample_num": len(calibration),
+    return {"path": str(samples_dir), "used_sample_num": len(calibration), "skip_quant_op_names": list(skip),
             "feature_quantize_method": feature_method, "weight_quantize_method": "MAX_ABS",
             "feature_clamp_value": 127, "weight_clamp_value": 127, "quant_bits": 8,
             "batch_size": 1,  # the sequence reader fills one sample per batch
@@ -558,6 +646,12 @@ def _quantize_child(src: str, dst: str, config: str, log: str) -> None:
 
 def _has_batchnorm(mnn_path: Path) -> bool:
     return any(info["op"] == "BatchNorm" for info in _mnn_graph(mnn_path).values())
+
+
+def op_census(mnn_path: Path, feeds: Dict[str, np.ndarray]) -> List[Tuple[str, str, bool]]:
+    """(op name, type, ran in int8) of every op a CPU session of the model runs."""
+    session = Session(mnn_path, {"backend": "CPU", "forward_type": 0, "precision_mode": PRECISION_MODES["high"]})
+    return session._op_census(feeds)
 
 
 def _outputs_of(mnn_path: Path, feeds_list: List[Dict[str, np.ndarray]]) -> List[np.ndarray]:
@@ -799,29 +893,36 @@ class Session:
         float_precision, float_note = "fp32", ""
         if mode != "high":
             float_precision, float_note = self._float_precision(feeds, mode, device)
-        counts = Counter()
-        for op_type, int8 in ops:
+        counts, int8_ops, float_ops = Counter(), [], {}
+        onnx_of = (self._tensor_map or {}).get("ops", {})  # quantized builds: MNN op -> ONNX node
+        for name, op_type, int8 in ops:
             if op_type in _COMPUTE_OPS:
                 counts["int8" if int8 else float_precision] += 1
+                if int8:
+                    int8_ops.append(onnx_of.get(name, name))
+                else:
+                    float_ops[onnx_of.get(name, name)] = op_type
         if counts:
             precision = "mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]
         else:
             precision = float_precision
         result = {"device": device, "precision": precision,
                   "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))}
+        if counts["int8"]:  # the compute ops by what they ran, named as the ONNX nodes they compute
+            result.update({"int8_ops": int8_ops, "float_ops": float_ops})
         notes = [note for note in (fallback_reason(self), float_note) if note]
         if notes:
             result["note"] = "; ".join(notes)
         return result
 
-    def _op_census(self, feeds) -> List[Tuple[str, bool]]:
-        """(op type, ran in int8) of every op the session executes, from MNN's per-op
+    def _op_census(self, feeds) -> List[Tuple[str, str, bool]]:
+        """(op name, op type, ran in int8) of every op the session executes, from MNN's per-op
         callback; MNN names the type of an op run in int8 e.g. "Convolution [ DT_INT8 ]"."""
-        ops: List[Tuple[str, bool]] = []
+        ops: List[Tuple[str, str, bool]] = []
 
         def after(tensors, info):
             kind = str(info.getType())
-            ops.append((kind.split(" [", 1)[0].strip(), "DT_INT8" in kind))
+            ops.append((str(info.getName()), kind.split(" [", 1)[0].strip(), "DT_INT8" in kind))
             return True
 
         self._set_inputs(self._session, feeds)
