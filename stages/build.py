@@ -23,8 +23,8 @@ from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settin
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 21  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
-# 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json
+VERSION = 22  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+# 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json; 22: ncnn int8/mixed
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 

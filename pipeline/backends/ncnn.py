@@ -13,6 +13,12 @@ Build
     pnnx's simplified ONNX (``model.pnnxsim.onnx``, whose node names such as ``Det_1`` are
     the ncnn layer names) by the op's rank among the model's nodes of that type.
 
+    int8 / mixed: build gets parity's Q/DQ model (made from the calibration table, the
+    qtable's ops without Q/DQ); pnnx converts it without its Q/DQ nodes and the layers of
+    the quantized ops are written in ncnn's own int8 format (ncnn_int8.py). ``effective()``
+    reads back which layers run int8 (``int8_layers``) and the quantized ops whose layer
+    runs float (``float_ops``, verify's float-fallback check).
+
 Names: ncnn blob <-> ONNX tensor, ncnn layer <-> ONNX node
     pnnx renames everything (blobs become numbers, layers ``convrelu_0``...) and has no
     option that keeps ONNX names; its intermediate files (``model.pnnx.param``,
@@ -109,8 +115,9 @@ import numpy as np
 NAME = "ncnn"
 VULKAN_DEVICE_TYPES = {0: "discrete GPU", 1: "integrated GPU", 2: "virtual GPU", 3: "CPU"}
 NO_VULKAN_DEVICE = "no Vulkan device: install libvulkan1 and a driver such as mesa-vulkan-drivers"
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
 RUNTIME_PRECISIONS = ("fp16", "bf16")  # runtime switches: build gets the fp32 ONNX model
+QUANTIZED_PRECISIONS = ("int8", "mixed")  # build gets parity's Q/DQ model (ncnn_int8.py)
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU", "VULKAN")
 
@@ -172,6 +179,12 @@ def check_config(target, precision: str) -> Optional[str]:
     device = str(target.device).upper()
     if precision == "bf16" and device != "CPU":
         return "precision=bf16 on ncnn is CPU-only (bf16 storage); use target=ncnn_cpu"
+    if precision in QUANTIZED_PRECISIONS and device == "VULKAN":
+        from pipeline.backends.ncnn_int8 import vulkan_int8_problem
+
+        problem = vulkan_int8_problem(versions()["ncnn"])
+        if problem:
+            return problem
     if precision == "fp16" and not (target.fp16_storage or target.fp16_packed or target.fp16_arithmetic):
         return ("precision=fp16 with target.fp16_storage, fp16_packed and fp16_arithmetic all false runs fp32; "
                 "turn one on or use precision=fp32")
@@ -205,14 +218,22 @@ def runtime_options(target, precision: str) -> dict:
         "use_fp16_packed": bool(fp16 and target.fp16_packed),
         "use_fp16_arithmetic": bool(fp16 and target.fp16_arithmetic),
         "use_bf16_storage": bf16,
+        "use_int8_inference": precision in QUANTIZED_PRECISIONS,
         "layer_masks": {},
     }
 
 
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
+    """int8/mixed: ``onnx_path`` is parity's Q/DQ model; pnnx converts it without its Q/DQ
+    nodes and the quantized ops' layers are written in ncnn's int8 form (ncnn_int8.py)."""
     import onnx
 
+    from pipeline.backends import ncnn_int8
+
     model = onnx.load(str(onnx_path))
+    quantized = None
+    if precision in QUANTIZED_PRECISIONS:
+        model, quantized = ncnn_int8.split_qdq(model)
     inputs = _graph_inputs(model)
     with tempfile.TemporaryDirectory(prefix="parity-pnnx-") as scratch:
         scratch = Path(scratch)
@@ -220,6 +241,8 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
         onnx.save(model, str(source))
         param_path, bin_path = _convert(source, inputs, model)
         mapping = _map_isolated(source, param_path, bin_path, model)
+        if quantized is not None:
+            mapping["int8"] = ncnn_int8.write(param_path, bin_path, mapping.get("layers") or {}, quantized)
         out_dir = Path(out_dir)
         shutil.copyfile(param_path, out_dir / PARAM_FILE)
         shutil.copyfile(bin_path, out_dir / BIN_FILE)
@@ -930,6 +953,7 @@ def _set_options(opt, options: dict) -> None:
     for key, field in _OPTION_FIELDS.items():
         setattr(opt, field, bool(options.get(key, False)))
     opt.use_bf16_packed = bool(options.get("use_bf16_storage", False))
+    opt.use_int8_inference = bool(options.get("use_int8_inference", False))
     for switch in SPEED_SWITCHES:
         if switch in options:
             setattr(opt, switch, bool(options[switch]))
@@ -1190,15 +1214,20 @@ class Session:
 
     def layer_devices(self) -> List[Tuple[str, str, str]]:
         """(ncnn layer, device, precision) of every compute layer, as ncnn runs them."""
+        from pipeline.backends.ncnn_int8 import runs_int8
+
         opt = self._net.opt
         vulkan = bool(opt.use_vulkan_compute)
-        masks = {layer.name: layer.featmask for layer in self._network.layers}
+        params = {layer.name: layer for layer in self._network.layers}
         rows = []
         for layer in self._net.layers():
             if layer.type in _NOT_COMPUTE:
                 continue
-            mask = masks.get(layer.name, 0)
+            mask = params[layer.name].featmask if layer.name in params else 0
             on_gpu = vulkan and bool(layer.support_vulkan) and not mask & MASK_BITS["no_vulkan"]
+            if layer.name in params and runs_int8(params[layer.name], on_gpu, opt):
+                rows.append((layer.name, "VULKAN" if on_gpu else "CPU", "int8"))
+                continue
             fp16_storage = (opt.use_fp16_storage or opt.use_fp16_packed) and not mask & MASK_BITS["no_fp16_storage"]
             fp16_math = opt.use_fp16_arithmetic and not mask & MASK_BITS["no_fp16_arithmetic"]
             bf16 = opt.use_bf16_storage and not mask & MASK_BITS["no_bf16_storage"]
@@ -1211,6 +1240,8 @@ class Session:
         return rows
 
     def effective(self) -> Dict[str, str]:
+        from pipeline.backends import ncnn_int8
+
         rows = self.layer_devices()
         devices = Counter(device for _, device, _ in rows)
         precisions = Counter(precision for _, _, precision in rows)
@@ -1218,12 +1249,20 @@ class Session:
         precision = max(reduced, key=lambda p: precisions[p]) if reduced else "fp32"
         device = "VULKAN" if devices.get("VULKAN") else "CPU"
         layers = ", ".join(f"{name.lower()}: {devices[name]}" for name in ("VULKAN", "CPU") if devices.get(name))
+        int8 = ncnn_int8.read_back(rows, self._network, self._options.get("int8"))
+        if int8:
+            precision, layers = int8["precision"], f"{layers}; {int8['layers']}"
         masked = {layer.name: layer.featmask for layer in self._network.layers if layer.featmask}
         if masked:
             layers += " (masked: " + ", ".join(f"{name}={mask}" for name, mask in masked.items()) + ")"
         opt = self._net.opt
         result = {"device": device, "precision": precision, "layers": layers,
-                  "runtime_options": {"threads": opt.num_threads, **{s: bool(getattr(opt, s)) for s in SPEED_SWITCHES}}}
+                  "runtime_options": {"threads": opt.num_threads, "use_int8_inference": bool(opt.use_int8_inference),
+                                      **{s: bool(getattr(opt, s)) for s in SPEED_SWITCHES}}}
+        if int8:
+            result.update(float_ops=int8["float_ops"], int8_layers=int8["int8_layers"])
+            if int8.get("note"):
+                result["note"] = int8["note"]
         if device == "VULKAN":
             result.update(self._vulkan_device())
         if self._options_vulkan and not self._gpu_count:

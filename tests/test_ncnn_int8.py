@@ -1,0 +1,119 @@
+"""ncnn int8 and mixed, written by parity in ncnn's own int8 format (pipeline/backends/ncnn_int8.py):
+the CLI as users run it on the embedded digits model, the per-layer read-back checked
+against an int8 convolution computed here, Vulkan (lavapipe) running the same int8 math."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import read_report, run_cli, run_dirs, single_bundle
+from ncnn_helpers import NO_VULKAN, cosine, digits_inputs, has_vulkan, reference, require_vulkan
+from pipeline.backends import ncnn as backend
+from pipeline.backends.ncnn_int8 import INT8_TAG, vulkan_int8_problem
+
+pytest.importorskip("ncnn")
+
+QUANTIZED = {"conv1", "conv2", "fc1", "fc2"}  # the digits model's Conv and Gemm ops
+FAST = ["target.threads=1"]  # 2 OpenMP threads per ncnn worker stall on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def int8_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("ncnn-int8")
+    result = run_cli(["target=ncnn_cpu", "precision=int8", *FAST], cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(cwd)[-1]
+    return result, run_dir, read_report(run_dir)
+
+
+def int8_layers(param_path) -> dict:
+    return {layer.name: layer.param(8) for layer in backend.Param.read(param_path).layers if layer.param(8)}
+
+
+def test_int8_cli_passes_with_every_quantized_layer_read_back_as_int8(int8_run):
+    result, run_dir, report = int8_run
+    effective = report["verify"]["effective"]
+    assert effective["device"] == "CPU" and effective["precision"] == "int8"
+    assert set(effective["int8_layers"].values()) == QUANTIZED
+    assert effective["float_ops"] == {}
+    assert "int8: 4 of 4 compute layers" in effective["layers"]
+    assert report["verify"]["outputs"][0]["metrics"]["cosine"] > 0.999
+    bundle = single_bundle(run_dir)
+    assert set(int8_layers(bundle / "model.param")) == set(effective["int8_layers"])
+    runtime = yaml.safe_load((bundle / "runtime.yaml").read_text())
+    assert runtime["precision"] == "int8" and runtime["options"]["use_int8_inference"] is True
+    assert "precision ran" in result.stdout
+
+
+def test_read_back_is_true_the_first_conv_computes_in_int8(int8_run):
+    """The int8 layer's output, extracted from ncnn, is the int8 convolution computed here
+    from the bin's int8 weights and scales (and not the fp32 one)."""
+    import ncnn
+
+    _, run_dir, _ = int8_run
+    bundle = single_bundle(run_dir)
+    data = (bundle / "model.bin").read_bytes()
+    layer = backend.Param.read(bundle / "model.param").layers[1]  # conv1 + relu: 8 outputs, 1x3x3, pad 1
+    assert layer.type == "Convolution" and int.from_bytes(data[:4], "little") == INT8_TAG
+    weights = np.frombuffer(data, np.int8, 72, 4).reshape(8, 1, 3, 3).astype(np.int64)
+    bias, weight_scales, (bottom_scale,) = (np.frombuffer(data, "<f4", n, 76 + 4 * at) for n, at in
+                                            ((8, 0), (8, 8), (1, 16)))
+    x = digits_inputs(1)[0]
+    scaled = x[0, 0].astype(np.float64) * bottom_scale
+    quantized = np.pad(np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), -127, 127), 1).astype(np.int64)
+    sums = np.array([[[np.sum(quantized[i:i + 3, j:j + 3] * weights[o, 0]) for j in range(x.shape[3])]
+                      for i in range(x.shape[2])] for o in range(8)])
+    expected = np.maximum(sums / (bottom_scale * weight_scales[:, None, None]) + bias[:, None, None], 0)
+
+    net = ncnn.Net()
+    net.opt.num_threads, net.opt.use_vulkan_compute, net.opt.use_int8_inference = 1, False, True
+    assert net.load_param(str(bundle / "model.param")) == 0 and net.load_model(str(bundle / "model.bin")) == 0
+    extractor = net.create_extractor()
+    extractor.input("in0", ncnn.Mat(np.ascontiguousarray(x[0])))
+    _, mat = extractor.extract(layer.tops[0])
+    ran = np.array(mat)
+    fp32 = reference(run_dir / "stages" / "convert" / "model.onnx", {"input": x}, ["relu1_out"])["relu1_out"][0]
+    assert np.abs(ran - expected).max() < 1e-4 * np.abs(expected).max()
+    assert np.abs(ran - fp32).max() > 100 * np.abs(ran - expected).max()  # int8 rounding shows
+
+
+def test_mixed_keeps_the_qtable_op_in_fp32_read_back(tmp_path):
+    result = run_cli(["target=ncnn_cpu", "precision=mixed", "sensitivity=top_n", "sensitivity.top_n=1", *FAST],
+                     tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    report = read_report(run_dir)
+    (kept,) = report["build"]["quantization"]["float_ops"]
+    effective = report["verify"]["effective"]
+    assert effective["precision"] == "mixed" and effective["float_ops"] == {}  # kept on purpose: no fallback
+    assert set(effective["int8_layers"].values()) == QUANTIZED - {kept}
+    assert "int8: 3 of 4 compute layers" in effective["layers"]
+    layers = yaml.safe_load((run_dir / "stages" / "build" / "runtime.yaml").read_text())["options"]["layers"]
+    assert layers[kept][0] not in int8_layers(single_bundle(run_dir) / "model.param")
+
+
+@pytest.mark.skipif(not has_vulkan() and not os.environ.get("CI"), reason=NO_VULKAN)
+def test_vulkan_runs_the_int8_layers_with_the_cpu_int8_numbers(tmp_path):
+    require_vulkan()
+    result = run_cli(["target=ncnn_vulkan", "precision=int8"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    effective = read_report(run_dir)["verify"]["effective"]
+    assert effective["device"] == "VULKAN" and effective["precision"] == "int8"
+    assert set(effective["int8_layers"].values()) == QUANTIZED and "vulkan: 6;" in effective["layers"]
+    bundle = single_bundle(run_dir)
+    settings = yaml.safe_load((bundle / "runtime.yaml").read_text())
+    on_cpu = {**settings, "device": "CPU", "options": {**settings["options"], "use_vulkan": False, "threads": 1}}
+    feeds = {"input": digits_inputs(1)[0]}
+    gpu, cpu = (backend.load(bundle, s).run(feeds)["logits"] for s in (settings, on_cpu))
+    fp32 = reference(run_dir / "stages" / "convert" / "model.onnx", feeds)["logits"]
+    assert 1 - cosine(gpu, cpu) < 1e-3 * (1 - cosine(gpu, fp32))  # the same int8 math, not fp32
+
+
+def test_vulkan_int8_needs_an_ncnn_with_vulkan_int8_kernels():
+    assert vulkan_int8_problem("1.0.20261020") is None
+    assert "ncnn 1.0.20250503 turns Vulkan off for int8 layers" in vulkan_int8_problem("1.0.20250503")
