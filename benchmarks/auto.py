@@ -57,8 +57,12 @@ def candidate_table(title: str, report: dict) -> str:
         mark = " <- shipped" if row["precision"] == section["chosen"] else ""
         lines.append(f"  {row['precision']:<10}{row['verdict'][:21]:<22}{cosine:>10}{speed:>30}{size:>10}{mark}")
     fastest = _fastest_passing(section)
-    lines.append(f"  fastest passing by median: {fastest}; shipped: {section['chosen']} "
-                 f"({'the same' if fastest == section['chosen'] else 'a tie within the spread, decided by size/precision'})")
+    if fastest == "-":
+        lines.append(f"  no two passing builds to time; shipped: {section['chosen']}")
+    else:
+        same = fastest == section["chosen"]
+        lines.append(f"  fastest passing by median: {fastest}; shipped: {section['chosen']} "
+                     f"({'the same' if same else 'a tie within the spread, decided by size, then precision'})")
     return "\n".join(lines)
 
 
