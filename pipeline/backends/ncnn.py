@@ -112,6 +112,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+# ncnn's wheel uses libgomp, whose idle threads spin by default: two ncnn workers side by
+# side (verify's target and its fp32 baseline) on a 2-core machine then took 220-340 ms an
+# inference instead of 0.3-0.4 ms, and an int8 verify 65 s instead of 6. libgomp reads this
+# when ncnn is first imported, which is always after this module.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 NAME = "ncnn"
 VULKAN_DEVICE_TYPES = {0: "discrete GPU", 1: "integrated GPU", 2: "virtual GPU", 3: "CPU"}
 NO_VULKAN_DEVICE = "no Vulkan device: install libvulkan1 and a driver such as mesa-vulkan-drivers"
