@@ -7,8 +7,8 @@ thresholds (``conf/precision/<name>.yaml``; ``precision.*`` overrides given with
 to every candidate that has the key). The stage cache makes the shared work happen once:
 convert for all, calibrate for int8 and mixed. The passing builds and the fp32 build are
 then timed interleaved in rounds (pipeline/speed.py, the target's own threads); the winner
-is the fastest by median latency, and among the builds whose spread overlaps the fastest's
-(p25 of one below p75 of the other), the smaller artifact, then the higher precision.
+is the fastest by median latency, and among the builds within its spread (a median no
+slower than its upper quartile), the smaller artifact, then the higher precision.
 The winner's configuration then runs the whole pipeline in the run folder (its stages up
 to verify served from the cache), so the bundle, report and exit code are the winner's,
 with the candidate table added (``report.json`` ``auto``). When nothing passes, the
@@ -215,7 +215,8 @@ def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
                       "its reasons and recommendations follow")
     latency = {p: rows[p]["latency"] for p in passing}
     fastest = min(passing, key=lambda p: latency[p]["median_ms"])
-    tied = [p for p in passing if latency[p]["p25_ms"] <= latency[fastest]["p75_ms"]]
+    # within the spread: a median no slower than the fastest build's upper quartile
+    tied = [p for p in passing if latency[p]["median_ms"] <= latency[fastest]["p75_ms"]]
     winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
     others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
     if winner == fastest:
