@@ -65,21 +65,26 @@ class _Op:
         return self.sum / max(self.count, 1)
 
 
-def correct_file(quantized_path: Path, prepared_path: Path, samples: Iterable[Dict[str, np.ndarray]]) -> dict:
+MAX_JUDGED = 256  # judged_on samples compared with and without the correction
+
+
+def correct_file(quantized_path: Path, prepared_path: Path, samples: Iterable[Dict[str, np.ndarray]],
+                 judged_on: Optional[Iterable[Dict[str, np.ndarray]]] = None) -> dict:
     """``correct`` on a QDQ model file, rewritten in place: how every int8 model parity
     builds from a table (the build, verify's INT8 baseline, tried advice) gets its biases."""
     model = onnx.load(str(quantized_path))
-    summary = correct(model, onnx.load(str(prepared_path)), samples)
+    summary = correct(model, onnx.load(str(prepared_path)), samples, judged_on=judged_on)
     onnx.save(model, str(quantized_path))
     return summary
 
 
 def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]],
-            max_samples: int = MAX_SAMPLES) -> dict:
+            max_samples: int = MAX_SAMPLES, judged_on: Optional[Iterable[Dict[str, np.ndarray]]] = None) -> dict:
     """Correct the biases of ``quantized`` (built from ``prepared``) in place, when that
-    brings the model's outputs closer to fp32 on the samples (it does not on every model:
-    docs/calibration.md). Returns the summary the build records: per corrected op the
-    largest |shift|, the ops skipped, and the output cosine with and without."""
+    brings the model's outputs closer to fp32 on the samples, or on ``judged_on`` when given
+    (it does not on every model: docs/calibration.md). Returns the summary the build
+    records: per corrected op the largest |shift|, the ops skipped, and the output cosine
+    with and without."""
     started = time.perf_counter()
     ops, skipped = quantized_ops(quantized, prepared)
     batches = _batches(samples, max_samples, _batch_size(prepared, [op.source for op in ops]))
@@ -97,6 +102,9 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
             skipped[op.node.name] = reason
         else:
             corrected[op.node.name] = round(float(np.abs(op.shift).max()), 6)
+    if judged_on is not None:
+        batches = _batches(judged_on, MAX_JUDGED, _batch_size(prepared, [op.source for op in ops]))
+        reference = reference_outputs(prepared, batches)
     without, with_ = (output_cosine(model, batches, reference) for model in (quantized, candidate))
     applied = bool(corrected) and with_ >= without
     if applied:
@@ -139,6 +147,13 @@ def measure(ops: List[_Op], quantized: onnx.ModelProto, prepared: onnx.ModelProt
     for op in ops:
         op.session = None
     return reference
+
+
+def reference_outputs(prepared: onnx.ModelProto, batches) -> List[Dict[str, np.ndarray]]:
+    """The fp32 model's outputs per batch."""
+    names = [o.name for o in prepared.graph.output]
+    runner = BatchRunner(prepared, names, len(batches[0]))
+    return [runner.run(pack(batch), len(batch)) for batch in batches]
 
 
 def output_cosine(model: onnx.ModelProto, batches, reference: List[Dict[str, np.ndarray]]) -> float:
