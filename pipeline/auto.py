@@ -7,8 +7,8 @@ thresholds (``conf/precision/<name>.yaml``; ``precision.*`` overrides given with
 to every candidate that has the key). The stage cache makes the shared work happen once:
 convert for all, calibrate for int8 and mixed. The passing builds and the fp32 build are
 then timed interleaved in rounds (pipeline/speed.py, the target's own threads); the winner
-is the fastest by median latency, and among the builds within its spread (a median no
-slower than its upper quartile), the smaller artifact, then the higher precision.
+is the fastest by median latency, and among the builds within its spread (as fast as it
+in at least a quarter of the rounds), the smaller artifact, then the higher precision.
 The winner's configuration then runs the whole pipeline in the run folder (its stages up
 to verify served from the cache), so the bundle, report and exit code are the winner's,
 with the candidate table added (``report.json`` ``auto``). When nothing passes, the
@@ -23,6 +23,7 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
@@ -215,8 +216,7 @@ def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
                       "its reasons and recommendations follow")
     latency = {p: rows[p]["latency"] for p in passing}
     fastest = min(passing, key=lambda p: latency[p]["median_ms"])
-    # within the spread: a median no slower than the fastest build's upper quartile
-    tied = [p for p in passing if latency[p]["median_ms"] <= latency[fastest]["p75_ms"]]
+    tied = [p for p in passing if _as_fast(latency[p], latency[fastest])]
     winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
     others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
     if winner == fastest:
@@ -229,6 +229,16 @@ def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
     failed = [p for p, r in rows.items() if r["verdict"] != "pass" and not r.get("same_as")]
     return winner, why + (f"; other passing: {others}" if others else "") + (
         f"; failed: {', '.join(failed)}" if failed else "")
+
+
+def _as_fast(candidate: dict, fastest: dict) -> bool:
+    """Within the timing spread of the fastest build: as fast in at least a quarter of the
+    rounds (its per-round latency ratio to the fastest's, lower quartile <= 1), so a build
+    slower in three rounds of four never wins on size."""
+    rounds = list(zip(candidate.get("round_medians_ms") or [], fastest.get("round_medians_ms") or []))
+    if not rounds:
+        return candidate["median_ms"] <= fastest["p75_ms"]
+    return float(np.percentile([mine / best for mine, best in rounds], 25, method="lower")) <= 1.0
 
 
 def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:

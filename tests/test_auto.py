@@ -70,13 +70,14 @@ def test_a_candidate_the_target_cannot_build_is_a_config_error(tmp_path):
 
 
 def _row(precision, median, p25, p75, size, verdict="pass"):
+    rounds = [p25, median, median, p75]  # per-round medians, in round order
     return {"precision": precision, "verdict": verdict, "bytes": size, "cosine": 0.999,
-            "latency": {"median_ms": median, "p25_ms": p25, "p75_ms": p75}}
+            "latency": {"median_ms": median, "p25_ms": p25, "p75_ms": p75, "round_medians_ms": rounds}}
 
 
 def test_choose_ties_go_to_the_smaller_then_the_higher_precision():
     rows = {"fp32": _row("fp32", 10.0, 9.5, 10.5, 400), "int8": _row("int8", 5.0, 4.8, 5.2, 100),
-            "mixed": _row("mixed", 5.1, 4.9, 5.3, 150)}
+            "mixed": _row("mixed", 5.1, 4.7, 5.3, 150)}  # faster than int8 in its first round
     assert choose(rows)[0] == "int8"
     rows["mixed"]["bytes"] = 100  # same size, same speed within the spread: the higher precision
     assert choose(rows)[0] == "mixed"
@@ -84,6 +85,16 @@ def test_choose_ties_go_to_the_smaller_then_the_higher_precision():
     assert choose(rows)[0] == "fp32"
     rows["fp32"]["latency"]["median_ms"] = 2.0  # fastest now, and the only one passing
     assert choose(rows)[0] == "fp32"
+
+
+def test_choose_never_ships_a_build_slower_in_three_rounds_of_four_on_size():
+    fp32 = _row("fp32", 10.0, 9.0, 11.0, 400)
+    int8 = _row("int8", 10.5, 9.5, 11.5, 100)  # overlapping quartiles, but each round slower
+    int8["latency"]["round_medians_ms"] = [9.5, 10.5, 10.5, 11.5]
+    fp32["latency"]["round_medians_ms"] = [9.0, 10.0, 10.0, 11.0]
+    assert choose({"fp32": fp32, "int8": int8})[0] == "fp32"
+    int8["latency"]["round_medians_ms"] = [8.9, 10.5, 10.5, 11.5]  # as fast in one round of four: a tie
+    assert choose({"fp32": fp32, "int8": int8})[0] == "int8"
 
 
 ALL_TARGETS = ["ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu", "mnn_opencl", "mnn_vulkan"]
