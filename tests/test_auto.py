@@ -102,12 +102,13 @@ GPU_ONLY = ("mnn_opencl", "mnn_vulkan")  # MNN's pip wheel has no OpenCL / Vulka
 
 
 def test_every_target_works_with_its_defaults_and_the_sweep_names_each_winner(tmp_path):
-    """`parity target=T` with nothing else, for every target, as one sweep: exit 0 wherever
+    """`parity target=T` with nothing else, for every target, as one sweep (two jobs at a time): exit 0 wherever
     the target's device exists (ncnn_vulkan runs on Mesa's lavapipe), the device-fallback
     verdict where it does not; the summary matrix names what each target shipped."""
     import json
 
-    result = run_cli(["-m", f"target={','.join(ALL_TARGETS)}"], tmp_path, default_precision=None, timeout=900)
+    result = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"target={','.join(ALL_TARGETS)}"],
+                     tmp_path, default_precision=None, timeout=900)
     (summary_file,) = (tmp_path / "multirun").glob("*/*/sweep.json")
     jobs = {job["target"]: job for job in json.loads(summary_file.read_text())["jobs"]}
     assert set(jobs) == set(ALL_TARGETS), result.stdout + result.stderr
