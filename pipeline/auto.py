@@ -222,7 +222,7 @@ def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
     if winner == fastest:
         why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
         if len(tied) > 1:
-            why += f", and {_tie_edge(winner, tied, rows)} than {', '.join(p for p in tied if p != winner)}"
+            why += f", and {_tie_edge(winner, tied, rows)}"
     else:
         why = (f"{winner}: as fast as {fastest} within the timing spread ({_ratio(rows[winner])} against "
                f"{_ratio(rows[fastest])}), and {_tie_edge(winner, tied, rows)}")
@@ -242,9 +242,13 @@ def _as_fast(candidate: dict, fastest: dict) -> bool:
 
 
 def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:
-    """What decided among builds of the same speed: size, else precision."""
-    sizes = {rows[p].get("bytes") or 0 for p in tied}
-    return "smaller" if len(sizes) > 1 and rows[winner].get("bytes") == min(sizes) else "closer to the model's numbers"
+    """What decided against each build of the same speed: size, else precision."""
+    size = rows[winner].get("bytes") or 0
+    larger = [p for p in tied if p != winner and (rows[p].get("bytes") or 0) > size]
+    same = [p for p in tied if p != winner and p not in larger]
+    parts = ([f"smaller than {', '.join(larger)}"] if larger else []) + (
+        [f"closer to the model's numbers than {', '.join(same)}"] if same else [])
+    return " and ".join(parts)
 
 
 def _ratio(row: dict) -> str:
