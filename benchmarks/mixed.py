@@ -146,7 +146,7 @@ def parity(args, cwd: Path) -> Path:
     command = [str(Path(sys.executable).parent / "parity"), *map(str, args)]
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
     if result.returncode != 0:
-        raise SystemExit(f"parity {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise SystemExit(f"parity {' '.join(map(str, args))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return sorted((cwd / "outputs").glob("*/*_*"))[-1]
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from mixed import parity  # noqa: E402  (one `parity` run, its run folder)
 from textlines import write_dataset  # noqa: E402
 
 MODEL = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
@@ -50,15 +50,6 @@ def configs(root: Path, calibration: int, validation: int) -> Path:
         f"kind: images\npath: {data}\ncalibration_size: {calibration}\nvalidation_size: {validation}\n"
         "preprocess:\n  keep_aspect: true\n  color: bgr\n  mean: [0.5]\n  std: [0.5]\n  pad_value: 0.0\n")
     return root / "conf"
-
-
-def parity(args, cwd: Path) -> Path:
-    """One `parity` run; its run folder."""
-    command = [str(Path(sys.executable).parent / "parity"), *map(str, args)]
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
-    if result.returncode != 0:
-        raise SystemExit(f"parity {' '.join(map(str, args))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return sorted((cwd / "outputs").glob("*/*_*"))[-1]
 
 
 class Build:

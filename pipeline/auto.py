@@ -83,7 +83,8 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     tried: Dict[str, dict] = {}
     configs: Dict[str, Tuple[DictConfig, object]] = {}
     outcomes: Dict[str, RunOutcome] = {}
-    for precision in _with_reference(candidates(run_cfg)):
+    requested = candidates(run_cfg)
+    for precision in _with_reference(requested):
         raw = candidate_config(cfg, precision)
         try:
             checked = config.validate(raw)
@@ -107,7 +108,6 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
             continue
         tried[precision] = _row(precision, outcomes[precision])
     _time(outcomes, run_cfg, tried)
-    requested = candidates(run_cfg)
     winner, why = choose({p: row for p, row in tried.items() if p in requested})
     if winner is None:
         raise ConfigError(f"precision=auto: no candidate could be built for target {run_cfg.target.name}: "

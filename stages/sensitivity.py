@@ -98,7 +98,7 @@ def run(ctx: StageContext) -> StageResult:
         trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
                                   _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n),
-                                  score=_ranking_score(prepared, feeds, labels, count, cfg))
+                                  scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg))
     ranking = _ranking(trials, cfg)
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
     best_table = _best_method_table(prepared, table, candidates, ranking)
@@ -146,11 +146,9 @@ def goal(cfg) -> tuple:
     return cos, drop
 
 
-def _ranking_score(prepared, feeds, labels, count: int, cfg) -> Optional[TaskDrop]:
+def _ranking_score(prepared, reference: List[np.ndarray], labels, count: int, cfg) -> Optional[TaskDrop]:
     """The task metric's drop on the ranking's samples, when a metric applies to them."""
-    outputs = [o.name for o in prepared.graph.output]
-    reference = BatchRunner(prepared, outputs, count).run(feeds, count)
-    scorer = TaskDrop(cfg, outputs, [reference[name] for name in outputs], labels, count)
+    scorer = TaskDrop(cfg, [o.name for o in prepared.graph.output], reference, labels, count)
     return scorer if scorer.index is not None else None
 
 
@@ -324,8 +322,11 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
     float_ops: List[str] = []
     curve = []
     remaining = list(ranking)
+    edge_ms = EDGE_WEIGHT * statistics.median(costs.values()) if costs else 0.0
+    floor_ms = FLOOR_SHARE * sum(costs.values())
     while remaining and len(float_ops) < max_float_ops:
-        row = max(remaining, key=lambda r: _value(r, float_ops, costs, neighbours)) if costs else remaining[0]
+        row = max(remaining, key=lambda r: _value(r, float_ops, costs, neighbours, edge_ms, floor_ms)) \
+            if costs else remaining[0]
         remaining.remove(row)
         float_ops.append(row["op"])
         result = measure(table, float_ops)
@@ -356,13 +357,14 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
     return float_ops, curve
 
 
-def _value(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours: Dict[str, List[str]]) -> float:
+def _value(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours: Dict[str, List[str]],
+           edge_ms: float, floor_ms: float) -> float:
     """Loss per millisecond given back when the op joins the float set: its measured cost,
-    plus a typical op's cost for every new edge between the float set and an int8
-    neighbour (minus one for every such edge it closes), never below 1 % of all costs."""
+    plus ``edge_ms`` (a typical op's cost) for every new edge between the float set and an
+    int8 neighbour (minus one for every such edge it closes), never below ``floor_ms``."""
     edges = latency.island_edges([*float_ops, row["op"]], neighbours) - latency.island_edges(float_ops, neighbours)
-    spent = costs.get(row["op"], 0.0) + EDGE_WEIGHT * statistics.median(costs.values()) * edges
-    return row.get("badness", row["loss"]) / max(spent, FLOOR_SHARE * sum(costs.values()), 1e-9)
+    spent = costs.get(row["op"], 0.0) + edge_ms * edges
+    return row.get("badness", row["loss"]) / max(spent, floor_ms, 1e-9)
 
 
 def _float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], costs: dict) -> List[dict]:

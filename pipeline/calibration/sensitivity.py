@@ -78,13 +78,15 @@ def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_type
 def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], feeds: Dict[str, np.ndarray],
               count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
               screen: int = 2, progress: Optional[Callable[[int], None]] = None,
-              score: Optional[Callable[[List[np.ndarray]], Optional[float]]] = None) -> List[Trial]:
+              scorer_for: Optional[Callable[[List[np.ndarray]], Optional[Callable]]] = None) -> List[Trial]:
     """Every (op, method) trial; screen = methods measured in full per op (0: all);
-    ``score(outputs)``: the task metric's drop for the network outputs (in graph order)."""
+    ``scorer_for(reference)``: given the float outputs (in graph order), a ``score(outputs)``
+    giving the task metric's drop, or None without a metric."""
     nodes = list(model.graph.node)
     outputs = [o.name for o in model.graph.output]
     reference = BatchRunner(model, outputs, count).run(feeds, count)
     reference = [reference[name] for name in outputs]
+    score = scorer_for(reference) if scorer_for else None
     ops = quantizable_ops(model, candidates, settings.quantize_ops)
     trials: List[Trial] = []
     # One op per core at a time, each in single-threaded sessions: the op's trials are small
