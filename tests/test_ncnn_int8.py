@@ -4,14 +4,13 @@ against an int8 convolution computed here, Vulkan (lavapipe) running the same in
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import yaml
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from ncnn_helpers import NO_VULKAN, cosine, digits_inputs, has_vulkan, reference, require_vulkan
+from ncnn_helpers import cosine, digits_inputs, reference, require_vulkan
 from pipeline.backends import ncnn as backend
 from pipeline.backends.ncnn_int8 import INT8_TAG, vulkan_int8_problem
 
@@ -96,7 +95,6 @@ def test_mixed_keeps_the_qtable_op_in_fp32_read_back(tmp_path):
     assert layers[kept][0] not in int8_layers(single_bundle(run_dir) / "model.param")
 
 
-@pytest.mark.skipif(not has_vulkan() and not os.environ.get("CI"), reason=NO_VULKAN)
 def test_vulkan_runs_the_int8_layers_with_the_cpu_int8_numbers(tmp_path):
     require_vulkan()
     result = run_cli(["target=ncnn_vulkan", "precision=int8"], tmp_path)
