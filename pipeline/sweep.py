@@ -26,8 +26,9 @@ from pipeline.artifacts import atomic_write_bytes, read_json, remove_stale_temps
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, RunFolderBusy, writing
 from pipeline.report.junit import build_junit
-from pipeline.report.render import (Banner, Heading, Items, Para, Table, fmt_device, html_document,
-                                    markdown_document)
+from pipeline.report.document import Banner, Heading, Items, Para, Table
+from pipeline.report.formatting import fmt_device
+from pipeline.report.render import html_document, markdown_document
 
 JOB_FILE = "job.json"
 LOCK_FILE = ".parity.lock"  # held by the run writing the folder
