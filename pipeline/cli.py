@@ -24,9 +24,8 @@ from pipeline import auto, config
 from pipeline.console import set_plain_progress, stderr_console, stdout_console
 from pipeline.environment import cores, share_cores
 from pipeline.errors import EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault, writing
-from pipeline.report import render_html, render_markdown, write_junit
+from pipeline.report import write_junit, write_reports
 from pipeline.report.assemble import assemble
-from pipeline.artifacts import write_json
 from pipeline.runner import RunOutcome, run_pipeline
 from pipeline.sweep import claim_run_folder, packaged_bundles, worst_exit_codes, write_job_record
 
@@ -142,9 +141,7 @@ def _jobs_side_by_side(launcher) -> int:
 
 
 def _write_run_report(run_dir: Path, report: dict) -> None:
-    write_json(run_dir / "report.json", report)
-    (run_dir / "report.md").write_text(render_markdown(report))
-    (run_dir / "report.html").write_text(render_html(report))
+    write_reports(report, run_dir)
     write_junit(report, run_dir / "junit.xml")
 
 

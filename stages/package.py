@@ -19,7 +19,7 @@ from pipeline.archive import write_tar_gz
 from pipeline.artifacts import atomic_directory, hash_tree, remove_stale_temps, sha256_file, write_json
 from pipeline.bundle import REPORTS, compile_cache_entry, content_sha256, is_cache
 from pipeline.errors import writing
-from pipeline.report import render_html, render_markdown
+from pipeline.report import write_reports
 from pipeline.report.assemble import assemble, model_name
 from pipeline.data import preprocess_record
 from pipeline.task_metrics import bundle_record
@@ -84,9 +84,7 @@ def _write_bundle(ctx: StageContext, folder: Path, name: str) -> None:
     verify = ctx.results.get("verify")
     if verify and "reproduce" in verify.files:  # inputs and reference outputs: parity-bundle check
         shutil.copyfile(verify.path("reproduce"), folder / REPRODUCE)
-    write_json(folder / "report.json", report)
-    (folder / "report.md").write_text(render_markdown(report))
-    (folder / "report.html").write_text(render_html(report))
+    write_reports(report, folder)
     write_json(folder / MANIFEST, manifest(folder, name, cfg, report))
 
 
