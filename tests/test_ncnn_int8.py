@@ -106,7 +106,8 @@ def classifier_int8_build(root):
     data = write_dataset(root / "textlines", calibration=16, validation=8)
     for group in ("model", "data"):
         (root / "conf" / group).mkdir(parents=True)
-    (root / "conf" / "model" / "ppocr_cls.yaml").write_text(f"path: {CLS}\nname: ppocr_cls\ninput_shapes:\n  x: {CLS_SHAPE}\n")
+    (root / "conf" / "model" / "ppocr_cls.yaml").write_text(
+        f"path: {CLS}\nname: ppocr_cls\ninput_shapes:\n  x: {CLS_SHAPE}\n")
     (root / "conf" / "data" / "textlines.yaml").write_text(
         f"kind: images\npath: {data}\ncalibration_size: 16\nvalidation_size: 8\npreprocess:\n  keep_aspect: true\n"
         "  color: bgr\n  mean: [0.5]\n  std: [0.5]\n  pad_value: 0.0\n")
