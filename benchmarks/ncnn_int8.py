@@ -1,17 +1,24 @@
 """ncnn int8 vs ncnn fp32 on the PP-OCR text-direction classifier of the rapidocr wheel,
-on the CPU with 1 thread: accuracy and latency side by side.
+on the CPU: accuracy and latency of every int8 variant side by side with fp32, in one run.
 
     pip install -e .[test,ncnn]       # rapidocr-onnxruntime ships the model; DejaVu fonts
     python benchmarks/ncnn_int8.py [--calibration 32] [--validation 64] [--rounds 15]
 
 Data: rendered text lines, upright or rotated 180 degrees (tests/textlines.py), the
-classifier's own preprocessing. Builds, through the `parity` CLI (stages up to build):
-ncnn_cpu fp32 and ncnn_cpu int8 (parity's ncnn int8 format from the calibration table,
-pipeline/backends/ncnn_int8.py). Printed: cosine of the int8 outputs vs the fp32 ones and
-top-1 agreement over the validation lines; latency of both, timed interleaved in rounds
-(pipeline/speed.py: order rotated, median of round medians, speed-up the median of the
-per-round ratios with its quartiles); per layer type, each build's time from ncnn's
-incremental extraction (the profile stage's method), which says where int8 wins or loses.
+classifier's own preprocessing. Builds, through the `parity` CLI (stages up to build),
+ncnn_cpu: fp32; int8 (parity's ncnn int8 format, pipeline/backends/ncnn_int8.py, with
+requantize between int8 convolutions: the default); int8 without requantize
+(target.int8_requantize=false); int8 on the Convolution layers only (the depthwise and
+InnerProduct layers fp32; with and without requantize) and int8 on the projection
+convolutions only (1x1, at least 64 inputs, fewer outputs than inputs), the other ops kept
+float with precision.keep_float. Runtime variants load the fp32 and the default int8 build
+with other ncnn options (2 threads, use_sgemm_convolution off, lightmode off,
+use_packing_layout off): their speed-up is against fp32 with the same options. Printed:
+cosine of each int8 build's outputs vs fp32's and top-1 agreement over the validation
+lines; latency of every build, all timed interleaved in the same rounds (pipeline/speed.py:
+order rotated, median of round medians, speed-up the median of the per-round ratios with
+its quartiles); per layer type, each build's time from ncnn's incremental extraction (the
+profile stage's method), which says where int8 wins or loses.
 """
 
 from __future__ import annotations
@@ -53,14 +60,15 @@ def configs(root: Path, calibration: int, validation: int) -> Path:
 
 
 class Build:
-    """One ncnn build loaded on the CPU with 1 thread, in this process."""
+    """One ncnn build loaded on the CPU (1 thread unless ``options`` say otherwise), in this process."""
 
-    def __init__(self, run: Path):
+    def __init__(self, run: Path, **options):
         from pipeline.backends import ncnn
 
         folder = run / "stages" / "build"
+        self.run_dir = run
         self.settings = yaml.safe_load((folder / "runtime.yaml").read_text())
-        self.settings["options"]["threads"] = 1
+        self.settings["options"] = {**self.settings["options"], "threads": 1, **options}
         self.session = ncnn.load(folder, self.settings)
         self.bytes = sum((folder / name).stat().st_size for name in self.settings["files"])
 
@@ -101,6 +109,88 @@ def cosine(a: list, b: list) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+RUNTIME_VARIANTS = {"2 threads": {"threads": 2}, "sgemm off": {"use_sgemm_convolution": False},
+                    "lightmode off": {"lightmode": False}, "packing off": {"use_packing_layout": False}}
+
+
+def keep_float_lists(run: Path) -> dict:
+    """precision.keep_float of the layer-selection variants, from the default int8 build:
+    variant -> the quantized ops whose layers stay fp32."""
+    from pipeline.backends.ncnn import Param
+
+    options = yaml.safe_load((run / "stages" / "build" / "runtime.yaml").read_text())["options"]
+    layers = {layer.name: layer for layer in Param.read(run / "stages" / "build" / "model.param").layers}
+    ops = options["int8"]["layers"]  # ncnn layer -> ONNX op
+
+    def projection(layer) -> bool:
+        outputs = int(layer.param(0))
+        inputs = int(layer.param(6)) // outputs
+        return layer.param(1) == "1" and inputs >= 64 and outputs < inputs
+
+    conv = {name for name in ops if layers[name].type == "Convolution"}
+    return {"int8, Convolution only": sorted(op for name, op in ops.items() if name not in conv),
+            "int8, projection convs only": sorted(op for name, op in ops.items()
+                                                  if name not in conv or not projection(layers[name]))}
+
+
+def make_builds(root: Path, conf: Path) -> dict:
+    """name -> Build: the parity builds, then the runtime variants of fp32 and int8."""
+    base = ["--config-dir", conf, "model=ppocr_cls", "data=textlines", "target=ncnn_cpu", "target.threads=1"]
+    int8 = [*base, "precision=int8", "pipeline.stages=[convert,calibrate,build]"]
+    runs = {"fp32": parity([*base, "precision=fp32", "pipeline.stages=[convert,build]"], root),
+            "int8": parity(int8, root),
+            "int8, no requantize": parity([*int8, "target.int8_requantize=false"], root)}
+    for name, ops in keep_float_lists(runs["int8"]).items():
+        runs[name] = parity([*int8, f"precision.keep_float=[{','.join(ops)}]"], root)
+        if name == "int8, Convolution only":  # the depthwise layers fp32: requantize only where convs chain
+            runs[f"{name}, no requantize"] = parity([*int8, f"precision.keep_float=[{','.join(ops)}]",
+                                                     "target.int8_requantize=false"], root)
+    builds = {name: Build(run) for name, run in runs.items()}
+    for label, options in RUNTIME_VARIANTS.items():
+        builds[f"fp32, {label}"] = Build(runs["fp32"], **options)
+        builds[f"int8, {label}"] = Build(runs["int8"], **options)
+    return builds
+
+
+def baseline(name: str) -> str:
+    """The fp32 build a variant is compared with: fp32 with the same runtime options."""
+    label = name.split(", ", 1)[-1]
+    return f"fp32, {label}" if label in RUNTIME_VARIANTS else "fp32"
+
+
+def speedup_of(timings: dict, name: str) -> dict:
+    from pipeline.speed import speedups
+
+    return speedups({"fp32": timings[baseline(name)], name: timings[name]})[name]
+
+
+def report(builds: dict, outputs: dict, timings: dict, layers: dict) -> dict:
+    """The table, the per layer type times, and the JSON line; {name: figures}."""
+    figures = {}
+    print("| build | read back | cosine vs ncnn fp32 | top-1 agreement | latency ms | speed-up vs fp32 (p25-p75) "
+          "| bytes |")
+    print("|---|---|---|---|---|---|---|")
+    for name, build in builds.items():
+        if name.startswith("fp32"):
+            print(f"| {name} | fp32 | 1.0000 | 1.0000 | {timings[name]['median_ms']:.3f} | "
+                  f"{'1.00' if name == 'fp32' else 'baseline of ' + name.replace('fp32', 'int8')} | {build.bytes} |")
+            continue
+        value = cosine(outputs[name], outputs["fp32"])
+        agreement = float(np.mean([a.argmax() == b.argmax() for a, b in zip(outputs[name], outputs["fp32"])]))
+        up = speedup_of(timings, name)
+        layers_text = build.session.effective()["layers"].split("; ", 1)[-1]
+        print(f"| {name} | {layers_text} | {value:.4f} | {agreement:.4f} | {timings[name]['median_ms']:.3f} | "
+              f"{up['speedup']:.2f} ({up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}) vs {baseline(name)} | "
+              f"{build.bytes} |")
+        figures[name] = {"cosine": value, "agreement": agreement, "ms": timings[name]["median_ms"], **up}
+    names = list(layers)
+    print("\nper layer type, ms per run (incremental extraction, 1 thread):")
+    print("  " + " | ".join(["layer type", *names]))
+    for kind in sorted(layers["fp32"], key=lambda k: -layers["fp32"][k]):
+        print("  " + " | ".join([kind, *(f"{layers[n].get(kind, 0.0):.4f}" for n in names)]))
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=int, default=32)
@@ -111,44 +201,31 @@ def main() -> None:
     import ncnn
 
     from pipeline.environment import cpu
-    from pipeline.speed import interleaved, speedups
+    from pipeline.speed import interleaved
 
     info = cpu()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU {info['model']}; flags {' '.join(info['flags'])}")
-    print(f"ncnn {ncnn.__version__}, CPU, 1 thread; builds timed interleaved in {args.rounds} rounds "
-          f"of {args.runs} runs (pipeline/speed.py)\n")
+    print(f"ncnn {ncnn.__version__}, CPU; builds timed interleaved in {args.rounds} rounds of {args.runs} runs "
+          f"(pipeline/speed.py)\n")
     with tempfile.TemporaryDirectory(prefix="parity-ncnn-int8-bench-") as scratch:
         root = Path(scratch)
         conf = configs(root, args.calibration, args.validation)
-        base = ["--config-dir", conf, "model=ppocr_cls", "data=textlines", "target=ncnn_cpu", "target.threads=1"]
-        runs = {"fp32": parity([*base, "precision=fp32", "pipeline.stages=[convert,build]"], root),
-                "int8": parity([*base, "precision=int8", "pipeline.stages=[convert,calibrate,build]"], root)}
-        builds = {name: Build(run) for name, run in runs.items()}
+        builds = make_builds(root, conf)
         samples = validation_feeds(conf)
         outputs = {name: [build.run(feeds) for feeds in samples] for name, build in builds.items()}
-        agreement = float(np.mean([a.argmax() == b.argmax() for a, b in zip(outputs["int8"], outputs["fp32"])]))
-        effective = builds["int8"].session.effective()
-        timings = interleaved(builds, {"x": samples[0]["x"]}, args.rounds, args.runs, 120.0)
-        speedup = speedups(timings)["int8"]
-        layers = {name: build.by_layer_type(samples[0], args.runs) for name, build in builds.items()}
-
-    value = cosine(outputs["int8"], outputs["fp32"])
-    print(f"int8 read back: {effective['precision']} ({effective['layers']})")
-    print("| build | cosine vs ncnn fp32 | top-1 agreement | latency ms | speed-up vs fp32 (rounds p25-p75) | bytes |")
-    print("|---|---|---|---|---|---|")
-    print(f"| ncnn fp32 | 1.0000 | 1.0000 | {timings['fp32']['median_ms']:.3f} | 1.00 | {builds['fp32'].bytes} |")
-    print(f"| ncnn int8 | {value:.4f} | {agreement:.4f} | {timings['int8']['median_ms']:.3f} | "
-          f"{speedup['speedup']:.2f} ({speedup['speedup_p25']:.2f}-{speedup['speedup_p75']:.2f}) | "
-          f"{builds['int8'].bytes} |")
-    print("\nper layer type, ms per run (incremental extraction):")
-    for kind in sorted(layers["fp32"], key=lambda k: -layers["fp32"][k]):
-        print(f"  {kind:22s} fp32 {layers['fp32'][kind]:.4f}  int8 {layers['int8'].get(kind, 0.0):.4f}")
+        timings = interleaved(builds, {"x": samples[0]["x"]}, args.rounds, args.runs, 300.0)
+        layers = {name: builds[name].by_layer_type(samples[0], args.runs)
+                  for name in ("fp32", "int8", "int8, no requantize", "int8, Convolution only")}
+    figures = report(builds, outputs, timings, layers)
+    value, up = figures["int8"]["cosine"], figures["int8"]
     print(f"\n  {'met ' if value >= COSINE_GOAL else 'MISS'} int8 cosine vs fp32 >= {COSINE_GOAL}: {value:.4f}")
-    faster = speedup["faster"]
-    print(f"  {'met ' if faster else 'MISS'} int8 faster than fp32 (lower-quartile speed-up > 1): "
-          f"{speedup['speedup_p25']:.2f}")
-    print(json.dumps({"cosine": value, "agreement": agreement, "speedup": speedup,
-                      "fp32_ms": timings["fp32"]["median_ms"], "int8_ms": timings["int8"]["median_ms"]}))
+    print(f"  {'met ' if up['faster'] else 'MISS'} int8 faster than fp32 (lower-quartile speed-up > 1): "
+          f"{up['speedup_p25']:.2f}")
+    fastest = min(figures, key=lambda name: figures[name]["ms"])
+    print(f"  fastest build with int8 layers: {fastest}, {figures[fastest]['ms']:.3f} ms, "
+          f"{figures[fastest]['speedup']:.2f}x {baseline(fastest)} (p25 {figures[fastest]['speedup_p25']:.2f}), "
+          f"cosine {figures[fastest]['cosine']:.4f}")
+    print(json.dumps({"fp32_ms": timings["fp32"]["median_ms"], "builds": figures}))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,9 @@ class TargetConfig:
     # ncnn precision=fp16: when the plain build fails verification, search per-layer
     # feature masks (31=...) on the culprit layers and keep the smallest set that passes
     auto_masks: bool = True
+    # ncnn precision=int8/mixed: keep activations int8 between consecutive int8 convolutions
+    # (int8_scale_term + 100, ncnn's requantize; docs/targets.md "ncnn")
+    int8_requantize: bool = True
     tuning: Tuning = Tuning.none  # MNN GPU backends: kernel tuning at load, cached in the bundle
     mnn_precision: Optional[MnnPrecision] = None  # MNN BackendConfig precision; null: fp32 high, fp16 low
 

@@ -23,9 +23,10 @@ from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settin
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 23  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+VERSION = 24  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
 # 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json; 22: ncnn int8/mixed;
 # 23: a mixed build keeps bias correction only where it does not lower the validation cosine
+# 24: ncnn int8/mixed requantize between int8 convolutions (activation layers folded into them)
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 

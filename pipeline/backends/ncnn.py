@@ -248,7 +248,10 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
         param_path, bin_path = _convert(source, inputs, model)
         mapping = _map_isolated(source, param_path, bin_path, model)
         if quantized is not None:
-            mapping["int8"] = ncnn_int8.write(param_path, bin_path, mapping.get("layers") or {}, quantized)
+            requantize = bool(getattr(target, "int8_requantize", True))
+            mapping["int8"] = ncnn_int8.write(param_path, bin_path, mapping.get("layers") or {}, quantized,
+                                              requantize=requantize)
+            ncnn_int8.remap_fused(mapping, mapping["int8"])
         out_dir = Path(out_dir)
         shutil.copyfile(param_path, out_dir / PARAM_FILE)
         shutil.copyfile(bin_path, out_dir / BIN_FILE)
@@ -1038,6 +1041,8 @@ class Session:
     def __init__(self, artifact_dir: Path, settings: dict):
         import ncnn
 
+        from pipeline.backends import ncnn_int8
+
         global _GPU_USED
         options = dict(settings.get("options", {}))
         self._options = options
@@ -1071,6 +1076,9 @@ class Session:
         if self._net.load_model(str(self._bin_path)) != 0:
             raise RuntimeError(f"ncnn cannot load {self._bin_path.name}")
         self._probed: List[str] = []
+        # blobs a requantizing int8 layer writes as int8 (ncnn_int8.int8_blobs): extracted, divided by their scale
+        runs_int8 = self._net.opt.use_int8_inference or self._net.opt.use_vulkan_compute
+        self._int8_blobs = ncnn_int8.int8_blobs(self._network, options.get("int8")) if runs_int8 else {}
         _SESSIONS.add(self)
 
     # -- running
@@ -1106,6 +1114,8 @@ class Session:
                 if code != 0:
                     raise RuntimeError(f"ncnn could not compute blob {blob} ({name}): error {code}")
                 value = np.array(mat, dtype=np.float32)
+                if blob in self._int8_blobs:  # ncnn casts an int8 blob to float without its scale
+                    value = value / np.float32(self._int8_blobs[blob])
                 shape = self._shapes.get(name)
                 if shape is not None:
                     if int(np.prod(shape)) != value.size:

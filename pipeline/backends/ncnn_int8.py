@@ -29,6 +29,20 @@ for mixed, the sensitivity stage's qtable: its ops have no Q/DQ and stay float):
    (ncnn rounds half away from zero and clamps to [-127, 127], as here). Layers of other
    types computing a quantized op (a MatMul that became a Gemm or MatMul layer) stay fp32:
    the session reports them as ops that ran in float although the build quantized them.
+4. ``plan_requantize`` (on by default; ``target.int8_requantize=false`` turns it off):
+   activations stay int8 between int8 layers, as ncnn2int8's ``fuse_requantize`` writes
+   them (tools/quantize/ncnn2int8.cpp). A Convolution or ConvolutionDepthWise whose output
+   only int8 Convolution / ConvolutionDepthWise layers read (directly, or through a Split
+   whose every output such a layer reads, all with one bottom scale) gets int8_scale_term
+   + 100 (101, 102) and, in the bin right after its bottom scale, the top blob scale: the
+   readers' bottom scale. ncnn then requantizes its int32 sums (scale, bias, fused
+   activation, round, clamp) straight to int8 instead of dequantizing to fp32, and the
+   readers skip their quantize pass (an int8 input blob is taken as it is). An activation
+   layer between them (pnnx leaves HardSwish, Clip, Sigmoid, Mish unfused) is first folded
+   into the producer as its fused activation (param 9/10, as ncnnoptimize's
+   fuse_convolution_activation does), so that the requantized value is the activation's
+   output. An extracted requantized blob comes back as its int8 values: the session
+   divides it by the top scale (``int8_blobs``).
 
 Where the layers' weights are in the bin: a layer's weights follow the weights of every
 layer before it, in the order of the param file, and only ncnn knows how much each layer
@@ -53,6 +67,9 @@ INT8_LAYERS = {
     "InnerProduct": (0, 1, 2, 2, False),
 }
 INT8_SCALE_PARAM = 8
+REQUANTIZE_TERM = 100  # int8_scale_term above 100: the layer outputs int8 (its top blob scale follows in the bin)
+REQUANTIZE_LAYERS = ("Convolution", "ConvolutionDepthWise")  # ncnn2int8's fuse_requantize: producers and readers
+ACTIVATION_PARAM, ACTIVATION_PARAMS = 9, -23310  # activation_type and the activation_params array (key 10)
 DYNAMIC_WEIGHT_PARAM = 19  # Convolution* with the weight as a second input: nothing to quantize
 INT8_TAG = 0x000D4B38  # ModelBin: int8 data follows
 FP32_TAG = 0  # ModelBin: raw fp32 data follows (what pnnx writes with fp16=0)
@@ -162,10 +179,13 @@ def _rewrite(graph, removed: set, rename: Dict[str, str], dequantized: Dict[str,
 # ----------------------------------------------------------------------------- layers
 
 
-def write(param_path: Path, bin_path: Path, layers: Dict[str, List[str]], quantized: Dict[str, dict]) -> dict:
+def write(param_path: Path, bin_path: Path, layers: Dict[str, List[str]], quantized: Dict[str, dict],
+          requantize: bool = True) -> dict:
     """The quantized ops' layers of the converted net in ncnn's int8 form, in place; the
     record of the build options: {"layers": {ncnn layer: ONNX op}, "quantized_ops": {ONNX
-    op: op type}, "float": {ONNX op: why its layer stays fp32}, "scales": {layer: ...}}."""
+    op: op type}, "float": {ONNX op: why its layer stays fp32}, "scales": {layer: ...},
+    "requantized": {layer: its top blob}, "fused": {activation layer: {"into": layer,
+    "blob": the layer's former top blob}}} (``requantize``: plan_requantize)."""
     from pipeline.backends.ncnn import Param
 
     network = Param.read(param_path)
@@ -180,16 +200,22 @@ def write(param_path: Path, bin_path: Path, layers: Dict[str, List[str]], quanti
         return None if found is None else np.sort(np.abs(found))
 
     chosen, floats = assign_layers(quantized, layers, network, weights_of)
-    data, records = quantize_layers(network, data, offsets, {name: quantized[op]["threshold"]
-                                                             for name, op in chosen.items()})
+    thresholds = {name: quantized[op]["threshold"] for name, op in chosen.items()}
+    written, records = quantize_layers(network, data, offsets, thresholds)
+    fused, tops = plan_requantize(network, records) if requantize else ({}, {})
+    if tops:
+        fused = fuse_activations(network, fused)
+        written, records = quantize_layers(network, data, offsets, thresholds, tops)
     for name, op in chosen.items():
         if name not in records:
             floats[op] = "its weights are not fp32 in the bin pnnx wrote"
     network.write(param_path)
-    Path(bin_path).write_bytes(data)
+    Path(bin_path).write_bytes(written)
+    producers = {layer.name: layer for layer in network.layers}
     return {"layers": {name: op for name, op in chosen.items() if name in records},
             "quantized_ops": {op: info["op_type"] for op, info in quantized.items()},
-            "float": floats, "scales": records}
+            "float": floats, "scales": records,
+            "requantized": {name: producers[name].tops[0] for name in tops}, "fused": fused}
 
 
 
@@ -233,10 +259,14 @@ def layer_weights(layer, data: bytes, offset: int) -> Optional[np.ndarray]:
     return np.frombuffer(data, dtype="<f4", count=size, offset=offset + 4)
 
 
-def quantize_layers(network, data: bytes, offsets: Dict[str, int], chosen: Dict[str, float]) -> Tuple[bytes, dict]:
+def quantize_layers(network, data: bytes, offsets: Dict[str, int], chosen: Dict[str, float],
+                    tops: Optional[Dict[str, float]] = None) -> Tuple[bytes, dict]:
     """(the new bin, {layer: its record}) with the ``chosen`` layers ({name: threshold})
-    in ncnn's int8 form; ``network`` (a Param) gets their int8_scale_term, in place."""
+    in ncnn's int8 form; ``network`` (a Param) gets their int8_scale_term, in place. The
+    layers of ``tops`` ({name: top blob scale}) requantize: int8_scale_term + 100, the
+    top blob scale after the bottom blob scale (ncnn's load_model reads it last)."""
     kinds = {layer.name: layer for layer in network.layers}
+    tops = tops or {}
     pieces, position, records = [], 0, {}
     for name in sorted(chosen, key=lambda n: offsets[n]):
         layer, threshold = kinds[name], float(chosen[name])
@@ -250,13 +280,14 @@ def quantize_layers(network, data: bytes, offsets: Dict[str, int], chosen: Dict[
         end = start + 4 + 4 * weights.size + (4 * outputs if int(layer.param(bias_param) or 0) else 0)
         quantized, scales = _quantize_rows(weights.reshape(rows, -1))
         bottom_scale = INT8_MAX / threshold
+        top = [float(tops[name])] if name in tops else []
         pieces += [data[position:start], INT8_TAG.to_bytes(4, "little"), quantized.tobytes(),
                    bytes(-quantized.size % 4), data[start + 4 + 4 * weights.size:end],
-                   scales.astype("<f4").tobytes(), np.float32(bottom_scale).astype("<f4").tobytes()]
+                   scales.astype("<f4").tobytes(), np.array([bottom_scale, *top], "<f4").tobytes()]
         position = end
-        layer.set_param(INT8_SCALE_PARAM, term)
+        layer.set_param(INT8_SCALE_PARAM, term + (REQUANTIZE_TERM if top else 0))
         records[name] = {"type": layer.type, "threshold": threshold, "bottom_scale": bottom_scale,
-                         "weight_scales": int(scales.size)}
+                         "weight_scales": int(scales.size), **({"top_scale": top[0]} if top else {})}
     pieces.append(data[position:])
     return b"".join(pieces), records
 
@@ -269,6 +300,132 @@ def _quantize_rows(weights: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     scaled = weights.astype(np.float64) * scales[:, None].astype(np.float64)
     rounded = np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)
     return np.clip(rounded, -INT8_MAX, INT8_MAX).astype(np.int8), scales
+
+
+# ----------------------------------------------------------------------------- requantize
+
+
+def plan_requantize(network, records: Dict[str, dict]) -> Tuple[Dict[str, str], Dict[str, float]]:
+    """({activation layer: the int8 layer it folds into}, {int8 layer: its top blob scale})
+    for the int8 layers (``records``: quantize_layers') whose output stays int8: a
+    Convolution or ConvolutionDepthWise, followed by nothing or by one foldable activation
+    layer, whose output only int8 Convolution / ConvolutionDepthWise layers read, all with
+    one bottom scale (ncnn2int8's fuse_requantize: directly or through one Split)."""
+    readers = _readers(network)
+    fused: Dict[str, str] = {}
+    tops: Dict[str, float] = {}
+    for layer in network.layers:
+        if layer.name not in records or layer.type not in REQUANTIZE_LAYERS or len(layer.tops) != 1:
+            continue
+        activation = _activation_after(layer, readers)
+        targets = _int8_readers((activation or layer).tops[0], readers, records)
+        scales = {records[name]["bottom_scale"] for name in targets or []}
+        if len(scales) == 1:
+            tops[layer.name] = scales.pop()
+            if activation is not None:
+                fused[activation.name] = layer.name
+    return fused, tops
+
+
+def _readers(network) -> Dict[str, list]:
+    found: Dict[str, list] = {}
+    for layer in network.layers:
+        for blob in layer.bottoms:
+            found.setdefault(blob, []).append(layer)
+    return found
+
+
+def _activation_after(layer, readers):
+    """The activation layer that can fold into ``layer`` (it has no fused activation and
+    is the only reader of its output), or None."""
+    users = readers.get(layer.tops[0], [])
+    if int(layer.param(ACTIVATION_PARAM) or 0) or len(users) != 1:
+        return None
+    user = users[0]
+    simple = len(user.bottoms) == 1 and len(user.tops) == 1 and not user.featmask
+    return user if simple and fused_activation(user) is not None else None
+
+
+def _int8_readers(blob: str, readers: Dict[str, list], records: Dict[str, dict]) -> Optional[List[str]]:
+    """The int8 Convolution / ConvolutionDepthWise layers reading ``blob`` (through Splits),
+    or None when anything else reads it (or nothing: a net output)."""
+    found: List[str] = []
+    for user in readers.get(blob) or [None]:
+        if user is not None and user.type == "Split":
+            below = [_int8_readers(top, readers, records) for top in user.tops]
+            if any(names is None for names in below):
+                return None
+            found += [name for names in below for name in names]
+        elif user is not None and user.name in records and user.type in REQUANTIZE_LAYERS and len(user.bottoms) == 1:
+            found.append(user.name)
+        else:
+            return None
+    return found
+
+
+FLT_MAX = "3.40282347e+38"
+
+
+def fused_activation(layer) -> Optional[List[str]]:
+    """An activation layer as a convolution's fused activation (param 9 activation_type,
+    array 10 activation_params), as ncnnoptimize's fuse_convolution_activation writes it;
+    None for other layers (and a ReLU with a slope array)."""
+    first, second = layer.param(0), layer.param(1)
+    if layer.type == "ReLU":
+        return ["9=1"] if float(first or 0) == 0 else ["9=2", f"{ACTIVATION_PARAMS}=1,{first}"]
+    if layer.type == "Clip":
+        return ["9=3", f"{ACTIVATION_PARAMS}=2,{first or '-' + FLT_MAX},{second or FLT_MAX}"]
+    if layer.type in ("Sigmoid", "Mish"):
+        return [f"9={4 if layer.type == 'Sigmoid' else 5}"]
+    if layer.type == "HardSwish":
+        return ["9=6", f"{ACTIVATION_PARAMS}=2,{first or '0.2'},{second or '0.5'}"]
+    return None
+
+
+def fuse_activations(network, fused: Dict[str, str]) -> Dict[str, dict]:
+    """The activation layers of ``fused`` folded into their producers, in place:
+    {activation layer: {"into": producer, "blob": the producer's former top blob}}."""
+    layers = {layer.name: layer for layer in network.layers}
+    done = {}
+    for name, into in fused.items():
+        activation, producer = layers[name], layers[into]
+        done[name] = {"into": into, "blob": producer.tops[0]}
+        producer.params = [t for t in producer.params if t.partition("=")[0] not in ("9", "10", str(ACTIVATION_PARAMS))]
+        producer.params += fused_activation(activation)
+        producer.tops = list(activation.tops)
+    network.layers = [layer for layer in network.layers if layer.name not in fused]
+    network.blob_count -= len(fused)
+    network._producers = None
+    return done
+
+
+def remap_fused(mapping: dict, record: dict) -> None:
+    """The build's name mapping after fuse_activations, in place: the ops an activation
+    layer computed are computed by the layer it folded into; that layer's former output
+    blob is gone (its tensor is no longer exposed, like a Conv output inside pnnx's convrelu)."""
+    fused = record.get("fused") or {}
+    gone = {info["blob"] for info in fused.values()}
+    into = {name: info["into"] for name, info in fused.items()}
+    mapping["layers"] = {op: list(dict.fromkeys(into.get(name, name) for name in names))
+                         for op, names in (mapping.get("layers") or {}).items()}
+    mapping["blobs"] = {tensor: blob for tensor, blob in (mapping.get("blobs") or {}).items() if blob not in gone}
+    mapping["blob_aliases"] = {blob: tensor for blob, tensor in (mapping.get("blob_aliases") or {}).items()
+                               if blob not in gone}
+
+
+def int8_blobs(network, record: Optional[dict]) -> Dict[str, float]:
+    """{blob: scale} of the blobs that hold int8 values when the build runs int8: the
+    requantizing layers' outputs and the Split copies of them (value = int8 / scale)."""
+    scales = (record or {}).get("scales") or {}
+    readers = _readers(network)
+    found: Dict[str, float] = {}
+    pending = [(blob, scales[name]["top_scale"]) for name, blob in ((record or {}).get("requantized") or {}).items()
+               if "top_scale" in scales.get(name, {})]
+    while pending:
+        blob, scale = pending.pop()
+        found[blob] = scale
+        pending += [(top, scale) for user in readers.get(blob, []) if user.type == "Split" for top in user.tops]
+    return found
 
 
 # ----------------------------------------------------------------------------- bin layout
@@ -366,9 +523,12 @@ def read_back(rows: List[Tuple[str, str, str]], network, record: Optional[dict])
     float_ops = {op: kind for op, kind in (record.get("quantized_ops") or {}).items() if layer_of.get(op) not in int8}
     floats = [name for name in compute if name not in int8]
     precision = ("mixed" if floats else "int8") if int8 else "fp32"
+    terms = {layer.name: int(layer.param(INT8_SCALE_PARAM) or 0) for layer in network.layers}
+    requantized = sum(1 for name in int8 if terms.get(name, 0) > REQUANTIZE_TERM)
     found = {"precision": precision, "float_ops": float_ops,
              "int8_layers": {name: ops.get(name) for name, _, p in rows if p == "int8"},
-             "layers": f"int8: {len(int8)} of {len(compute)} compute layers"}
+             "layers": f"int8: {len(int8)} of {len(compute)} compute layers"
+                       + (f" ({requantized} output int8: requantize)" if requantized else "")}
     on_cpu = [name for name, device, p in rows if p == "int8" and device == "CPU"]
     if on_cpu and any(device == "VULKAN" for _, device, _ in rows):
         found["note"] = (f"{len(on_cpu)} int8 layers ran on the CPU, not on Vulkan (ncnn has no Vulkan int8 "
