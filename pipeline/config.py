@@ -196,6 +196,9 @@ class PrecisionConfig:
     # Restore each quantized op's per-channel output mean measured on the calibration data
     # (docs/calibration.md: bias correction).
     bias_correction: bool = True
+    # Round each quantized op's int8 weights against its calibration inputs (GPTQ-style
+    # error compensation) instead of to the nearest step (docs/calibration.md).
+    weight_rounding: bool = True
     # Ops (ONNX node names) kept in fp32 in fp16, int8 and mixed builds, on top of what the
     # pre-flight or the sensitivity search chose: how a verify recommendation is applied.
     keep_float: List[str] = field(default_factory=list)

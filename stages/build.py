@@ -14,7 +14,7 @@ import yaml
 
 from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
-from pipeline.calibration import bias_correction
+from pipeline.calibration import bias_correction, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
 from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq
 from pipeline.worker import BackendWorker
@@ -23,10 +23,11 @@ from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settin
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 24  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+VERSION = 25  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
 # 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json; 22: ncnn int8/mixed;
 # 23: a mixed build keeps bias correction only where it does not lower the validation cosine
 # 24: ncnn int8/mixed requantize between int8 convolutions (activation layers folded into them)
+# 25: int8 weights rounded against the calibration inputs (precision.weight_rounding)
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -39,6 +40,7 @@ def key_config(cfg):
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
             # bias correction measures the quantized ops on the calibration samples
             "bias_correction": cfg.data if _corrects_bias(cfg, backend) else False,
+            "weight_rounding": cfg.data if _refines(cfg, backend, "weight_rounding") else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.name.value) else None,
@@ -53,15 +55,21 @@ def _wants_masks(cfg, backend) -> bool:
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
     if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.name.value) \
-            or _corrects_bias(ctx.cfg, backend):
+            or _corrects_bias(ctx.cfg, backend) or _refines(ctx.cfg, backend, "weight_rounding"):
         return ctx.dataset().files
     return []
 
 
 def _corrects_bias(cfg, backend) -> bool:
     """precision.bias_correction on a QDQ int8/mixed build (not the runtime's own int8 tooling)."""
+    return _refines(cfg, backend, "bias_correction")
+
+
+def _refines(cfg, backend, step: str) -> bool:
+    """precision.<step> (bias_correction, weight_rounding) on a QDQ int8/mixed build, not
+    the runtime's own int8 tooling."""
     name = cfg.precision.name.value
-    return name in ("int8", "mixed") and cfg.precision.bias_correction and not backends.own_quantizer(backend, name)
+    return name in ("int8", "mixed") and getattr(cfg.precision, step) and not backends.own_quantizer(backend, name)
 
 
 
@@ -272,8 +280,35 @@ def _quantize(ctx: StageContext):
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
-                "gemm_bias_reshaped": reshaped, "bias_correction": _correct_biases(ctx, quantized)}
+                "gemm_bias_reshaped": reshaped, "weight_rounding": _round_weights(ctx, quantized),
+                "bias_correction": _correct_biases(ctx, quantized)}
     return quantized, settings
+
+
+def _judged_on(ctx: StageContext):
+    """Where a refinement of a mixed build must not lower the cosine: the validation samples
+    the search met its target on (PP-OCRv4 rec on ORT: bias correction raised the calibration
+    cosine and took the validation cosine from 0.9959 to 0.9947). None for int8 (calibration)."""
+    return ((sample.feeds for sample in ctx.dataset().validation)
+            if ctx.cfg.precision.name.value == "mixed" else None)
+
+
+def _round_weights(ctx: StageContext, quantized: Path) -> dict:
+    """precision.weight_rounding: each quantized op's int8 weights rounded against its
+    calibration inputs (pipeline/calibration/weight_rounding.py), in place when closer."""
+    if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), "weight_rounding"):
+        return {"enabled": False}
+    samples = (sample.feeds for sample in ctx.dataset().calibration)
+    try:
+        summary = weight_rounding.round_file(quantized, ctx.results["calibrate"].path("prepared"), samples,
+                                             judged_on=_judged_on(ctx))
+    except Exception as err:  # noqa: BLE001 - a model ONNX Runtime cannot run with extra outputs: round to nearest
+        log.warning("build: weight rounding skipped: %s", first_line(err))
+        return {"enabled": True, "applied": False, "ops": [], "error": first_line(err)}
+    log.info("build: weight rounding %s on %d ops (%d calibration samples, %.1f s)",
+             "kept" if summary["applied"] else "measured, not kept", len(summary.get("ops", [])),
+             summary.get("samples", 0), summary.get("seconds", 0.0))
+    return summary
 
 
 def _correct_biases(ctx: StageContext, quantized: Path) -> dict:
@@ -282,11 +317,7 @@ def _correct_biases(ctx: StageContext, quantized: Path) -> dict:
     if not _corrects_bias(ctx.cfg, backends.spec(ctx.cfg.target.backend.value)):
         return {"enabled": False}
     samples = (sample.feeds for sample in ctx.dataset().calibration)
-    # mixed: the search met its target on the validation samples without the correction;
-    # the correction stays only where it does not undo that there (PP-OCRv4 rec on ORT: it
-    # raised the calibration cosine and took the validation cosine from 0.9959 to 0.9947)
-    judged_on = ((sample.feeds for sample in ctx.dataset().validation)
-                 if ctx.cfg.precision.name.value == "mixed" else None)
+    judged_on = _judged_on(ctx)
     try:
         summary = bias_correction.correct_file(quantized, ctx.results["calibrate"].path("prepared"), samples,
                                                judged_on=judged_on)

@@ -26,7 +26,7 @@ from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, first_line
 from pipeline.metrics import OutputStats, failures
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
-from pipeline.calibration import bias_correction
+from pipeline.calibration import bias_correction, weight_rounding
 from pipeline.quantize import QdqSettings, build_qdq
 from pipeline.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
@@ -37,6 +37,7 @@ VERSION = 11  # 10: the task metric (metric group) in task and comparison; 11: O
 # precision is the compiled model's execution precision (not weight storage), with a note
 VERSION += 1  # ncnn's CPU layers report fp16 only where ncnn casts activations to fp16 (not on x86)
 VERSION += 1  # MNN mixed: its INT8 baseline and advice trials through MNN's own quantizer
+VERSION += 1  # advice trials rounded like the build (precision.weight_rounding)
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -509,8 +510,11 @@ def _trial_launcher(ctx, backend, stack, limits):
 
 
 def _correct_like_the_build(ctx, quantized: Path) -> None:
-    """Bias correction on a QDQ model made here, when the build stage corrected the shipped one."""
-    summary = (ctx.results["build"].summary.get("quantization") or {}).get("bias_correction") or {}
-    if summary.get("enabled") and not summary.get("error"):
-        bias_correction.correct_file(quantized, ctx.results["calibrate"].path("prepared"),
-                                     (sample.feeds for sample in ctx.dataset().calibration))
+    """Weight rounding and bias correction on a QDQ model made here, where the build stage
+    applied them to the shipped one."""
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    prepared = ctx.results["calibrate"].path("prepared")
+    for summary, refine in ((quantization.get("weight_rounding"), weight_rounding.round_file),
+                            (quantization.get("bias_correction"), bias_correction.correct_file)):
+        if (summary or {}).get("enabled") and not summary.get("error"):
+            refine(quantized, prepared, (sample.feeds for sample in ctx.dataset().calibration))

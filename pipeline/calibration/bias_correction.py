@@ -87,7 +87,7 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
     with and without."""
     started = time.perf_counter()
     ops, skipped = quantized_ops(quantized, prepared)
-    batches = _batches(samples, max_samples, _batch_size(prepared, [op.source for op in ops]))
+    batches = sample_batches(samples, max_samples, batch_size_for(prepared, [op.source for op in ops]))
     if not ops or not batches:
         return {"enabled": True, "applied": False, "samples": len(batches), "corrected": {}, "skipped": skipped,
                 "reason": "no calibration samples" if ops else "no quantized op with a constant weight"}
@@ -103,7 +103,7 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
         else:
             corrected[op.node.name] = round(float(np.abs(op.shift).max()), 6)
     if judged_on is not None:
-        batches = _batches(judged_on, MAX_JUDGED, _batch_size(prepared, [op.source for op in ops]))
+        batches = sample_batches(judged_on, MAX_JUDGED, batch_size_for(prepared, [op.source for op in ops]))
         reference = reference_outputs(prepared, batches)
     without, with_ = (output_cosine(model, batches, reference) for model in (quantized, candidate))
     applied = bool(corrected) and with_ >= without
@@ -115,12 +115,12 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _batches(samples: Iterable[Dict[str, np.ndarray]], max_samples: int, size: int) -> List[List[Dict[str, np.ndarray]]]:
+def sample_batches(samples: Iterable[Dict[str, np.ndarray]], max_samples: int, size: int) -> List[List[Dict[str, np.ndarray]]]:
     kept = [feeds for _, feeds in zip(range(max_samples), samples)]
     return [kept[start:start + size] for start in range(0, len(kept), size)]
 
 
-def _batch_size(prepared: onnx.ModelProto, sources: List[str]) -> int:
+def batch_size_for(prepared: onnx.ModelProto, sources: List[str]) -> int:
     """Up to BATCH samples per run, fewer where the activations the ops read (inferred
     shapes, float32) would pass ACTIVATION_BUDGET: a large detector input."""
     shapes = {v.name: v.type.tensor_type.shape.dim for v in

@@ -1,0 +1,193 @@
+"""Weight rounding (pipeline/calibration/weight_rounding.py): int8 weights rounded against
+the calibration inputs, on by default in int8 builds, switched off by
+precision.weight_rounding=false, and each op's output error on its calibration inputs
+smaller than round-to-nearest's on a real model."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import random
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from conftest import run_cli, run_dirs
+from pipeline.calibration import bias_correction, statistics, tables, weight_rounding
+from pipeline.data import Sample
+from pipeline.quantize import QdqSettings, prepare, quantize_static_qdq
+from textlines import FONTS, WORDS, render
+
+STAGES = "pipeline.stages=[convert,calibrate,build]"
+
+
+def _conv(x: np.ndarray, w: np.ndarray, **attributes) -> np.ndarray:
+    node = helper.make_node("Conv", ["x", "w"], ["y"], **attributes)
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("attributes, channels, groups", [
+    ({"pads": [1, 2, 1, 0], "strides": [2, 1], "dilations": [1, 2], "group": 2}, 4, 2),
+    ({"pads": [1, 1, 1, 1], "group": 6}, 6, 6),  # depthwise
+])
+def test_patches_reproduce_the_convolution(monkeypatch, attributes, channels, groups):
+    monkeypatch.setattr(weight_rounding, "MAX_ROWS", 10**9)  # every output position, in order
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1, channels, 9, 11)).astype(np.float32)
+    w = rng.normal(size=(6, channels // groups, 3, 3)).astype(np.float32)
+    expected = _conv(x, w, **attributes)
+    patches = weight_rounding._conv_patches(x, attributes, w.shape, groups)
+    per_group = w.reshape(groups, 6 // groups, -1)
+    computed = np.concatenate([patches[g] @ per_group[g].T for g in range(groups)], axis=1)
+    assert np.allclose(computed.T.reshape(expected.shape), expected, atol=1e-4)
+
+
+def test_compensated_rounding_lowers_the_output_error_on_correlated_inputs():
+    rng = np.random.default_rng(1)
+    inputs = rng.normal(size=(4096, 64)) @ rng.normal(size=(64, 64))  # correlated input channels
+    weights = rng.normal(size=(1, 8, 64))
+    scales = np.abs(weights).max(axis=2) / 127
+    limits = np.full((1, 8), 127)
+    hessian = (inputs.T @ inputs)[None]
+    nearest = np.round(weights / scales[..., None])
+    compensated = weight_rounding.compensated_rounding(weights, scales, limits, hessian)
+    assert np.abs(compensated).max() <= 127 and not np.array_equal(compensated, nearest)
+
+    def error(integers):
+        return np.linalg.norm(inputs @ (weights[0] - integers[0] * scales[0][:, None]).T)
+
+    assert error(compensated) < 0.85 * error(nearest)  # 0.76 measured
+
+
+@pytest.fixture(scope="module")
+def digits_builds(tmp_path_factory):
+    """The embedded digits job built int8 with and without weight rounding (bias correction
+    off in both, so the weights alone differ)."""
+    cwd = tmp_path_factory.mktemp("rounding")
+    runs = {}
+    for switch in ("true", "false"):
+        result = run_cli(["precision=int8", STAGES, "precision.bias_correction=false", "target=ort_cpu",
+                          f"precision.weight_rounding={switch}"], cwd)
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[switch] = run_dirs(cwd)[-1]
+    return runs
+
+
+def _int8_weights(run) -> dict:
+    """op -> (int8 weight, its scales on the DequantizeLinear's axis, the fp32 weight) of the
+    built QDQ model."""
+    built = onnx.load(str(run / "stages" / "build" / "model.onnx"))
+    prepared = onnx.load(str(run / "stages" / "calibrate" / "prepared.onnx"))
+    ops, _ = bias_correction.quantized_ops(built, prepared)
+    constants = {t.name: numpy_helper.to_array(t) for t in built.graph.initializer}
+    found = {}
+    for op in ops:
+        weight = numpy_helper.to_array(op.float_weight)
+        axis = next((a.i for a in op.weight_dq.attribute if a.name == "axis"), 1)
+        shape = [1] * weight.ndim
+        shape[axis] = -1
+        found[op.node.name] = (constants[op.weight_dq.input[0]], constants[op.weight_dq.input[1]].reshape(shape), weight)
+    return found
+
+
+def test_int8_build_rounds_weights_by_default_and_records_them(digits_builds):
+    summary = json.loads((digits_builds["true"] / "stages" / "build" / "result.json").read_text())
+    rounding = summary["summary"]["quantization"]["weight_rounding"]
+    assert rounding["enabled"] and rounding["applied"] and rounding["samples"] >= 8, rounding
+    assert rounding["output_cosine"]["with"] > rounding["output_cosine"]["without"]
+    assert set(rounding["ops"]) == {"conv1", "conv2", "fc1", "fc2"}
+    rounded, nearest = _int8_weights(digits_builds["true"]), _int8_weights(digits_builds["false"])
+    for op, (values, scales, _) in rounded.items():
+        assert not np.array_equal(values, nearest[op][0]), op
+        assert np.array_equal(scales, nearest[op][1]), op  # the grid stays the build's own
+
+
+def test_switched_off_rounds_to_nearest(digits_builds):
+    summary = json.loads((digits_builds["false"] / "stages" / "build" / "result.json").read_text())
+    assert summary["summary"]["quantization"]["weight_rounding"] == {"enabled": False}
+    for op, (values, scales, weight) in _int8_weights(digits_builds["false"]).items():
+        assert np.array_equal(values, np.round(weight / scales)), op
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """The PP-OCR text-direction classifier prepared, 16 rendered text lines, its QDQ model."""
+    folder = tmp_path_factory.mktemp("cls-rounding")
+    source = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
+    model = onnx.version_converter.convert_version(onnx.load(str(source)), 13)
+    for dim, size in zip(model.graph.input[0].type.tensor_type.shape.dim, (1, 3, 48, 192)):
+        dim.Clear()
+        dim.dim_value = size
+    onnx.save(model, str(folder / "model.onnx"))
+    prepare(folder / "model.onnx", folder / "prepared.onnx")
+    rng = random.Random(5)
+    samples = [{"x": _line_tensor(rng.choice(WORDS), rng.randint(26, 34), rng.choice(FONTS))} for _ in range(16)]
+    stats = statistics.collect(folder / "prepared.onnx", [Sample(str(i), s) for i, s in enumerate(samples)],
+                               len(samples), 512, 8, 0)
+    prepared = onnx.load(str(folder / "prepared.onnx"))
+    quantized = quantize_static_qdq(prepared, tables.build_table(stats.histograms, "max"),
+                                    QdqSettings(quantize_outputs=False))
+    return prepared, quantized, samples
+
+
+def _line_tensor(text, size, font) -> np.ndarray:
+    image = render(text, size, font)
+    width = min(192, int(np.ceil(48 * image.width / image.height)))
+    pixels = np.asarray(image.resize((width, 48)), dtype=np.float32)
+    tensor = np.zeros((1, 3, 48, 192), np.float32)
+    tensor[0, :, :, :width] = ((pixels / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)
+    return tensor
+
+
+def _weight_only_errors(prepared, quantized, samples) -> dict:
+    """Per Conv: squared error of its output with the built int8 weight against the fp32
+    weight, both fed the fp32 model's own input activations (ONNX Runtime, no Q/DQ on x)."""
+    ops, _ = bias_correction.quantized_ops(quantized, prepared)
+    convs = [op for op in ops if op.node.op_type == "Conv"]
+    copy = onnx.ModelProto()
+    copy.CopyFrom(prepared)
+    del copy.graph.output[:]
+    copy.graph.output.extend(helper.make_tensor_value_info(op.source, onnx.TensorProto.FLOAT, None) for op in convs)
+    session = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
+    activations = [dict(zip([op.source for op in convs], session.run(None, feeds))) for feeds in samples]
+    constants = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
+    errors = {}
+    for op in convs:
+        attributes = {a.name: helper.get_attribute_value(a) for a in op.node.attribute}
+        weight = numpy_helper.to_array(op.float_weight)
+        scales = constants[op.weight_dq.input[1]].reshape(-1, 1, 1, 1)
+        difference = weight - constants[op.weight_dq.input[0]].astype(np.float32) * scales
+        errors[op.node.name] = sum(float(np.square(_conv(values[op.source], difference, **attributes)).sum())
+                                   for values in activations)
+    return errors
+
+
+def test_each_convolution_errs_less_than_round_to_nearest_on_the_classifier(classifier):
+    prepared, quantized, samples = classifier
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(quantized)
+    summary = weight_rounding.round_weights(rounded, prepared, samples, only_if_closer=False)
+    assert summary["applied"] and len(summary["ops"]) >= 50, summary
+    before = _weight_only_errors(prepared, quantized, samples)
+    after = _weight_only_errors(prepared, rounded, samples)
+    better = [op for op in before if after[op] < before[op]]
+    assert len(better) >= 0.9 * len(before), {op: (before[op], after[op]) for op in before if op not in better}
+    assert sum(after.values()) < 0.7 * sum(before.values())
+
+
+def test_kept_only_when_the_output_gets_closer_to_fp32(classifier):
+    prepared, quantized, samples = classifier
+    model = onnx.ModelProto()
+    model.CopyFrom(quantized)
+    summary = weight_rounding.round_weights(model, prepared, samples)
+    cosine = summary["output_cosine"]
+    assert summary["applied"] == (cosine["with"] > cosine["without"])
+    assert (model.SerializeToString() != quantized.SerializeToString()) == summary["applied"]
