@@ -6,7 +6,8 @@ rapidocr wheel, next to fp32 and NNCF's MIXED preset, on OpenVINO CPU with 1 thr
 
 Data is rendered here: det = 320x320 pages of text lines (varied words, fonts, sizes,
 light noise), rec = 48x320 text lines with their text as truth. Builds: fp32 (the
-converted model), parity int8 with and without bias correction, parity mixed (through
+converted model), parity int8 (defaults; weights rounded to nearest; neither weight rounding
+nor bias correction), parity mixed (through
 the `parity` CLI, stages up to build), and `nncf.quantize(preset=MIXED)` on the same
 calibration samples. Every build is compiled the same way (OpenVINO CPU, f32 hint, 1
 thread) and timed interleaved in rounds (pipeline/speed.py). Printed per build: cosine
@@ -178,7 +179,9 @@ def parity_builds(kind: str, data: Path, work: Path, calibration: int, validatio
             f"data.validation_size={validation}", "target=openvino_cpu", "target.threads=1", *metric_args(kind, work)]
     int8 = ["precision=int8", "pipeline.stages=[convert,calibrate,build]"]
     runs = {"parity int8": parity([*base, *int8], work),
-            "parity int8, no bias correction": parity([*base, *int8, "precision.bias_correction=false"], work),
+            "parity int8, round to nearest": parity([*base, *int8, "precision.weight_rounding=false"], work),
+            "parity int8, neither": parity([*base, *int8, "precision.weight_rounding=false",
+                                            "precision.bias_correction=false"], work),
             "parity mixed": parity([*base, "precision=mixed", "pipeline.stages=[convert,calibrate,sensitivity,build]"],
                                    work)}
     if accuracy_order:
@@ -190,6 +193,7 @@ def parity_builds(kind: str, data: Path, work: Path, calibration: int, validatio
         summary = json.loads((run / "stages" / "build" / "result.json").read_text())["summary"]["quantization"]
         seconds = stage_seconds(run, "build") + (stage_seconds(run, "sensitivity") if "mixed" in name else 0.0)
         note = search_note(run) if "mixed" in name else ""
+        note += rounding_note(summary.get("weight_rounding") or {}) + "; "
         note += bias_note(summary.get("bias_correction") or {})
         builds[name] = (run / "stages" / "build" / runtime["model"], seconds, note)
     return builds
@@ -201,6 +205,15 @@ def search_note(run: Path) -> str:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in (summary.get("seconds") or {}).items())
     return (f"{len(summary.get('float_ops', []))} ops float (target cosine {summary.get('expected_cos')}), "
             f"search {stage_seconds(run, 'sensitivity'):.1f} s ({parts}); ")
+
+
+def rounding_note(summary: dict) -> str:
+    if not summary.get("enabled"):
+        return "weights rounded to nearest"
+    cosine = summary["output_cosine"]
+    verdict = "kept" if summary["applied"] else "not kept"
+    return (f"weight rounding {verdict} ({len(summary['ops'])} ops, {summary['judged_on']} cosine "
+            f"{cosine['without']:.4f} -> {cosine['with']:.4f}, {summary['seconds']:.1f} s)")
 
 
 def bias_note(summary: dict) -> str:
@@ -296,7 +309,7 @@ SEARCH_GOAL_S = {"det": 60.0, "rec": 40.0}
 def goals(kind: str, rows: dict, search_s: float) -> list:
     """The issue's figures, each next to its reference: (text, met)."""
     int8, mixed, peer, fp32 = rows["parity int8"], rows["parity mixed"], rows[NNCF], rows["fp32"]
-    plain = rows["parity int8, no bias correction"]
+    nearest, plain = rows["parity int8, round to nearest"], rows["parity int8, neither"]
     checks = [
         ("int8 cosine >= NNCF's", int8["cosine"], peer["cosine"], int8["cosine"] >= peer["cosine"]),
         ("int8 task metric >= NNCF's", int8["metric"], peer["metric"], int8["metric"] >= peer["metric"]),
@@ -306,8 +319,10 @@ def goals(kind: str, rows: dict, search_s: float) -> list:
          mixed["metric"] >= fp32["metric"] - 0.005),
         ("mixed latency <= 1.1x int8's", mixed["ratio"], 1.1 * int8["ratio"], mixed["ratio"] <= 1.1 * int8["ratio"]),
         ("mixed latency <= NNCF's", mixed["ratio"], peer["ratio"], mixed["ratio"] <= peer["ratio"]),
-        ("bias correction: cosine vs without", int8["cosine"], plain["cosine"], int8["cosine"] >= plain["cosine"]),
-        ("bias correction: task metric vs without", int8["metric"], plain["metric"], int8["metric"] >= plain["metric"]),
+        ("weight rounding: task metric vs round to nearest", int8["metric"], nearest["metric"],
+         int8["metric"] >= nearest["metric"]),
+        ("weight rounding and bias correction: cosine vs neither", int8["cosine"], plain["cosine"],
+         int8["cosine"] >= plain["cosine"]),
         ("mixed search seconds", search_s, SEARCH_GOAL_S[kind], search_s <= SEARCH_GOAL_S[kind]),
     ]
     return [f"  {'met ' if met else 'MISS'} {kind} {text}: {value:.4f} vs {reference:.4f} ({value - reference:+.4f})"
