@@ -193,8 +193,8 @@ def parity_builds(kind: str, data: Path, work: Path, calibration: int, validatio
         summary = json.loads((run / "stages" / "build" / "result.json").read_text())["summary"]["quantization"]
         seconds = stage_seconds(run, "build") + (stage_seconds(run, "sensitivity") if "mixed" in name else 0.0)
         note = search_note(run) if "mixed" in name else ""
-        note += rounding_note(summary.get("weight_rounding") or {}) + "; "
-        note += bias_note(summary.get("bias_correction") or {})
+        note += refinement_note(summary.get("weight_rounding") or {}, "weight rounding", "weights rounded to nearest")
+        note += "; " + refinement_note(summary.get("bias_correction") or {}, "bias correction", "bias correction off")
         builds[name] = (run / "stages" / "build" / runtime["model"], seconds, note)
     return builds
 
@@ -207,22 +207,14 @@ def search_note(run: Path) -> str:
             f"search {stage_seconds(run, 'sensitivity'):.1f} s ({parts}); ")
 
 
-def rounding_note(summary: dict) -> str:
+def refinement_note(summary: dict, name: str, off: str) -> str:
+    """What the build's weight rounding or bias correction did, from its summary."""
     if not summary.get("enabled"):
-        return "weights rounded to nearest"
+        return off
     cosine = summary["output_cosine"]
     verdict = "kept" if summary["applied"] else "not kept"
-    return (f"weight rounding {verdict} ({len(summary['ops'])} ops, {summary['judged_on']} cosine "
-            f"{cosine['without']:.4f} -> {cosine['with']:.4f}, {summary['seconds']:.1f} s)")
-
-
-def bias_note(summary: dict) -> str:
-    if not summary.get("enabled"):
-        return "bias correction off"
-    cosine = summary["output_cosine"]
-    verdict = "applied" if summary["applied"] else "not applied"
-    return (f"bias correction {verdict} (calibration cosine {cosine['without']:.4f} -> {cosine['with']:.4f}, "
-            f"{summary['seconds']:.1f} s)")
+    return (f"{name} {verdict} ({summary.get('judged_on', 'calibration')} cosine {cosine['without']:.4f} -> "
+            f"{cosine['with']:.4f}, {summary['seconds']:.1f} s)")
 
 
 def nncf_build(fp32: Path, calibration: np.ndarray, out: Path):

@@ -280,20 +280,21 @@ def _quantize(ctx: StageContext):
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
-                "gemm_bias_reshaped": reshaped, "weight_rounding": _round_weights(ctx, quantized),
-                "bias_correction": _correct_biases(ctx, quantized)}
+                "gemm_bias_reshaped": reshaped, "weight_rounding": _round_weights(ctx, quantized, keep_float),
+                "bias_correction": _correct_biases(ctx, quantized, keep_float)}
     return quantized, settings
 
 
-def _judged_on(ctx: StageContext):
-    """Where a refinement of a mixed build must not lower the cosine: the validation samples
-    the search met its target on (PP-OCRv4 rec on ORT: bias correction raised the calibration
-    cosine and took the validation cosine from 0.9959 to 0.9947). None for int8 (calibration)."""
+def _judged_on(ctx: StageContext, float_ops: List[str]):
+    """Where a refinement of a mixed build that keeps ops in float must not lower the cosine:
+    the validation samples the search met its target on (PP-OCRv4 rec on ORT: bias correction
+    raised the calibration cosine and took the validation cosine from 0.9959 to 0.9947). None
+    otherwise (the calibration samples): a mixed build with an empty qtable is the int8 build."""
     return ((sample.feeds for sample in ctx.dataset().validation)
-            if ctx.cfg.precision.name.value == "mixed" else None)
+            if ctx.cfg.precision.name.value == "mixed" and float_ops else None)
 
 
-def _round_weights(ctx: StageContext, quantized: Path) -> dict:
+def _round_weights(ctx: StageContext, quantized: Path, float_ops: List[str]) -> dict:
     """precision.weight_rounding: each quantized op's int8 weights rounded against its
     calibration inputs (pipeline/calibration/weight_rounding.py), in place when closer."""
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), "weight_rounding"):
@@ -301,7 +302,7 @@ def _round_weights(ctx: StageContext, quantized: Path) -> dict:
     samples = (sample.feeds for sample in ctx.dataset().calibration)
     try:
         summary = weight_rounding.round_file(quantized, ctx.results["calibrate"].path("prepared"), samples,
-                                             judged_on=_judged_on(ctx))
+                                             judged_on=_judged_on(ctx, float_ops))
     except Exception as err:  # noqa: BLE001 - a model ONNX Runtime cannot run with extra outputs: round to nearest
         log.warning("build: weight rounding skipped: %s", first_line(err))
         return {"enabled": True, "applied": False, "ops": [], "error": first_line(err)}
@@ -311,13 +312,13 @@ def _round_weights(ctx: StageContext, quantized: Path) -> dict:
     return summary
 
 
-def _correct_biases(ctx: StageContext, quantized: Path) -> dict:
+def _correct_biases(ctx: StageContext, quantized: Path, float_ops: List[str]) -> dict:
     """precision.bias_correction: each quantized op's per-channel mean output restored on
     the calibration samples (pipeline/calibration/bias_correction.py), in place."""
     if not _corrects_bias(ctx.cfg, backends.spec(ctx.cfg.target.backend.value)):
         return {"enabled": False}
     samples = (sample.feeds for sample in ctx.dataset().calibration)
-    judged_on = _judged_on(ctx)
+    judged_on = _judged_on(ctx, float_ops)
     try:
         summary = bias_correction.correct_file(quantized, ctx.results["calibrate"].path("prepared"), samples,
                                                judged_on=judged_on)

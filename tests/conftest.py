@@ -77,3 +77,36 @@ def run_default_job(cwd: Path):
 def default_run(tmp_path_factory):
     """The default job, run once for the session."""
     return run_default_job(tmp_path_factory.mktemp("default"))
+
+
+@pytest.fixture(scope="session")
+def classifier_qdq(tmp_path_factory):
+    """The PP-OCR text-direction classifier prepared, 16 rendered text lines and its QDQ
+    model (max thresholds, quantized inputs only): the real model of the bias-correction
+    and weight-rounding tests."""
+    import importlib.resources
+    import random
+
+    import onnx
+
+    from pipeline.calibration import statistics, tables
+    from pipeline.data import Sample
+    from pipeline.quantize import QdqSettings, prepare, quantize_static_qdq
+    from textlines import FONTS, WORDS, line_tensor
+
+    folder = tmp_path_factory.mktemp("cls-qdq")
+    source = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
+    model = onnx.version_converter.convert_version(onnx.load(str(source)), 13)
+    for dim, size in zip(model.graph.input[0].type.tensor_type.shape.dim, (1, 3, 48, 192)):
+        dim.Clear()
+        dim.dim_value = size
+    onnx.save(model, str(folder / "model.onnx"))
+    prepare(folder / "model.onnx", folder / "prepared.onnx")
+    rng = random.Random(3)
+    samples = [{"x": line_tensor(rng.choice(WORDS), rng.randint(26, 34), rng.choice(FONTS))} for _ in range(16)]
+    stats = statistics.collect(folder / "prepared.onnx", [Sample(str(i), s) for i, s in enumerate(samples)],
+                               len(samples), 512, 8, 0)
+    prepared = onnx.load(str(folder / "prepared.onnx"))
+    quantized = quantize_static_qdq(prepared, tables.build_table(stats.histograms, "max"),
+                                    QdqSettings(quantize_outputs=False))
+    return prepared, quantized, samples

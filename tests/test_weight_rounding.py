@@ -5,9 +5,7 @@ smaller than round-to-nearest's on a real model."""
 
 from __future__ import annotations
 
-import importlib.resources
 import json
-import random
 
 import numpy as np
 import onnx
@@ -16,10 +14,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from conftest import run_cli, run_dirs
-from pipeline.calibration import bias_correction, statistics, tables, weight_rounding
-from pipeline.data import Sample
-from pipeline.quantize import QdqSettings, prepare, quantize_static_qdq
-from textlines import FONTS, WORDS, render
+from pipeline.calibration import bias_correction, weight_rounding
 
 STAGES = "pipeline.stages=[convert,calibrate,build]"
 
@@ -118,33 +113,8 @@ def test_switched_off_rounds_to_nearest(digits_builds):
 
 
 @pytest.fixture(scope="module")
-def classifier(tmp_path_factory):
-    """The PP-OCR text-direction classifier prepared, 16 rendered text lines, its QDQ model."""
-    folder = tmp_path_factory.mktemp("cls-rounding")
-    source = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
-    model = onnx.version_converter.convert_version(onnx.load(str(source)), 13)
-    for dim, size in zip(model.graph.input[0].type.tensor_type.shape.dim, (1, 3, 48, 192)):
-        dim.Clear()
-        dim.dim_value = size
-    onnx.save(model, str(folder / "model.onnx"))
-    prepare(folder / "model.onnx", folder / "prepared.onnx")
-    rng = random.Random(5)
-    samples = [{"x": _line_tensor(rng.choice(WORDS), rng.randint(26, 34), rng.choice(FONTS))} for _ in range(16)]
-    stats = statistics.collect(folder / "prepared.onnx", [Sample(str(i), s) for i, s in enumerate(samples)],
-                               len(samples), 512, 8, 0)
-    prepared = onnx.load(str(folder / "prepared.onnx"))
-    quantized = quantize_static_qdq(prepared, tables.build_table(stats.histograms, "max"),
-                                    QdqSettings(quantize_outputs=False))
-    return prepared, quantized, samples
-
-
-def _line_tensor(text, size, font) -> np.ndarray:
-    image = render(text, size, font)
-    width = min(192, int(np.ceil(48 * image.width / image.height)))
-    pixels = np.asarray(image.resize((width, 48)), dtype=np.float32)
-    tensor = np.zeros((1, 3, 48, 192), np.float32)
-    tensor[0, :, :, :width] = ((pixels / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)
-    return tensor
+def classifier(classifier_qdq):
+    return classifier_qdq
 
 
 def _weight_only_errors(prepared, quantized, samples) -> dict:

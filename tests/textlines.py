@@ -9,6 +9,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")  # Debian fonts-dejavu-core
@@ -46,6 +47,17 @@ def render(text: str, size: int, font: Path = FONT) -> Image.Image:
     image = Image.new("RGB", (right - left + 2 * margin, bottom - top + 2 * margin), "white")
     ImageDraw.Draw(image).text((margin - left, margin - top), text, font=face, fill="black")
     return image
+
+
+def line_tensor(text: str, size: int, font: Path = FONT) -> np.ndarray:
+    """One rendered line as the classifier's [1, 3, 48, 192] input (PP-OCR's normalization,
+    resized to height 48, right-padded with zeros)."""
+    image = render(text, size, font)
+    width = min(192, int(np.ceil(48 * image.width / image.height)))
+    pixels = np.asarray(image.resize((width, 48)), dtype=np.float32)
+    tensor = np.zeros((1, 3, 48, 192), np.float32)
+    tensor[0, :, :, :width] = ((pixels / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)
+    return tensor
 
 
 def write_dataset(root: Path, calibration: int = 8, validation: int = 24, seed: int = 1) -> Path:
