@@ -373,19 +373,20 @@ def _check_combinations(run: RunConfig) -> None:
     from stages import STAGE_NAMES
 
     backend = backends.spec(run.target.backend.value)
-    if run.precision.name.value not in (*backend.PRECISIONS, "auto"):
+    can = backend.CAPABILITIES
+    if run.precision.name.value not in (*can.precisions, "auto"):
         raise ConfigError(
             f"precision={run.precision.name.value} is not supported by target {run.target.name} "
-            f"(backend {backend.NAME}); allowed: {', '.join(backend.PRECISIONS)}")
-    if run.target.memory_mode.value not in backend.MEMORY_MODES:
+            f"(backend {backend.NAME}); allowed: {', '.join(can.precisions)}")
+    if run.target.memory_mode.value not in can.memory_modes:
         raise ConfigError(
             f"target.memory_mode={run.target.memory_mode.value}: backend {backend.NAME} has no "
-            f"such memory mode; allowed: {', '.join(backend.MEMORY_MODES)}")
-    if run.target.device.upper() not in backend.DEVICES:
+            f"such memory mode; allowed: {', '.join(can.memory_modes)}")
+    if run.target.device.upper() not in can.devices:
         raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
-                          f"{', '.join(backend.DEVICES)}")
+                          f"{', '.join(can.devices)}")
     problem = (backend.check_config(run.target, run.precision.name.value)
-               if hasattr(backend, "check_config") and run.precision.name.value != "auto" else None)
+               if run.precision.name.value != "auto" else None)
     if problem:
         raise ConfigError(problem)
     unknown = [s for s in run.pipeline.stages if s not in STAGE_NAMES]
@@ -487,10 +488,10 @@ def _check_tuning(tuning: TuningConfig, backend) -> None:
         raise ConfigError("tuning: warmup must be >= 0 and repeats >= 3")
     if not 0 <= tuning.noise < 1 or tuning.verify_samples < 1:
         raise ConfigError("tuning: noise must be in [0, 1) and verify_samples >= 1")
-    other = [d for d in tuning.devices if d.upper() not in backend.DEVICES]
+    other = [d for d in tuning.devices if d.upper() not in backend.CAPABILITIES.devices]
     if other:
         raise ConfigError(f"tuning.devices: backend {backend.NAME} has no device {other[0]!r}; "
-                          f"allowed: {', '.join(backend.DEVICES)}")
+                          f"allowed: {', '.join(backend.CAPABILITIES.devices)}")
 
 
 def describe_config_error(err: BaseException) -> str:

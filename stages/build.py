@@ -42,11 +42,11 @@ def key_config(cfg):
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.name.value) else None,
             # a compile cache is made for this machine's CPU (pipeline/compile_cache.py)
-            "machine": environment.fingerprint() if hasattr(backend, "write_compile_cache") else None}
+            "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None}
 
 
 def _wants_masks(cfg, backend) -> bool:
-    return cfg.precision.name.value == "fp16" and cfg.target.auto_masks and hasattr(backend, "apply_masks")
+    return cfg.precision.name.value == "fp16" and cfg.target.auto_masks and backend.CAPABILITIES.feature_masks
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -190,7 +190,7 @@ def run(ctx: StageContext) -> StageResult:
     else:
         if precision in ("int8", "mixed"):
             (onnx_path, quantization), ir_dir = _quantize(ctx), None
-        elif precision == "fp16" and precision not in getattr(backend, "RUNTIME_PRECISIONS", ()):
+        elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
             (onnx_path, quantization), ir_dir = _half(ctx, backend.NAME), None
         artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:

@@ -57,7 +57,7 @@ def run(ctx: StageContext) -> StageResult:
     ok, reason = backend.available()
     if not ok:
         return _skipped(ctx, about, reason, cache=False)
-    if not hasattr(getattr(backend, "Session", None), "profile"):
+    if not backend.CAPABILITIES.profiler:
         return _skipped(ctx, about, f"backend {backend.NAME} has no per-layer profiler")
     sample = next(iter(ctx.dataset().validation), None)
     if sample is None:

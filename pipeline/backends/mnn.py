@@ -46,13 +46,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pipeline.backends.protocol import Capabilities
+
 NAME = "mnn"
-PRECISIONS = ("fp32", "fp16", "int8", "mixed")
-OWN_QUANTIZER = ("int8", "mixed")  # built by MNN's quantizer (build_int8); mixed: the qtable's ops skipped
-RUNTIME_PRECISIONS = ("fp16",)  # fp16 is a session setting (BackendConfig precision), built from the fp32 model
-MEMORY_MODES = ("auto", "buffer", "image")
-DEVICES = ("CPU", "OPENCL", "VULKAN")
-GPU_DEVICES = ("OPENCL", "VULKAN")
+CAPABILITIES = Capabilities(
+    precisions=("fp32", "fp16", "int8", "mixed"), devices=("CPU", "OPENCL", "VULKAN"),
+    memory_modes=("auto", "buffer", "image"),
+    runtime_precisions=("fp16",),  # a session setting (BackendConfig precision), built from the fp32 model
+    own_int8=("int8", "mixed"),  # built by MNN's quantizer (build_int8); mixed: the qtable's ops skipped
+    tuning=True, option_mapping=True, profiler=True)
+GPU_DEVICES = CAPABILITIES.gpu_devices  # ("OPENCL", "VULKAN")
 
 FORWARD_TYPES = {"CPU": 0, "OPENCL": 3, "VULKAN": 7}  # MNNForwardType
 # getSessionInfo(BACKENDS) -> device; 13 is MNN_FORWARD_CPU_EXTENSION (the CPU backend with x86/ARM extensions)
