@@ -7,7 +7,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import onnx
 import yaml
@@ -93,8 +93,8 @@ def _qtable_float_ops(ctx: StageContext) -> List[str]:
 
 
 def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
-    """ncnn fp16: verify the plain build on the first validation samples; when it fails,
-    find the layers to mask from the evidence and search the masks (pipeline/feature_masks.py).
+    """fp16 on a backend with feature masks (ncnn): verify the plain build on the first
+    validation samples; when it fails, find the layers to mask from the evidence and search the masks (pipeline/feature_masks.py).
     The masks found are written into the artifact in place."""
     from pipeline import feature_masks, layerwise
 
@@ -111,7 +111,8 @@ def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
             return {"searched": False, "reason": f"the plain fp16 build passes on {len(samples)} samples",
                     "masks": [], "trials": judge.trials}
         try:
-            with BackendWorker(backend.__name__, ctx.out_dir, runtime, label="ncnn fp16 (plain)", **limits) as target:
+            with BackendWorker(backend.__name__, ctx.out_dir, runtime, label=f"{backend.NAME} fp16 (plain)",
+                               **limits) as target:
                 graph = layerwise.Graph(onnx.load(str(convert.path("model"))))
                 evidence = layerwise.compare(reference, target, graph, samples, cfg.validation.layer_min_cosine)
                 evidence = evidence.summary("on_fail", "the plain fp16 build failed", "")
@@ -191,7 +192,7 @@ def run(ctx: StageContext) -> StageResult:
         if precision in ("int8", "mixed"):
             (onnx_path, quantization), ir_dir = _quantize(ctx), None
         elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
-            (onnx_path, quantization), ir_dir = _half(ctx, backend.NAME), None
+            (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
         artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()
@@ -222,11 +223,13 @@ def run(ctx: StageContext) -> StageResult:
     return StageResult(ctx.out_dir, files, summary)
 
 
-def _half(ctx: StageContext, backend: str):
+def _half(ctx: StageContext, converter: Optional[str]):
     """fp16 from the prepared graph (BatchNorm folded): the pre-flight's findings name the
-    nodes kept in fp32 (an overflowing tensor's producer and consumers). ONNX Runtime gets
-    an fp16 ONNX model; OpenVINO an IR with fp16 weights (its execution precision is the
-    precision hint's, when the CPU runs it natively)."""
+    nodes kept in fp32 (an overflowing tensor's producer and consumers). A backend without
+    its own fp16 ``converter`` (Capabilities.fp16_converter) gets an fp16 ONNX model (ONNX
+    Runtime); one with it the prepared fp32 graph, which its build converts (OpenVINO: an IR
+    with fp16 weights; its execution precision is the precision hint's, when the CPU runs
+    it natively)."""
     calibrate = ctx.results.get("calibrate")
     if calibrate is None or "fp16_findings" not in calibrate.files:
         raise ConfigError("precision=fp16 needs the calibrate stage (statistics for the fp16 pre-flight) before build")
@@ -234,13 +237,13 @@ def _half(ctx: StageContext, backend: str):
     prepared = onnx.load(str(calibrate.path("prepared")))
     blocked, unknown = _requested_float(ctx, prepared, fp16.block_list(prepared, findings))
     half = ctx.out_dir / "half.onnx"
-    if backend == "openvino":
-        # fp16 weights in the IR and the f16 hint; OpenVINO decides per layer what runs f16
+    if converter:
+        # e.g. fp16 weights in the IR and the f16 hint; OpenVINO decides per layer what runs f16
         # (it keeps precision-sensitive subgraphs such as x*x -> ReduceSum in f32 itself).
         # The block list is recorded, not applied: verify reports what ran.
         onnx.save(prepared, str(half))
         return half, {"findings": findings, "blocked": blocked, "applied": False, "keep_float_not_found": unknown,
-                      "converter": "openvino save_model(compress_to_fp16=True)"}
+                      "converter": converter}
     summary = fp16.convert(calibrate.path("prepared"), half, blocked)
     return half, {"findings": findings, **summary, "keep_float_not_found": unknown}
 

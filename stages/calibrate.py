@@ -13,7 +13,7 @@ from typing import Dict, List
 import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
-from pipeline import fp16
+from pipeline import backends, fp16
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
@@ -43,7 +43,7 @@ def key_config(cfg):
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
             "activations": cfg.precision.activations, "precision": cfg.precision.name,
             # auto's choice measures int8 models built with these (_auto_at_outputs)
-            "auto": (QdqSettings.resolve(cfg.precision, "onnxruntime"), sorted(cfg.precision.keep_float))
+            "auto": (QdqSettings.resolve(cfg.precision, backends.REFERENCE), sorted(cfg.precision.keep_float))
             if _judged_at_outputs(cfg) else None}
 
 
@@ -173,7 +173,7 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
     split = ctx.dataset().calibration
     prepared = onnx.load(str(model_path))
     judge = OutputJudge(prepared, [sample.feeds for sample in split])
-    settings = QdqSettings.resolve(ctx.cfg.precision, "onnxruntime")
+    settings = QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE)
     try:
         chosen, scores = auto.choose_table(judge, tables_by_name, lambda table: MixedModels(
             prepared, table, settings, ctx.cfg.precision.keep_float).build())

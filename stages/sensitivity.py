@@ -35,7 +35,6 @@ QTABLE_TPU_MLIR = "qtable.txt"
 CHUNK = 64  # validation samples measured in one run
 EDGE_WEIGHT = 1.0  # a new edge between an int8 chain and a float island costs about a median op (latency-aware)
 FLOOR_SHARE = 0.01  # no op is taken to cost less than 1 % of all the ops' costs
-PROFILED_BACKENDS = ("onnxruntime", "openvino")  # run the Q/DQ model the search selects for: its per-op costs
 
 
 def needed(cfg) -> bool:
@@ -62,10 +61,12 @@ def _settings(cfg) -> QdqSettings:
 
 
 def measured_on(cfg) -> str:
-    """The runtime the whole mixed candidates are measured on: the target's where it runs
-    Q/DQ models (ONNX Runtime and OpenVINO disagree by up to 0.006 in cosine on the same
-    inputs-only placement of PP-OCRv4 rec: docs/sensitivity.md); else ONNX Runtime."""
-    return "openvino" if cfg.target.backend.value == "openvino" else "onnxruntime"
+    """The runtime the whole mixed candidates are measured on: the target's where it
+    declares ``measures_qdq`` (ONNX Runtime and OpenVINO disagree by up to 0.006 in cosine
+    on the same inputs-only placement of PP-OCRv4 rec: docs/sensitivity.md); else the
+    reference's (ONNX Runtime)."""
+    backend = cfg.target.backend.value
+    return backend if backends.capabilities(backend).measures_qdq else backends.REFERENCE
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -153,7 +154,8 @@ def _ranking_score(prepared, reference: List[np.ndarray], labels, count: int, cf
 
 
 def _latency_aware(cfg) -> bool:
-    return cfg.sensitivity.latency_aware and cfg.target.backend.value in PROFILED_BACKENDS
+    """The target runs the Q/DQ model the search selects for: its per-op costs are measured."""
+    return cfg.sensitivity.latency_aware and backends.capabilities(cfg.target.backend.value).qdq_latency
 
 
 def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict) -> Dict[str, float]:
@@ -208,8 +210,8 @@ class _MixedMeasure:
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
         model = self.models(table).build(float_ops)
-        # OpenVINO compiles once per call and runs one sample at a time anyway
-        values = self._chunked(model, self._run, self.count if measured_on(self.cfg) == "openvino" else CHUNK)
+        # a target's run_model (OpenVINO) compiles once per call and runs one sample at a time anyway
+        values = self._chunked(model, self._run, CHUNK if measured_on(self.cfg) == backends.REFERENCE else self.count)
         actual = [values[name] for name in self.outputs]
         _, sqnr = search.output_loss(self.reference, actual)
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
@@ -228,10 +230,9 @@ class _MixedMeasure:
         return {name: np.concatenate([part[name] for part in parts]) for name in self.outputs}
 
     def _run(self, model: onnx.ModelProto, feeds, count: int) -> Dict[str, np.ndarray]:
-        if measured_on(self.cfg) == "openvino":
-            from pipeline.backends import openvino
-
-            return openvino.run_model(model, feeds, count, self.outputs)
+        runtime = measured_on(self.cfg)
+        if runtime != backends.REFERENCE:
+            return backends.spec(runtime).run_model(model, feeds, count, self.outputs)
         return BatchRunner(model, self.outputs, count).run(feeds, count)
 
     def meets(self, result: dict) -> bool:
