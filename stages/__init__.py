@@ -25,8 +25,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 from pipeline import backends
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config import RunConfig
-
-STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "tune", "verify", "profile", "package")
 COMPLETE = ".complete"
 
 

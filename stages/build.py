@@ -32,7 +32,7 @@ MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified o
 
 def key_config(cfg):
     precision = cfg.precision
-    quantized = precision.name.value in ("int8", "mixed")
+    quantized = precision.kind in ("int8", "mixed")
     backend = backends.spec(cfg.target.backend.value)
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
@@ -40,18 +40,18 @@ def key_config(cfg):
             "bias_correction": cfg.data if _corrects_bias(cfg, backend) else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
-            if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.name.value) else None,
+            if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.kind) else None,
             # a compile cache is made for this machine's CPU (pipeline/compile_cache.py)
             "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None}
 
 
 def _wants_masks(cfg, backend) -> bool:
-    return cfg.precision.name.value == "fp16" and cfg.target.auto_masks and backend.CAPABILITIES.feature_masks
+    return cfg.precision.kind == "fp16" and cfg.target.auto_masks and backend.CAPABILITIES.feature_masks
 
 
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
-    if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.name.value) \
+    if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.kind) \
             or _corrects_bias(ctx.cfg, backend):
         return ctx.dataset().files
     return []
@@ -59,7 +59,7 @@ def external_files(ctx: StageContext) -> List[Path]:
 
 def _corrects_bias(cfg, backend) -> bool:
     """precision.bias_correction on a QDQ int8/mixed build (not the runtime's own int8 tooling)."""
-    name = cfg.precision.name.value
+    name = cfg.precision.kind
     return name in ("int8", "mixed") and cfg.precision.bias_correction and not backends.own_quantizer(backend, name)
 
 
@@ -67,7 +67,7 @@ def _corrects_bias(cfg, backend) -> bool:
 def _own_int8(ctx: StageContext, backend):
     """int8 through the backend's own offline quantizer, fed parity's calibration samples;
     mixed: the qtable's ops (and precision.keep_float) named to it as ops to keep float."""
-    precision = ctx.cfg.precision.name.value
+    precision = ctx.cfg.precision.kind
     samples = [sample.feeds for sample in ctx.dataset().calibration]
     if not samples:
         raise ConfigError(f"precision={precision} on {backend.NAME} needs calibration samples "
@@ -158,7 +158,7 @@ def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str
     if typos:
         raise ConfigError(f"precision.keep_float: the model has no op {typos[0]!r} (names are ONNX node names, "
                           "as the report's layerwise section and recommendations give them)")
-    if ctx.cfg.precision.name.value in ("int8", "mixed"):
+    if ctx.cfg.precision.kind in ("int8", "mixed"):
         _only_quantized(model, asked, ctx.cfg.precision.quantize_ops)
     merged = list(dict.fromkeys([*chosen, *[name for name in asked if name in names]]))
     return merged, [name for name in asked if name not in names]
@@ -176,7 +176,7 @@ def _only_quantized(model: onnx.ModelProto, asked: List[str], quantize_ops: List
 
 
 def run(ctx: StageContext) -> StageResult:
-    target, precision = ctx.cfg.target, ctx.cfg.precision.name.value
+    target, precision = ctx.cfg.target, ctx.cfg.precision.kind
     backend = backends.spec(target.backend.value)
     ok, reason = backend.available()
     if not ok:

@@ -38,7 +38,7 @@ FLOOR_SHARE = 0.01  # no op is taken to cost less than 1 % of all the ops' costs
 
 
 def needed(cfg) -> bool:
-    return cfg.precision.name.value == "mixed"
+    return cfg.precision.kind == "mixed"
 
 
 def key_config(cfg):
@@ -72,7 +72,7 @@ def measured_on(cfg) -> str:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
-        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.name.value} keeps no ops in float"})
+        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.kind} keeps no ops in float"})
     calibrate = ctx.results.get("calibrate")
     if calibrate is None or "candidates" not in calibrate.files:
         raise ConfigError("precision=mixed needs the calibrate stage before sensitivity in pipeline.stages")

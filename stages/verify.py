@@ -70,8 +70,8 @@ def run(ctx: StageContext) -> StageResult:
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
-                   cfg.precision.name.value)
-    requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.name.value,
+                   cfg.precision.kind)
+    requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.kind,
                  "accepted_precisions": _accepted_precisions(cfg.precision)}
     effective, crash, layers, comparison, timing = {}, None, None, {}, {}
     truth, tried = None, []
@@ -80,7 +80,7 @@ def run(ctx: StageContext) -> StageResult:
             reference = _launch(stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
                                 "reference (onnxruntime fp32)", limits)
             target = _launch(stack, backend.__name__, artifact.out_dir, settings,
-                             f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value})", limits)
+                             f"{cfg.target.name} ({backend.NAME} {cfg.precision.kind})", limits)
             baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
             _loaded(reference)
             _loaded(target)
@@ -89,8 +89,8 @@ def run(ctx: StageContext) -> StageResult:
             check.run(reference, target, baselines, dataset, progress, ctx.out_dir / files["reproduce"],
                       f"verify {cfg.target.name}")
             effective = target.effective()
-            rows = {**baselines, cfg.precision.name.value: _Row(target, build.summary.get("bytes"), check.stats)}
-            comparison, timing = _side_by_side(rows, check.last, cfg.precision.name.value, backend.NAME, cfg.validation)
+            rows = {**baselines, cfg.precision.kind: _Row(target, build.summary.get("bytes"), check.stats)}
+            comparison, timing = _side_by_side(rows, check.last, cfg.precision.kind, backend.NAME, cfg.validation)
         except BackendCrashed as err:
             crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
                      "stderr_tail": err.stderr_tail}
@@ -104,7 +104,7 @@ def run(ctx: StageContext) -> StageResult:
         check.add_task_values(comparison)
         checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, effective, check.samples,
                                               crash)
-        if crash is None and _truth_wanted(cfg.precision.name.value, checks):
+        if crash is None and _truth_wanted(cfg.precision.kind, checks):
             truth = _truth(ctx, reference, target, dataset, outputs)
             checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, effective,
                                                   check.samples, crash)
@@ -150,7 +150,7 @@ def run(ctx: StageContext) -> StageResult:
 def _accepted_precisions(precision) -> List[str]:
     """What the backend may report for this request: mixed with an empty qtable (plain
     int8 met the target) runs int8 everywhere; int8 with precision.keep_float is mixed."""
-    name = precision.name.value
+    name = precision.kind
     if name == "mixed" or (name == "int8" and precision.keep_float):
         return ["int8", "mixed"]
     return [name]
@@ -287,7 +287,7 @@ def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name
 def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     """fp32 on the same backend for every other precision; plain int8 too for mixed
     (TPU-MLIR's FLOAT / INT8 / MIX table)."""
-    precision = ctx.cfg.precision.name.value
+    precision = ctx.cfg.precision.kind
     convert = ctx.results["convert"]
     builds = {}
     if precision != "fp32":
@@ -389,7 +389,7 @@ ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
 def _advice(ctx, backend, launching, workers, judged, layers, truth, outputs, task) -> tuple:
     """(recommendations, trials): named from the evidence (pipeline/recommend.py), and for
     an int8/mixed build failing on accuracy, keep-in-float candidates tried first."""
-    (requested, effective, checks), precision = judged, ctx.cfg.precision.name.value
+    (requested, effective, checks), precision = judged, ctx.cfg.precision.kind
     graph = _quantized_graph(ctx)
     calibrate = ctx.results.get("calibrate")
     table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
@@ -437,7 +437,7 @@ def _quantized_graph(ctx) -> Optional[QuantizedGraph]:
     precision = ctx.cfg.precision
     quantization = ctx.results["build"].summary.get("quantization") or {}
     calibrate = ctx.results.get("calibrate")
-    if precision.name.value not in ("int8", "mixed") or "float_ops" not in quantization or calibrate is None:
+    if precision.kind not in ("int8", "mixed") or "float_ops" not in quantization or calibrate is None:
         return None
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     model = onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False)
@@ -461,7 +461,7 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
     scorer = TaskScorer(metric, task_output) if metric else None
 
     already = _judged_with(ctx)["intended_float"]
-    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value,
+    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.kind,
                  "accepted_precisions": ["int8", "mixed"]}  # as a run with precision.keep_float accepts
 
     def judge(stats, build, effective):
@@ -476,7 +476,7 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
     base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
     untouched = [a for a in advice if not a["action"].get("keep_float")]
     found_advice = trials.advice(tried, base, list(cfg.precision.keep_float))
-    if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.name.value == "int8":
+    if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.kind == "int8":
         found_advice[0]["text"] += "; precision=mixed searches further (docs/sensitivity.md)"
     return untouched + found_advice, tried
 
@@ -487,7 +487,7 @@ def _trial_launcher(ctx, backend, stack, limits):
     settings and bias correction (a rerun with precision.keep_float gets this model)."""
     precision = ctx.cfg.precision
     calibrate = ctx.results["calibrate"]
-    source = ctx.results["sensitivity"] if precision.name.value == "mixed" else calibrate
+    source = ctx.results["sensitivity"] if precision.kind == "mixed" else calibrate
     table = read_json(source.path("table"))["tensors"]
     settings = QdqSettings.resolve(precision, backend.NAME)
     quantization = ctx.results["build"].summary["quantization"]
@@ -495,14 +495,14 @@ def _trial_launcher(ctx, backend, stack, limits):
 
     def launch(keep: List[str]):
         label = f"advice keep_float=[{','.join(keep)}]"
-        if backends.own_quantizer(backend, precision.name.value):  # as the build: the runtime's quantizer
-            worker, _ = _built_worker(ctx, backend, stack, limits, None, None, precision.name.value, label,
+        if backends.own_quantizer(backend, precision.kind):  # as the build: the runtime's quantizer
+            worker, _ = _built_worker(ctx, backend, stack, limits, None, None, precision.kind, label,
                                       [*quantization["float_ops"], *keep])
             return _loaded(worker)
         path = scratch / f"trial{len(list(scratch.iterdir()))}.onnx"
         build_qdq(calibrate.path("prepared"), table, path, settings, keep_float=[*quantization["float_ops"], *keep])
         _correct_like_the_build(ctx, path)
-        worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.name.value, label)
+        worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.kind, label)
         return _loaded(worker)
 
     return launch
