@@ -110,16 +110,7 @@ def run(ctx: StageContext) -> StageResult:
     if combined["cosine"] < plain["cosine"]:
         best_table = table
     summary["table"] = "per-op methods" if best_table is not table else "calibrate"
-    if cfg.sensitivity.select.value == "top_n":
-        float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
-        curve, costs = [{"float_ops": len(float_ops), **measure(best_table, float_ops)}], {}
-    else:
-        started = time.perf_counter()
-        costs = _costs(ctx, measure, best_table, ranking, summary)
-        seconds["costs"] = round(time.perf_counter() - started, 2)
-        float_ops, curve = _select_for_target(measure, best_table, ranking, cfg.sensitivity.max_float_ops, costs,
-                                              latency.quantizable_neighbours(prepared, costs))
-        seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
+    float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
     summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
                     "measured": sum(t.loss is not None for t in trials),
                     "float_op_details": _float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
@@ -130,6 +121,23 @@ def run(ctx: StageContext) -> StageResult:
         summary["warning"] = (f"the target (cosine {goal_cos}, task-metric drop <= {goal_drop}) was not reached "
                               f"with {len(float_ops)} float ops (sensitivity.max_float_ops)")
     return _write(ctx, best_table, float_ops, trials, summary)
+
+
+def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict,
+            seconds: dict):
+    """(float ops, curve, per-op latency costs): the ranking's top_n, or the fewest float
+    ops that meet the target (latency-aware where the target's costs were measured)."""
+    cfg = ctx.cfg
+    if cfg.sensitivity.select.value == "top_n":
+        float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
+        return float_ops, [{"float_ops": len(float_ops), **measure(table, float_ops)}], {}
+    started = time.perf_counter()
+    costs = _costs(ctx, measure, table, ranking, summary)
+    seconds["costs"] = round(time.perf_counter() - started, 2)
+    float_ops, curve = _select_for_target(measure, table, ranking, cfg.sensitivity.max_float_ops, costs,
+                                          latency.quantizable_neighbours(measure.prepared, costs))
+    seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
+    return float_ops, curve, costs
 
 
 def goal(cfg) -> tuple:

@@ -359,10 +359,31 @@ def tensor_map(onnx_path: Path, mnn_path: Path, converted: Optional[Path] = None
     if converted is not None:
         return _restricted(tensor_map(onnx_path, converted), _mnn_graph(converted), _mnn_graph(mnn_path))
     import onnx
-    from onnx import shape_inference
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    graph = model.graph
+    producers, order = _onnx_producers(model.graph)
+    shapes, types = _onnx_shapes(model)
+    graph_mnn = _mnn_graph(mnn_path)
+    groups: Dict[str, List[str]] = {}
+    for name in producers:
+        if name in graph_mnn and graph_mnn[name]["float"] and (types.get(name) or 1) in _FLOAT_ELEM_TYPES:
+            groups.setdefault(_mnn_root(graph_mnn, name), []).append(name)
+    faithful, fused = {}, {}
+    for root, members in groups.items():
+        roots = {name: _onnx_root(producers, name) for name in members}
+        latest = max(roots.values(), key=lambda r: order.get(r, -1))
+        for name in members:
+            problem = _unfaithful(name, roots[name], latest, graph_mnn, root, shapes)
+            if problem:
+                fused[name] = problem
+            else:
+                faithful[name] = {"shape": shapes.get(name)}
+    return {"format": 1, "faithful": faithful, "fused": fused,
+            "mnn_tensors": sorted(name for name, info in graph_mnn.items() if info["activation"])}
+
+
+def _onnx_producers(graph) -> Tuple[dict, Dict[str, int]]:
+    """({tensor computed from the inputs: its producing node}, {tensor: the node's index})."""
     initializers = {t.name for t in graph.initializer}
     dynamic = {i.name for i in graph.input if i.name not in initializers}
     producers, order = {}, {}
@@ -372,6 +393,14 @@ def tensor_map(onnx_path: Path, mnn_path: Path, converted: Optional[Path] = None
                 if name:
                     dynamic.add(name)
                     producers[name], order[name] = node, index
+    return producers, order
+
+
+def _onnx_shapes(model) -> Tuple[Dict[str, List[int]], Dict[str, int]]:
+    """({tensor: static shape}, {tensor: ONNX element type}), shapes inferred where ONNX can."""
+    from onnx import shape_inference
+
+    graph = model.graph
     shapes, types = {}, {}
     try:
         inferred = shape_inference.infer_shapes(model)
@@ -384,35 +413,28 @@ def tensor_map(onnx_path: Path, mnn_path: Path, converted: Optional[Path] = None
         dims = tensor_type.shape.dim
         if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
             shapes[info.name] = [int(d.dim_value) for d in dims]
+    return shapes, types
 
-    def onnx_root(name: str) -> str:
-        seen = set()
-        while name in producers and producers[name].op_type in _ONNX_PASSTHROUGH and name not in seen:
-            seen.add(name)
-            name = producers[name].input[0]
-        return name
 
-    graph_mnn = _mnn_graph(mnn_path)
-    groups: Dict[str, List[str]] = {}
-    for name in producers:
-        if name in graph_mnn and graph_mnn[name]["float"] and (types.get(name) or 1) in _FLOAT_ELEM_TYPES:
-            groups.setdefault(_mnn_root(graph_mnn, name), []).append(name)
-    faithful, fused = {}, {}
-    for root, members in groups.items():
-        roots = {name: onnx_root(name) for name in members}
-        latest = max(roots.values(), key=lambda r: order.get(r, -1))
-        for name in members:
-            if roots[name] != latest:
-                fused[name] = (f"MNN computes it in one op ({graph_mnn[root]['op']}) with {latest}: "
-                               f"the tensor holds {latest}'s values")
-                continue
-            mnn_size = graph_mnn[name]["size"]
-            if name in shapes and mnn_size and int(np.prod(shapes[name])) != mnn_size:
-                fused[name] = f"MNN's tensor has {mnn_size} elements, ONNX's {int(np.prod(shapes[name]))}"
-                continue
-            faithful[name] = {"shape": shapes.get(name)}
-    return {"format": 1, "faithful": faithful, "fused": fused,
-            "mnn_tensors": sorted(name for name, info in graph_mnn.items() if info["activation"])}
+def _onnx_root(producers: dict, name: str) -> str:
+    """The tensor a chain of value-preserving ONNX ops (Reshape, Identity, ...) starts from."""
+    seen = set()
+    while name in producers and producers[name].op_type in _ONNX_PASSTHROUGH and name not in seen:
+        seen.add(name)
+        name = producers[name].input[0]
+    return name
+
+
+def _unfaithful(name: str, onnx_root: str, latest: str, graph_mnn: Dict[str, dict], root: str,
+                shapes: Dict[str, List[int]]) -> Optional[str]:
+    """Why MNN's tensor ``name`` does not hold the ONNX tensor's values, or None when it does."""
+    if onnx_root != latest:
+        return (f"MNN computes it in one op ({graph_mnn[root]['op']}) with {latest}: "
+                f"the tensor holds {latest}'s values")
+    mnn_size = graph_mnn[name]["size"]
+    if name in shapes and mnn_size and int(np.prod(shapes[name])) != mnn_size:
+        return f"MNN's tensor has {mnn_size} elements, ONNX's {int(np.prod(shapes[name]))}"
+    return None
 
 
 def _restricted(found: dict, before: Dict[str, dict], after: Dict[str, dict]) -> dict:
