@@ -50,14 +50,14 @@ def candidates(run_cfg) -> List[str]:
     backend = backends.spec(run_cfg.target.backend.value)
     if run_cfg.precision.candidates:
         wanted = list(run_cfg.precision.candidates)
-        unknown = [p for p in wanted if p not in backend.PRECISIONS]
+        unknown = [p for p in wanted if p not in backend.CAPABILITIES.precisions]
         if unknown:
             raise ConfigError(f"precision.candidates: target {run_cfg.target.name} cannot build {unknown[0]!r}; "
-                              f"allowed: {', '.join(backend.PRECISIONS)}")
+                              f"allowed: {', '.join(backend.CAPABILITIES.precisions)}")
         return wanted
     from pipeline.environment import cpu
 
-    wanted = [p for p in DEFAULT_CANDIDATES.get(backend.NAME, ["fp32"]) if p in backend.PRECISIONS]
+    wanted = [p for p in DEFAULT_CANDIDATES.get(backend.NAME, ["fp32"]) if p in backend.CAPABILITIES.precisions]
     if backend.NAME == "openvino" and run_cfg.target.device.upper() == "CPU" and not NATIVE_BF16 & set(cpu()["flags"]):
         wanted.remove("bf16")
     return wanted

@@ -11,7 +11,7 @@ import yaml
 
 from pipeline import backends, compile_cache
 from pipeline.artifacts import read_json, sha256_file
-from pipeline.data import TensorSpec, conform
+from pipeline.data import TensorSpec, conform, load_arrays
 from pipeline.errors import BackendUnavailable, ExitCode, InputError
 
 MANIFEST = "manifest.json"
@@ -118,15 +118,9 @@ def read_inputs(path: Path, settings: dict) -> Dict[str, np.ndarray]:
     if not path.is_file():
         raise InputError(f"--input: {path} does not exist")
     try:
-        if path.suffix == ".npy":
-            arrays = {specs[0].name: np.load(path, allow_pickle=False)} if len(specs) == 1 else {}
-        else:
-            with np.load(path, allow_pickle=False) as archive:
-                arrays = {key: archive[key] for key in archive.files}
+        arrays = load_arrays(path, specs) if path.suffix != ".npy" or len(specs) == 1 else {}
     except (ValueError, OSError, EOFError) as err:
         raise InputError(f"--input: {path} cannot be read as a NumPy file ({err})") from err
-    if len(specs) == 1 and len(arrays) == 1:
-        arrays = {specs[0].name: next(iter(arrays.values()))}
     missing = [s.name for s in specs if s.name not in arrays]
     if missing:
         raise InputError(f"--input: {path} lacks {missing}; the bundle's inputs are {[s.name for s in specs]}")
@@ -142,11 +136,9 @@ def recorded_samples(bundle: Path) -> List[dict]:
         raise InputError(f"bundle: {path.name} is missing: the bundle was packaged without the verify stage")
     samples: Dict[int, dict] = {}
     roles = {"input": "inputs", "reference": "reference", "target": "target"}
-    with np.load(path, allow_pickle=False) as archive:
-        for key in archive.files:
-            role, index, name = key.split("/", 2)
-            samples.setdefault(int(index), {"inputs": {}, "reference": {}, "target": {}})[roles[role]][name] = \
-                archive[key]
+    for key, value in load_arrays(path).items():
+        role, index, name = key.split("/", 2)
+        samples.setdefault(int(index), {"inputs": {}, "reference": {}, "target": {}})[roles[role]][name] = value
     return [samples[i] for i in sorted(samples)]
 
 

@@ -97,7 +97,7 @@ def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
     try:
         run_cfg = config.validate(cfg)
         chosen = None
-        if run_cfg.precision.name.value == "auto":
+        if run_cfg.precision.kind == "auto":
             outcome, run_cfg, chosen = auto.run(cfg, run_cfg, run_dir)
         else:
             outcome = run_pipeline(run_cfg, run_dir)

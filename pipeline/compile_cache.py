@@ -55,7 +55,7 @@ def write(backend, artifact_dir: Path, settings: dict) -> Optional[dict]:
     """Compile the artifact once with the backend's cache switched on and keep what it
     wrote; records the folder in ``settings``. None for a backend without a compile cache,
     or (with a warning) when compiling for it fails: the artifact then loads without one."""
-    if not hasattr(backend, "write_compile_cache"):
+    if not backend.CAPABILITIES.compile_cache:
         settings.pop(CACHE_FIELD, None)
         return None
     folder = Path(artifact_dir) / FOLDER

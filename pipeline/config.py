@@ -178,6 +178,11 @@ class TargetConfig:
 
 @dataclass
 class PrecisionConfig:
+    @property
+    def kind(self) -> str:
+        """The precision's name as text ("fp32", "int8", "auto", ...)."""
+        return self.name.value
+
     name: Precision = MISSING
     min_cosine: float = 0.9999  # the default threshold for builds at this precision
     max_metric_drop: float = 0.0  # the default allowed task-metric drop
@@ -319,10 +324,13 @@ class ProfileConfig:
     worker_memory_mb: Optional[int] = None  # memory limit of the profiling worker; null: none
 
 
+# The stages in the order they run, one module each in stages/ (pipeline.stages lists a subset).
+STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "tune", "verify", "profile", "package")
+
+
 @dataclass
 class PipelineConfig:
-    stages: List[str] = field(default_factory=lambda: ["convert", "calibrate", "sensitivity", "build", "tune",
-                                                       "verify", "profile", "package"])
+    stages: List[str] = field(default_factory=lambda: list(STAGE_NAMES))
     cache: bool = True
     cache_dir: str = "outputs/.cache"
 
@@ -376,22 +384,22 @@ def validate(cfg: DictConfig) -> RunConfig:
 
 def _check_combinations(run: RunConfig) -> None:
     from pipeline import backends
-    from stages import STAGE_NAMES
 
     backend = backends.spec(run.target.backend.value)
-    if run.precision.name.value not in (*backend.PRECISIONS, "auto"):
+    can = backend.CAPABILITIES
+    if run.precision.kind not in (*can.precisions, "auto"):
         raise ConfigError(
-            f"precision={run.precision.name.value} is not supported by target {run.target.name} "
-            f"(backend {backend.NAME}); allowed: {', '.join(backend.PRECISIONS)}")
-    if run.target.memory_mode.value not in backend.MEMORY_MODES:
+            f"precision={run.precision.kind} is not supported by target {run.target.name} "
+            f"(backend {backend.NAME}); allowed: {', '.join(can.precisions)}")
+    if run.target.memory_mode.value not in can.memory_modes:
         raise ConfigError(
             f"target.memory_mode={run.target.memory_mode.value}: backend {backend.NAME} has no "
-            f"such memory mode; allowed: {', '.join(backend.MEMORY_MODES)}")
-    if run.target.device.upper() not in backend.DEVICES:
+            f"such memory mode; allowed: {', '.join(can.memory_modes)}")
+    if run.target.device.upper() not in can.devices:
         raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
-                          f"{', '.join(backend.DEVICES)}")
-    problem = (backend.check_config(run.target, run.precision.name.value)
-               if hasattr(backend, "check_config") and run.precision.name.value != "auto" else None)
+                          f"{', '.join(can.devices)}")
+    problem = (backend.check_config(run.target, run.precision.kind)
+               if run.precision.kind != "auto" else None)
     if problem:
         raise ConfigError(problem)
     unknown = [s for s in run.pipeline.stages if s not in STAGE_NAMES]
@@ -417,7 +425,7 @@ def _check_combinations(run: RunConfig) -> None:
             or profile.max_seconds <= 0 or profile.startup_rounds < 0:
         raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1, max_seconds > 0, startup_rounds >= 0 "
                           "and worker_timeout_s > 0")
-    if run.precision.name.value in ("int8", "mixed") and not run.precision.quantize_ops:
+    if run.precision.kind in ("int8", "mixed") and not run.precision.quantize_ops:
         raise ConfigError("precision.quantize_ops: name at least one op type (default: Conv, ConvTranspose, Gemm, MatMul)")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
@@ -493,10 +501,10 @@ def _check_tuning(tuning: TuningConfig, backend) -> None:
         raise ConfigError("tuning: warmup must be >= 0 and repeats >= 3")
     if not 0 <= tuning.noise < 1 or tuning.verify_samples < 1:
         raise ConfigError("tuning: noise must be in [0, 1) and verify_samples >= 1")
-    other = [d for d in tuning.devices if d.upper() not in backend.DEVICES]
+    other = [d for d in tuning.devices if d.upper() not in backend.CAPABILITIES.devices]
     if other:
         raise ConfigError(f"tuning.devices: backend {backend.NAME} has no device {other[0]!r}; "
-                          f"allowed: {', '.join(backend.DEVICES)}")
+                          f"allowed: {', '.join(backend.CAPABILITIES.devices)}")
 
 
 def describe_config_error(err: BaseException) -> str:

@@ -202,19 +202,29 @@ def unpack(packed: Dict[str, np.ndarray], index: int, count: int,
     return sample
 
 
-def _read_tensor_file(path: Path, inputs: Sequence[TensorSpec], where: str) -> Dict[str, np.ndarray]:
-    try:
-        if path.suffix == ".npy":
-            if len(inputs) != 1:
-                raise InputError(f"data: {where} is a .npy file but the model has {len(inputs)} inputs; "
-                                 f"use .npz files with keys {', '.join(i.name for i in inputs)}")
-            return {inputs[0].name: conform(np.load(path, allow_pickle=False), inputs[0], where)}
+def load_arrays(path: Path, inputs: Sequence[TensorSpec] = ()) -> Dict[str, np.ndarray]:
+    """Every array of a .npy (key "") or .npz file (its keys), read whole, no pickles; the
+    one array of a file fed to a one-input model is that input's, whatever its key. Raises
+    NumPy's ValueError, OSError or EOFError for a file it cannot read."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        arrays = {"": np.load(path, allow_pickle=False)}
+    else:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
-    except (ValueError, OSError, EOFError) as err:
-        raise InputError(f"data: {where} cannot be read as a NumPy file ({err})") from err
     if len(inputs) == 1 and len(arrays) == 1:
         arrays = {inputs[0].name: next(iter(arrays.values()))}
+    return arrays
+
+
+def _read_tensor_file(path: Path, inputs: Sequence[TensorSpec], where: str) -> Dict[str, np.ndarray]:
+    if path.suffix == ".npy" and len(inputs) != 1:
+        raise InputError(f"data: {where} is a .npy file but the model has {len(inputs)} inputs; "
+                         f"use .npz files with keys {', '.join(i.name for i in inputs)}")
+    try:
+        arrays = load_arrays(path, inputs)
+    except (ValueError, OSError, EOFError) as err:
+        raise InputError(f"data: {where} cannot be read as a NumPy file ({err})") from err
     missing = [i.name for i in inputs if i.name not in arrays]
     if missing:
         raise InputError(f"data: {where} has keys {sorted(arrays)} but the model needs {missing}")

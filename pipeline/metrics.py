@@ -150,15 +150,15 @@ def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
             "runs": repeats}
 
 
-def throughput(session, feeds, warmup: int = 3, repeats: int = 20, rounds: int = 5, min_round_s: float = 0.05) -> dict:
-    """Inferences per second with the session's concurrent requests (``parallel_runners``:
-    one per request the runtime runs best with; else one), each request in its own thread;
+def throughput(runners, feeds, warmup: int = 3, repeats: int = 20, rounds: int = 5, min_round_s: float = 0.05) -> dict:
+    """Inferences per second with the session's concurrent requests (``runners``: the
+    session's ``parallel_runners()``, one per request the runtime runs best with, where its
+    backend declares them; else ``[session.run]``), each request in its own thread;
     a round lasts until every request ran ``repeats`` inferences and ``min_round_s`` passed
     (tiny models would otherwise time thread start-up). Median and quartiles over rounds."""
     import threading
     import time
 
-    runners = session.parallel_runners() if hasattr(session, "parallel_runners") else [session.run]
     for runner in runners:
         for _ in range(warmup):
             runner(feeds)

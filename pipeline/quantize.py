@@ -58,10 +58,6 @@ def needs_reduce_range() -> bool:
 
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-# Backends whose int8 comes from quantized op inputs alone (OpenVINO's low-precision
-# transformations); ONNX Runtime fuses DequantizeLinear -> op -> QuantizeLinear into its
-# int8 kernels and runs the op in float when the output Q is missing.
-INPUT_ONLY_BACKENDS = ("openvino",)
 
 
 @dataclass(frozen=True)
@@ -76,12 +72,18 @@ class QdqSettings:
     quantize_outputs: bool = True
 
     @classmethod
-    def resolve(cls, precision, backend: str = "onnxruntime") -> "QdqSettings":
-        """From a PrecisionConfig; nulls resolved for this machine and this backend."""
+    def resolve(cls, precision, backend: str) -> "QdqSettings":
+        """From a PrecisionConfig; nulls resolved for this machine and this backend: outputs
+        quantized unless the backend's ``qdq_placement`` is "inputs" (its int8 comes from
+        quantized op inputs alone, OpenVINO's low-precision transformations; ONNX Runtime
+        fuses DequantizeLinear -> op -> QuantizeLinear into its int8 kernels and runs the op
+        in float when the output Q is missing)."""
+        from pipeline import backends
+
         reduce_range = needs_reduce_range() if precision.reduce_range is None else precision.reduce_range
         outputs = precision.quantize_outputs
         if outputs is None:
-            outputs = backend not in INPUT_ONLY_BACKENDS
+            outputs = backends.capabilities(backend).qdq_placement != "inputs"
         return cls(precision.activations.value, precision.per_channel, reduce_range,
                    tuple(precision.quantize_ops), outputs)
 

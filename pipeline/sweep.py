@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from rich.markup import escape
 from rich.table import Table as RichTable
 
+from pipeline.backends import GPU_DEVICES  # every device name that runs on a GPU
 from pipeline.artifacts import atomic_write_bytes, read_json, remove_stale_temps, write_json
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, RunFolderBusy, writing
@@ -33,7 +34,6 @@ from pipeline.report.render import html_document, markdown_document
 JOB_FILE = "job.json"
 LOCK_FILE = ".parity.lock"  # held by the run writing the folder
 RUN_RESULTS = (JOB_FILE, "report.json", "report.md", "report.html", "junit.xml")  # what a finished run leaves
-GPU_DEVICES = ("VULKAN", "OPENCL", "GPU", "CUDA", "METAL")
 TIE = 0.05  # latencies within 5 % of the fastest are a tie on a shared machine
 PRECISION_ORDER = ("fp32", "fp16", "bf16", "int8", "mixed")
 worst_exit_codes: List[int] = []  # the sweep's exit code, read by pipeline.cli.main

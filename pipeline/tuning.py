@@ -51,7 +51,7 @@ def apply(backend, settings: dict, changes: Changes) -> dict:
     where an option is more than a key of ``options``), without a compile cache: the
     cache belongs to the settings it was compiled with."""
     changed = copy.deepcopy(compile_cache.without_cache(settings))
-    if hasattr(backend, "with_options"):
+    if backend.CAPABILITIES.option_mapping:
         return backend.with_options(changed, dict(changes))
     changed.setdefault("options", {}).update(changes)
     return changed

@@ -141,7 +141,8 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
             elif method == _THROUGHPUT:
                 from pipeline.metrics import throughput
 
-                reply = ("ok", throughput(session, *args))
+                parallel = importlib.import_module(module).CAPABILITIES.parallel_runners
+                reply = ("ok", throughput(session.parallel_runners() if parallel else [session.run], *args))
             elif method == _STARTUP:  # new sessions of the same artifact, timed from load to first output
                 from pipeline.metrics import startup
 

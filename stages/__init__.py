@@ -22,10 +22,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Dict, List, Optional, Tuple
 
+from pipeline import backends
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config import RunConfig
-
-STAGE_NAMES = ("convert", "calibrate", "sensitivity", "build", "tune", "verify", "profile", "package")
 COMPLETE = ".complete"
 
 
@@ -80,7 +79,7 @@ class StageContext:
         return entry, False
 
 
-REFERENCE_MODULE = "pipeline.backends.onnxruntime"
+REFERENCE_MODULE = backends.MODULES[backends.REFERENCE]  # THE reference: ONNX Runtime
 
 
 def reference_settings(convert: StageResult) -> dict:

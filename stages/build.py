@@ -7,7 +7,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import onnx
 import yaml
@@ -34,7 +34,7 @@ MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified o
 
 def key_config(cfg):
     precision = cfg.precision
-    quantized = precision.name.value in ("int8", "mixed")
+    quantized = precision.kind in ("int8", "mixed")
     backend = backends.spec(cfg.target.backend.value)
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
@@ -43,18 +43,18 @@ def key_config(cfg):
             "weight_rounding": cfg.data if _refines(cfg, backend, "weight_rounding") else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
-            if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.name.value) else None,
+            if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.kind) else None,
             # a compile cache is made for this machine's CPU (pipeline/compile_cache.py)
-            "machine": environment.fingerprint() if hasattr(backend, "write_compile_cache") else None}
+            "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None}
 
 
 def _wants_masks(cfg, backend) -> bool:
-    return cfg.precision.name.value == "fp16" and cfg.target.auto_masks and hasattr(backend, "apply_masks")
+    return cfg.precision.kind == "fp16" and cfg.target.auto_masks and backend.CAPABILITIES.feature_masks
 
 
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
-    if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.name.value) \
+    if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.kind) \
             or _corrects_bias(ctx.cfg, backend) or _refines(ctx.cfg, backend, "weight_rounding"):
         return ctx.dataset().files
     return []
@@ -68,7 +68,7 @@ def _corrects_bias(cfg, backend) -> bool:
 def _refines(cfg, backend, step: str) -> bool:
     """precision.<step> (bias_correction, weight_rounding) on a QDQ int8/mixed build, not
     the runtime's own int8 tooling."""
-    name = cfg.precision.name.value
+    name = cfg.precision.kind
     return name in ("int8", "mixed") and getattr(cfg.precision, step) and not backends.own_quantizer(backend, name)
 
 
@@ -76,7 +76,7 @@ def _refines(cfg, backend, step: str) -> bool:
 def _own_int8(ctx: StageContext, backend):
     """int8 through the backend's own offline quantizer, fed parity's calibration samples;
     mixed: the qtable's ops (and precision.keep_float) named to it as ops to keep float."""
-    precision = ctx.cfg.precision.name.value
+    precision = ctx.cfg.precision.kind
     samples = [sample.feeds for sample in ctx.dataset().calibration]
     if not samples:
         raise ConfigError(f"precision={precision} on {backend.NAME} needs calibration samples "
@@ -102,8 +102,8 @@ def _qtable_float_ops(ctx: StageContext) -> List[str]:
 
 
 def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
-    """ncnn fp16: verify the plain build on the first validation samples; when it fails,
-    find the layers to mask from the evidence and search the masks (pipeline/feature_masks.py).
+    """fp16 on a backend with feature masks (ncnn): verify the plain build on the first
+    validation samples; when it fails, find the layers to mask from the evidence and search the masks (pipeline/feature_masks.py).
     The masks found are written into the artifact in place."""
     from pipeline import feature_masks, layerwise
 
@@ -120,7 +120,8 @@ def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
             return {"searched": False, "reason": f"the plain fp16 build passes on {len(samples)} samples",
                     "masks": [], "trials": judge.trials}
         try:
-            with BackendWorker(backend.__name__, ctx.out_dir, runtime, label="ncnn fp16 (plain)", **limits) as target:
+            with BackendWorker(backend.__name__, ctx.out_dir, runtime, label=f"{backend.NAME} fp16 (plain)",
+                               **limits) as target:
                 graph = layerwise.Graph(onnx.load(str(convert.path("model"))))
                 evidence = layerwise.compare(reference, target, graph, samples, cfg.validation.layer_min_cosine)
                 evidence = evidence.summary("on_fail", "the plain fp16 build failed", "")
@@ -166,7 +167,7 @@ def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str
     if typos:
         raise ConfigError(f"precision.keep_float: the model has no op {typos[0]!r} (names are ONNX node names, "
                           "as the report's layerwise section and recommendations give them)")
-    if ctx.cfg.precision.name.value in ("int8", "mixed"):
+    if ctx.cfg.precision.kind in ("int8", "mixed"):
         _only_quantized(model, asked, ctx.cfg.precision.quantize_ops)
     merged = list(dict.fromkeys([*chosen, *[name for name in asked if name in names]]))
     return merged, [name for name in asked if name not in names]
@@ -184,7 +185,7 @@ def _only_quantized(model: onnx.ModelProto, asked: List[str], quantize_ops: List
 
 
 def run(ctx: StageContext) -> StageResult:
-    target, precision = ctx.cfg.target, ctx.cfg.precision.name.value
+    target, precision = ctx.cfg.target, ctx.cfg.precision.kind
     backend = backends.spec(target.backend.value)
     ok, reason = backend.available()
     if not ok:
@@ -199,8 +200,8 @@ def run(ctx: StageContext) -> StageResult:
     else:
         if precision in ("int8", "mixed"):
             (onnx_path, quantization), ir_dir = _quantize(ctx), None
-        elif precision == "fp16" and precision not in getattr(backend, "RUNTIME_PRECISIONS", ()):
-            (onnx_path, quantization), ir_dir = _half(ctx, backend.NAME), None
+        elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
+            (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
         artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()
@@ -231,11 +232,13 @@ def run(ctx: StageContext) -> StageResult:
     return StageResult(ctx.out_dir, files, summary)
 
 
-def _half(ctx: StageContext, backend: str):
+def _half(ctx: StageContext, converter: Optional[str]):
     """fp16 from the prepared graph (BatchNorm folded): the pre-flight's findings name the
-    nodes kept in fp32 (an overflowing tensor's producer and consumers). ONNX Runtime gets
-    an fp16 ONNX model; OpenVINO an IR with fp16 weights (its execution precision is the
-    precision hint's, when the CPU runs it natively)."""
+    nodes kept in fp32 (an overflowing tensor's producer and consumers). A backend without
+    its own fp16 ``converter`` (Capabilities.fp16_converter) gets an fp16 ONNX model (ONNX
+    Runtime); one with it the prepared fp32 graph, which its build converts (OpenVINO: an IR
+    with fp16 weights; its execution precision is the precision hint's, when the CPU runs
+    it natively)."""
     calibrate = ctx.results.get("calibrate")
     if calibrate is None or "fp16_findings" not in calibrate.files:
         raise ConfigError("precision=fp16 needs the calibrate stage (statistics for the fp16 pre-flight) before build")
@@ -243,13 +246,13 @@ def _half(ctx: StageContext, backend: str):
     prepared = onnx.load(str(calibrate.path("prepared")))
     blocked, unknown = _requested_float(ctx, prepared, fp16.block_list(prepared, findings))
     half = ctx.out_dir / "half.onnx"
-    if backend == "openvino":
-        # fp16 weights in the IR and the f16 hint; OpenVINO decides per layer what runs f16
+    if converter:
+        # e.g. fp16 weights in the IR and the f16 hint; OpenVINO decides per layer what runs f16
         # (it keeps precision-sensitive subgraphs such as x*x -> ReduceSum in f32 itself).
         # The block list is recorded, not applied: verify reports what ran.
         onnx.save(prepared, str(half))
         return half, {"findings": findings, "blocked": blocked, "applied": False, "keep_float_not_found": unknown,
-                      "converter": "openvino save_model(compress_to_fp16=True)"}
+                      "converter": converter}
     summary = fp16.convert(calibrate.path("prepared"), half, blocked)
     return half, {"findings": findings, **summary, "keep_float_not_found": unknown}
 
@@ -262,7 +265,7 @@ def _quantize(ctx: StageContext):
     table = read_json(calibrate.path("table"))["tensors"]
     keep_float: list = []
     precision = ctx.cfg.precision
-    if precision.name.value == "mixed":
+    if precision.kind == "mixed":
         found = ctx.results.get("sensitivity")
         if found is None or "qtable" not in found.files:
             raise ConfigError("precision=mixed needs the sensitivity stage: add it to pipeline.stages before build")
@@ -291,7 +294,7 @@ def _judged_on(ctx: StageContext, float_ops: List[str]):
     raised the calibration cosine and took the validation cosine from 0.9959 to 0.9947). None
     otherwise (the calibration samples): a mixed build with an empty qtable is the int8 build."""
     return ((sample.feeds for sample in ctx.dataset().validation)
-            if ctx.cfg.precision.name.value == "mixed" and float_ops else None)
+            if ctx.cfg.precision.kind == "mixed" and float_ops else None)
 
 
 def _round_weights(ctx: StageContext, quantized: Path, float_ops: List[str]) -> dict:

@@ -13,7 +13,7 @@ from typing import Dict, List
 import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
-from pipeline import fp16
+from pipeline import backends, fp16
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
@@ -34,7 +34,7 @@ FP16_FINDINGS = "fp16_findings.json"  # what fp16 cannot hold, for fp16 builds
 
 
 def needed(cfg) -> bool:
-    return cfg.precision.name.value in QUANTIZED_PRECISIONS
+    return cfg.precision.kind in QUANTIZED_PRECISIONS
 
 
 def key_config(cfg):
@@ -43,13 +43,13 @@ def key_config(cfg):
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
             "activations": cfg.precision.activations, "precision": cfg.precision.name,
             # auto's choice measures int8 models built with these (_auto_at_outputs)
-            "auto": (QdqSettings.resolve(cfg.precision, "onnxruntime"), sorted(cfg.precision.keep_float))
+            "auto": (QdqSettings.resolve(cfg.precision, backends.REFERENCE), sorted(cfg.precision.keep_float))
             if _judged_at_outputs(cfg) else None}
 
 
 def _judged_at_outputs(cfg) -> bool:
     """calibration=auto for an int8 build: the final choice is measured at the outputs."""
-    return cfg.calibration.method.value == "auto" and cfg.precision.name.value in ("int8", "mixed")
+    return cfg.calibration.method.value == "auto" and cfg.precision.kind in ("int8", "mixed")
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -63,7 +63,7 @@ def external_files(ctx: StageContext) -> List[Path]:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
-        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.name.value} needs no calibration"})
+        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.kind} needs no calibration"})
     model_path = ctx.out_dir / "prepared.onnx"
     try:
         prepare(ctx.results["convert"].path("model"), model_path)
@@ -108,7 +108,7 @@ def _computed_table(ctx: StageContext, model_path: Path):
     folder, reused = ctx.memo("calibration-statistics", material, collect)
     stats = statistics.Statistics.load(folder)
     collected = time.perf_counter() - started
-    precision = ctx.cfg.precision.name.value
+    precision = ctx.cfg.precision.kind
     every_method = _candidates(stats, cfg) if precision == "mixed" else None
     table, choices, decision = _thresholds(stats, ctx, model_path, every_method)
     if every_method is not None:
@@ -173,7 +173,7 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
     split = ctx.dataset().calibration
     prepared = onnx.load(str(model_path))
     judge = OutputJudge(prepared, [sample.feeds for sample in split])
-    settings = QdqSettings.resolve(ctx.cfg.precision, "onnxruntime")
+    settings = QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE)
     try:
         chosen, scores = auto.choose_table(judge, tables_by_name, lambda table: MixedModels(
             prepared, table, settings, ctx.cfg.precision.keep_float).build())

@@ -31,7 +31,7 @@ FP32_TINY = float(np.finfo(np.float32).tiny)  # smaller nonzero magnitudes are f
 
 def key_config(cfg):
     return {"model": {k: v for k, v in vars(cfg.model).items() if k != "name"},
-            "ir": cfg.target.backend.value == "openvino"}
+            "ir": backends.capabilities(cfg.target.backend.value).ir}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -53,8 +53,9 @@ def run(ctx: StageContext) -> StageResult:
     check(model)
     onnx.save(model, str(ctx.out_dir / "model.onnx"))
     files = {"model": "model.onnx"}
-    if ctx.cfg.target.backend.value == "openvino":
-        ir_files = backends.spec("openvino").convert(ctx.out_dir / "model.onnx", ctx.out_dir)
+    backend = backends.spec(ctx.cfg.target.backend.value)
+    if backend.CAPABILITIES.ir:  # the runtime's own IR of the float model, for build
+        ir_files = backend.convert_ir(ctx.out_dir / "model.onnx", ctx.out_dir)
         files.update({"ir_xml": ir_files[0], "ir_bin": ir_files[1]})
     summary = {
         "source": str(source.resolve()),

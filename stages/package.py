@@ -41,7 +41,7 @@ def external_files(ctx: StageContext) -> List[Path]:
 
 
 def bundle_name(cfg) -> str:
-    return cfg.package.name or f"{model_name(cfg)}-{cfg.target.name}-{cfg.precision.name.value}"
+    return cfg.package.name or f"{model_name(cfg)}-{cfg.target.name}-{cfg.precision.kind}"
 
 
 def run(ctx: StageContext) -> StageResult:

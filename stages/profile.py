@@ -47,7 +47,7 @@ def external_files(ctx: StageContext) -> List[Path]:
 
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
-    about = {"target": cfg.target.name, "precision": cfg.precision.name.value}
+    about = {"target": cfg.target.name, "precision": cfg.precision.kind}
     if "build" not in ctx.results or "convert" not in ctx.results:
         return _skipped(ctx, about, "nothing to profile: pipeline.stages has no convert and build before profile")
     artifact, convert = deployable(ctx.results), ctx.results["convert"]  # tune's settings when it changed them
@@ -57,13 +57,13 @@ def run(ctx: StageContext) -> StageResult:
     ok, reason = backend.available()
     if not ok:
         return _skipped(ctx, about, reason, cache=False)
-    if not hasattr(getattr(backend, "Session", None), "profile"):
+    if not backend.CAPABILITIES.profiler:
         return _skipped(ctx, about, f"backend {backend.NAME} has no per-layer profiler")
     sample = next(iter(ctx.dataset().validation), None)
     if sample is None:
         return _skipped(ctx, about, "no validation sample to profile")
     limits, nodes = cfg.profile, profiling.Nodes.load(convert.path("model")).to_json()
-    label = f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value}) profile"
+    label = f"{cfg.target.name} ({backend.NAME} {cfg.precision.kind}) profile"
     try:
         with BackendWorker(backend.__name__, artifact.out_dir, settings, label=label,
                            timeout_s=limits.worker_timeout_s, memory_mb=limits.worker_memory_mb) as worker:

@@ -35,11 +35,10 @@ QTABLE_TPU_MLIR = "qtable.txt"
 CHUNK = 64  # validation samples measured in one run
 EDGE_WEIGHT = 1.0  # a new edge between an int8 chain and a float island costs about a median op (latency-aware)
 FLOOR_SHARE = 0.01  # no op is taken to cost less than 1 % of all the ops' costs
-PROFILED_BACKENDS = ("onnxruntime", "openvino")  # run the Q/DQ model the search selects for: its per-op costs
 
 
 def needed(cfg) -> bool:
-    return cfg.precision.name.value == "mixed"
+    return cfg.precision.kind == "mixed"
 
 
 def key_config(cfg):
@@ -62,16 +61,18 @@ def _settings(cfg) -> QdqSettings:
 
 
 def measured_on(cfg) -> str:
-    """The runtime the whole mixed candidates are measured on: the target's where it runs
-    Q/DQ models (ONNX Runtime and OpenVINO disagree by up to 0.006 in cosine on the same
-    inputs-only placement of PP-OCRv4 rec: docs/sensitivity.md); else ONNX Runtime."""
-    return "openvino" if cfg.target.backend.value == "openvino" else "onnxruntime"
+    """The runtime the whole mixed candidates are measured on: the target's where it
+    declares ``measures_qdq`` (ONNX Runtime and OpenVINO disagree by up to 0.006 in cosine
+    on the same inputs-only placement of PP-OCRv4 rec: docs/sensitivity.md); else the
+    reference's (ONNX Runtime)."""
+    backend = cfg.target.backend.value
+    return backend if backends.capabilities(backend).measures_qdq else backends.REFERENCE
 
 
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
-        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.name.value} keeps no ops in float"})
+        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.kind} keeps no ops in float"})
     calibrate = ctx.results.get("calibrate")
     if calibrate is None or "candidates" not in calibrate.files:
         raise ConfigError("precision=mixed needs the calibrate stage before sensitivity in pipeline.stages")
@@ -109,16 +110,7 @@ def run(ctx: StageContext) -> StageResult:
     if combined["cosine"] < plain["cosine"]:
         best_table = table
     summary["table"] = "per-op methods" if best_table is not table else "calibrate"
-    if cfg.sensitivity.select.value == "top_n":
-        float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
-        curve, costs = [{"float_ops": len(float_ops), **measure(best_table, float_ops)}], {}
-    else:
-        started = time.perf_counter()
-        costs = _costs(ctx, measure, best_table, ranking, summary)
-        seconds["costs"] = round(time.perf_counter() - started, 2)
-        float_ops, curve = _select_for_target(measure, best_table, ranking, cfg.sensitivity.max_float_ops, costs,
-                                              latency.quantizable_neighbours(prepared, costs))
-        seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
+    float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
     summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
                     "measured": sum(t.loss is not None for t in trials),
                     "float_op_details": _float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
@@ -129,6 +121,23 @@ def run(ctx: StageContext) -> StageResult:
         summary["warning"] = (f"the target (cosine {goal_cos}, task-metric drop <= {goal_drop}) was not reached "
                               f"with {len(float_ops)} float ops (sensitivity.max_float_ops)")
     return _write(ctx, best_table, float_ops, trials, summary)
+
+
+def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict,
+            seconds: dict):
+    """(float ops, curve, per-op latency costs): the ranking's top_n, or the fewest float
+    ops that meet the target (latency-aware where the target's costs were measured)."""
+    cfg = ctx.cfg
+    if cfg.sensitivity.select.value == "top_n":
+        float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
+        return float_ops, [{"float_ops": len(float_ops), **measure(table, float_ops)}], {}
+    started = time.perf_counter()
+    costs = _costs(ctx, measure, table, ranking, summary)
+    seconds["costs"] = round(time.perf_counter() - started, 2)
+    float_ops, curve = _select_for_target(measure, table, ranking, cfg.sensitivity.max_float_ops, costs,
+                                          latency.quantizable_neighbours(measure.prepared, costs))
+    seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
+    return float_ops, curve, costs
 
 
 def goal(cfg) -> tuple:
@@ -153,7 +162,8 @@ def _ranking_score(prepared, reference: List[np.ndarray], labels, count: int, cf
 
 
 def _latency_aware(cfg) -> bool:
-    return cfg.sensitivity.latency_aware and cfg.target.backend.value in PROFILED_BACKENDS
+    """The target runs the Q/DQ model the search selects for: its per-op costs are measured."""
+    return cfg.sensitivity.latency_aware and backends.capabilities(cfg.target.backend.value).qdq_latency
 
 
 def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict) -> Dict[str, float]:
@@ -208,8 +218,8 @@ class _MixedMeasure:
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
         model = self.models(table).build(float_ops)
-        # OpenVINO compiles once per call and runs one sample at a time anyway
-        values = self._chunked(model, self._run, self.count if measured_on(self.cfg) == "openvino" else CHUNK)
+        # a target's run_model (OpenVINO) compiles once per call and runs one sample at a time anyway
+        values = self._chunked(model, self._run, CHUNK if measured_on(self.cfg) == backends.REFERENCE else self.count)
         actual = [values[name] for name in self.outputs]
         _, sqnr = search.output_loss(self.reference, actual)
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
@@ -228,10 +238,9 @@ class _MixedMeasure:
         return {name: np.concatenate([part[name] for part in parts]) for name in self.outputs}
 
     def _run(self, model: onnx.ModelProto, feeds, count: int) -> Dict[str, np.ndarray]:
-        if measured_on(self.cfg) == "openvino":
-            from pipeline.backends import openvino
-
-            return openvino.run_model(model, feeds, count, self.outputs)
+        runtime = measured_on(self.cfg)
+        if runtime != backends.REFERENCE:
+            return backends.spec(runtime).run_model(model, feeds, count, self.outputs)
         return BatchRunner(model, self.outputs, count).run(feeds, count)
 
     def meets(self, result: dict) -> bool:

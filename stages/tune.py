@@ -59,7 +59,7 @@ def run(ctx: StageContext) -> StageResult:
     ok, reason = backend.available()
     if not ok:
         raise BackendUnavailable(f"target {ctx.cfg.target.name}: {reason}")
-    if not hasattr(backend, "tuning_space"):
+    if not backend.CAPABILITIES.tuning:
         return _skipped(ctx, f"backend {backend.NAME} has no runtime settings to tune")
     space = backend.tuning_space(settings, cfg.level.value, cfg.objective.value, list(cfg.devices))
     samples = [s.feeds for _, s in zip(range(cfg.verify_samples), ctx.dataset().validation)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -56,102 +57,147 @@ def external_files(ctx: StageContext) -> List[Path]:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     dataset = ctx.dataset()
-    convert, build, artifact = ctx.results["convert"], ctx.results["build"], deployable(ctx.results)
-    settings = yaml.safe_load(artifact.path("runtime").read_text())
-    backend = backends.spec(settings["backend"])
-    ok, reason = backend.available()
-    if not ok:
-        raise BackendUnavailable(f"target {cfg.target.name}: {reason}")
-    output_names = [o["name"] for o in convert.summary["outputs"]]
-    _check_output_names(cfg.validation, output_names)
-    metric = load_metric(cfg.metric)
-    task_output = (metric and metric.output) or cfg.validation.task_output or output_names[0]
-    if task_output not in output_names:
-        raise ConfigError(f"metric.output: the model has no output {task_output!r}; outputs: {', '.join(output_names)}")
+    backend, artifact, settings = _target(ctx)
+    output_names = [o["name"] for o in ctx.results["convert"].summary["outputs"]]
+    metric, task_output = _task_output(cfg, output_names)
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
-                   cfg.precision.name.value)
-    requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.name.value,
+                   cfg.precision.kind)
+    requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.kind,
                  "accepted_precisions": _accepted_precisions(cfg.precision)}
-    effective, crash, layers, comparison, timing = {}, None, None, {}, {}
-    truth, tried = None, []
+    layers, truth = None, None
     with contextlib.ExitStack() as stack, progress_bar() as progress:
-        try:
-            reference = _launch(stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
-                                "reference (onnxruntime fp32)", limits)
-            target = _launch(stack, backend.__name__, artifact.out_dir, settings,
-                             f"{cfg.target.name} ({backend.NAME} {cfg.precision.name.value})", limits)
-            baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
-            _loaded(reference)
-            _loaded(target)
-            for row in baselines.values():
-                row.wait_loaded()
-            check.run(reference, target, baselines, dataset, progress, ctx.out_dir / files["reproduce"],
-                      f"verify {cfg.target.name}")
-            effective = target.effective()
-            rows = {**baselines, cfg.precision.name.value: _Row(target, build.summary.get("bytes"), check.stats)}
-            comparison, timing = _side_by_side(rows, check.last, cfg.precision.name.value, backend.NAME, cfg.validation)
-        except BackendCrashed as err:
-            crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
-                     "stderr_tail": err.stderr_tail}
-            log.warning("%s", err)
+        ran = _compare(ctx, (backend, artifact, settings), check, dataset, (stack, limits), progress,
+                       ctx.out_dir / files["reproduce"])
         outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
                    if name not in check.missing and check.stats[name].elements]
         task = check.task_result(cfg.validation.max_metric_drop)
-        if metric and task is None and check.samples and crash is None:
+        if metric and task is None and check.samples and ran.crash is None:
             dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
                                     "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
-        check.add_task_values(comparison)
-        checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, effective, check.samples,
-                                              crash)
-        if crash is None and _truth_wanted(cfg.precision.name.value, checks):
-            truth = _truth(ctx, reference, target, dataset, outputs)
-            checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, effective,
-                                                  check.samples, crash)
-        if crash is None and timing.get("failure"):  # validation.min_speedup: after every accuracy reason
-            reasons.append(timing["failure"])
+        check.add_task_values(ran.comparison)
+        checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, ran.effective,
+                                              check.samples, ran.crash)
+        if ran.crash is None and _truth_wanted(cfg.precision.kind, checks):
+            truth = _truth(ctx, ran.reference, ran.target, dataset, outputs)
+            checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, ran.effective,
+                                                  check.samples, ran.crash)
+        if ran.crash is None and ran.timing.get("failure"):  # validation.min_speedup: after every accuracy reason
+            reasons.append(ran.timing["failure"])
             exit_code = exit_code if exit_code != ExitCode.OK else ExitCode.THRESHOLD
-        if crash is None and _layerwise_wanted(cfg.validation.layerwise, exit_code):
-            layers = _layerwise(ctx, reference, target, dataset, exit_code, progress)
+        if ran.crash is None and _layerwise_wanted(cfg.validation.layerwise, exit_code):
+            layers = _layerwise(ctx, ran.reference, ran.target, dataset, exit_code, progress)
             if layers.get("side_file"):
                 files["layerwise"] = layers["side_file"]
-        advice, tried = _advice(ctx, backend, (stack, limits), None if crash else (reference, target),
-                                (requested, effective, checks), layers, truth, outputs, task)
+        advice, tried = _advice(ctx, backend, (stack, limits), None if ran.crash else (ran.reference, ran.target),
+                                (requested, ran.effective, checks), layers, truth, outputs, task)
     write_json(ctx.out_dir / "recommendations.json", advice)
     files["recommendations"] = "recommendations.json"
-    summary = {
-        "samples": check.samples,
-        "requested": requested,
-        "effective": effective,
-        "outputs": outputs,
-        "missing_outputs": check.missing,
-        "task": task,
-        "comparison": comparison,
-        "speed": timing,
-        "data": dataset.summary(),
-        "verdict": "pass" if exit_code == ExitCode.OK else "fail",
-        "exit_code": int(exit_code),
-        "reasons": reasons,
-        "checks": checks,  # every check that did not pass, warnings too (pipeline/verdict.py)
-        "judged_with": _judged_with(ctx),  # what parity-bundle check needs to judge alike
-        "truth": truth,
-        "crash": crash,
-        "layerwise": layers if layers is not None else _layerwise_skipped(cfg.validation.layerwise, crash),
-        "recommendations": advice,
-        "advice_tried": tried,
-        "reproduce": {"file": files["reproduce"], "samples": min(check.samples, REPRODUCE_SAMPLES)},
-    }
+    summary = _summary(ctx, check, ran, dataset, {
+        "requested": requested, "outputs": outputs, "task": task,
+        "verdict": "pass" if exit_code == ExitCode.OK else "fail", "exit_code": int(exit_code),
+        "reasons": reasons, "checks": checks, "truth": truth, "layerwise": layers, "recommendations": advice,
+        "advice_tried": tried, "reproduce_file": files["reproduce"]})
     files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
     # a crash, a hang or a device fallback depends on the machine (drivers, load), not on
     # the inputs the cache key covers: such a verdict is measured again next time
     return StageResult(ctx.out_dir, files, summary, cache=exit_code != ExitCode.BACKEND)
 
 
+def _target(ctx: StageContext):
+    """(backend module, the deployable artifact's result, its runtime.yaml settings)."""
+    artifact = deployable(ctx.results)
+    settings = yaml.safe_load(artifact.path("runtime").read_text())
+    backend = backends.spec(settings["backend"])
+    ok, reason = backend.available()
+    if not ok:
+        raise BackendUnavailable(f"target {ctx.cfg.target.name}: {reason}")
+    return backend, artifact, settings
+
+
+def _task_output(cfg, output_names: List[str]):
+    """(the task metric or None, the output it scores), checked against the model's outputs."""
+    _check_output_names(cfg.validation, output_names)
+    metric = load_metric(cfg.metric)
+    task_output = (metric and metric.output) or cfg.validation.task_output or output_names[0]
+    if task_output not in output_names:
+        raise ConfigError(f"metric.output: the model has no output {task_output!r}; outputs: {', '.join(output_names)}")
+    return metric, task_output
+
+
+@dataclass
+class _Ran:
+    """What the side-by-side run of the reference, the target and the baselines gave."""
+
+    reference: Optional[BackendWorker] = None
+    target: Optional[BackendWorker] = None
+    effective: dict = field(default_factory=dict)
+    comparison: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+    crash: Optional[dict] = None
+
+
+def _compare(ctx: StageContext, deployed, check: "_Check", dataset, workers, progress, reproduce: Path) -> _Ran:
+    """The reference and the target (``deployed``: backend, artifact, settings), and the
+    fp32 and plain int8 baselines, on the validation set; a backend crash is recorded in
+    ``crash``, not raised."""
+    cfg, (backend, artifact, settings), (stack, limits), ran = ctx.cfg, deployed, workers, _Ran()
+    convert, build = ctx.results["convert"], ctx.results["build"]
+    try:
+        ran.reference = _launch(stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
+                                "reference (onnxruntime fp32)", limits)
+        ran.target = _launch(stack, backend.__name__, artifact.out_dir, settings,
+                             f"{cfg.target.name} ({backend.NAME} {cfg.precision.kind})", limits)
+        baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
+        _loaded(ran.reference)
+        _loaded(ran.target)
+        for row in baselines.values():
+            row.wait_loaded()
+        check.run(ran.reference, ran.target, baselines, dataset, progress, reproduce,
+                  f"verify {cfg.target.name}")
+        ran.effective = ran.target.effective()
+        rows = {**baselines, cfg.precision.kind: _Row(ran.target, build.summary.get("bytes"), check.stats)}
+        ran.comparison, ran.timing = _side_by_side(rows, check.last, cfg.precision.kind, backend.NAME,
+                                                   cfg.validation)
+    except BackendCrashed as err:
+        ran.crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
+                     "stderr_tail": err.stderr_tail}
+        log.warning("%s", err)
+    return ran
+
+
+def _summary(ctx: StageContext, check: "_Check", ran: _Ran, dataset, judged: dict) -> dict:
+    """verify's summary (report.json's verify section), in its order."""
+    return {
+        "samples": check.samples,
+        "requested": judged["requested"],
+        "effective": ran.effective,
+        "outputs": judged["outputs"],
+        "missing_outputs": check.missing,
+        "task": judged["task"],
+        "comparison": ran.comparison,
+        "speed": ran.timing,
+        "data": dataset.summary(),
+        "verdict": judged["verdict"],
+        "exit_code": judged["exit_code"],
+        "reasons": judged["reasons"],
+        "checks": judged["checks"],  # every check that did not pass, warnings too (pipeline/verdict.py)
+        "judged_with": _judged_with(ctx),  # what parity-bundle check needs to judge alike
+        "truth": judged["truth"],
+        "crash": ran.crash,
+        "layerwise": judged["layerwise"] if judged["layerwise"] is not None
+        else _layerwise_skipped(ctx.cfg.validation.layerwise, ran.crash),
+        "recommendations": judged["recommendations"],
+        "advice_tried": judged["advice_tried"],
+        "reproduce": {"file": judged["reproduce_file"], "samples": min(check.samples, REPRODUCE_SAMPLES)},
+    }
+
+
 def _accepted_precisions(precision) -> List[str]:
     """What the backend may report for this request: mixed with an empty qtable (plain
     int8 met the target) runs int8 everywhere; int8 with precision.keep_float is mixed."""
-    name = precision.name.value
+    name = precision.kind
     if name == "mixed" or (name == "int8" and precision.keep_float):
         return ["int8", "mixed"]
     return [name]
@@ -288,7 +334,7 @@ def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name
 def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     """fp32 on the same backend for every other precision; plain int8 too for mixed
     (TPU-MLIR's FLOAT / INT8 / MIX table)."""
-    precision = ctx.cfg.precision.name.value
+    precision = ctx.cfg.precision.kind
     convert = ctx.results["convert"]
     builds = {}
     if precision != "fp32":
@@ -390,7 +436,7 @@ ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
 def _advice(ctx, backend, launching, workers, judged, layers, truth, outputs, task) -> tuple:
     """(recommendations, trials): named from the evidence (pipeline/recommend.py), and for
     an int8/mixed build failing on accuracy, keep-in-float candidates tried first."""
-    (requested, effective, checks), precision = judged, ctx.cfg.precision.name.value
+    (requested, effective, checks), precision = judged, ctx.cfg.precision.kind
     graph = _quantized_graph(ctx)
     calibrate = ctx.results.get("calibrate")
     table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
@@ -438,7 +484,7 @@ def _quantized_graph(ctx) -> Optional[QuantizedGraph]:
     precision = ctx.cfg.precision
     quantization = ctx.results["build"].summary.get("quantization") or {}
     calibrate = ctx.results.get("calibrate")
-    if precision.name.value not in ("int8", "mixed") or "float_ops" not in quantization or calibrate is None:
+    if precision.kind not in ("int8", "mixed") or "float_ops" not in quantization or calibrate is None:
         return None
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     model = onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False)
@@ -462,7 +508,7 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
     scorer = TaskScorer(metric, task_output) if metric else None
 
     already = _judged_with(ctx)["intended_float"]
-    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.name.value,
+    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.kind,
                  "accepted_precisions": ["int8", "mixed"]}  # as a run with precision.keep_float accepts
 
     def judge(stats, build, effective):
@@ -477,7 +523,7 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
     base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
     untouched = [a for a in advice if not a["action"].get("keep_float")]
     found_advice = trials.advice(tried, base, list(cfg.precision.keep_float))
-    if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.name.value == "int8":
+    if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.kind == "int8":
         found_advice[0]["text"] += "; precision=mixed searches further (docs/sensitivity.md)"
     return untouched + found_advice, tried
 
@@ -488,7 +534,7 @@ def _trial_launcher(ctx, backend, stack, limits):
     settings and bias correction (a rerun with precision.keep_float gets this model)."""
     precision = ctx.cfg.precision
     calibrate = ctx.results["calibrate"]
-    source = ctx.results["sensitivity"] if precision.name.value == "mixed" else calibrate
+    source = ctx.results["sensitivity"] if precision.kind == "mixed" else calibrate
     table = read_json(source.path("table"))["tensors"]
     settings = QdqSettings.resolve(precision, backend.NAME)
     quantization = ctx.results["build"].summary["quantization"]
@@ -496,14 +542,14 @@ def _trial_launcher(ctx, backend, stack, limits):
 
     def launch(keep: List[str]):
         label = f"advice keep_float=[{','.join(keep)}]"
-        if backends.own_quantizer(backend, precision.name.value):  # as the build: the runtime's quantizer
-            worker, _ = _built_worker(ctx, backend, stack, limits, None, None, precision.name.value, label,
+        if backends.own_quantizer(backend, precision.kind):  # as the build: the runtime's quantizer
+            worker, _ = _built_worker(ctx, backend, stack, limits, None, None, precision.kind, label,
                                       [*quantization["float_ops"], *keep])
             return _loaded(worker)
         path = scratch / f"trial{len(list(scratch.iterdir()))}.onnx"
         build_qdq(calibrate.path("prepared"), table, path, settings, keep_float=[*quantization["float_ops"], *keep])
         _correct_like_the_build(ctx, path)
-        worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.name.value, label)
+        worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.kind, label)
         return _loaded(worker)
 
     return launch

@@ -1,12 +1,12 @@
-"""One module per runtime, each behind the same small protocol.
+"""One module per runtime, each behind the same small protocol (pipeline/backends/protocol.py).
 
-Module-level constants describe what a backend can do (importing the runtime is
-deferred to the functions, so that config validation stays fast and a missing
-optional runtime is reported, not crashed on):
+A backend module has ``NAME``, ``CAPABILITIES`` (a ``Capabilities``: what it can do, as
+data; stages ask ``capabilities(name)``, never ``hasattr``) and the functions of
+``protocol.Backend``; importing the runtime is deferred to the functions, so that config
+validation stays fast and a missing optional runtime is reported, not crashed on:
 
-    NAME, PRECISIONS, MEMORY_MODES, DEVICES
     available() -> (bool, reason)
-    check_config(target, precision) -> None or a one-line problem   (optional)
+    check_config(target, precision) -> None or a one-line problem (exit 2)
     versions() -> {package: version}
     build(onnx_path, ir_dir, out_dir, target, precision) -> (artifact files, settings)
     load(artifact_dir, settings) -> Session
@@ -14,7 +14,9 @@ optional runtime is reported, not crashed on):
 A Session has ``inputs`` / ``outputs`` (names), ``run(feeds) -> {name: array}`` and
 ``effective() -> {"device": ..., "precision": ...}``: what really ran; and, for the
 layerwise comparison, ``probe(names) -> {"exposed": [...], "tensors": [...]}`` and
-``run_probe(feeds) -> {onnx name: float32 array}`` (see pipeline/layerwise.py).
+``run_probe(feeds) -> {onnx name: float32 array}`` (see pipeline/layerwise.py). The
+functions a capability promises (``build_int8``, ``write_compile_cache``, ``tuning_space``,
+``Session.profile``, ...) are listed in ``protocol.PROMISED_FUNCTIONS``.
 ``settings`` are runtime.yaml's: backend-specific values live under ``options``.
 """
 
@@ -23,20 +25,28 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from pipeline.backends.protocol import GPU_DEVICES, Backend, Capabilities, Session  # noqa: F401 - the seam's names
+
 MODULES = {
     "onnxruntime": "pipeline.backends.onnxruntime",
     "openvino": "pipeline.backends.openvino",
     "ncnn": "pipeline.backends.ncnn",
     "mnn": "pipeline.backends.mnn",
 }
+REFERENCE = "onnxruntime"  # verify's reference runs on it (fp32, graph optimizations off)
 
 
 def spec(name: str) -> ModuleType:
     return importlib.import_module(MODULES[name])
 
 
+def capabilities(name: str) -> Capabilities:
+    """What the backend ``name`` declares it can do."""
+    return spec(name).CAPABILITIES
+
+
 def own_quantizer(backend: ModuleType, precision: str) -> bool:
     """Whether the backend builds this precision with the runtime's own offline quantizer
-    (``build_int8``, for the precisions in its ``OWN_QUANTIZER``, int8 by default) rather
-    than from parity's Q/DQ model."""
-    return hasattr(backend, "build_int8") and precision in getattr(backend, "OWN_QUANTIZER", ("int8",))
+    (``build_int8``, for the precisions in ``CAPABILITIES.own_int8``) rather than from
+    parity's Q/DQ model."""
+    return precision in backend.CAPABILITIES.own_int8

@@ -112,6 +112,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pipeline.backends.protocol import Capabilities
+
 # ncnn's wheel uses libgomp, whose idle threads spin by default: two ncnn workers side by
 # side (verify's target and its fp32 baseline) on a 2-core machine then took 220-340 ms an
 # inference instead of 0.3-0.4 ms, and an int8 verify 65 s instead of 6. libgomp reads this
@@ -126,6 +128,9 @@ RUNTIME_PRECISIONS = ("fp16", "bf16")  # runtime switches: build gets the fp32 O
 QUANTIZED_PRECISIONS = ("int8", "mixed")  # build gets parity's Q/DQ model (ncnn_int8.py)
 MEMORY_MODES = ("auto",)
 DEVICES = ("CPU", "VULKAN")
+CAPABILITIES = Capabilities(
+    precisions=PRECISIONS, devices=DEVICES, memory_modes=MEMORY_MODES, runtime_precisions=RUNTIME_PRECISIONS,
+    feature_masks=True, tuning=True, option_mapping=True, profiler=True)
 
 PARAM_FILE, BIN_FILE = "model.param", "model.bin"
 INSTALL_HINT = "pip install 'parity[ncnn]' (ncnn + pnnx)"

@@ -12,10 +12,13 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from pipeline.backends.protocol import Capabilities
+
 NAME = "onnxruntime"
-PRECISIONS = ("fp32", "fp16", "int8", "mixed")
-MEMORY_MODES = ("auto",)
-DEVICES = ("CPU",)
+CAPABILITIES = Capabilities(
+    precisions=("fp32", "fp16", "int8", "mixed"), devices=("CPU",),
+    qdq_placement="inputs_and_outputs", qdq_latency=True,
+    compile_cache=True, tuning=True, profiler=True)
 
 _ONNX_FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16"}
 _INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "MatMulIntegerToFloat",
@@ -35,6 +38,10 @@ def versions() -> Dict[str, str]:
     import onnxruntime
 
     return {"onnxruntime": onnxruntime.__version__}
+
+
+def check_config(target, precision: str) -> Optional[str]:
+    return None  # every combination validate accepts runs
 
 
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:

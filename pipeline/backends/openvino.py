@@ -9,12 +9,15 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from pipeline.backends.protocol import Capabilities
 from pipeline.errors import first_line
 
 NAME = "openvino"
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
-MEMORY_MODES = ("auto",)
-DEVICES = ("CPU",)
+CAPABILITIES = Capabilities(
+    precisions=("fp32", "fp16", "bf16", "int8", "mixed"), devices=("CPU",),
+    qdq_placement="inputs", qdq_latency=True, measures_qdq=True, ir=True,
+    fp16_converter="openvino save_model(compress_to_fp16=True)",
+    compile_cache=True, tuning=True, option_mapping=True, profiler=True, parallel_runners=True)
 
 # Without an explicit hint the CPU plugin runs bf16 on CPUs that have it (shared/findings.md).
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32", "mixed": "f32"}  # int8: f32 between quantized ops
@@ -47,6 +50,15 @@ def convert(onnx_path: Path, out_dir: Path, fp16_weights: bool = False) -> List[
     model = ov.Core().read_model(str(onnx_path))
     ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=fp16_weights)
     return ["model.xml", "model.bin"]
+
+
+def check_config(target, precision: str) -> Optional[str]:
+    return None  # every combination validate accepts runs
+
+
+def convert_ir(onnx_path: Path, out_dir: Path) -> List[str]:
+    """convert's IR of the float model: (xml, bin) names in out_dir."""
+    return convert(onnx_path, out_dir)
 
 
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
@@ -230,7 +242,7 @@ def _layer_precisions(runtime_model) -> Counter:
     for op in runtime_model.get_ordered_ops():
         if op.get_rt_info()["layerType"].astype(str) in _COMPUTE_LAYERS and op.inputs():
             precision = parity_precision(op.input(0).get_element_type())
-            if precision in PRECISIONS:
+            if precision in CAPABILITIES.precisions:
                 counts[precision] += 1
     return counts
 

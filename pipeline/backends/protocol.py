@@ -1,0 +1,133 @@
+"""The backend seam: what a backend module provides (``Backend``), what its sessions
+provide (``Session``) and what it declares it can do (``Capabilities``).
+
+No runtime is imported here: config validation reads the declarations of every backend
+without loading one. docs/architecture.md "The backend seam" walks through adding one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Tuple, runtime_checkable
+
+if TYPE_CHECKING:  # importing numpy would slow config validation down
+    import numpy as np
+
+# Every device name a target may give that runs on a GPU (sweep.py compares them with the
+# CPU; a backend's own GPU devices are its ``devices`` among these: ``Capabilities.gpu_devices``).
+GPU_DEVICES = ("VULKAN", "OPENCL", "GPU", "CUDA", "METAL")
+
+QDQ_PLACEMENTS = ("inputs_and_outputs", "inputs")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, as data: stages and helpers ask these, never ``hasattr``.
+    A field that promises a function (named in brackets) is True exactly when the module
+    (or its Session) has that function; tests/test_backend_protocol.py checks both ways."""
+
+    precisions: Tuple[str, ...]  # precision.name values a target may ask for
+    devices: Tuple[str, ...]  # target.device values (upper case)
+    memory_modes: Tuple[str, ...] = ("auto",)  # target.memory_mode values
+    # precisions that are session switches: build gets convert's fp32 model for them
+    runtime_precisions: Tuple[str, ...] = ()
+    # precisions built by the runtime's own offline quantizer [build_int8] rather than
+    # from parity's Q/DQ model (int8 and mixed of MNN)
+    own_int8: Tuple[str, ...] = ()
+    # where parity's Q/DQ model puts Q/DQ when precision.quantize_outputs is null:
+    # "inputs_and_outputs" (ONNX Runtime fuses DQ -> op -> Q into int8 kernels) or "inputs"
+    # (int8 from quantized op inputs alone, OpenVINO's low-precision transformations)
+    qdq_placement: str = "inputs_and_outputs"
+    # runs parity's Q/DQ ONNX model as it is, so that sensitivity.latency_aware measures
+    # per-op costs on it (build + load + Session.profile of an fp32 and an int8 model)
+    qdq_latency: bool = False
+    # sensitivity measures the mixed candidates on this runtime instead of the reference
+    # [run_model(model, feeds, count, outputs), given all the samples in one call]
+    measures_qdq: bool = False
+    # convert writes the runtime's own IR next to model.onnx [convert_ir(onnx_path, out_dir)
+    # -> (xml, bin) names]; build then gets it (ir_dir) for float precisions
+    ir: bool = False
+    # the runtime's converter makes fp16 from the prepared fp32 graph itself (named here,
+    # recorded in build's summary; parity's fp16 block list is recorded, not applied);
+    # None: parity's fp16 conversion (pipeline/fp16.py) unless fp16 is a runtime precision
+    fp16_converter: Optional[str] = None
+    # per-layer feature masks, searched by build for fp16 when the plain build fails
+    # [layer_map, layer_consumers, apply_masks]
+    feature_masks: bool = False
+    # a compile cache written at build time [write_compile_cache(artifact_dir, settings, folder)]
+    compile_cache: bool = False
+    # runtime settings the tune stage searches [tuning_space(settings, level, objective, devices)]
+    tuning: bool = False
+    # an option that is more than a key of runtime.yaml's options [with_options(settings, changes)]
+    option_mapping: bool = False
+    # per-layer times by ONNX node [Session.profile(feeds, runs, warmup, nodes, max_seconds)]
+    profiler: bool = False
+    # concurrent requests for throughput [Session.parallel_runners() -> [run, ...]]
+    parallel_runners: bool = False
+
+    def __post_init__(self):
+        if self.qdq_placement not in QDQ_PLACEMENTS:
+            raise ValueError(f"qdq_placement={self.qdq_placement!r}; allowed: {', '.join(QDQ_PLACEMENTS)}")
+        for field in ("runtime_precisions", "own_int8"):
+            if not set(getattr(self, field)) <= set(self.precisions):
+                raise ValueError(f"{field}: {getattr(self, field)} not all in precisions {self.precisions}")
+
+    @property
+    def gpu_devices(self) -> Tuple[str, ...]:
+        return tuple(device for device in self.devices if device in GPU_DEVICES)
+
+
+# capability field -> (where the function lives: "module" or "session", its names)
+PROMISED_FUNCTIONS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    "own_int8": ("module", ("build_int8",)),
+    "measures_qdq": ("module", ("run_model",)),
+    "ir": ("module", ("convert_ir",)),
+    "feature_masks": ("module", ("layer_map", "layer_consumers", "apply_masks")),
+    "compile_cache": ("module", ("write_compile_cache",)),
+    "tuning": ("module", ("tuning_space",)),
+    "option_mapping": ("module", ("with_options",)),
+    "profiler": ("session", ("profile",)),
+    "parallel_runners": ("session", ("parallel_runners",)),
+}
+
+
+@runtime_checkable
+class Session(Protocol):
+    """A loaded artifact. ``inputs`` / ``outputs`` are the ONNX names."""
+
+    inputs: List[str]
+    outputs: List[str]
+
+    def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]: ...
+
+    def effective(self) -> Dict[str, object]:
+        """What really ran: {"device": ..., "precision": ..., ...}."""
+
+    def probe(self, names: List[str]) -> dict:
+        """Layerwise comparison (pipeline/layerwise.py): {"exposed": [...], "tensors": [...]}."""
+
+    def run_probe(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """{ONNX tensor name: float32 array} for the names ``probe`` exposed."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A backend module (pipeline/backends/<name>.py or package). Importing it must not
+    import the runtime: ``available`` reports a missing one."""
+
+    NAME: str
+    CAPABILITIES: Capabilities
+
+    def available(self) -> Tuple[bool, str]: ...
+
+    def versions(self) -> Dict[str, str]: ...
+
+    def check_config(self, target, precision: str) -> Optional[str]:
+        """A combination of the target's settings this backend cannot run (exit 2), or None."""
+
+    def build(self, onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target,
+              precision: str) -> Tuple[List[str], dict]:
+        """(artifact files, settings): runtime.yaml's ``model`` and ``options``."""
+
+    def load(self, artifact_dir: Path, settings: dict) -> Session: ...
