@@ -6,7 +6,7 @@ on the CPU: accuracy and latency of every int8 variant side by side with fp32, i
 
 Data: rendered text lines, upright or rotated 180 degrees (tests/textlines.py), the
 classifier's own preprocessing. Builds, through the `parity` CLI (stages up to build),
-ncnn_cpu: fp32; int8 (parity's ncnn int8 format, pipeline/backends/ncnn_int8.py, with
+ncnn_cpu: fp32; int8 (parity's ncnn int8 format, pipeline/backends/ncnn/int8.py, with
 requantize between int8 convolutions: the default); int8 without requantize
 (target.int8_requantize=false); int8 on the Convolution layers only (the depthwise and
 InnerProduct layers fp32; with and without requantize) and int8 on the projection

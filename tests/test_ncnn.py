@@ -209,7 +209,7 @@ def test_not_installed_message(monkeypatch):
     assert backend.available() == (False, "ncnn is not installed: pip install 'parity[ncnn]' (ncnn + pnnx)")
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert backend.available() == (True, "")
-    monkeypatch.setattr(backend, "pnnx_executable", lambda: None)
+    monkeypatch.setattr(backend.common, "pnnx_executable", lambda: None)  # where available() reads it
     assert backend.available()[0] is False
 
 

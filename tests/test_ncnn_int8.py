@@ -1,4 +1,4 @@
-"""ncnn int8 and mixed, written by parity in ncnn's own int8 format (pipeline/backends/ncnn_int8.py):
+"""ncnn int8 and mixed, written by parity in ncnn's own int8 format (pipeline/backends/ncnn/int8.py):
 the CLI as users run it on the embedded digits model, the per-layer read-back checked
 against an int8 convolution computed here, Vulkan (lavapipe) running the same int8 math."""
 
@@ -14,7 +14,7 @@ from conftest import read_report, run_cli, run_dirs, single_bundle
 from ncnn_helpers import CLS_SHAPE, cosine, digits_inputs, reference, require_vulkan
 from textlines import NEEDS_FONTS_SKIPPED, write_dataset
 from pipeline.backends import ncnn as backend
-from pipeline.backends.ncnn_int8 import INT8_TAG, vulkan_int8_problem
+from pipeline.backends.ncnn.int8 import INT8_TAG, vulkan_int8_problem
 
 pytest.importorskip("ncnn")
 

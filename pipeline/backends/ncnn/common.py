@@ -1,0 +1,162 @@
+"""ncnn's declarations (capabilities, files, feature mask bits, limits), whether ncnn and
+pnnx are installed, the target checks and the runtime options a target gets."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from pipeline.backends.protocol import Capabilities
+
+
+# ncnn's wheel uses libgomp, whose idle threads spin by default: two ncnn workers side by
+# side (verify's target and its fp32 baseline) on a 2-core machine then took 220-340 ms an
+# inference instead of 0.3-0.4 ms, and an int8 verify 65 s instead of 6. libgomp reads this
+# when ncnn is first imported, which is always after this module.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+NAME = "ncnn"
+VULKAN_DEVICE_TYPES = {0: "discrete GPU", 1: "integrated GPU", 2: "virtual GPU", 3: "CPU"}
+NO_VULKAN_DEVICE = "no Vulkan device: install libvulkan1 and a driver such as mesa-vulkan-drivers"
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
+RUNTIME_PRECISIONS = ("fp16", "bf16")  # runtime switches: build gets the fp32 ONNX model
+QUANTIZED_PRECISIONS = ("int8", "mixed")  # build gets parity's Q/DQ model (int8.py)
+MEMORY_MODES = ("auto",)
+DEVICES = ("CPU", "VULKAN")
+CAPABILITIES = Capabilities(
+    precisions=PRECISIONS, devices=DEVICES, memory_modes=MEMORY_MODES, runtime_precisions=RUNTIME_PRECISIONS,
+    feature_masks=True, tuning=True, option_mapping=True, profiler=True)
+
+PARAM_FILE, BIN_FILE = "model.param", "model.bin"
+INSTALL_HINT = "pip install 'parity[ncnn]' (ncnn + pnnx)"
+
+# ncnn layer feature mask bits (layer param 31, read as Layer::featmask in Net::load_param);
+# what each bit turns off for that layer, from get_masked_option() in ncnn's src/net.cpp.
+MASK_BITS = {
+    "no_fp16_arithmetic": 1,  # use_fp16_arithmetic
+    "no_fp16_storage": 2,  # use_fp16_storage and use_fp16_packed
+    "no_bf16_storage": 4,  # use_bf16_storage and use_bf16_packed
+    "no_int8": 8,  # use_int8_storage, use_int8_packed and use_int8_arithmetic
+    "no_vulkan": 16,  # use_vulkan_compute (and use_tensor_storage): the layer runs on the CPU
+    "no_sgemm": 32,  # use_sgemm_convolution
+    "no_winograd": 64,  # use_winograd_convolution
+    "no_threading": 128,  # num_threads = 1
+}
+FEATMASK_PARAM = 31
+
+MATCH_TOLERANCE = 1e-3  # relative L2 error under which an ncnn blob reproduces an ONNX tensor
+MATCH_SAMPLE = 8192  # positions per tensor compared by the name mapping
+MATCH_RUNS = 3  # random inputs the name mapping compares on
+PNNX_TIMEOUT_S = 600
+MAP_TIMEOUT_S = 600
+_NOT_COMPUTE = ("Input", "MemoryData")
+_ALIAS_LAYERS = ("Split",)  # outputs are copies of the input blob
+log = logging.getLogger("parity")
+
+_PNNX_TYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "uint8": "u8", "int8": "i8",
+               "int32": "i32", "int64": "i64", "bool": "u8"}
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+def available() -> Tuple[bool, str]:
+    try:
+        import ncnn  # noqa: F401
+    except ImportError:
+        return False, f"ncnn is not installed: {INSTALL_HINT}"
+    if pnnx_executable() is None:
+        return False, f"ncnn is not installed: {INSTALL_HINT}"
+    return True, ""
+
+
+def versions() -> Dict[str, str]:
+    import ncnn
+
+    found = {"ncnn": getattr(ncnn, "__version__", "unknown")}
+    try:
+        found["pnnx"] = importlib.metadata.version("pnnx")
+    except importlib.metadata.PackageNotFoundError:
+        found["pnnx"] = "not installed"
+    return found
+
+
+def check_config(target, precision: str) -> Optional[str]:
+    device = str(target.device).upper()
+    if precision == "bf16" and device != "CPU":
+        return "precision=bf16 on ncnn is CPU-only (bf16 storage); use target=ncnn_cpu"
+    if precision in QUANTIZED_PRECISIONS and device == "VULKAN":
+        from pipeline.backends.ncnn.int8_format import vulkan_int8_problem
+
+        problem = vulkan_int8_problem(versions()["ncnn"])
+        if problem:
+            return problem
+    if precision == "fp16" and not (target.fp16_storage or target.fp16_packed or target.fp16_arithmetic):
+        return ("precision=fp16 with target.fp16_storage, fp16_packed and fp16_arithmetic all false runs fp32; "
+                "turn one on or use precision=fp32")
+    return None
+
+
+def pnnx_executable() -> Optional[Path]:
+    """The pnnx binary inside the pnnx wheel (found without importing pnnx, which imports torch)."""
+    try:
+        spec = importlib.util.find_spec("pnnx")
+    except (ImportError, ValueError):
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        for name in ("pnnx.exe", "pnnx") if sys.platform == "win32" else ("pnnx",):
+            path = Path(folder) / name
+            if path.is_file() and os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def runtime_options(target, precision: str) -> dict:
+    """ncnn Option switches for this target and precision (precision is a runtime choice)."""
+    fp16 = precision == "fp16"
+    bf16 = precision == "bf16"
+    return {
+        "use_vulkan": str(target.device).upper() == "VULKAN",
+        "device_index": int(getattr(target, "device_index", 0) or 0),
+        "threads": int(target.threads or 0),
+        "use_fp16_storage": bool(fp16 and target.fp16_storage),
+        "use_fp16_packed": bool(fp16 and target.fp16_packed),
+        "use_fp16_arithmetic": bool(fp16 and target.fp16_arithmetic),
+        "use_bf16_storage": bf16,
+        "use_int8_inference": precision in QUANTIZED_PRECISIONS,
+        "layer_masks": {},
+    }
+
+
+# ----------------------------------------------------------------------------- the model's graph
+
+
+def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
+    from onnx import helper
+
+    initializers = {t.name for t in model.graph.initializer}
+    found = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
+        if tensor.HasField("shape") and not dims:
+            from pipeline.errors import BackendUnavailable
+
+            raise BackendUnavailable(
+                f"ncnn cannot take scalar input {value.name!r}: pnnx's inputshape cannot write a 0-d shape and an "
+                "ncnn Mat has at least one dimension; run this model on ort_cpu or openvino_cpu")
+        if not dims or any(d <= 0 for d in dims):
+            raise ValueError(f"ncnn build: input {value.name!r} has dynamic or unknown dims {dims}; "
+                             "fix them first (model.input_shapes)")
+        found.append((value.name, dims, np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type))))
+    return found

@@ -1,0 +1,125 @@
+"""ONNX -> ncnn: pnnx run in a scratch folder, its failures explained, the build."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from pipeline.backends.ncnn.common import (
+    BIN_FILE, INSTALL_HINT, PARAM_FILE, PNNX_TIMEOUT_S, QUANTIZED_PRECISIONS, _PNNX_TYPES, _graph_inputs,
+    pnnx_executable, runtime_options)
+from pipeline.backends.ncnn.names import _map_isolated
+from pipeline.backends.ncnn.param import Param, ParamLayer
+
+
+def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
+    """int8/mixed: ``onnx_path`` is parity's Q/DQ model; pnnx converts it without its Q/DQ
+    nodes and the quantized ops' layers are written in ncnn's int8 form (int8.py)."""
+    import onnx
+
+    from pipeline.backends.ncnn import int8 as ncnn_int8
+
+    model = onnx.load(str(onnx_path))
+    quantized = None
+    if precision in QUANTIZED_PRECISIONS:
+        model, quantized = ncnn_int8.split_qdq(model)
+    inputs = _graph_inputs(model)
+    with tempfile.TemporaryDirectory(prefix="parity-pnnx-") as scratch:
+        scratch = Path(scratch)
+        source = scratch / "model.onnx"
+        onnx.save(model, str(source))
+        param_path, bin_path = _convert(source, inputs, model)
+        mapping = _map_isolated(source, param_path, bin_path, model)
+        if quantized is not None:
+            requantize = bool(getattr(target, "int8_requantize", True))
+            mapping["int8"] = ncnn_int8.write(param_path, bin_path, mapping.get("layers") or {}, quantized,
+                                              requantize=requantize)
+            ncnn_int8.remap_fused(mapping, mapping["int8"])
+        out_dir = Path(out_dir)
+        shutil.copyfile(param_path, out_dir / PARAM_FILE)
+        shutil.copyfile(bin_path, out_dir / BIN_FILE)
+    options = {**runtime_options(target, precision), **mapping}
+    return [PARAM_FILE, BIN_FILE], {"model": PARAM_FILE, "options": options}
+
+def _convert(source: Path, inputs, model) -> Tuple[Path, Path]:
+    """pnnx in the scratch folder of ``source``; the ncnn param and bin it wrote."""
+    executable = pnnx_executable()
+    if executable is None:
+        raise RuntimeError(f"pnnx is not installed: {INSTALL_HINT}")
+    shapes = ",".join("[" + ",".join(str(d) for d in dims) + "]" + _PNNX_TYPES.get(dtype.name, "f32")
+                      for _, dims, dtype in inputs)
+    command = [str(executable), source.name, f"inputshape={shapes}", "fp16=0", "device=cpu", "optlevel=2"]
+    try:
+        done = subprocess.run(command, cwd=source.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=PNNX_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"pnnx did not finish converting the model in {PNNX_TIMEOUT_S} s") from err
+    log = done.stdout.decode(errors="replace")
+    (source.parent / "pnnx.log").write_text(log)
+    param_path, bin_path = source.with_suffix(".ncnn.param"), source.with_suffix(".ncnn.bin")
+    todo = [line.split(None, 1)[1].strip() for line in log.splitlines() if line.startswith("todo ")]
+    if done.returncode != 0 or not param_path.exists() or not bin_path.exists():
+        raise RuntimeError(_pnnx_failure(done.returncode, log, todo))
+    network = Param.read(param_path)
+    unknown = _unknown_layers(network)
+    if unknown:
+        named = ", ".join(f"{layer.type} ({_onnx_node_for(layer, source, model)})" for layer in unknown)
+        noun = "op" if len(unknown) == 1 else "ops"
+        raise RuntimeError(f"pnnx cannot convert {noun} {named}: ncnn has no such layer")
+    return param_path, bin_path
+
+
+def _pnnx_failure(returncode: int, log: str, todo: List[str]) -> str:
+    if returncode < 0:
+        import signal
+
+        try:
+            status = f"crashed ({signal.Signals(-returncode).name})"
+        except ValueError:
+            status = f"crashed (signal {-returncode})"
+    elif returncode > 128:
+        status = f"crashed (exit status {returncode})"
+    else:
+        status = f"failed (exit status {returncode})"
+    if todo:
+        return f"pnnx cannot convert op {', '.join(dict.fromkeys(todo))}: pnnx {status}"
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    reason = next((line for line in reversed(lines)
+                   if any(word in line.lower() for word in ("error", "failed", "invalid", "not supported",
+                                                            "unsupported"))), lines[-1] if lines else "")
+    return f"pnnx {status} converting the model: {reason}".rstrip(": ")
+
+
+def _unknown_layers(network: Param) -> List[ParamLayer]:
+    import ncnn
+
+    return [layer for layer in network.layers if ncnn.layer_to_index(layer.type) < 0]
+
+
+def _onnx_node_for(layer: ParamLayer, source: Path, model) -> str:
+    """The ONNX node pnnx left unconverted: pnnx names the layer after its node in its
+    simplified ONNX model (``Det_1``); the node's rank among the simplified model's nodes
+    of that op type is its rank among the original model's."""
+    import onnx
+
+    simplified = source.with_suffix(".pnnxsim.onnx")
+    originals = [node for node in model.graph.node if node.op_type == layer.type]
+    rank = None
+    if simplified.exists():
+        try:
+            nodes = [n for n in onnx.load(str(simplified), load_external_data=False).graph.node
+                     if n.op_type == layer.type]
+            rank = next((i for i, n in enumerate(nodes) if n.name == layer.name), None)
+            if len(nodes) != len(originals):
+                rank = None
+        except Exception:  # noqa: BLE001 - only names the node in an error message
+            rank = None
+    if rank is None and len(originals) == 1:
+        rank = 0
+    if rank is None:
+        return f"ncnn layer {layer.name}"
+    position = list(model.graph.node).index(originals[rank])
+    return f"node {originals[rank].name or f'{layer.type}_{position}'}"
