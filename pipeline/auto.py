@@ -37,16 +37,13 @@ PRECISION_FILES = Path(conf.__file__).parent / "precision"
 # higher first: on a tie in speed and size the build closer to the model's own numbers wins
 FIDELITY = ("fp32", "bf16", "fp16", "mixed", "int8")
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
-# What auto tries per backend by default, as far as the backend builds it (PRECISIONS):
-# the precisions that can be faster than fp32 there. ONNX Runtime's fp16 runs in float on
-# CPUs (no fp16 kernels); OpenVINO's bf16 only where the CPU computes it (NATIVE_BF16).
-DEFAULT_CANDIDATES = {"onnxruntime": ["fp32", "int8", "mixed"], "openvino": ["fp32", "bf16", "int8", "mixed"],
-                      "ncnn": ["fp32", "fp16", "int8"], "mnn": ["fp32", "fp16", "int8"]}
+# bf16 on a CPU is a candidate only where the CPU computes it (elsewhere it is emulated)
 NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
 
 
 def candidates(run_cfg) -> List[str]:
-    """precision.candidates, or the backend's DEFAULT_CANDIDATES that it builds on this CPU."""
+    """precision.candidates, or the backend's declared auto_candidates (those it builds on
+    this CPU)."""
     backend = backends.spec(run_cfg.target.backend.value)
     if run_cfg.precision.candidates:
         wanted = list(run_cfg.precision.candidates)
@@ -57,8 +54,8 @@ def candidates(run_cfg) -> List[str]:
         return wanted
     from pipeline.environment import cpu
 
-    wanted = [p for p in DEFAULT_CANDIDATES.get(backend.NAME, ["fp32"]) if p in backend.CAPABILITIES.precisions]
-    if backend.NAME == "openvino" and run_cfg.target.device.upper() == "CPU" and not NATIVE_BF16 & set(cpu()["flags"]):
+    wanted = list(backend.CAPABILITIES.auto_candidates)
+    if "bf16" in wanted and run_cfg.target.device.upper() == "CPU" and not NATIVE_BF16 & set(cpu()["flags"]):
         wanted.remove("bf16")
     return wanted
 

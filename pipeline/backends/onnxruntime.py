@@ -18,7 +18,8 @@ NAME = "onnxruntime"
 CAPABILITIES = Capabilities(
     precisions=("fp32", "fp16", "int8", "mixed"), devices=("CPU",),
     qdq_placement="inputs_and_outputs", qdq_latency=True,
-    compile_cache=True, tuning=True, profiler=True)
+    compile_cache=True, tuning=True, profiler=True,
+    auto_candidates=("fp32", "int8", "mixed"))
 
 _ONNX_FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16"}
 _INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "MatMulIntegerToFloat",

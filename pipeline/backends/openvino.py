@@ -17,7 +17,8 @@ CAPABILITIES = Capabilities(
     precisions=("fp32", "fp16", "bf16", "int8", "mixed"), devices=("CPU",),
     qdq_placement="inputs", qdq_latency=True, measures_qdq=True, ir=True,
     fp16_converter="openvino save_model(compress_to_fp16=True)",
-    compile_cache=True, tuning=True, option_mapping=True, profiler=True, parallel_runners=True)
+    compile_cache=True, tuning=True, option_mapping=True, profiler=True, parallel_runners=True,
+    auto_candidates=("fp32", "bf16", "int8", "mixed"))
 
 # Without an explicit hint the CPU plugin runs bf16 on CPUs that have it (shared/findings.md).
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32", "mixed": "f32"}  # int8: f32 between quantized ops

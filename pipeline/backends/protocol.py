@@ -65,11 +65,14 @@ class Capabilities:
     profiler: bool = False
     # concurrent requests for throughput [Session.parallel_runners() -> [run, ...]]
     parallel_runners: bool = False
+    # precision=auto's default candidates: the precisions that can be faster than fp32 on
+    # this runtime (bf16 on a CPU device only where the CPU computes bf16: pipeline/auto.py)
+    auto_candidates: Tuple[str, ...] = ("fp32",)
 
     def __post_init__(self):
         if self.qdq_placement not in QDQ_PLACEMENTS:
             raise ValueError(f"qdq_placement={self.qdq_placement!r}; allowed: {', '.join(QDQ_PLACEMENTS)}")
-        for field in ("runtime_precisions", "own_int8"):
+        for field in ("runtime_precisions", "own_int8", "auto_candidates"):
             if not set(getattr(self, field)) <= set(self.precisions):
                 raise ValueError(f"{field}: {getattr(self, field)} not all in precisions {self.precisions}")
 

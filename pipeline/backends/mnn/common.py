@@ -21,7 +21,8 @@ CAPABILITIES = Capabilities(
     memory_modes=("auto", "buffer", "image"),
     runtime_precisions=("fp16",),  # a session setting (BackendConfig precision), built from the fp32 model
     own_int8=("int8", "mixed"),  # built by MNN's quantizer (build_int8); mixed: the qtable's ops skipped
-    tuning=True, option_mapping=True, profiler=True)
+    tuning=True, option_mapping=True, profiler=True,
+    auto_candidates=("fp32", "fp16", "int8"))
 GPU_DEVICES = CAPABILITIES.gpu_devices  # ("OPENCL", "VULKAN")
 FORWARD_TYPES = {"CPU": 0, "OPENCL": 3, "VULKAN": 7}  # MNNForwardType
 PRECISION_MODES = {"normal": 0, "high": 1, "low": 2}  # BackendConfig::PrecisionMode

@@ -32,7 +32,8 @@ MEMORY_MODES = ("auto",)
 DEVICES = ("CPU", "VULKAN")
 CAPABILITIES = Capabilities(
     precisions=PRECISIONS, devices=DEVICES, memory_modes=MEMORY_MODES, runtime_precisions=RUNTIME_PRECISIONS,
-    feature_masks=True, tuning=True, option_mapping=True, profiler=True)
+    feature_masks=True, tuning=True, option_mapping=True, profiler=True,
+    auto_candidates=("fp32", "fp16", "int8"))
 
 PARAM_FILE, BIN_FILE = "model.param", "model.bin"
 INSTALL_HINT = "pip install 'parity[ncnn]' (ncnn + pnnx)"
