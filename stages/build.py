@@ -39,7 +39,7 @@ def key_config(cfg):
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
             # bias correction measures the quantized ops on the calibration samples
-            "bias_correction": cfg.data if _corrects_bias(cfg, backend) else False,
+            "bias_correction": cfg.data if _refines(cfg, backend, "bias_correction") else False,
             "weight_rounding": cfg.data if _refines(cfg, backend, "weight_rounding") else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
@@ -55,14 +55,9 @@ def _wants_masks(cfg, backend) -> bool:
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
     if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.kind) \
-            or _corrects_bias(ctx.cfg, backend) or _refines(ctx.cfg, backend, "weight_rounding"):
+            or any(_refines(ctx.cfg, backend, step) for step, _, _ in REFINEMENTS):
         return ctx.dataset().files
     return []
-
-
-def _corrects_bias(cfg, backend) -> bool:
-    """precision.bias_correction on a QDQ int8/mixed build (not the runtime's own int8 tooling)."""
-    return _refines(cfg, backend, "bias_correction")
 
 
 def _refines(cfg, backend, step: str) -> bool:
@@ -283,8 +278,9 @@ def _quantize(ctx: StageContext):
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
-                "gemm_bias_reshaped": reshaped, "weight_rounding": _round_weights(ctx, quantized, keep_float),
-                "bias_correction": _correct_biases(ctx, quantized, keep_float)}
+                "gemm_bias_reshaped": reshaped,
+                **{step: _refine(ctx, quantized, keep_float, step, refine_file, nothing)
+                   for step, refine_file, nothing in REFINEMENTS}}
     return quantized, settings
 
 
@@ -297,38 +293,26 @@ def _judged_on(ctx: StageContext, float_ops: List[str]):
             if ctx.cfg.precision.kind == "mixed" and float_ops else None)
 
 
-def _round_weights(ctx: StageContext, quantized: Path, float_ops: List[str]) -> dict:
-    """precision.weight_rounding: each quantized op's int8 weights rounded against its
-    calibration inputs (pipeline/calibration/weight_rounding.py), in place when closer."""
-    if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), "weight_rounding"):
-        return {"enabled": False}
-    samples = (sample.feeds for sample in ctx.dataset().calibration)
-    try:
-        summary = weight_rounding.round_file(quantized, ctx.results["calibrate"].path("prepared"), samples,
-                                             judged_on=_judged_on(ctx, float_ops))
-    except Exception as err:  # noqa: BLE001 - a model ONNX Runtime cannot run with extra outputs: round to nearest
-        log.warning("build: weight rounding skipped: %s", first_line(err))
-        return {"enabled": True, "applied": False, "ops": [], "error": first_line(err)}
-    log.info("build: weight rounding %s on %d ops (%d calibration samples, %.1f s)",
-             "kept" if summary["applied"] else "measured, not kept", len(summary.get("ops", [])),
-             summary.get("samples", 0), summary.get("seconds", 0.0))
-    return summary
+# the QDQ model's refinements, in order: precision.<step>, its function, its empty result
+REFINEMENTS = (("weight_rounding", weight_rounding.round_file, {"ops": []}),
+               ("bias_correction", bias_correction.correct_file, {"corrected": {}}))
 
 
-def _correct_biases(ctx: StageContext, quantized: Path, float_ops: List[str]) -> dict:
-    """precision.bias_correction: each quantized op's per-channel mean output restored on
-    the calibration samples (pipeline/calibration/bias_correction.py), in place."""
-    if not _corrects_bias(ctx.cfg, backends.spec(ctx.cfg.target.backend.value)):
+def _refine(ctx: StageContext, quantized: Path, float_ops: List[str], step: str, refine_file, nothing: dict) -> dict:
+    """precision.<step> on the QDQ model, in place where it brings the outputs closer to fp32
+    (pipeline/calibration/weight_rounding.py, bias_correction.py); the build's summary."""
+    if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
         return {"enabled": False}
+    label = step.replace("_", " ")
     samples = (sample.feeds for sample in ctx.dataset().calibration)
     judged_on = _judged_on(ctx, float_ops)
     try:
-        summary = bias_correction.correct_file(quantized, ctx.results["calibrate"].path("prepared"), samples,
-                                               judged_on=judged_on)
-        summary["judged_on"] = "validation" if judged_on is not None else "calibration"
-    except Exception as err:  # noqa: BLE001 - ONNX Runtime rejects a cut-out op: build without the correction
-        log.warning("build: bias correction skipped: %s", first_line(err))
-        return {"enabled": True, "applied": False, "corrected": {}, "error": first_line(err)}
-    log.info("build: bias correction on %d ops (%d calibration samples, %.1f s)", len(summary["corrected"]),
-             summary["samples"], summary["seconds"])
+        summary = refine_file(quantized, ctx.results["calibrate"].path("prepared"), samples, judged_on=judged_on)
+    except Exception as err:  # noqa: BLE001 - ONNX Runtime rejects a cut-out op or extra outputs: build without it
+        log.warning("build: %s skipped: %s", label, first_line(err))
+        return {"enabled": True, "applied": False, **nothing, "error": first_line(err)}
+    summary["judged_on"] = "validation" if judged_on is not None else "calibration"
+    log.info("build: %s %s (%d calibration samples, %.1f s)", label,
+             "kept" if summary["applied"] else "measured, not kept", summary.get("samples", 0),
+             summary.get("seconds", 0.0))
     return summary

@@ -102,8 +102,7 @@ class _Layer:
         limits = np.abs(self.matrix(self.int8.astype(np.int64))).max(axis=2)
         chosen = compensated_rounding(weights, scales, limits, self.hessian)
         flat = chosen.reshape(-1, chosen.shape[2])
-        layout = flat.T if self.transposed else flat.reshape(self.int8.shape)
-        return layout.reshape(self.int8.shape).astype(self.int8.dtype)
+        return (flat.T if self.transposed else flat).reshape(self.int8.shape).astype(self.int8.dtype)
 
 
 def _strided(rows: np.ndarray, limit: int) -> np.ndarray:
@@ -126,9 +125,7 @@ def _conv_patches(sample: np.ndarray, attributes: dict, weight_shape, groups: in
     stride = max(1, int(np.ceil(np.sqrt(windows.shape[1] * windows.shape[2] / MAX_ROWS))))
     picked = windows[:, ::stride, ::stride]  # a view: only the rows kept are copied below
     channels, positions = picked.shape[0], picked.shape[1] * picked.shape[2]
-    picked = picked.reshape(channels, positions, kernel[0] * kernel[1])
-    per_group = channels // groups
-    grouped = picked.reshape(groups, per_group, positions, kernel[0] * kernel[1])
+    grouped = picked.reshape(groups, channels // groups, positions, kernel[0] * kernel[1])
     return grouped.transpose(0, 2, 1, 3).reshape(groups, positions, -1).astype(np.float32)
 
 
@@ -183,15 +180,15 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
     Returns the build's summary."""
     started = time.perf_counter()
     ops, skipped = bias_correction.quantized_ops(quantized, prepared)
-    for op in ops:
-        if unsupported(op):
-            skipped[op.node.name] = unsupported(op)
-    layers = [_Layer(op, quantized) for op in ops if not unsupported(op)]
+    reasons = {op.node.name: unsupported(op) for op in ops}
+    skipped.update({name: why for name, why in reasons.items() if why})
+    layers = [_Layer(op, quantized) for op in ops if not reasons[op.node.name]]
     kept = [feeds for _, feeds in zip(range(max_samples), samples)]
     if not layers or not kept:
         return {"enabled": True, "applied": False, "ops": [], "skipped": skipped,
                 "reason": "no calibration samples" if layers else "no quantized op with a constant weight"}
-    batches = bias_correction.sample_batches(kept, max_samples, bias_correction.batch_size_for(prepared, [layer.op.source for layer in layers]))
+    size = bias_correction.batch_size_for(prepared, [layer.op.source for layer in layers])
+    batches = bias_correction.sample_batches(kept, max_samples, size)
     reference = _hessians(layers, prepared, batches)
     candidate = onnx.ModelProto()
     candidate.CopyFrom(quantized)
