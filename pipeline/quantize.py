@@ -95,6 +95,13 @@ class QdqSettings:
                 "quantized": "inputs and outputs" if self.quantize_outputs else "inputs"}
 
 
+def int8_op_count(model) -> int:
+    """Ops of WEIGHTED_OPS that read a dequantized input: how many ops a QDQ model runs int8."""
+    dequantized = {out for node in model.graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    return sum(node.op_type in WEIGHTED_OPS and any(name in dequantized for name in node.input)
+               for node in model.graph.node)
+
+
 class QuantizerFailed(InputError):
     """ONNX Runtime's quantizer raised on a valid model; the message names the op and the
     setting that avoids it. The run still writes its report (``partial``: the finished

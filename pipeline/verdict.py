@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 from pipeline.errors import ExitCode
 
 # Order of the reasons: a crash (it stops everything else), what the model computes, what the machine ran.
-ORDER = ("crash", "nothing", "accuracy", "task", "nan_inf", "device", "precision", "float_fallback")
+ORDER = ("crash", "nothing", "accuracy", "task", "nothing_int8", "nan_inf", "device", "precision", "float_fallback")
 
 
 def judge(outputs: List[dict], missing: List[str], task: Optional[dict], requested: dict, effective: dict,
@@ -94,6 +94,10 @@ def _ran(requested: dict, effective: dict, fail_on_float_fallback: bool, intende
     if device.lower() != str(requested["device"]).lower():
         text = f"requested device {requested['device']} but {device} ran"
         found.append(_check("device", f"{text}: {note}" if note else text))
+    if requested.get("nothing_int8") is not None:
+        found.append(_check("nothing_int8", f"precision mixed: the sensitivity search kept all "
+                            f"{requested['nothing_int8']} quantized ops in float and the build runs fp32: no int8 "
+                            "build meets the thresholds (sensitivity.max_float_ops, validation.min_cosine)"))
     ran = str(effective.get("precision", "")).lower()
     accepted = {p.lower() for p in requested.get("accepted_precisions") or [requested["precision"]]}
     partly_int8 = requested["precision"] == "int8" and ran == "mixed"

@@ -16,14 +16,14 @@ from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
 from pipeline.calibration import bias_correction, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq
+from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq, int8_op_count
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 25  # 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+VERSION = 26  # 26: the summary counts the ops left int8 (int8_ops); 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
 # 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json; 22: ncnn int8/mixed;
 # 23: a mixed build keeps bias correction only where it does not lower the validation cosine
 # 24: ncnn int8/mixed requantize between int8 convolutions (activation layers folded into them)
@@ -280,7 +280,8 @@ def _quantize(ctx: StageContext):
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
                 "gemm_bias_reshaped": reshaped,
                 **{step: _refine(ctx, quantized, keep_float, step, refine_file, nothing)
-                   for step, refine_file, nothing in REFINEMENTS}}
+                   for step, refine_file, nothing in REFINEMENTS},
+                "int8_ops": int8_op_count(onnx.load(str(quantized)))}
     return quantized, settings
 
 

@@ -39,6 +39,7 @@ VERSION = 11  # 10: the task metric (metric group) in task and comparison; 11: O
 VERSION += 1  # ncnn's CPU layers report fp16 only where ncnn casts activations to fp16 (not on x86)
 VERSION += 1  # MNN mixed: its INT8 baseline and advice trials through MNN's own quantizer
 VERSION += 1  # advice trials rounded like the build (precision.weight_rounding)
+VERSION += 1  # a mixed build left with no int8 op fails on that (exit 3), not as a precision mismatch
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -65,7 +66,7 @@ def run(ctx: StageContext) -> StageResult:
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
                    cfg.precision.kind)
     requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.kind,
-                 "accepted_precisions": _accepted_precisions(cfg.precision)}
+                 "accepted_precisions": _accepted_precisions(cfg.precision), **_nothing_int8(ctx)}
     layers, truth = None, None
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         ran = _compare(ctx, (backend, artifact, settings), check, dataset, (stack, limits), progress,
@@ -192,6 +193,15 @@ def _summary(ctx: StageContext, check: "_Check", ran: _Ran, dataset, judged: dic
         "advice_tried": judged["advice_tried"],
         "reproduce": {"file": judged["reproduce_file"], "samples": min(check.samples, REPRODUCE_SAMPLES)},
     }
+
+
+def _nothing_int8(ctx) -> dict:
+    """A mixed build whose search kept every quantized op in float runs fp32 as built: not a
+    runtime's fallback but no int8 build meeting the thresholds (pipeline.verdict)."""
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    if ctx.cfg.precision.kind != "mixed" or quantization.get("int8_ops") != 0:
+        return {}
+    return {"accepted_precisions": ["fp32"], "nothing_int8": len(quantization.get("float_ops") or [])}
 
 
 def _accepted_precisions(precision) -> List[str]:
