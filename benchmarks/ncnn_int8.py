@@ -8,7 +8,7 @@ Data: rendered text lines, upright or rotated 180 degrees (tests/textlines.py), 
 classifier's own preprocessing. Builds, through the `parity` CLI (stages up to build),
 ncnn_cpu: fp32; int8 (parity's ncnn int8 format, pipeline/backends/ncnn/int8.py, with
 requantize between int8 convolutions: the default); int8 without requantize
-(target.int8_requantize=false); int8 on the Convolution layers only (the depthwise and
+(target.ncnn.int8_requantize=false); int8 on the Convolution layers only (the depthwise and
 InnerProduct layers fp32; with and without requantize) and int8 on the projection
 convolutions only (1x1, at least 64 inputs, fewer outputs than inputs), the other ops kept
 float with precision.keep_float. Runtime variants load the fp32 and the default int8 build
@@ -139,12 +139,12 @@ def make_builds(root: Path, conf: Path) -> dict:
     int8 = [*base, "precision=int8", "pipeline.stages=[convert,calibrate,build]"]
     runs = {"fp32": parity([*base, "precision=fp32", "pipeline.stages=[convert,build]"], root),
             "int8": parity(int8, root),
-            "int8, no requantize": parity([*int8, "target.int8_requantize=false"], root)}
+            "int8, no requantize": parity([*int8, "target.ncnn.int8_requantize=false"], root)}
     for name, ops in keep_float_lists(runs["int8"]).items():
         runs[name] = parity([*int8, f"precision.keep_float=[{','.join(ops)}]"], root)
         if name == "int8, Convolution only":  # the depthwise layers fp32: requantize only where convs chain
             runs[f"{name}, no requantize"] = parity([*int8, f"precision.keep_float=[{','.join(ops)}]",
-                                                     "target.int8_requantize=false"], root)
+                                                     "target.ncnn.int8_requantize=false"], root)
     builds = {name: Build(run) for name, run in runs.items()}
     for label, options in RUNTIME_VARIANTS.items():
         builds[f"fp32, {label}"] = Build(runs["fp32"], **options)

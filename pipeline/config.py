@@ -156,24 +156,91 @@ class DataConfig:
 
 @dataclass
 class TargetConfig:
+    """What every target has; a backend with options of its own extends it with one group
+    named after the backend (target.ncnn.*, target.mnn.*, target.openvino.*)."""
+
     name: str = MISSING
     backend: Backend = MISSING
     device: str = "CPU"
     threads: int = 0  # 0: the runtime's default
-    memory_mode: MemoryMode = MemoryMode.auto  # MNN GPU backends: buffer or image memory
-    device_index: int = 0  # ncnn Vulkan: which GPU
-    # ncnn precision=fp16: the three switches of ncnn's fp16 path
+
+    @property
+    def memory_mode(self) -> str:
+        """The GPU memory mode asked for ("auto" where the backend has no such choice)."""
+        return "auto"
+
+    @property
+    def auto_masks(self) -> bool:
+        """Whether a failing fp16 build searches per-layer feature masks (backends with masks)."""
+        return False
+
+
+class OpenvinoHint(Enum):
+    latency = "LATENCY"
+    throughput = "THROUGHPUT"
+
+
+@dataclass
+class NcnnOptions:
+    device_index: int = 0  # Vulkan: which GPU
+    # precision=fp16: the three switches of ncnn's fp16 path
     fp16_storage: bool = True
     fp16_packed: bool = True
     fp16_arithmetic: bool = True
-    # ncnn precision=fp16: when the plain build fails verification, search per-layer
-    # feature masks (31=...) on the culprit layers and keep the smallest set that passes
+    # precision=fp16: when the plain build fails verification, search per-layer feature
+    # masks (31=...) on the culprit layers and keep the smallest set that passes
     auto_masks: bool = True
-    # ncnn precision=int8/mixed: keep activations int8 between consecutive int8 convolutions
+    # precision=int8/mixed: keep activations int8 between consecutive int8 convolutions
     # (int8_scale_term + 100, ncnn's requantize; docs/targets.md "ncnn")
     int8_requantize: bool = True
-    tuning: Tuning = Tuning.none  # MNN GPU backends: kernel tuning at load, cached in the bundle
-    mnn_precision: Optional[MnnPrecision] = None  # MNN BackendConfig precision; null: fp32 high, fp16 low
+
+
+@dataclass
+class MnnOptions:
+    memory_mode: MemoryMode = MemoryMode.auto  # GPU devices: buffer or image memory (OpenCL)
+    tuning: Tuning = Tuning.none  # GPU devices: kernel tuning at load, cached in the bundle
+    precision: Optional[MnnPrecision] = None  # BackendConfig precision; null: fp32 high, fp16 low
+
+
+@dataclass
+class OpenvinoOptions:
+    # PERFORMANCE_HINT and NUM_STREAMS the build compiles with; null: OpenVINO's default
+    # (the tune stage searches both when tuning.level is not none)
+    performance_hint: Optional[OpenvinoHint] = None
+    num_streams: Optional[int] = None
+
+
+@dataclass
+class NcnnTarget(TargetConfig):
+    ncnn: NcnnOptions = field(default_factory=NcnnOptions)
+
+    @property
+    def auto_masks(self) -> bool:
+        return self.ncnn.auto_masks
+
+
+@dataclass
+class MnnTarget(TargetConfig):
+    mnn: MnnOptions = field(default_factory=MnnOptions)
+
+    @property
+    def memory_mode(self) -> str:
+        return self.mnn.memory_mode.value
+
+
+@dataclass
+class OpenvinoTarget(TargetConfig):
+    openvino: OpenvinoOptions = field(default_factory=OpenvinoOptions)
+
+
+# Each backend's target schema: conf/target/*.yaml extend it (defaults: /schema/target/<backend>).
+TARGET_SCHEMAS = {Backend.onnxruntime: TargetConfig, Backend.openvino: OpenvinoTarget,
+                  Backend.ncnn: NcnnTarget, Backend.mnn: MnnTarget}
+# Flat target keys of parity before the option groups: a one-line hint where one is used.
+MOVED_TARGET_KEYS = {
+    "memory_mode": "target.mnn.memory_mode", "tuning": "target.mnn.tuning", "mnn_precision": "target.mnn.precision",
+    **{key: f"target.ncnn.{key}" for key in ("device_index", "fp16_storage", "fp16_packed", "fp16_arithmetic",
+                                              "auto_masks", "int8_requantize")}}
 
 
 @dataclass
@@ -359,7 +426,10 @@ def asset_path(name: str) -> str:
 
 
 def register() -> None:
-    ConfigStore.instance().store(name="parity_schema", node=RunConfig)
+    store = ConfigStore.instance()
+    store.store(name="parity_schema", node=RunConfig)
+    for backend, schema in TARGET_SCHEMAS.items():
+        store.store(group="schema/target", name=backend.value, node=schema)
     if not OmegaConf.has_resolver("parity_asset"):
         OmegaConf.register_new_resolver("parity_asset", asset_path)
     if not OmegaConf.has_resolver("parity_job_folder"):
@@ -372,7 +442,9 @@ def validate(cfg: DictConfig) -> RunConfig:
     """Typed config, or a ConfigError naming the key and what is allowed."""
     try:
         # Re-merging onto the schema also rejects keys added with Hydra's '+key=value'.
-        checked = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=False))
+        schema = OmegaConf.structured(RunConfig)
+        schema.target = OmegaConf.structured(_target_schema(cfg))
+        checked = OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=False))
         run: RunConfig = OmegaConf.to_object(checked)
     except MissingMandatoryValue as err:
         raise ConfigError(f"{err.full_key}: a value is required (set {err.full_key}=...)") from err
@@ -380,6 +452,14 @@ def validate(cfg: DictConfig) -> RunConfig:
         raise ConfigError(describe_config_error(err)) from err
     _check_combinations(run)
     return run
+
+
+def _target_schema(cfg: DictConfig) -> type:
+    """The target schema of the backend the config names (the base one for an unknown
+    backend, whose value the merge then rejects)."""
+    named = OmegaConf.select(cfg, "target.backend", default=None)
+    named = named.value if isinstance(named, Backend) else named
+    return next((schema for backend, schema in TARGET_SCHEMAS.items() if backend.value == named), TargetConfig)
 
 
 def _check_combinations(run: RunConfig) -> None:
@@ -391,9 +471,9 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError(
             f"precision={run.precision.kind} is not supported by target {run.target.name} "
             f"(backend {backend.NAME}); allowed: {', '.join(can.precisions)}")
-    if run.target.memory_mode.value not in can.memory_modes:
+    if run.target.memory_mode not in can.memory_modes:
         raise ConfigError(
-            f"target.memory_mode={run.target.memory_mode.value}: backend {backend.NAME} has no "
+            f"target.memory_mode={run.target.memory_mode}: backend {backend.NAME} has no "
             f"such memory mode; allowed: {', '.join(can.memory_modes)}")
     if run.target.device.upper() not in can.devices:
         raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
@@ -516,9 +596,9 @@ def describe_config_error(err: BaseException) -> str:
     for item in chain:
         if isinstance(item, OmegaConfBaseException) and getattr(item, "full_key", None):
             msg = str(getattr(item, "msg", "") or item).splitlines()[0]
-            allowed = _allowed_keys(item.full_key) if isinstance(item, (ConfigKeyError, ConfigAttributeError)) else None
-            hint = f"; to add a key use +{item.full_key}=..." if "not in struct" in msg else ""
-            return f"{item.full_key}: {msg}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "") + hint
+            allowed = _allowed_keys(item) if isinstance(item, (ConfigKeyError, ConfigAttributeError)) else None
+            return f"{item.full_key}: {msg}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "") \
+                + _key_hint(item.full_key, msg)
     first = str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__]
     return first[0]
 
@@ -536,10 +616,23 @@ def plain(obj):
     return obj
 
 
-def _allowed_keys(full_key: str) -> Optional[List[str]]:
-    """The schema's field names at the parent of ``full_key`` (None if not a schema node)."""
+def _key_hint(full_key: str, msg: str) -> str:
+    parent, _, key = full_key.rpartition(".")
+    if parent == "target" and key in MOVED_TARGET_KEYS:
+        moved = MOVED_TARGET_KEYS[key]
+        return f"; it moved to {moved} ({moved.split('.')[1]} targets only)"
+    if parent == "target" and key in {backend.value for backend in TARGET_SCHEMAS}:
+        return (f"; target.{key}.* applies to targets of backend {key} only (a target config of your own "
+                f"starts with defaults: [/schema/target/{key}@_here_, _self_])")
+    return f"; to add a key use +{full_key}=..." if "not in struct" in msg else ""
+
+
+def _allowed_keys(err: OmegaConfBaseException) -> Optional[List[str]]:
+    """The schema's field names where the unknown key was set (None if not a schema node)."""
+    if dataclasses.is_dataclass(getattr(err, "object_type", None)):
+        return [f.name for f in dataclasses.fields(err.object_type)]
     node = RunConfig
-    for part in full_key.split(".")[:-1]:
+    for part in err.full_key.split(".")[:-1]:
         hints = get_type_hints(node) if dataclasses.is_dataclass(node) else {}
         node = hints.get(part)
         if node is None:

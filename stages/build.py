@@ -206,7 +206,7 @@ def run(ctx: StageContext) -> StageResult:
         "target": target.name,
         "device": target.device.upper(),
         "precision": precision,
-        "memory_mode": target.memory_mode.value,
+        "memory_mode": target.memory_mode,
         "model": settings["model"],
         "files": artifacts,
         "options": settings.get("options", {}),

@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, shape_inference
 
-from pipeline.config import Backend, TargetConfig
+from pipeline.config import Backend, NcnnOptions, NcnnTarget
 
 ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
 DIGITS_MODEL = ASSETS / "digits_cnn.onnx"
@@ -21,9 +21,9 @@ CLS_SHAPE = [1, 3, 48, 192]
 NO_VULKAN = "no Vulkan device: apt-get install libvulkan1 mesa-vulkan-drivers"
 
 
-def target(device: str = "CPU", **overrides) -> TargetConfig:
+def target(device: str = "CPU", **overrides) -> NcnnTarget:
     name = "ncnn_vulkan" if device == "VULKAN" else "ncnn_cpu"
-    return TargetConfig(name=name, backend=Backend.ncnn, device=device, **overrides)
+    return NcnnTarget(name=name, backend=Backend.ncnn, device=device, ncnn=NcnnOptions(**overrides))
 
 
 def has_vulkan() -> bool:

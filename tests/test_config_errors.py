@@ -9,11 +9,26 @@ from conftest import run_cli
 
 CASES = [
     # (overrides, phrases the one-line message must contain)
-    (["target.threadz=2"], ["target.threadz", "allowed keys: name, backend, device, threads, memory_mode"]),
+    (["target.threadz=2"], ["target.threadz", "allowed keys: name, backend, device, threads"]),
     (["+target.extra=1"], ["target.extra", "allowed keys"]),
-    (["target.memory_mode=texture"], ["target.memory_mode", "expected one of [auto, buffer, image]"]),
-    (["target.memory_mode=image"], ["target.memory_mode=image", "onnxruntime", "allowed: auto"]),
-    (["target=openvino_cpu", "target.memory_mode=buffer"], ["target.memory_mode=buffer", "openvino"]),
+    # backend options: each backend's own group, checked by its schema
+    (["target=ncnn_cpu", "target.threadz=2"], ["target.threadz", "allowed keys: name, backend, device, threads, ncnn"]),
+    (["target=mnn_opencl", "target.mnn.memory_mode=texture"],
+     ["target.mnn.memory_mode", "expected one of [auto, buffer, image]"]),
+    (["target=ncnn_cpu", "target.ncnn.fp16_storag=false"],
+     ["target.ncnn.fp16_storag", "allowed keys: device_index, fp16_storage, fp16_packed"]),
+    (["target=ncnn_cpu", "target.ncnn.auto_masks=maybe"], ["target.ncnn.auto_masks", "not a valid bool"]),
+    (["target=openvino_cpu", "target.openvino.performance_hint=fast"],
+     ["target.openvino.performance_hint", "expected one of [latency, throughput]"]),
+    (["target=openvino_cpu", "target.openvino.num_streams=0"], ["target.openvino.num_streams=0", ">= 1"]),
+    (["target.mnn.memory_mode=image"], ["target.mnn", "applies to targets of backend mnn only"]),
+    (["target=openvino_cpu", "target.ncnn.auto_masks=false"], ["target.ncnn", "backend ncnn only"]),
+    (["target=ncnn_cpu", "target.backend=mnn"], ["target.ncnn", "backend ncnn only"]),
+    # the flat keys of earlier versions: where each one lives now
+    (["target.memory_mode=image"], ["target.memory_mode", "moved to target.mnn.memory_mode"]),
+    (["target=ncnn_cpu", "target.fp16_storage=false"], ["target.fp16_storage", "moved to target.ncnn.fp16_storage"]),
+    (["target=mnn_opencl", "target.mnn.memory_mode=image", "target.device=CPU"],
+     ["target.mnn.memory_mode=image", "needs an MNN GPU device"]),
     (["precision=bf16"], ["precision=bf16", "ort_cpu", "allowed: fp32"]),
     (["precision=fp64"], ["precision=fp64", "no such config", "allowed: auto, bf16, fp16, fp32, int8, mixed"]),
     (["target=tpu"], ["target=tpu", "allowed: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu"]),

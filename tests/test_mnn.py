@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from pipeline.config import Backend, MemoryMode, MnnPrecision, TargetConfig, Tuning
+from pipeline.config import Backend, MemoryMode, MnnOptions, MnnPrecision, MnnTarget, Tuning
 
 mnn = pytest.importorskip("pipeline.backends.mnn")
 # skipped without the extra locally; in CI (which installs it) the tests run and fail
@@ -32,8 +32,9 @@ DIGITS_TENSORS = ["conv1_out", "relu1_out", "conv2_out", "relu2_out", "pool1_out
                   "relu3_out", "logits"]
 
 
-def target(device: str = "CPU", **fields) -> TargetConfig:
-    return TargetConfig(name=f"mnn_{device.lower()}", backend=Backend.mnn, device=device, **fields)
+def target(device: str = "CPU", threads: int = 0, **options) -> MnnTarget:
+    return MnnTarget(name=f"mnn_{device.lower()}", backend=Backend.mnn, device=device, threads=threads,
+                     mnn=MnnOptions(**options))
 
 
 def digits_data():
@@ -168,7 +169,7 @@ def test_gpu_mode_bits():
     assert mnn.schedule_config(options) == {"backend": 3, "precision": 1, "numThread": 132}
     cpu = mnn.session_options(target("CPU", threads=2), "fp16")
     assert mnn.schedule_config(cpu) == {"backend": 0, "precision": 2, "numThread": 2}
-    assert mnn.session_options(target("VULKAN", mnn_precision=MnnPrecision.normal), "fp16")["precision_mode"] == 0
+    assert mnn.session_options(target("VULKAN", precision=MnnPrecision.normal), "fp16")["precision_mode"] == 0
 
 
 def test_gpu_build_keeps_the_tuning_cache_setting(tmp_path):
@@ -183,12 +184,12 @@ def test_gpu_build_keeps_the_tuning_cache_setting(tmp_path):
 
 
 @pytest.mark.parametrize("device, fields, problem", [
-    ("CPU", {"memory_mode": MemoryMode.image}, "target.memory_mode=image needs an MNN GPU device"),
+    ("CPU", {"memory_mode": MemoryMode.image}, "target.mnn.memory_mode=image needs an MNN GPU device"),
     ("VULKAN", {"memory_mode": MemoryMode.buffer}, "no runtime memory mode"),
-    ("CPU", {"tuning": Tuning.wide}, "target.tuning=wide needs an MNN GPU device"),
+    ("CPU", {"tuning": Tuning.wide}, "target.mnn.tuning=wide needs an MNN GPU device"),
     ("VULKAN", {"tuning": Tuning.fast}, "OpenCL-only"),
     ("OPENCL", {"threads": 4}, "target.threads=4"),
-    ("CPU", {"mnn_precision": MnnPrecision.low}, "precision=fp32 needs high or normal"),
+    ("CPU", {"precision": MnnPrecision.low}, "precision=fp32 needs high or normal"),
 ])
 def test_check_config_names_what_mnn_cannot_do(device, fields, problem):
     assert problem in mnn.check_config(target(device, **fields), "fp32")

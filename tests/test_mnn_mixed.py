@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from pipeline.config import Backend, TargetConfig
+from pipeline.config import Backend, MnnTarget
 from pipeline.errors import ConfigError
 
 mnn = pytest.importorskip("pipeline.backends.mnn")
@@ -38,7 +38,7 @@ def ran(folder: Path, feeds) -> dict:
 
 def test_build_int8_keeps_the_named_onnx_op_float(tmp_path):
     samples = calibration()
-    target = TargetConfig(name="mnn_cpu", backend=Backend.mnn, device="CPU")
+    target = MnnTarget(name="mnn_cpu", backend=Backend.mnn, device="CPU")
     files, settings = mnn.build_int8(DIGITS, tmp_path, target, samples, "kl", float_ops=["conv1"])
     quantization = settings["options"]["quantization"]
     assert quantization["float_ops"] == ["conv1"] and quantization["skip_quant_op_names"] == ["conv1_out"]

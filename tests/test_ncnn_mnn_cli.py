@@ -64,7 +64,7 @@ def overflow_args(tmp_path_factory):
 @needs_vulkan
 def test_seed_case_plain_fp16_build_overflows_at_the_reduction(overflow_args):
     root, args = overflow_args
-    result = run_cli([*args, "target.auto_masks=false"], root)
+    result = run_cli([*args, "target.ncnn.auto_masks=false"], root)
     assert result.returncode == 3, result.stdout + result.stderr
     report = read_report(last_run(root))
     output = report["verify"]["outputs"][0]

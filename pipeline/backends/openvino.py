@@ -54,7 +54,10 @@ def convert(onnx_path: Path, out_dir: Path, fp16_weights: bool = False) -> List[
 
 
 def check_config(target, precision: str) -> Optional[str]:
-    return None  # every combination validate accepts runs
+    streams = target.openvino.num_streams
+    if streams is not None and streams < 1:
+        return f"target.openvino.num_streams={streams}: must be >= 1 (null: OpenVINO's default)"
+    return None
 
 
 def convert_ir(onnx_path: Path, out_dir: Path) -> List[str]:
@@ -72,6 +75,10 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
     options = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision]}
     if target.threads:
         options["INFERENCE_NUM_THREADS"] = target.threads
+    if target.openvino.performance_hint is not None:
+        options["PERFORMANCE_HINT"] = target.openvino.performance_hint.value
+    if target.openvino.num_streams is not None:
+        options["NUM_STREAMS"] = target.openvino.num_streams
     return ["model.xml", "model.bin"], {"model": "model.xml", "options": options}
 
 

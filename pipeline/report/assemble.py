@@ -51,7 +51,7 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         "model": {"name": model_name(cfg), "path": str(Path(cfg.model.path).expanduser().resolve()),
                   "sha256": convert["source_sha256"] if convert else None},
         "target": {"name": cfg.target.name, "backend": cfg.target.backend.value, "device": cfg.target.device,
-                   "threads": cfg.target.threads, "memory_mode": cfg.target.memory_mode.value},
+                   "threads": cfg.target.threads, "memory_mode": cfg.target.memory_mode},
         "precision": cfg.precision.kind,
         "stages": [{k: v for k, v in r.items() if k != "key"} for r in records],
         "convert": convert,

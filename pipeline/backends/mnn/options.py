@@ -19,24 +19,24 @@ def _value(field) -> Optional[str]:
 
 def check_config(target, precision: str) -> Optional[str]:
     device = target.device.upper()
-    memory, tuning = _value(target.memory_mode) or "auto", _value(target.tuning) or "none"
+    memory, tuning = _value(target.mnn.memory_mode) or "auto", _value(target.mnn.tuning) or "none"
     if memory != "auto" and device not in GPU_DEVICES:
-        return f"target.memory_mode={memory} needs an MNN GPU device (OPENCL or VULKAN)"
+        return f"target.mnn.memory_mode={memory} needs an MNN GPU device (OPENCL or VULKAN)"
     if memory != "auto" and device == "VULKAN":
-        return (f"target.memory_mode={memory}: MNN's Vulkan backend has no runtime memory mode (it is chosen when "
-                "MNN is built, MNN_VULKAN_IMAGE); use target.memory_mode=auto")
+        return (f"target.mnn.memory_mode={memory}: MNN's Vulkan backend has no runtime memory mode (it is chosen when "
+                "MNN is built, MNN_VULKAN_IMAGE); use target.mnn.memory_mode=auto")
     if tuning != "none" and device not in GPU_DEVICES:
-        return f"target.tuning={tuning} needs an MNN GPU device (OPENCL or VULKAN)"
+        return f"target.mnn.tuning={tuning} needs an MNN GPU device (OPENCL or VULKAN)"
     if tuning in ("normal", "fast") and device == "VULKAN":
-        return f"target.tuning={tuning} is OpenCL-only in MNN; MNN's Vulkan backend takes none, heavy or wide"
+        return f"target.mnn.tuning={tuning} is OpenCL-only in MNN; MNN's Vulkan backend takes none, heavy or wide"
     if target.threads and device in GPU_DEVICES:
         return (f"target.threads={target.threads}: MNN GPU sessions carry the GPU mode where CPU sessions carry "
                 "the thread count (ScheduleConfig union); use target.threads=0")
-    asked = _value(getattr(target, "mnn_precision", None))
+    asked = _value(target.mnn.precision)
     if precision == "fp32" and asked == "low":
-        return "target.mnn_precision=low computes in fp16 where the device can: precision=fp32 needs high or normal"
+        return "target.mnn.precision=low computes in fp16 where the device can: precision=fp32 needs high or normal"
     if precision == "fp16" and asked == "high":
-        return "target.mnn_precision=high computes in fp32: precision=fp16 needs low or normal"
+        return "target.mnn.precision=high computes in fp32: precision=fp16 needs low or normal"
     return None
 
 
@@ -49,11 +49,11 @@ def gpu_mode(tuning: str = "none", memory_mode: str = "auto") -> int:
 def session_options(target, precision: str) -> dict:
     """runtime.yaml options of a session for this target and parity precision."""
     device = target.device.upper()
-    mnn_precision = _value(getattr(target, "mnn_precision", None)) or DEFAULT_PRECISION[precision]
+    mnn_precision = _value(target.mnn.precision) or DEFAULT_PRECISION[precision]
     options = {"backend": device, "forward_type": FORWARD_TYPES[device], "precision": mnn_precision,
                "precision_mode": PRECISION_MODES[mnn_precision]}
     if device in GPU_DEVICES:
-        tuning, memory = _value(target.tuning) or "none", _value(target.memory_mode) or "auto"
+        tuning, memory = _value(target.mnn.tuning) or "none", _value(target.mnn.memory_mode) or "auto"
         options.update({"tuning": tuning, "memory_mode": memory, "mode": gpu_mode(tuning, memory),
                         "cache_file": CACHE_FILE})
     elif target.threads:

@@ -99,8 +99,11 @@ def check_config(target, precision: str) -> Optional[str]:
         problem = vulkan_int8_problem(versions()["ncnn"])
         if problem:
             return problem
-    if precision == "fp16" and not (target.fp16_storage or target.fp16_packed or target.fp16_arithmetic):
-        return ("precision=fp16 with target.fp16_storage, fp16_packed and fp16_arithmetic all false runs fp32; "
+    switches = target.ncnn
+    if switches.device_index < 0:
+        return f"target.ncnn.device_index={switches.device_index}: must be >= 0"
+    if precision == "fp16" and not (switches.fp16_storage or switches.fp16_packed or switches.fp16_arithmetic):
+        return ("precision=fp16 with target.ncnn.fp16_storage, fp16_packed and fp16_arithmetic all false runs fp32; "
                 "turn one on or use precision=fp32")
     return None
 
@@ -124,13 +127,14 @@ def runtime_options(target, precision: str) -> dict:
     """ncnn Option switches for this target and precision (precision is a runtime choice)."""
     fp16 = precision == "fp16"
     bf16 = precision == "bf16"
+    switches = target.ncnn
     return {
         "use_vulkan": str(target.device).upper() == "VULKAN",
-        "device_index": int(getattr(target, "device_index", 0) or 0),
+        "device_index": int(switches.device_index),
         "threads": int(target.threads or 0),
-        "use_fp16_storage": bool(fp16 and target.fp16_storage),
-        "use_fp16_packed": bool(fp16 and target.fp16_packed),
-        "use_fp16_arithmetic": bool(fp16 and target.fp16_arithmetic),
+        "use_fp16_storage": bool(fp16 and switches.fp16_storage),
+        "use_fp16_packed": bool(fp16 and switches.fp16_packed),
+        "use_fp16_arithmetic": bool(fp16 and switches.fp16_arithmetic),
         "use_bf16_storage": bf16,
         "use_int8_inference": precision in QUANTIZED_PRECISIONS,
         "layer_masks": {},

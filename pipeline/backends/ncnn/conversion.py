@@ -34,9 +34,8 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
         param_path, bin_path = _convert(source, inputs, model)
         mapping = _map_isolated(source, param_path, bin_path, model)
         if quantized is not None:
-            requantize = bool(getattr(target, "int8_requantize", True))
             mapping["int8"] = ncnn_int8.write(param_path, bin_path, mapping.get("layers") or {}, quantized,
-                                              requantize=requantize)
+                                              requantize=target.ncnn.int8_requantize)
             ncnn_int8.remap_fused(mapping, mapping["int8"])
         out_dir = Path(out_dir)
         shutil.copyfile(param_path, out_dir / PARAM_FILE)

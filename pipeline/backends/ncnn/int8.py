@@ -29,7 +29,7 @@ for mixed, the sensitivity stage's qtable: its ops have no Q/DQ and stay float):
    (ncnn rounds half away from zero and clamps to [-127, 127], as here). Layers of other
    types computing a quantized op (a MatMul that became a Gemm or MatMul layer) stay fp32:
    the session reports them as ops that ran in float although the build quantized them.
-4. ``plan_requantize`` (on by default; ``target.int8_requantize=false`` turns it off):
+4. ``plan_requantize`` (on by default; ``target.ncnn.int8_requantize=false`` turns it off):
    activations stay int8 between int8 layers, as ncnn2int8's ``fuse_requantize`` writes
    them (tools/quantize/ncnn2int8.cpp). A Convolution or ConvolutionDepthWise whose output
    only int8 Convolution / ConvolutionDepthWise layers read (directly, or through a Split
