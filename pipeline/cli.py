@@ -23,7 +23,8 @@ import conf
 from pipeline import auto, config
 from pipeline.console import set_plain_progress, stderr_console, stdout_console
 from pipeline.environment import cores, share_cores
-from pipeline.errors import EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault, writing
+from pipeline.errors import (EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault,
+                             worst_exit_code, writing)
 from pipeline.report import write_junit, write_reports
 from pipeline.report.assemble import assemble
 from pipeline.runner import RunOutcome, run_pipeline
@@ -53,7 +54,7 @@ def main() -> None:
         fault = environment_fault(err)  # e.g. Hydra cannot create a read-only run folder
         _fail(str(fault), fault.exit_code) if fault else _fail(f"internal error: {type(err).__name__}: {err}",
                                                                   ExitCode.INTERNAL)
-    sys.exit(max([*_exit_codes, *worst_exit_codes], default=ExitCode.OK))
+    sys.exit(worst_exit_code([*_exit_codes, *worst_exit_codes]))
 
 
 def _fail(message: str, code: int) -> None:

@@ -15,6 +15,22 @@ class ExitCode(IntEnum):
     ENVIRONMENT = 5  # this machine's file system refused a write (read-only, full, no permission)
 
 
+# Least to most severe, for the one code of several jobs (a sweep, a sequential multirun):
+# a crash of parity itself (1) outranks any verdict, and a refused write (5), which can be
+# what made another job crash, outranks everything.
+SEVERITY = (ExitCode.OK, ExitCode.USAGE, ExitCode.THRESHOLD, ExitCode.BACKEND, ExitCode.INTERNAL,
+            ExitCode.ENVIRONMENT)
+
+
+def worst_exit_code(codes) -> int:
+    """The most severe of the codes (SEVERITY; a code parity does not know, such as a killed
+    process's, above all); 0 for none."""
+    def rank(code: int) -> int:
+        return SEVERITY.index(code) if code in SEVERITY else len(SEVERITY)
+
+    return max((int(code) for code in codes), key=rank, default=int(ExitCode.OK))
+
+
 class ParityError(Exception):
     """An error with a one-line message meant for the user."""
 

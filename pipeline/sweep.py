@@ -25,7 +25,7 @@ from rich.table import Table as RichTable
 from pipeline.backends import GPU_DEVICES  # every device name that runs on a GPU
 from pipeline.artifacts import atomic_write_bytes, read_json, remove_stale_temps, write_json
 from pipeline.console import stderr_console, stdout_console
-from pipeline.errors import ExitCode, RunFolderBusy, writing
+from pipeline.errors import ExitCode, RunFolderBusy, worst_exit_code, writing
 from pipeline.report.junit import build_junit
 from pipeline.report.document import Banner, Heading, Items, Para, Table
 from pipeline.report.formatting import fmt_device
@@ -157,7 +157,7 @@ def summarize(sweep_dir: Path) -> dict:
     """Collect the sweep's jobs, write the summary files and print the matrix."""
     jobs = [_job(folder, sweep_dir) for folder in find_jobs(sweep_dir)]
     summary = {"format": 1, "sweep_dir": str(sweep_dir), "jobs": jobs,
-               "exit_code": max((job["exit_code"] for job in jobs), default=int(ExitCode.OK)),
+               "exit_code": worst_exit_code(job["exit_code"] for job in jobs),
                "matrix": _matrix(jobs), "recommendation": recommend(jobs), "shared_work": _shared_work(jobs)}
     write_json(sweep_dir / "sweep.json", summary)
     blocks = _document(summary)

@@ -138,3 +138,20 @@ def test_parallel_jobs_get_plain_log_lines_not_live_bars(tmp_path):
                                                   "own_threads": max(1, cores // 2)}
     found = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())["recommendation"]
     assert found["contended"] == 2 and "2 jobs side by side" in found["text"] and found["text"] in result.stdout
+
+
+def test_a_crashed_job_outranks_a_failed_threshold_in_the_sweeps_exit_code(tmp_path):
+    """A threshold failure (3) must not hide a job where parity itself crashed (1) or one
+    killed before it wrote job.json; a refused write (5) still ranks above all."""
+    from pipeline.errors import worst_exit_code
+    from pipeline.sweep import summarize, write_job_record
+
+    for name, code in (("a", 0), ("b", 3), ("c", 1)):
+        (tmp_path / name).mkdir()
+        write_job_record(tmp_path / name, code, ["target=ort_cpu", "precision=fp32"], {}, None if code == 0 else "x")
+    assert summarize(tmp_path)["exit_code"] == 1
+    (tmp_path / "c" / "job.json").unlink()
+    (tmp_path / "c" / ".hydra").mkdir()  # a killed job: Hydra's folder, no job.json
+    summary = summarize(tmp_path)
+    assert summary["exit_code"] == 1 and "no job.json" in summary["jobs"][2]["reason"]
+    assert [worst_exit_code(codes) for codes in ([], [3, 2], [4, 3], [1, 4], [5, 1], [3, 137])] == [0, 3, 4, 1, 5, 137]
