@@ -24,7 +24,6 @@ profile stage's method), which says where int8 wins or loses.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import sys
 import tempfile
@@ -39,24 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import parity  # noqa: E402  (one `parity` run, its run folder)
-from textlines import write_dataset  # noqa: E402
+from textlines import write_ppocr_configs  # noqa: E402
 
-MODEL = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 SHAPE = [1, 3, 48, 192]
 COSINE_GOAL = 0.99
-
-
-def configs(root: Path, calibration: int, validation: int) -> Path:
-    """A user config directory (as tests/test_ppocr.py writes it) with the rendered data."""
-    data = write_dataset(root / "textlines", calibration=calibration, validation=validation)
-    for group in ("model", "data"):
-        (root / "conf" / group).mkdir(parents=True)
-    (root / "conf" / "model" / "ppocr_cls.yaml").write_text(
-        f"path: {MODEL}\nname: ppocr_cls\ninput_shapes:\n  x: {SHAPE}\n")
-    (root / "conf" / "data" / "textlines.yaml").write_text(
-        f"kind: images\npath: {data}\ncalibration_size: {calibration}\nvalidation_size: {validation}\n"
-        "preprocess:\n  keep_aspect: true\n  color: bgr\n  mean: [0.5]\n  std: [0.5]\n  pad_value: 0.0\n")
-    return root / "conf"
 
 
 class Build:
@@ -209,7 +194,8 @@ def main() -> None:
           f"(pipeline/speed.py)\n")
     with tempfile.TemporaryDirectory(prefix="parity-ncnn-int8-bench-") as scratch:
         root = Path(scratch)
-        conf = configs(root, args.calibration, args.validation)
+        write_ppocr_configs(root, calibration=args.calibration, validation=args.validation)
+        conf = root / "conf"
         builds = make_builds(root, conf)
         samples = validation_feeds(conf)
         outputs = {name: [build.run(feeds) for feeds in samples] for name, build in builds.items()}

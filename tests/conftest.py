@@ -73,6 +73,28 @@ def run_default_job(cwd: Path):
     return cwd, run_dir, result
 
 
+def model_copy(model):
+    """A copy of an onnx.ModelProto for a test to change, ``model`` left as it was."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def run_with_outputs(model, names, samples) -> list:
+    """Each sample's feeds through a copy of ``model`` whose graph outputs are ``names``
+    (intermediate tensors too), on ONNX Runtime's CPU provider: one {name: array} a sample."""
+    import onnx
+    import onnxruntime as ort
+
+    copy = model_copy(model)
+    del copy.graph.output[:]
+    copy.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
+    session = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [dict(zip(names, session.run(names, feeds))) for feeds in samples]
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """The default job, run once for the session."""

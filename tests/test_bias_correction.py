@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from conftest import run_cli, run_dirs
+from conftest import model_copy, run_cli, run_dirs, run_with_outputs
 from pipeline.calibration import bias_correction
 from pipeline.quantize import QdqSettings, build_qdq
 
@@ -83,7 +83,7 @@ def _isolated_errors(prepared, quantized, samples, ops) -> dict:
     nodes and bias (onnx.utils.Extractor), independent of the module's own measuring."""
     sources = {op.node.name: op.source for op in ops}
     wanted = list(dict.fromkeys([*sources.values(), *(op.node.output[0] for op in ops)]))
-    reference = _run(prepared, wanted, samples)
+    reference = run_with_outputs(prepared, wanted, samples)
     errors = {}
     for op in ops:
         cut = onnx.utils.Extractor(quantized).extract_model([op.source], [op.node.output[0]])
@@ -94,19 +94,9 @@ def _isolated_errors(prepared, quantized, samples, ops) -> dict:
     return errors
 
 
-def _run(model, names, samples) -> list:
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    del copy.graph.output[:]
-    copy.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
-    session = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
-    return [dict(zip(names, session.run(names, feeds))) for feeds in samples]
-
-
 def test_shifts_remove_each_ops_channel_mean_error(classifier):
     prepared, quantized, samples = classifier
-    corrected = onnx.ModelProto()
-    corrected.CopyFrom(quantized)
+    corrected = model_copy(quantized)
     ops, skipped = bias_correction.quantized_ops(corrected, prepared)
     assert not skipped and {op.node.name for op in ops} == \
         {n.name for n in prepared.graph.node if n.op_type in ("Conv", "Gemm")}
@@ -122,8 +112,7 @@ def test_shifts_remove_each_ops_channel_mean_error(classifier):
 
 def test_correction_is_kept_only_when_the_output_gets_closer_to_fp32(classifier):
     prepared, quantized, samples = classifier
-    model = onnx.ModelProto()
-    model.CopyFrom(quantized)
+    model = model_copy(quantized)
     summary = bias_correction.correct(model, prepared, samples)
     cosine = summary["output_cosine"]
     weighted = {n.name for n in prepared.graph.node if n.op_type in ("Conv", "Gemm")}

@@ -4,21 +4,18 @@ against an int8 convolution computed here, Vulkan (lavapipe) running the same in
 
 from __future__ import annotations
 
-import importlib.resources
-
 import numpy as np
 import pytest
 import yaml
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
 from ncnn_helpers import CLS_SHAPE, cosine, digits_inputs, reference, require_vulkan
-from textlines import NEEDS_FONTS_SKIPPED, write_dataset
+from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 from pipeline.backends import ncnn as backend
 from pipeline.backends.ncnn.int8 import INT8_TAG, vulkan_int8_problem
 
 pytest.importorskip("ncnn")
 
-CLS = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 QUANTIZED = {"conv1", "conv2", "fc1", "fc2"}  # the digits model's Conv and Gemm ops
 FAST = ["target.threads=1"]  # 2 OpenMP threads per ncnn worker stall on a busy 2-core machine
 
@@ -103,14 +100,7 @@ def classifier_int8_build(root):
     from pipeline.config import Color, PreprocessConfig
     from pipeline.data import TensorSpec, load_image
 
-    data = write_dataset(root / "textlines", calibration=16, validation=8)
-    for group in ("model", "data"):
-        (root / "conf" / group).mkdir(parents=True)
-    (root / "conf" / "model" / "ppocr_cls.yaml").write_text(
-        f"path: {CLS}\nname: ppocr_cls\ninput_shapes:\n  x: {CLS_SHAPE}\n")
-    (root / "conf" / "data" / "textlines.yaml").write_text(
-        f"kind: images\npath: {data}\ncalibration_size: 16\nvalidation_size: 8\npreprocess:\n  keep_aspect: true\n"
-        "  color: bgr\n  mean: [0.5]\n  std: [0.5]\n  pad_value: 0.0\n")
+    data = write_ppocr_configs(root, calibration=16, validation=8)
     result = run_cli(["--config-dir", root / "conf", "model=ppocr_cls", "data=textlines", "target=ncnn_cpu",
                       "precision=int8", "pipeline.stages=[convert,calibrate,build]", *FAST], root)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -4,14 +4,11 @@ fed rendered text lines rotated 0 or 180 degrees, configured from a user config 
 
 from __future__ import annotations
 
-import importlib.resources
-
 import pytest
 
 from conftest import read_report, run_cli, run_dirs
-from textlines import NEEDS_FONTS_SKIPPED, write_dataset
+from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 
-MODEL = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 VALIDATION = 24
 
 pytestmark = pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
@@ -21,14 +18,7 @@ pytestmark = pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's font
 def user_configs(tmp_path_factory):
     """A config directory with the user's own model and data options, and the data."""
     root = tmp_path_factory.mktemp("ppocr")
-    data = write_dataset(root / "textlines", calibration=32, validation=VALIDATION)
-    (root / "conf" / "model").mkdir(parents=True)
-    (root / "conf" / "data").mkdir(parents=True)
-    (root / "conf" / "model" / "ppocr_cls.yaml").write_text(
-        f"path: {MODEL}\nname: ppocr_cls\ninput_shapes:\n  x: [1, 3, 48, 192]\n")
-    (root / "conf" / "data" / "textlines.yaml").write_text(
-        f"kind: images\npath: {data}\ncalibration_size: 4\nvalidation_size: {VALIDATION}\n"
-        "preprocess:\n  keep_aspect: true\n  color: bgr\n  mean: [0.5]\n  std: [0.5]\n  pad_value: 0.0\n")
+    write_ppocr_configs(root, calibration=32, validation=VALIDATION, calibration_size=4)
     return root
 
 

@@ -27,6 +27,17 @@ def last_run(cwd: Path) -> Path:
     return run_dirs(cwd)[-1]
 
 
+def run_with_valid_report(args, cwd: Path, returncode: int):
+    """`parity ARGS` that must exit with ``returncode`` and write a report.json valid against
+    the schema: (completed process, run folder, report)."""
+    result = run_cli(args, cwd)
+    assert result.returncode == returncode, result.stdout + result.stderr
+    run_dir = last_run(cwd)
+    report = read_report(run_dir)
+    assert_valid_report(report)
+    return result, run_dir, report
+
+
 def test_default_report_validates_against_the_schema(default_run):
     _, run_dir, _ = default_run
     report = read_report(run_dir)
@@ -41,11 +52,7 @@ def test_default_report_validates_against_the_schema(default_run):
 
 
 def test_layerwise_always_compares_every_tensor_and_writes_the_side_file(tmp_path):
-    result = run_cli(["validation.layerwise=always"], tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = last_run(tmp_path)
-    report = read_report(run_dir)
-    assert_valid_report(report)
+    result, run_dir, report = run_with_valid_report(["validation.layerwise=always"], tmp_path, returncode=0)
     layers = report["verify"]["layerwise"]
     assert layers["ran"] and layers["samples"] == 30
     assert layers["compared"] >= 5 and layers["first_divergence"] is None and layers["nan_origin"] is None
@@ -86,10 +93,8 @@ def broken_table(tmp_path_factory):
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
 def test_a_clipped_int8_threshold_is_named_as_the_first_divergence(broken_table, target):
     root, table = broken_table
-    result = run_cli(["precision=int8", f"target={target}", f"calibration.table={table}"], root)
-    assert result.returncode == 3, result.stdout + result.stderr
-    report = read_report(last_run(root))
-    assert_valid_report(report)
+    result, _, report = run_with_valid_report(["precision=int8", f"target={target}", f"calibration.table={table}"],
+                                              root, returncode=3)
     layers = report["verify"]["layerwise"]
     assert layers["ran"] and layers["reason"] == "the verdict failed"
     culprit = layers["first_divergence"]
@@ -108,11 +113,7 @@ def test_a_clipped_int8_threshold_is_named_as_the_first_divergence(broken_table,
 
 
 def test_a_backend_that_runs_out_of_memory_is_a_crash_verdict_and_the_run_goes_on(tmp_path):
-    result = run_cli(["validation.worker_memory_mb=64"], tmp_path)
-    assert result.returncode == 4, result.stdout + result.stderr
-    run_dir = last_run(tmp_path)
-    report = read_report(run_dir)
-    assert_valid_report(report)
+    result, run_dir, report = run_with_valid_report(["validation.worker_memory_mb=64"], tmp_path, returncode=4)
     crash = report["verify"]["crash"]
     assert crash["kind"] in ("crashed", "memory", "error")
     assert report["verdict"] == "fail" and report["reasons"][0].startswith("backend crashed")

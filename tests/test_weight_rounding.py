@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from conftest import run_cli, run_dirs
+from conftest import model_copy, run_cli, run_dirs, run_with_outputs
 from pipeline.calibration import bias_correction, weight_rounding
 
 STAGES = "pipeline.stages=[convert,calibrate,build]"
@@ -122,12 +122,7 @@ def _weight_only_errors(prepared, quantized, samples) -> dict:
     weight, both fed the fp32 model's own input activations (ONNX Runtime, no Q/DQ on x)."""
     ops, _ = bias_correction.quantized_ops(quantized, prepared)
     convs = [op for op in ops if op.node.op_type == "Conv"]
-    copy = onnx.ModelProto()
-    copy.CopyFrom(prepared)
-    del copy.graph.output[:]
-    copy.graph.output.extend(helper.make_tensor_value_info(op.source, onnx.TensorProto.FLOAT, None) for op in convs)
-    session = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
-    activations = [dict(zip([op.source for op in convs], session.run(None, feeds))) for feeds in samples]
+    activations = run_with_outputs(prepared, list(dict.fromkeys(op.source for op in convs)), samples)
     constants = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
     errors = {}
     for op in convs:
@@ -142,8 +137,7 @@ def _weight_only_errors(prepared, quantized, samples) -> dict:
 
 def test_each_convolution_errs_less_than_round_to_nearest_on_the_classifier(classifier):
     prepared, quantized, samples = classifier
-    rounded = onnx.ModelProto()
-    rounded.CopyFrom(quantized)
+    rounded = model_copy(quantized)
     summary = weight_rounding.round_weights(rounded, prepared, samples, only_if_closer=False)
     assert summary["applied"] and len(summary["ops"]) >= 50, summary
     before = _weight_only_errors(prepared, quantized, samples)
@@ -155,8 +149,7 @@ def test_each_convolution_errs_less_than_round_to_nearest_on_the_classifier(clas
 
 def test_kept_only_when_the_output_gets_closer_to_fp32(classifier):
     prepared, quantized, samples = classifier
-    model = onnx.ModelProto()
-    model.CopyFrom(quantized)
+    model = model_copy(quantized)
     summary = weight_rounding.round_weights(model, prepared, samples)
     cosine = summary["output_cosine"]
     assert summary["applied"] == (cosine["with"] > cosine["without"])

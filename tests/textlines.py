@@ -5,9 +5,11 @@ across the calibration and validation splits."""
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import random
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -70,3 +72,22 @@ def write_dataset(root: Path, calibration: int = 8, validation: int = 24, seed: 
     write_split(root / "calibration", styles[:calibration])
     write_split(root / "validation", styles[calibration:calibration + validation])
     return root
+
+
+def write_ppocr_configs(root: Path, calibration: int, validation: int,
+                        calibration_size: Optional[int] = None) -> Path:
+    """A user config directory, ``root/conf``, for the PP-OCR text-direction classifier
+    (``--config-dir root/conf model=ppocr_cls data=textlines``) and the rendered lines it
+    names, in ``root/textlines`` (returned); the job calibrates on ``calibration_size`` of
+    the ``calibration`` lines, all by default."""
+    model = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
+    used = calibration if calibration_size is None else calibration_size
+    data = write_dataset(root / "textlines", calibration=calibration, validation=validation)
+    for group in ("model", "data"):
+        (root / "conf" / group).mkdir(parents=True)
+    (root / "conf" / "model" / "ppocr_cls.yaml").write_text(
+        f"path: {model}\nname: ppocr_cls\ninput_shapes:\n  x: [1, 3, 48, 192]\n")
+    (root / "conf" / "data" / "textlines.yaml").write_text(
+        f"kind: images\npath: {data}\ncalibration_size: {used}\nvalidation_size: {validation}\n"
+        "preprocess:\n  keep_aspect: true\n  color: bgr\n  mean: [0.5]\n  std: [0.5]\n  pad_value: 0.0\n")
+    return data

@@ -28,11 +28,9 @@ _FLOAT_COMPUTE_OPS = {"Conv", "Gemm", "MatMul", "ConvTranspose", "FusedConv", "F
 
 
 def available() -> Tuple[bool, str]:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError as err:
-        return False, f"onnxruntime cannot be imported ({err}): pip install onnxruntime"
-    return True, ""
+    from pipeline.backends.protocol import importable
+
+    return importable("onnxruntime")
 
 
 def versions() -> Dict[str, str]:

@@ -31,11 +31,9 @@ _COMPUTE_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution", "
 
 
 def available() -> Tuple[bool, str]:
-    try:
-        import openvino  # noqa: F401
-    except ImportError as err:
-        return False, f"openvino cannot be imported ({err}): pip install openvino"
-    return True, ""
+    from pipeline.backends.protocol import importable
+
+    return importable("openvino")
 
 
 def versions() -> Dict[str, str]:

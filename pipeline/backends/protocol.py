@@ -7,6 +7,7 @@ without loading one. docs/architecture.md "The backend seam" walks through addin
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Tuple, runtime_checkable
@@ -134,3 +135,13 @@ class Backend(Protocol):
         """(artifact files, settings): runtime.yaml's ``model`` and ``options``."""
 
     def load(self, artifact_dir: Path, settings: dict) -> Session: ...
+
+
+def importable(package: str) -> Tuple[bool, str]:
+    """``available()`` for a backend whose runtime is the one pip package ``package``:
+    imported only when asked, so reading the declarations still imports no runtime."""
+    try:
+        importlib.import_module(package)
+    except ImportError as err:
+        return False, f"{package} cannot be imported ({err}): pip install {package}"
+    return True, ""

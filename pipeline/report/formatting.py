@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from typing import Any, Callable, List, Sequence, Tuple
 
 NA = "n/a"
 
@@ -110,6 +110,20 @@ def as_list(value: Any) -> list:
 
 def finite(value: Any) -> bool:
     return is_number(value) and math.isfinite(value)
+
+
+# A table column: its header, the key of its value in a row's record, and that value's formatter.
+Column = Tuple[str, str, Callable[[Any], str]]
+
+
+def column_headers(columns: Sequence[Column]) -> List[str]:
+    return [header for header, _, _ in columns]
+
+
+def fmt_cells(record: dict, columns: Sequence[Column]) -> List[str]:
+    """One table row: each column's value in ``record``, formatted. A key the record lacks
+    is n/a, which only fmt_sqnr tells apart from a None value (None: identical outputs)."""
+    return [fmt(record[key]) if key in record else NA for _, key, fmt in columns]
 
 
 

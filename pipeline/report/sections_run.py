@@ -228,10 +228,16 @@ def preflight_section(findings: list) -> list:
     return blocks + [Table(["tensor", "check", "count", "detail", "severity"], rows, classes)]
 
 
+def _heading_and_value(title: str, part: dict, key: str) -> list:
+    """A section's heading, then the part's value under ``key`` where it has one."""
+    blocks: list = [Heading(2, title)]
+    if key in part:
+        blocks.append(KeyValues([(key, fmt_value(part.get(key)))]))
+    return blocks
+
+
 def data_section(data: dict) -> list:
-    blocks: list = [Heading(2, "Data")]
-    if "kind" in data:
-        blocks.append(KeyValues([("kind", fmt_value(data.get("kind")))]))
+    blocks = _heading_and_value("Data", data, "kind")
     warnings = [str(w) for w in as_list(data.get("warnings"))]
     if warnings:
         blocks.append(Items(warnings, css="warnings"))
@@ -247,9 +253,7 @@ def data_section(data: dict) -> list:
 
 
 def build_section(build: dict) -> list:
-    blocks: list = [Heading(2, "Build")]
-    if "backend" in build:
-        blocks.append(KeyValues([("backend", fmt_value(build.get("backend")))]))
+    blocks = _heading_and_value("Build", build, "backend")
     files = [str(f) for f in as_list(build.get("files"))]
     if files:
         blocks += [Heading(3, "Artifact files"), Items(files)]

@@ -14,9 +14,10 @@ from typing import Any, Callable, List
 
 from pipeline.report.charts import LineChart, bar_chart, line_chart
 from pipeline.report.document import Banner, Charts, Heading, Items, KeyValues, Para, Pre, Table
-from pipeline.report.formatting import (FIRST_NAMES, NA, STDERR_LINES, STDERR_WIDTH, as_dict, as_list, finite,
-                                        first_names, fmt_attribute, fmt_cosine, fmt_error, fmt_number, fmt_pass,
-                                        fmt_ratio, fmt_seconds, fmt_sqnr, fmt_value, is_number, truncate)
+from pipeline.report.formatting import (FIRST_NAMES, NA, STDERR_LINES, STDERR_WIDTH, as_dict, as_list,
+                                        column_headers, finite, first_names, fmt_attribute, fmt_cells, fmt_cosine,
+                                        fmt_error, fmt_number, fmt_pass, fmt_ratio, fmt_seconds, fmt_sqnr,
+                                        fmt_value, is_number, truncate)
 
 
 def report_verdict(report: dict) -> str:
@@ -171,26 +172,22 @@ def _count_with_reference(count: Any, reference: Any) -> str:
     return text
 
 
+OUTPUT_COLUMNS = (("output", "name", fmt_value), ("result", "passed", fmt_pass))
+METRIC_COLUMNS = (("cosine", "cosine", fmt_cosine), ("min sample cosine", "min_sample_cosine", fmt_cosine),
+                  ("max abs", "max_abs", fmt_error), ("mean abs", "mean_abs", fmt_error),
+                  ("rel L2", "rel_l2", fmt_error), ("SQNR dB", "sqnr_db", fmt_sqnr))
+
+
 def _output_metrics_table(outputs: list) -> Table:
-    headers = ["output", "result", "cosine", "min sample cosine", "max abs", "mean abs",
-               "rel L2", "SQNR dB", "NaN", "Inf", "failed checks"]
+    headers = [*column_headers(OUTPUT_COLUMNS), *column_headers(METRIC_COLUMNS), "NaN", "Inf", "failed checks"]
     rows, classes = [], []
     for out in outputs:
         m = as_dict(out.get("metrics"))
         failures = [str(f) for f in as_list(out.get("failures"))]
-        rows.append([
-            fmt_value(out.get("name")),
-            fmt_pass(out.get("passed")),
-            fmt_cosine(m.get("cosine")),
-            fmt_cosine(m.get("min_sample_cosine")),
-            fmt_error(m.get("max_abs")),
-            fmt_error(m.get("mean_abs")),
-            fmt_error(m.get("rel_l2")),
-            fmt_sqnr(m["sqnr_db"]) if "sqnr_db" in m else NA,
-            _count_with_reference(m.get("nan"), m.get("reference_nan")),
-            _count_with_reference(m.get("inf"), m.get("reference_inf")),
-            "; ".join(failures) if failures else "none",
-        ])
+        rows.append([*fmt_cells(out, OUTPUT_COLUMNS), *fmt_cells(m, METRIC_COLUMNS),
+                     _count_with_reference(m.get("nan"), m.get("reference_nan")),
+                     _count_with_reference(m.get("inf"), m.get("reference_inf")),
+                     "; ".join(failures) if failures else "none"])
         classes.append("row-fail" if out.get("passed") is False else "")
     return Table(headers, rows, classes)
 
@@ -288,23 +285,18 @@ def _per_sample_blocks(outputs: list) -> list:
     return [Heading(3, "Per-sample errors"), Table(headers, rows), Charts(charts)]
 
 
+TASK_COLUMNS = (("metric", "metric", fmt_value), ("output", "output", fmt_value),
+                ("reference", "reference", fmt_ratio), ("target", "target", fmt_ratio), ("drop", "drop", fmt_ratio),
+                ("max drop", "max_drop", fmt_ratio), ("agreement", "agreement", fmt_ratio),
+                ("result", "passed", fmt_pass))
+
+
 def _task_blocks(task: dict) -> list:
-    headers = ["metric", "output", "reference", "target", "drop", "max drop",
-               "agreement", "result"]
-    row = [
-        fmt_value(task.get("metric")),
-        fmt_value(task.get("output")),
-        fmt_ratio(task.get("reference")),
-        fmt_ratio(task.get("target")),
-        fmt_ratio(task.get("drop")),
-        fmt_ratio(task.get("max_drop")),
-        fmt_ratio(task.get("agreement")),
-        fmt_pass(task.get("passed")),
-    ]
     row_class = "row-fail" if task.get("passed") is False else ""
     extras = [f"{key}: reference {fmt_ratio(as_dict(v).get('reference'))}, target {fmt_ratio(as_dict(v).get('target'))}"
               for key, v in as_dict(task.get("extras")).items()]
-    return [Heading(3, "Task metric"), Table(headers, [row], [row_class])] + ([Items(extras)] if extras else [])
+    table = Table(column_headers(TASK_COLUMNS), [fmt_cells(task, TASK_COLUMNS)], [row_class])
+    return [Heading(3, "Task metric"), table] + ([Items(extras)] if extras else [])
 
 
 def _device_precision_blocks(requested: dict, effective: dict) -> list:
@@ -325,6 +317,12 @@ def _device_precision_blocks(requested: dict, effective: dict) -> list:
         classes.append("" if same else "row-mismatch")
     return [Heading(3, "Requested vs effective"),
             Table(["setting", "requested", "effective", "match"], rows, classes)]
+
+
+TENSOR_COLUMNS = (("tensor", "tensor", fmt_value), ("op", "op", fmt_value), ("op type", "op_type", fmt_value),
+                  ("depth", "index", fmt_value), ("cosine", "cosine", fmt_cosine), ("max abs", "max_abs", fmt_error),
+                  ("SQNR dB", "sqnr_db", fmt_sqnr), ("NaN", "nan", fmt_value), ("Inf", "inf", fmt_value),
+                  ("result", "passed", fmt_pass))
 
 
 def layerwise_section(layerwise: dict) -> list:
@@ -355,14 +353,9 @@ def layerwise_section(layerwise: dict) -> list:
 
     worst = [w for w in as_list(layerwise.get("worst")) if isinstance(w, dict)][:FIRST_NAMES]
     if worst:
-        rows = [[fmt_value(w.get("tensor")), fmt_value(w.get("op")), fmt_value(w.get("op_type")),
-                 fmt_value(w.get("index")), fmt_cosine(w.get("cosine")), fmt_error(w.get("max_abs")),
-                 fmt_sqnr(w["sqnr_db"]) if "sqnr_db" in w else NA, fmt_value(w.get("nan")),
-                 fmt_value(w.get("inf")), fmt_pass(w.get("passed"))] for w in worst]
+        rows = [fmt_cells(w, TENSOR_COLUMNS) for w in worst]
         classes = ["row-fail" if w.get("passed") is False else "" for w in worst]
-        blocks += [Heading(3, f"Worst {len(worst)} tensors"),
-                   Table(["tensor", "op", "op type", "depth", "cosine", "max abs", "SQNR dB", "NaN",
-                          "Inf", "result"], rows, classes)]
+        blocks += [Heading(3, f"Worst {len(worst)} tensors"), Table(column_headers(TENSOR_COLUMNS), rows, classes)]
 
     return blocks
 
