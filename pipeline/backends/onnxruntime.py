@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from pipeline.backends.protocol import Capabilities
+from pipeline.backends.protocol import Capabilities, importable
 
 NAME = "onnxruntime"
 CAPABILITIES = Capabilities(
@@ -28,8 +28,6 @@ _FLOAT_COMPUTE_OPS = {"Conv", "Gemm", "MatMul", "ConvTranspose", "FusedConv", "F
 
 
 def available() -> Tuple[bool, str]:
-    from pipeline.backends.protocol import importable
-
     return importable("onnxruntime")
 
 

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from pipeline.backends.protocol import Capabilities
+from pipeline.backends.protocol import Capabilities, importable
 from pipeline.errors import first_line
 
 NAME = "openvino"
@@ -31,8 +31,6 @@ _COMPUTE_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution", "
 
 
 def available() -> Tuple[bool, str]:
-    from pipeline.backends.protocol import importable
-
     return importable("openvino")
 
 
