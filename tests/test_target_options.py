@@ -95,6 +95,13 @@ def test_a_target_config_of_your_own_extends_its_backends_schema(tmp_path):
     assert good.returncode == 0, good.stderr
     options = yaml.safe_load(good.stdout)["target"]["ncnn"]
     assert options["auto_masks"] is False and options["fp16_storage"] is True  # the rest from the schema
+    (tmp_path / "target" / "ncnn_nomasks.yaml").write_text(  # docs/sweeps.md: a shipped target, one option changed
+        "defaults:\n  - ncnn_cpu\n  - _self_\nname: ncnn_nomasks\nncnn:\n  auto_masks: false\n")
+    derived = run_cli(["--config-dir", tmp_path, "target=ncnn_nomasks", "--cfg", "job"], tmp_path,
+                      default_precision=None)
+    assert derived.returncode == 0, derived.stderr
+    shown = yaml.safe_load(derived.stdout)["target"]
+    assert (shown["name"], shown["backend"], shown["ncnn"]["auto_masks"]) == ("ncnn_nomasks", "ncnn", False)
     bare = run_cli(["--config-dir", tmp_path, "target=bare_ncnn", "--cfg", "job"], tmp_path, default_precision=None)
     assert bare.returncode == 2
     assert "defaults: [/schema/target/ncnn@_here_, _self_]" in bare.stderr
