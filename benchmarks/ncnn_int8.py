@@ -7,11 +7,12 @@ on the CPU: accuracy and latency of every int8 variant side by side with fp32, i
 Data: rendered text lines, upright or rotated 180 degrees (tests/textlines.py), the
 classifier's own preprocessing. Builds, through the `parity` CLI (stages up to build),
 ncnn_cpu: fp32; int8 (parity's ncnn int8 format, pipeline/backends/ncnn/int8.py, with
-requantize between int8 convolutions: the default); int8 without requantize
-(target.ncnn.int8_requantize=false); int8 on the Convolution layers only (the depthwise and
-InnerProduct layers fp32; with and without requantize) and int8 on the projection
-convolutions only (1x1, at least 64 inputs, fewer outputs than inputs), the other ops kept
-float with precision.keep_float. Runtime variants load the fp32 and the default int8 build
+requantize between int8 convolutions, and on an x86 CPU the depthwise convolutions float:
+the default); int8 with the depthwise convolutions int8 too (target.ncnn.int8_depthwise=true);
+int8 without requantize (target.ncnn.int8_requantize=false); int8 on the Convolution layers
+only (the depthwise and InnerProduct layers fp32; with and without requantize) and int8 on
+the projection convolutions only (1x1, at least 64 inputs, fewer outputs than inputs), the
+other ops kept float with precision.keep_float. Runtime variants load the fp32 and the default int8 build
 with other ncnn options (2 threads, use_sgemm_convolution off, lightmode off,
 use_packing_layout off): their speed-up is against fp32 with the same options. Printed:
 cosine of each int8 build's outputs vs fp32's and top-1 agreement over the validation
@@ -124,8 +125,9 @@ def make_builds(root: Path, conf: Path) -> dict:
     int8 = [*base, "precision=int8", "pipeline.stages=[convert,calibrate,build]"]
     runs = {"fp32": parity([*base, "precision=fp32", "pipeline.stages=[convert,build]"], root),
             "int8": parity(int8, root),
+            "int8, depthwise int8 too": parity([*int8, "target.ncnn.int8_depthwise=true"], root),
             "int8, no requantize": parity([*int8, "target.ncnn.int8_requantize=false"], root)}
-    for name, ops in keep_float_lists(runs["int8"]).items():
+    for name, ops in keep_float_lists(runs["int8, depthwise int8 too"]).items():
         runs[name] = parity([*int8, f"precision.keep_float=[{','.join(ops)}]"], root)
         if name == "int8, Convolution only":  # the depthwise layers fp32: requantize only where convs chain
             runs[f"{name}, no requantize"] = parity([*int8, f"precision.keep_float=[{','.join(ops)}]",
@@ -201,7 +203,7 @@ def main() -> None:
         outputs = {name: [build.run(feeds) for feeds in samples] for name, build in builds.items()}
         timings = interleaved(builds, {"x": samples[0]["x"]}, args.rounds, args.runs, 300.0)
         layers = {name: builds[name].by_layer_type(samples[0], args.runs)
-                  for name in ("fp32", "int8", "int8, no requantize", "int8, Convolution only")}
+                  for name in ("fp32", "int8", "int8, depthwise int8 too", "int8, Convolution only")}
     figures = report(builds, outputs, timings, layers)
     value, up = figures["int8"]["cosine"], figures["int8"]
     print(f"\n  {'met ' if value >= COSINE_GOAL else 'MISS'} int8 cosine vs fp32 >= {COSINE_GOAL}: {value:.4f}")

@@ -193,6 +193,9 @@ class NcnnOptions:
     # precision=int8/mixed: keep activations int8 between consecutive int8 convolutions
     # (int8_scale_term + 100, ncnn's requantize; docs/targets.md "ncnn")
     int8_requantize: bool = True
+    # precision=int8/mixed: depthwise convolutions in int8 too; null: not on an x86 CPU,
+    # where ncnn's int8 depthwise kernel is slower than its fp32 one (docs/targets.md)
+    int8_depthwise: Optional[bool] = None
 
 
 @dataclass

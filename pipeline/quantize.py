@@ -95,6 +95,27 @@ class QdqSettings:
                 "quantized": "inputs and outputs" if self.quantize_outputs else "inputs"}
 
 
+def _is_depthwise(node, weights: Dict[str, tuple]) -> bool:
+    """A Conv whose every group has one input channel (weight shape [C_out, 1, ...]) and
+    more than one group."""
+    group = next((attr.i for attr in node.attribute if attr.name == "group"), 1)
+    shape = weights.get(node.input[1]) if len(node.input) > 1 else None
+    return node.op_type == "Conv" and group > 1 and shape is not None and len(shape) > 1 and shape[1] == 1
+
+
+# op kinds a backend may keep in float in its int8 builds (Capabilities.float_op_kinds)
+OP_KINDS = {"depthwise": _is_depthwise}
+
+
+def ops_of_kinds(model, kinds: Iterable[str], op_types: Iterable[str]) -> List[str]:
+    """Names of the model's ops of these kinds (OP_KINDS) among ``op_types`` (the quantized
+    op types), in graph order."""
+    weights = {init.name: tuple(init.dims) for init in model.graph.initializer}
+    tests, op_types = [OP_KINDS[kind] for kind in kinds], set(op_types)
+    return [node.name for node in model.graph.node
+            if node.op_type in op_types and any(test(node, weights) for test in tests)]
+
+
 def int8_op_count(model) -> int:
     """Ops of WEIGHTED_OPS that read a dequantized input: how many ops a QDQ model runs int8."""
     dequantized = {out for node in model.graph.node if node.op_type == "DequantizeLinear" for out in node.output}

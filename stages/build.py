@@ -16,14 +16,14 @@ from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
 from pipeline.calibration import bias_correction, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq, int8_op_count
+from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq, int8_op_count, ops_of_kinds
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 26  # 26: the summary counts the ops left int8 (int8_ops); 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+VERSION = 27  # 27: the backend's float op kinds (ncnn depthwise on x86) kept in float; 26: the summary counts the ops left int8 (int8_ops); 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
 # 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json; 22: ncnn int8/mixed;
 # 23: a mixed build keeps bias correction only where it does not lower the validation cosine
 # 24: ncnn int8/mixed requantize between int8 convolutions (activation layers folded into them)
@@ -37,6 +37,8 @@ def key_config(cfg):
     quantized = precision.kind in ("int8", "mixed")
     backend = backends.spec(cfg.target.backend.value)
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
+            # the backend's own float kinds can depend on the machine (ncnn: x86 or not)
+            "float_op_kinds": backends.float_op_kinds(backend, cfg.target) if quantized else None,
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
             # bias correction measures the quantized ops on the calibration samples
             "bias_correction": cfg.data if _refines(cfg, backend, "bias_correction") else False,
@@ -266,10 +268,13 @@ def _quantize(ctx: StageContext):
             raise ConfigError("precision=mixed needs the sensitivity stage: add it to pipeline.stages before build")
         table = read_json(found.path("table"))["tensors"]
         keep_float = read_json(found.path("qtable"))["float_ops"]
-    keep_float, unknown = _requested_float(ctx, onnx.load(str(calibrate.path("prepared")), load_external_data=False),
-                                           keep_float)
+    prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
+    keep_float, unknown = _requested_float(ctx, prepared, keep_float)
+    backend = backends.spec(ctx.cfg.target.backend.value)
+    by_backend = _backend_float_ops(ctx, backend, prepared, keep_float)
+    keep_float = [*keep_float, *by_backend["ops"]]
     quantized = ctx.out_dir / "quantized.onnx"
-    settings = QdqSettings.resolve(precision, backends.spec(ctx.cfg.target.backend.value).NAME)
+    settings = QdqSettings.resolve(precision, backend.NAME)
     try:
         reshaped = build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
     except QuantizerFailed as err:
@@ -278,11 +283,23 @@ def _quantize(ctx: StageContext):
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
+                "backend_float_ops": by_backend,
                 "gemm_bias_reshaped": reshaped,
                 **{step: _refine(ctx, quantized, keep_float, step, refine_file, nothing)
                    for step, refine_file, nothing in REFINEMENTS},
                 "int8_ops": int8_op_count(onnx.load(str(quantized)))}
     return quantized, settings
+
+
+def _backend_float_ops(ctx: StageContext, backend, prepared: onnx.ModelProto, chosen: List[str]) -> dict:
+    """The quantized ops the backend keeps in float on this target (Capabilities.float_op_kinds:
+    ncnn's depthwise convolutions on x86), beyond those already chosen."""
+    kinds = backends.float_op_kinds(backend, ctx.cfg.target)
+    ops = [name for name in ops_of_kinds(prepared, kinds, ctx.cfg.precision.quantize_ops) if name not in chosen]
+    if ops:
+        log.info("build: %d %s op(s) kept in float: %s's int8 kernel for them is slower here (%s)",
+                 len(ops), "/".join(kinds), backend.NAME, "docs/targets.md")
+    return {"kinds": kinds, "ops": ops}
 
 
 def _judged_on(ctx: StageContext, float_ops: List[str]):

@@ -28,7 +28,7 @@ from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, Exi
 from pipeline.metrics import OutputStats, failures
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
 from pipeline.calibration import bias_correction, weight_rounding
-from pipeline.quantize import QdqSettings, build_qdq
+from pipeline.quantize import QdqSettings, build_qdq, ops_of_kinds
 from pipeline.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
@@ -40,6 +40,7 @@ VERSION += 1  # ncnn's CPU layers report fp16 only where ncnn casts activations 
 VERSION += 1  # MNN mixed: its INT8 baseline and advice trials through MNN's own quantizer
 VERSION += 1  # advice trials rounded like the build (precision.weight_rounding)
 VERSION += 1  # a mixed build left with no int8 op fails on that (exit 3), not as a precision mismatch
+VERSION += 1  # an int8 build keeping the backend's float op kinds is accepted as mixed
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -66,7 +67,8 @@ def run(ctx: StageContext) -> StageResult:
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
                    cfg.precision.kind)
     requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.kind,
-                 "accepted_precisions": _accepted_precisions(cfg.precision), **_nothing_int8(ctx)}
+                 "accepted_precisions": _accepted_precisions(cfg.precision, _build_float_ops(ctx)),
+                 **_nothing_int8(ctx)}
     layers, truth = None, None
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         ran = _compare(ctx, (backend, artifact, settings), check, dataset, (stack, limits), progress,
@@ -204,11 +206,18 @@ def _nothing_int8(ctx) -> dict:
     return {"accepted_precisions": ["fp32"], "nothing_int8": len(quantization.get("float_ops") or [])}
 
 
-def _accepted_precisions(precision) -> List[str]:
+def _build_float_ops(ctx) -> List[str]:
+    """The quantized ops the build kept in float (precision.keep_float, the backend's own)."""
+    build = ctx.results.get("build")
+    return list(((build.summary.get("quantization") or {}) if build else {}).get("float_ops") or [])
+
+
+def _accepted_precisions(precision, float_ops: List[str]) -> List[str]:
     """What the backend may report for this request: mixed with an empty qtable (plain
-    int8 met the target) runs int8 everywhere; int8 with precision.keep_float is mixed."""
+    int8 met the target) runs int8 everywhere; an int8 build that keeps ops in float
+    (precision.keep_float, or the backend's own float kinds) is mixed."""
     name = precision.kind
-    if name == "mixed" or (name == "int8" and precision.keep_float):
+    if name == "mixed" or (name == "int8" and (precision.keep_float or float_ops)):
         return ["int8", "mixed"]
     return [name]
 
@@ -354,8 +363,12 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     elif precision == "mixed":
         int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
         calibrate = ctx.results["calibrate"]
+        prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
+        by_backend = ops_of_kinds(prepared, backends.float_op_kinds(backend, ctx.cfg.target),
+                                  ctx.cfg.precision.quantize_ops)  # as the target's int8 build keeps them
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
-                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME), keep_float=ctx.cfg.precision.keep_float)
+                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
+                  keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
         builds["int8"] = (int8, None, None)  # uncorrected, as the sensitivity search measures plain int8
     return {name: _Row(*_built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}",
                                       float_ops))

@@ -16,6 +16,7 @@ import pytest
 import overflow_model
 from ncnn_helpers import (DIGITS_MODEL, cls_model, cosine, digits_inputs, reference, require_vulkan, target,
                           unsupported_model)
+from pipeline import backends
 from pipeline.backends import ncnn as backend
 from pipeline.layerwise import Graph
 
@@ -237,3 +238,18 @@ def test_ppocr_classifier_cpu_matches_onnxruntime(tmp_path):
     assert cosine(expected[worst], actual[worst]) > 0.9999, worst
     assert settings["options"]["layers"]  # every node that feeds a mapped tensor has its layer
     assert set(backend.layer_map(out, settings)) == {t.op for t in graph.tensors}
+
+
+@pytest.mark.parametrize("device, asked, machine, kinds", [
+    ("CPU", None, "x86_64", ["depthwise"]),  # ncnn's x86 int8 depthwise kernel is slower than fp32
+    ("CPU", None, "AMD64", ["depthwise"]),
+    ("CPU", None, "aarch64", []),
+    ("VULKAN", None, "x86_64", []),
+    ("CPU", True, "x86_64", []),
+    ("VULKAN", False, "aarch64", ["depthwise"]),
+])
+def test_int8_builds_keep_depthwise_float_on_x86_cpus_unless_asked(monkeypatch, device, asked, machine, kinds):
+    from pipeline.backends.ncnn import common
+
+    monkeypatch.setattr(common.platform, "machine", lambda: machine)
+    assert backends.float_op_kinds(backend, target(device, int8_depthwise=asked)) == kinds

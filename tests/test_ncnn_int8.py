@@ -4,6 +4,8 @@ against an int8 convolution computed here, Vulkan (lavapipe) running the same in
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import yaml
@@ -94,7 +96,7 @@ def test_read_back_is_true_the_first_conv_computes_in_int8(int8_run):
     assert np.abs(probed - fp32).max() < 2 / top_scale  # within a step or so of the int8 grid
 
 
-def classifier_int8_build(root):
+def classifier_int8_build(root, *overrides):
     """parity int8 of the PP-OCR classifier for ncnn_cpu, stages up to build, calibrated on
     16 rendered text lines: (the build folder, 8 validation inputs)."""
     from pipeline.config import Color, PreprocessConfig
@@ -102,7 +104,7 @@ def classifier_int8_build(root):
 
     data = write_ppocr_configs(root, calibration=16, validation=8)
     result = run_cli(["--config-dir", root / "conf", "model=ppocr_cls", "data=textlines", "target=ncnn_cpu",
-                      "precision=int8", "pipeline.stages=[convert,calibrate,build]", *FAST], root)
+                      "precision=int8", "pipeline.stages=[convert,calibrate,build]", *FAST, *overrides], root)
     assert result.returncode == 0, result.stdout + result.stderr
     pre = PreprocessConfig(keep_aspect=True, color=Color.bgr, mean=[0.5], std=[0.5], pad_value=0.0)
     spec = TensorSpec("x", CLS_SHAPE, "float32")
@@ -115,8 +117,9 @@ def test_classifier_int8_stays_int8_between_convolutions_and_matches_fp32(tmp_pa
     """The real classifier (pnnx leaves its HardSwish layers unfused): each int8 convolution
     whose output only int8 convolutions read (directly or through a Split) requantizes
     (int8_scale_term 101/102), a HardSwish in between folded into it; read back as int8,
-    the output within cosine 0.99 of fp32."""
-    run_dir, inputs = classifier_int8_build(tmp_path)
+    the output within cosine 0.99 of fp32. Depthwise convolutions int8 too (on x86 they stay
+    float by default: the next test)."""
+    run_dir, inputs = classifier_int8_build(tmp_path, "target.ncnn.int8_depthwise=true")
     build = run_dir / "stages" / "build"
     network = backend.Param.read(build / "model.param")
     terms = {layer.name: int(layer.param(8) or 0) for layer in network.layers}
@@ -146,6 +149,29 @@ def test_classifier_int8_stays_int8_between_convolutions_and_matches_fp32(tmp_pa
     ran = np.concatenate([session.run({"x": x})[name] for x in inputs])
     fp32 = np.concatenate([reference(run_dir / "stages" / "convert" / "model.onnx", {"x": x})[name] for x in inputs])
     assert cosine(ran, fp32) >= 0.99  # measured 0.996
+
+
+@pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
+def test_classifier_int8_keeps_depthwise_float_on_x86_and_verify_passes_it_as_int8(tmp_path):
+    """By default an x86 CPU keeps the depthwise convolutions float (ncnn's int8 depthwise
+    kernel is slower there than its fp32 one): the build records them as the backend's float
+    ops, the param writes them fp32, the read-back says mixed without any fallback, and
+    verify passes precision=int8 with them."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+    run_dir, _ = classifier_int8_build(tmp_path, "pipeline.stages=[convert,calibrate,build,verify]")
+    report = read_report(run_dir)
+    assert report["verdict"] == "pass" and report["exit_code"] == 0, report["reasons"]
+    quantization = report["build"]["quantization"]
+    depthwise = quantization["backend_float_ops"]["ops"]
+    assert quantization["backend_float_ops"]["kinds"] == (["depthwise"] if x86 else [])
+    assert (len(depthwise) > 0) == x86 and set(depthwise) <= set(quantization["float_ops"])
+    network = backend.Param.read(run_dir / "stages" / "build" / "model.param")
+    depthwise_layers = [layer for layer in network.layers if layer.type == "ConvolutionDepthWise"]
+    assert len(depthwise_layers) == (len(depthwise) if x86 else len(depthwise_layers)) > 0
+    assert all(not int(layer.param(8) or 0) for layer in depthwise_layers) == x86
+    effective = report["verify"]["effective"]
+    assert effective["precision"] == ("mixed" if x86 else "int8") and effective["float_ops"] == {}
+    assert not [c for c in report["verify"]["checks"] if c["name"] in ("precision", "float_fallback")]
 
 
 def test_mixed_keeps_the_qtable_op_in_fp32_read_back(tmp_path):

@@ -112,3 +112,23 @@ def test_an_unknown_float_op_is_named():
     all_int8 = quantize_static_qdq(model, _table(model, feeds), QdqSettings())
     with pytest.raises(KeyError, match="Z"):
         keep_in_float(all_int8, model, ["Z"], QdqSettings())
+
+
+def test_ops_of_kinds_finds_the_depthwise_convolutions_only():
+    """depthwise: a Conv with more than one group of one input channel each; a plain and a
+    grouped convolution are not, and an op type that is not quantized is left out."""
+    from pipeline.quantize import ops_of_kinds
+
+    def conv(name, source, weight_shape, group):
+        weight = numpy_helper.from_array(np.ones(weight_shape, np.float32), f"{name}_w")
+        node = helper.make_node("Conv", [source, weight.name], [f"{name}_out"], name=name, group=group, pads=[1] * 4)
+        return node, weight
+
+    nodes, weights = zip(conv("plain", "x", [4, 4, 3, 3], 1), conv("grouped", "plain_out", [4, 2, 3, 3], 2),
+                         conv("depthwise", "grouped_out", [4, 1, 3, 3], 4))
+    graph = helper.make_graph(list(nodes), "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [helper.make_tensor_value_info("depthwise_out", TensorProto.FLOAT, None)],
+                              initializer=list(weights))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    assert ops_of_kinds(model, ["depthwise"], ["Conv", "MatMul"]) == ["depthwise"]
+    assert ops_of_kinds(model, ["depthwise"], ["MatMul"]) == [] and ops_of_kinds(model, [], ["Conv"]) == []

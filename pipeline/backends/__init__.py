@@ -45,6 +45,12 @@ def capabilities(name: str) -> Capabilities:
     return spec(name).CAPABILITIES
 
 
+def float_op_kinds(backend: ModuleType, target) -> list:
+    """Kinds of quantized op (pipeline.quantize.OP_KINDS) the backend's int8 builds keep in
+    float for this target; none unless it declares ``float_op_kinds``."""
+    return list(backend.float_op_kinds(target)) if backend.CAPABILITIES.float_op_kinds else []
+
+
 def own_quantizer(backend: ModuleType, precision: str) -> bool:
     """Whether the backend builds this precision with the runtime's own offline quantizer
     (``build_int8``, for the precisions in ``CAPABILITIES.own_int8``) rather than from

@@ -62,6 +62,9 @@ class Capabilities:
     tuning: bool = False
     # an option that is more than a key of runtime.yaml's options [with_options(settings, changes)]
     option_mapping: bool = False
+    # kinds of quantized op its int8 builds keep in float, where its int8 kernel for them is
+    # slower than its float one [float_op_kinds(target) -> kinds of pipeline.quantize.OP_KINDS]
+    float_op_kinds: bool = False
     # per-layer times by ONNX node [Session.profile(feeds, runs, warmup, nodes, max_seconds)]
     profiler: bool = False
     # concurrent requests for throughput [Session.parallel_runners() -> [run, ...]]
@@ -91,6 +94,7 @@ PROMISED_FUNCTIONS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "compile_cache": ("module", ("write_compile_cache",)),
     "tuning": ("module", ("tuning_space",)),
     "option_mapping": ("module", ("with_options",)),
+    "float_op_kinds": ("module", ("float_op_kinds",)),
     "profiler": ("session", ("profile",)),
     "parallel_runners": ("session", ("parallel_runners",)),
 }

@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -29,10 +30,11 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
 RUNTIME_PRECISIONS = ("fp16", "bf16")  # runtime switches: build gets the fp32 ONNX model
 QUANTIZED_PRECISIONS = ("int8", "mixed")  # build gets parity's Q/DQ model (int8.py)
 MEMORY_MODES = ("auto",)
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 DEVICES = ("CPU", "VULKAN")
 CAPABILITIES = Capabilities(
     precisions=PRECISIONS, devices=DEVICES, memory_modes=MEMORY_MODES, runtime_precisions=RUNTIME_PRECISIONS,
-    feature_masks=True, tuning=True, option_mapping=True, profiler=True,
+    feature_masks=True, tuning=True, option_mapping=True, profiler=True, float_op_kinds=True,
     auto_candidates=("fp32", "fp16", "int8"))
 
 PARAM_FILE, BIN_FILE = "model.param", "model.bin"
@@ -106,6 +108,17 @@ def check_config(target, precision: str) -> Optional[str]:
         return ("precision=fp16 with target.ncnn.fp16_storage, fp16_packed and fp16_arithmetic all false runs fp32; "
                 "turn one on or use precision=fp32")
     return None
+
+
+def float_op_kinds(target) -> List[str]:
+    """Depthwise convolutions stay float in int8 builds where target.ncnn.int8_depthwise says
+    so; null: on an x86 CPU, whose ncnn int8 depthwise kernel is a 128-bit SSE loop against
+    an AVX/AVX-512 fp32 one (PP-OCR classifier: depthwise layers 0.34 ms fp32, 0.65 ms int8;
+    docs/targets.md "ncnn int8")."""
+    asked = target.ncnn.int8_depthwise
+    if asked is None:
+        asked = not (str(target.device).upper() == "CPU" and platform.machine().lower() in X86_MACHINES)
+    return [] if asked else ["depthwise"]
 
 
 def pnnx_executable() -> Optional[Path]:
