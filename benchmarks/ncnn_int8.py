@@ -126,6 +126,7 @@ def make_builds(root: Path, conf: Path) -> dict:
     runs = {"fp32": parity([*base, "precision=fp32", "pipeline.stages=[convert,build]"], root),
             "int8": parity(int8, root),
             "int8, depthwise int8 too": parity([*int8, "target.ncnn.int8_depthwise=true"], root),
+            "int8, where faster": parity([*int8, "precision.int8_where_faster=true"], root),
             "int8, no requantize": parity([*int8, "target.ncnn.int8_requantize=false"], root)}
     for name, ops in keep_float_lists(runs["int8, depthwise int8 too"]).items():
         runs[name] = parity([*int8, f"precision.keep_float=[{','.join(ops)}]"], root)
@@ -209,6 +210,9 @@ def main() -> None:
     print(f"\n  {'met ' if value >= COSINE_GOAL else 'MISS'} int8 cosine vs fp32 >= {COSINE_GOAL}: {value:.4f}")
     print(f"  {'met ' if up['faster'] else 'MISS'} int8 faster than fp32 (lower-quartile speed-up > 1): "
           f"{up['speedup_p25']:.2f}")
+    measured = figures["int8, where faster"]
+    print(f"  {'met ' if measured['faster'] else 'MISS'} int8 with precision.int8_where_faster faster than fp32 "
+          f"(lower-quartile speed-up > 1): {measured['speedup_p25']:.2f}, cosine {measured['cosine']:.4f}")
     fastest = min(figures, key=lambda name: figures[name]["ms"])
     print(f"  fastest build with int8 layers: {fastest}, {figures[fastest]['ms']:.3f} ms, "
           f"{figures[fastest]['speedup']:.2f}x {baseline(fastest)} (p25 {figures[fastest]['speedup_p25']:.2f}), "

@@ -274,6 +274,9 @@ class PrecisionConfig:
     # Round each quantized op's int8 weights against its calibration inputs (GPTQ-style
     # error compensation) instead of to the nearest step (docs/calibration.md).
     weight_rounding: bool = True
+    # Keep in float the quantized ops that are not faster in int8 than in fp32 on this
+    # machine, each measured by the target's own runtime (docs/calibration.md: placement).
+    int8_where_faster: bool = False
     # Ops (ONNX node names) kept in fp32 in fp16, int8 and mixed builds, on top of what the
     # pre-flight or the sensitivity search chose: how a verify recommendation is applied.
     keep_float: List[str] = field(default_factory=list)

@@ -14,16 +14,17 @@ import yaml
 
 from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
-from pipeline.calibration import bias_correction, weight_rounding
+from pipeline.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq, int8_op_count, ops_of_kinds
+from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, build_qdq, int8_op_count, ops_of_kinds
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 27  # 27: the backend's float op kinds (ncnn depthwise on x86) kept in float; 26: the summary counts the ops left int8 (int8_ops); 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+VERSION = 28  # 28: precision.int8_where_faster; 26: the summary counts the ops left int8 (int8_ops); 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
+# 27: the backend's float op kinds (ncnn depthwise on x86) kept in float
 # 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json; 22: ncnn int8/mixed;
 # 23: a mixed build keeps bias correction only where it does not lower the validation cosine
 # 24: ncnn int8/mixed requantize between int8 convolutions (activation layers folded into them)
@@ -39,6 +40,9 @@ def key_config(cfg):
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             # the backend's own float kinds can depend on the machine (ncnn: x86 or not)
             "float_op_kinds": backends.float_op_kinds(backend, cfg.target) if quantized else None,
+            # precision.int8_where_faster times each op on this machine, on a validation sample
+            "where_faster": (environment.fingerprint(), cfg.data)
+            if quantized and precision.int8_where_faster else None,
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
             # bias correction measures the quantized ops on the calibration samples
             "bias_correction": cfg.data if _refines(cfg, backend, "bias_correction") else False,
@@ -57,7 +61,8 @@ def _wants_masks(cfg, backend) -> bool:
 def external_files(ctx: StageContext) -> List[Path]:
     backend = backends.spec(ctx.cfg.target.backend.value)
     if _wants_masks(ctx.cfg, backend) or backends.own_quantizer(backend, ctx.cfg.precision.kind) \
-            or any(_refines(ctx.cfg, backend, step) for step, _, _ in REFINEMENTS):
+            or any(_refines(ctx.cfg, backend, step) for step, _, _ in REFINEMENTS) \
+            or ctx.cfg.precision.int8_where_faster:
         return ctx.dataset().files
     return []
 
@@ -276,6 +281,8 @@ def _quantize(ctx: StageContext):
     quantized = ctx.out_dir / "quantized.onnx"
     settings = QdqSettings.resolve(precision, backend.NAME)
     try:
+        slower = _slower_in_int8(ctx, backend, prepared, table, settings, keep_float)
+        keep_float = [*keep_float, *slower["ops"]]
         reshaped = build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
     except QuantizerFailed as err:
         raise err.with_run(ctx)
@@ -283,7 +290,7 @@ def _quantize(ctx: StageContext):
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
-                "backend_float_ops": by_backend,
+                "backend_float_ops": by_backend, "slower_in_int8": slower,
                 "gemm_bias_reshaped": reshaped,
                 **{step: _refine(ctx, quantized, keep_float, step, refine_file, nothing)
                    for step, refine_file, nothing in REFINEMENTS},
@@ -300,6 +307,28 @@ def _backend_float_ops(ctx: StageContext, backend, prepared: onnx.ModelProto, ch
         log.info("build: %d %s op(s) kept in float: %s's int8 kernel for them is slower here (%s)",
                  len(ops), "/".join(kinds), backend.NAME, "docs/targets.md")
     return {"kinds": kinds, "ops": ops}
+
+
+def _slower_in_int8(ctx: StageContext, backend, prepared: onnx.ModelProto, table: dict, settings: QdqSettings,
+                    chosen: List[str]) -> dict:
+    """precision.int8_where_faster: the quantized ops that are slower in int8 than in fp32 on
+    this machine, each timed in the target's own fp32 and int8 builds on one validation sample
+    (pipeline/calibration/latency.py); they join the float ops."""
+    if not ctx.cfg.precision.int8_where_faster:
+        return {"ops": []}
+    if not backend.CAPABILITIES.profiler:
+        return {"ops": [], "skipped": f"{backend.NAME} has no per-layer profiler: int8 kept everywhere"}
+    quantized = [node.name for node in prepared.graph.node
+                 if node.op_type in settings.quantize_ops and node.name not in chosen]
+    int8_model = MixedModels(prepared, table, settings, always_float=chosen).build(chosen)
+    feeds = next(iter(ctx.dataset().validation)).feeds
+    measured = latency.op_costs(prepared, int8_model, backend, ctx.cfg.target, feeds, quantized)
+    if "error" in measured:
+        return {"ops": [], "skipped": f"not measured: {measured['error']}"}
+    ops = [op for op, entry in measured["ops"].items() if entry["int8_ms"] > 0 and entry["cost_ms"] < 0]
+    log.info("build: %d of %d quantized ops are slower in int8 than in fp32 on this machine: kept in float",
+             len(ops), len(quantized))
+    return {"ops": ops, "measured": measured}
 
 
 def _judged_on(ctx: StageContext, float_ops: List[str]):

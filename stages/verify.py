@@ -198,12 +198,22 @@ def _summary(ctx: StageContext, check: "_Check", ran: _Ran, dataset, judged: dic
 
 
 def _nothing_int8(ctx) -> dict:
-    """A mixed build whose search kept every quantized op in float runs fp32 as built: not a
-    runtime's fallback but no int8 build meeting the thresholds (pipeline.verdict)."""
+    """A build left with no int8 op runs fp32 as built: not a runtime's fallback but no int8
+    build meeting the thresholds (mixed: the search kept every op float) or none faster than
+    fp32 here (precision.int8_where_faster); pipeline.verdict fails it with this line."""
     quantization = ctx.results["build"].summary.get("quantization") or {}
-    if ctx.cfg.precision.kind != "mixed" or quantization.get("int8_ops") != 0:
+    if ctx.cfg.precision.kind not in ("int8", "mixed") or quantization.get("int8_ops") != 0:
         return {}
-    return {"accepted_precisions": ["fp32"], "nothing_int8": len(quantization.get("float_ops") or [])}
+    count, kind = len(quantization.get("float_ops") or []), ctx.cfg.precision.kind
+    if (quantization.get("slower_in_int8") or {}).get("ops"):
+        why = (f"no quantized op is faster in int8 than in fp32 on this machine (precision.int8_where_faster "
+               f"kept all {count} in float) and the build runs fp32: ship fp32 (precision=auto chooses it)")
+    elif kind == "mixed":
+        why = (f"the sensitivity search kept all {count} quantized ops in float and the build runs fp32: no int8 "
+               "build meets the thresholds (sensitivity.max_float_ops, validation.min_cosine)")
+    else:
+        why = f"precision.keep_float and the backend keep all {count} quantized ops in float: the build runs fp32"
+    return {"accepted_precisions": ["fp32"], "nothing_int8": f"precision {kind}: {why}"}
 
 
 def _build_float_ops(ctx) -> List[str]:

@@ -171,7 +171,7 @@ def test_classifier_int8_keeps_depthwise_float_on_x86_and_verify_passes_it_as_in
     assert all(not int(layer.param(8) or 0) for layer in depthwise_layers) == x86
     effective = report["verify"]["effective"]
     assert effective["precision"] == ("mixed" if x86 else "int8") and effective["float_ops"] == {}
-    assert not [c for c in report["verify"]["checks"] if c["name"] in ("precision", "float_fallback")]
+    assert not [c for c in report["verify"]["checks"] if c["check"] in ("precision", "float_fallback")]
 
 
 def test_mixed_keeps_the_qtable_op_in_fp32_read_back(tmp_path):
@@ -209,3 +209,25 @@ def test_vulkan_runs_the_int8_layers_with_the_cpu_int8_numbers(tmp_path):
 def test_vulkan_int8_needs_an_ncnn_with_vulkan_int8_kernels():
     assert vulkan_int8_problem("1.0.20261020") is None
     assert "ncnn 1.0.20250503 turns Vulkan off for int8 layers" in vulkan_int8_problem("1.0.20250503")
+
+
+def test_int8_where_faster_keeps_float_exactly_the_ops_measured_slower_in_int8(tmp_path):
+    """precision.int8_where_faster on the digits model on ncnn: every quantized op is timed in
+    ncnn's fp32 and int8 builds, the ops slower in int8 (and only those) are kept float in
+    the built model, and verify judges the result: accepted as int8/mixed while an op is left
+    int8, nothing_int8 (exit 3) saying to ship fp32 when none is."""
+    result = run_cli(["target=ncnn_cpu", "precision=int8", "precision.int8_where_faster=true", *FAST], tmp_path)
+    report = read_report(run_dirs(tmp_path)[-1])
+    quantization = report["build"]["quantization"]
+    measured = quantization["slower_in_int8"]["measured"]["ops"]
+    assert set(measured) == QUANTIZED and all(e["fp32_ms"] > 0 for e in measured.values())
+    slower = {op for op, e in measured.items() if e["int8_ms"] > 0 and e["cost_ms"] < 0}
+    assert set(quantization["slower_in_int8"]["ops"]) == slower <= set(quantization["float_ops"])
+    assert quantization["int8_ops"] == len(QUANTIZED - slower)
+    checks = {check["check"]: check for check in report["verify"]["checks"]}
+    assert "precision" not in checks
+    if slower == QUANTIZED:
+        assert result.returncode == 3 and "ship fp32" in checks["nothing_int8"]["text"]
+    else:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert set(report["verify"]["effective"]["int8_layers"].values()) == QUANTIZED - slower

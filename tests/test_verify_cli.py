@@ -210,3 +210,31 @@ def test_a_mixed_build_left_with_no_int8_op_fails_on_that_not_as_a_fallback(tmp_
     checks = {c["check"]: c for c in report["verify"]["checks"]}
     assert "precision" not in checks and checks["nothing_int8"]["severity"] == "fail"
     assert "kept all 4 quantized ops in float" in checks["nothing_int8"]["text"]
+
+
+def test_an_int8_build_with_every_op_kept_float_says_why_it_runs_fp32(tmp_path):
+    result = run_cli(["precision=int8", "precision.keep_float=[conv1,conv2,fc1,fc2]",
+                      "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path)
+    assert result.returncode == 3, result.stdout + result.stderr
+    checks = {c["check"]: c for c in read_report(run_dirs(tmp_path)[-1])["verify"]["checks"]}
+    assert "precision" not in checks
+    assert "precision int8: precision.keep_float and the backend keep all 4" in checks["nothing_int8"]["text"]
+
+
+def test_nothing_int8_names_the_cause_for_each_way_a_build_ends_fp32():
+    """Which line a build left with no int8 op gets: the search's, int8_where_faster's or
+    keep_float's (stages.verify._nothing_int8 reads the build summary)."""
+    from types import SimpleNamespace
+
+    from stages.verify import _nothing_int8
+
+    def line(kind, quantization):
+        ctx = SimpleNamespace(results={"build": SimpleNamespace(summary={"quantization": quantization})},
+                              cfg=SimpleNamespace(precision=SimpleNamespace(kind=kind)))
+        return _nothing_int8(ctx).get("nothing_int8")
+
+    ended = {"int8_ops": 0, "float_ops": ["a", "b"]}
+    assert "ship fp32" in line("int8", {**ended, "slower_in_int8": {"ops": ["a", "b"]}})
+    assert "sensitivity search kept all 2" in line("mixed", {**ended, "slower_in_int8": {"ops": []}})
+    assert "keep_float and the backend keep all 2" in line("int8", ended)
+    assert line("int8", {"int8_ops": 1, "float_ops": ["a"]}) is None and line("fp32", ended) is None
