@@ -511,6 +511,9 @@ def _check_combinations(run: RunConfig) -> None:
             or profile.max_seconds <= 0 or profile.startup_rounds < 0:
         raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1, max_seconds > 0, startup_rounds >= 0 "
                           "and worker_timeout_s > 0")
+    if run.precision.int8_where_faster and run.precision.kind in can.own_int8:
+        raise ConfigError(f"precision.int8_where_faster: {backend.NAME} builds {run.precision.kind} with its own "
+                          "quantizer, not from parity's Q/DQ model whose ops it times; set it to false")
     if run.precision.kind in ("int8", "mixed") and not run.precision.quantize_ops:
         raise ConfigError("precision.quantize_ops: name at least one op type (default: Conv, ConvTranspose, Gemm, MatMul)")
     if run.target.threads < 0:

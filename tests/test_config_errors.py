@@ -24,6 +24,8 @@ CASES = [
     (["target.mnn.memory_mode=image"], ["target.mnn", "applies to targets of backend mnn only"]),
     (["target=openvino_cpu", "target.ncnn.auto_masks=false"], ["target.ncnn", "backend ncnn only"]),
     (["target=ncnn_cpu", "target.backend=mnn"], ["target.ncnn", "backend ncnn only"]),
+    (["target=mnn_cpu", "precision=int8", "precision.int8_where_faster=true"],
+     ["precision.int8_where_faster", "mnn builds int8 with its own quantizer"]),
     # the flat keys of earlier versions: where each one lives now
     (["target.memory_mode=image"], ["target.memory_mode", "moved to target.mnn.memory_mode"]),
     (["target=ncnn_cpu", "target.fp16_storage=false"], ["target.fp16_storage", "moved to target.ncnn.fp16_storage"]),
