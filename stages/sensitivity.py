@@ -23,12 +23,13 @@ from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
 from pipeline.metrics import cosine
 from pipeline.task_metrics import files as metric_files, load_metric, per_sample
-from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed
+from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, ops_of_kinds
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 11  # 9: metric_drop (the metric group) replaces top1_drop; 10: latency-aware selection, the
-# target defaults to verify's thresholds; 11: ops ranked by cosine and task-metric budget spent
+VERSION = 12  # 9: metric_drop (the metric group) replaces top1_drop; 10: latency-aware selection, the
+# target defaults to verify's thresholds; 11: ops ranked by cosine and task-metric budget spent;
+# 12: the backend's float op kinds and precision.keep_float float in every measured model, not ranked
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -47,7 +48,9 @@ def key_config(cfg):
     return {"needed": True, "sensitivity": cfg.sensitivity, "data": cfg.data, "precision": cfg.precision,
             "qdq": _settings(cfg), "measured_on": measured_on(cfg), "metric": cfg.metric, "goal": goal(cfg),
             # per-op latency costs are the target's own: its threads and options are in the key
-            "costs_on": cfg.target if _latency_aware(cfg) else None}
+            "costs_on": cfg.target if _latency_aware(cfg) else None,
+            # ops the target's int8 builds keep float (ncnn: depthwise on x86) are float here too
+            "float_op_kinds": backends.float_op_kinds(backends.spec(cfg.target.backend.value), cfg.target)}
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -88,7 +91,7 @@ def run(ctx: StageContext) -> StageResult:
         raise err.with_run(ctx)
     summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "select": cfg.sensitivity.select.value,
                "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
-               "expected_cos": goal(cfg)[0], "max_drop": goal(cfg)[1]}
+               "expected_cos": goal(cfg)[0], "max_drop": goal(cfg)[1], "always_float": measure.always_float}
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
@@ -100,7 +103,8 @@ def run(ctx: StageContext) -> StageResult:
                                   _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n),
                                   scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg))
-    ranking = _ranking(trials, cfg)
+    # an op float in every model anyway is no candidate (it would take a place and change nothing)
+    ranking = [row for row in _ranking(trials, cfg) if row["op"] not in measure.always_float]
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
     best_table = _best_method_table(prepared, table, candidates, ranking)
     # Each op's best method was found with only that op in int8; together they can do worse
@@ -196,6 +200,14 @@ def _samples(ctx: StageContext, size: int):
     return feeds, labels, count
 
 
+def always_float(prepared: onnx.ModelProto, cfg) -> List[str]:
+    """Ops float in every mixed model, as the build keeps them: precision.keep_float and the
+    quantized ops of the kinds the target's backend keeps float (Capabilities.float_op_kinds)."""
+    kinds = backends.float_op_kinds(backends.spec(cfg.target.backend.value), cfg.target)
+    by_backend = ops_of_kinds(prepared, kinds, cfg.precision.quantize_ops)
+    return list(dict.fromkeys([*cfg.precision.keep_float, *by_backend]))
+
+
 class _MixedMeasure:
     """The whole mixed model, really quantized (ONNX Runtime, the build's settings, the
     user's precision.keep_float in float too), on the validation samples: output cosine (as
@@ -209,11 +221,12 @@ class _MixedMeasure:
                                   .run(feeds, count))
         self.reference = [reference[name] for name in self.outputs]
         self.task_drop = TaskDrop(cfg, self.outputs, self.reference, labels, count)
+        self.always_float = always_float(prepared, cfg)
         self._models = None
 
     def models(self, table: Dict[str, dict]) -> MixedModels:
         if self._models is None or self._models.table is not table:  # tables are never mutated
-            self._models = MixedModels(self.prepared, table, _settings(self.cfg), self.cfg.precision.keep_float)
+            self._models = MixedModels(self.prepared, table, _settings(self.cfg), self.always_float)
         return self._models
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 
 import numpy as np
+import onnx
 import pytest
 import yaml
 
@@ -15,6 +16,7 @@ from ncnn_helpers import CLS_SHAPE, cosine, digits_inputs, reference, require_vu
 from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 from pipeline.backends import ncnn as backend
 from pipeline.backends.ncnn.int8 import INT8_TAG, vulkan_int8_problem
+from pipeline.quantize import ops_of_kinds
 
 pytest.importorskip("ncnn")
 
@@ -231,3 +233,24 @@ def test_int8_where_faster_keeps_float_exactly_the_ops_measured_slower_in_int8(t
     else:
         assert result.returncode == 0, result.stdout + result.stderr
         assert set(report["verify"]["effective"]["int8_layers"].values()) == QUANTIZED - slower
+
+
+@pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
+def test_the_mixed_search_measures_depthwise_float_as_the_x86_build_keeps_it(tmp_path):
+    """The sensitivity search for ncnn_cpu on x86 measures every mixed model with the
+    depthwise convolutions float, as the build will keep them, and never spends a float
+    place on one of them."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+    root = tmp_path
+    write_ppocr_configs(root, calibration=8, validation=4)
+    result = run_cli(["--config-dir", root / "conf", "model=ppocr_cls", "data=textlines", "target=ncnn_cpu",
+                      "precision=mixed", "sensitivity=top_n", "sensitivity.top_n=2", "sensitivity.samples=2",
+                      "sensitivity.methods=[max]", "pipeline.stages=[convert,calibrate,sensitivity]", *FAST], root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(root)[-1]
+    sensitivity = read_report(run_dir)["sensitivity"]
+    prepared = onnx.load(str(run_dir / "stages" / "calibrate" / "prepared.onnx"))
+    depthwise = ops_of_kinds(prepared, ["depthwise"], ["Conv"])
+    assert len(depthwise) > 0 and sensitivity["always_float"] == (depthwise if x86 else [])
+    ranked = {row["op"] for row in sensitivity["ranking"]}
+    assert not ranked & set(sensitivity["always_float"]) and len(sensitivity["float_ops"]) == 2
