@@ -281,7 +281,7 @@ def _quantize(ctx: StageContext):
     quantized = ctx.out_dir / "quantized.onnx"
     settings = QdqSettings.resolve(precision, backend.NAME)
     try:
-        slower = _slower_in_int8(ctx, backend, prepared, table, settings, keep_float)
+        slower = _slower_in_int8(ctx, backend, calibrate.path("prepared"), table, settings, keep_float)
         keep_float = [*keep_float, *slower["ops"]]
         reshaped = build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
     except QuantizerFailed as err:
@@ -309,7 +309,7 @@ def _backend_float_ops(ctx: StageContext, backend, prepared: onnx.ModelProto, ch
     return {"kinds": kinds, "ops": ops}
 
 
-def _slower_in_int8(ctx: StageContext, backend, prepared: onnx.ModelProto, table: dict, settings: QdqSettings,
+def _slower_in_int8(ctx: StageContext, backend, prepared_path: Path, table: dict, settings: QdqSettings,
                     chosen: List[str]) -> dict:
     """precision.int8_where_faster: the quantized ops that are slower in int8 than in fp32 on
     this machine, each timed in the target's own fp32 and int8 builds on one validation sample
@@ -318,6 +318,7 @@ def _slower_in_int8(ctx: StageContext, backend, prepared: onnx.ModelProto, table
         return {"ops": []}
     if not backend.CAPABILITIES.profiler:
         return {"ops": [], "skipped": f"{backend.NAME} has no per-layer profiler: int8 kept everywhere"}
+    prepared = onnx.load(str(prepared_path))  # with its weights: both builds are made from it
     quantized = [node.name for node in prepared.graph.node
                  if node.op_type in settings.quantize_ops and node.name not in chosen]
     int8_model = MixedModels(prepared, table, settings, always_float=chosen).build(chosen)
