@@ -16,7 +16,7 @@ from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
 from pipeline.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, build_qdq, int8_op_count, ops_of_kinds
+from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, build_qdq, int8_op_count
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
@@ -302,7 +302,8 @@ def _backend_float_ops(ctx: StageContext, backend, prepared: onnx.ModelProto, ch
     """The quantized ops the backend keeps in float on this target (Capabilities.float_op_kinds:
     ncnn's depthwise convolutions on x86), beyond those already chosen."""
     kinds = backends.float_op_kinds(backend, ctx.cfg.target)
-    ops = [name for name in ops_of_kinds(prepared, kinds, ctx.cfg.precision.quantize_ops) if name not in chosen]
+    ops = [name for name in backends.float_ops(backend, ctx.cfg.target, prepared, ctx.cfg.precision.quantize_ops)
+           if name not in chosen]
     if ops:
         log.info("build: %d %s op(s) kept in float: %s's int8 kernel for them is slower here (%s)",
                  len(ops), "/".join(kinds), backend.NAME, "docs/targets.md")

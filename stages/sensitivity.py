@@ -23,7 +23,7 @@ from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
 from pipeline.metrics import cosine
 from pipeline.task_metrics import files as metric_files, load_metric, per_sample
-from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, ops_of_kinds
+from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
@@ -203,8 +203,8 @@ def _samples(ctx: StageContext, size: int):
 def always_float(prepared: onnx.ModelProto, cfg) -> List[str]:
     """Ops float in every mixed model, as the build keeps them: precision.keep_float and the
     quantized ops of the kinds the target's backend keeps float (Capabilities.float_op_kinds)."""
-    kinds = backends.float_op_kinds(backends.spec(cfg.target.backend.value), cfg.target)
-    by_backend = ops_of_kinds(prepared, kinds, cfg.precision.quantize_ops)
+    by_backend = backends.float_ops(backends.spec(cfg.target.backend.value), cfg.target, prepared,
+                                    cfg.precision.quantize_ops)
     return list(dict.fromkeys([*cfg.precision.keep_float, *by_backend]))
 
 

@@ -28,7 +28,7 @@ from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, Exi
 from pipeline.metrics import OutputStats, failures
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
 from pipeline.calibration import bias_correction, weight_rounding
-from pipeline.quantize import QdqSettings, build_qdq, ops_of_kinds
+from pipeline.quantize import QdqSettings, build_qdq
 from pipeline.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, deployable, reference_settings
@@ -374,8 +374,8 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
         int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
         calibrate = ctx.results["calibrate"]
         prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
-        by_backend = ops_of_kinds(prepared, backends.float_op_kinds(backend, ctx.cfg.target),
-                                  ctx.cfg.precision.quantize_ops)  # as the target's int8 build keeps them
+        by_backend = backends.float_ops(backend, ctx.cfg.target, prepared,
+                                        ctx.cfg.precision.quantize_ops)  # as the target's int8 build keeps them
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
                   QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
                   keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))

@@ -51,6 +51,15 @@ def float_op_kinds(backend: ModuleType, target) -> list:
     return list(backend.float_op_kinds(target)) if backend.CAPABILITIES.float_op_kinds else []
 
 
+def float_ops(backend: ModuleType, target, model, quantize_ops) -> list:
+    """The model's quantized ops (of ``quantize_ops`` types) that the backend's int8 builds
+    keep in float for this target, in graph order: what build, sensitivity and verify's
+    int8 baseline all keep float."""
+    from pipeline.quantize import ops_of_kinds
+
+    return ops_of_kinds(model, float_op_kinds(backend, target), quantize_ops)
+
+
 def own_quantizer(backend: ModuleType, precision: str) -> bool:
     """Whether the backend builds this precision with the runtime's own offline quantizer
     (``build_int8``, for the precisions in ``CAPABILITIES.own_int8``) rather than from
