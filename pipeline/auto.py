@@ -14,6 +14,12 @@ to verify served from the cache), so the bundle, report and exit code are the wi
 with the candidate table added (``report.json`` ``auto``). When nothing passes, the
 candidate closest to passing (highest output cosine) runs instead, and its failing verdict,
 reasons and recommendations are the run's.
+
+auto decides, then explains once: candidates are verified for their verdict alone (no
+layerwise, no advice trials); the shipped run's verify reuses that measurement (stored by
+the build's files, not by the run's diagnosis settings) and diagnoses only when it fails.
+A candidate that cannot win is not built: mixed only when plain int8 fails (with int8
+passing, the search keeps nothing in float and mixed is the int8 build).
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     configs: Dict[str, Tuple[DictConfig, object]] = {}
     outcomes: Dict[str, RunOutcome] = {}
     requested = candidates(run_cfg)
-    for precision in _with_reference(requested):
+    for precision in _in_order(_with_reference(requested)):
         raw = candidate_config(cfg, precision)
         try:
             checked = config.validate(raw)
@@ -89,6 +95,11 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
             tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [str(err)]}
             continue
         configs[precision] = (raw, checked)
+        if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
+            tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
+                                "verdict": "same build as int8",
+                                "not_built": "int8 passes: the mixed search would keep nothing in float"}
+            continue
         log.info("precision=auto: candidate %s", precision)
         folder = run_dir / "candidates" / precision
         try:
@@ -117,8 +128,12 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
 
 
 def _candidate_stages(checked):
+    """The candidate's stages up to verify, verified for the verdict alone: the diagnosis
+    (layerwise, advice trials) is the shipped run's, and only when it fails."""
     staged = OmegaConf.to_object(OmegaConf.structured(checked))
     staged.pipeline.stages = [s for s in checked.pipeline.stages if s not in NOT_CANDIDATE_STAGES]
+    staged.validation.layerwise = config.Layerwise.off
+    staged.validation.advice_trials = 0
     return staged
 
 
@@ -140,6 +155,14 @@ def _artifact(outcome: RunOutcome) -> Optional[dict]:
     runtime = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
     return {"files": {name: sha256_file(build.out_dir / name) for name in build.summary["files"]},
             "options": runtime.get("options"), "device": runtime.get("device")}
+
+
+def _in_order(wanted: List[str]) -> List[str]:
+    """mixed after int8: it is built only when int8 fails."""
+    if "mixed" in wanted and "int8" in wanted and wanted.index("mixed") < wanted.index("int8"):
+        wanted = [p for p in wanted if p != "mixed"]
+        wanted.insert(wanted.index("int8") + 1, "mixed")
+    return wanted
 
 
 def _with_reference(wanted: List[str]) -> List[str]:

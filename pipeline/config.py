@@ -342,6 +342,9 @@ class OutputThresholds:
     min_sqnr_db: Optional[float] = None
 
 
+DIAGNOSIS_KEYS = ("layerwise", "layerwise_samples", "layer_min_cosine", "advice_trials", "diagnosis_budget")
+
+
 @dataclass
 class ValidationConfig:
     min_cosine: Optional[float] = 0.9999  # null: gate on the task metric (and the other thresholds) alone
@@ -361,11 +364,19 @@ class ValidationConfig:
     # int8 ran partly (quantized ops the runtime has no int8 kernel for ran float): a warning, or a failing check
     fail_on_float_fallback: bool = False
     advice_trials: int = 4  # keep-in-float candidates a failing int8/mixed verify builds and measures (0: none)
+    # A failing verdict's diagnosis (layerwise, advice trials) may take this multiple of the
+    # check's own time (at least pipeline.diagnosis.FLOOR_S seconds); docs/verify.md
+    diagnosis_budget: float = 1.0
     # Speed: fp32, plain int8 and the shipped build timed interleaved in rounds (docs/verify.md).
     min_speedup: Optional[float] = None  # shipped build vs fp32; null: a slow build is a warning only
     timing_rounds: int = 7
     timing_runs: int = 10  # runs of one sample per build and round
     timing_max_seconds: float = 10.0  # no new round after this (3 rounds at least)
+
+    def judged(self) -> dict:
+        """The keys a verdict depends on, without how a failing one is diagnosed: what a
+        stored measurement of a build (verify) or a tuned setting (tune) is keyed by."""
+        return {k: v for k, v in vars(self).items() if k not in DIAGNOSIS_KEYS}
 
     def thresholds_for(self, output: str) -> OutputThresholds:
         base = OutputThresholds(self.min_cosine, self.max_abs_error,
@@ -532,6 +543,7 @@ RANGES = {
     "validation.min_cosine": COSINE, "validation.layer_min_cosine": COSINE,
     "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),
     "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
+    "validation.diagnosis_budget": (0.0, None),
     "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
     "calibration.kl_max_clipped": (0.0, 1.0),
     "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None),

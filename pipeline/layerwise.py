@@ -160,6 +160,7 @@ class Comparison:
     samples: int = 0
     seconds: float = 0.0
     stopped: Optional[dict] = None  # where compare stopped at the first divergence (stop_at_divergence)
+    cut: Optional[str] = None  # what the diagnosis budget's deadline left out
 
     def metrics(self, name: str) -> dict:
         result = self.stats[name].result()
@@ -262,7 +263,7 @@ class Comparison:
                 "not_exposed": self.not_exposed, "unmappable": self.unmappable, "errors": self.errors,
                 "depth": depth, "worst": [_row_brief(r) for r in worst],
                 "first_divergence": self.first_divergence(), "nan_origin": self.nan_origin(),
-                "local_losses": self.local_losses(), "stopped": self.stopped,
+                "local_losses": self.local_losses(), "stopped": self.stopped, "cut": self.cut,
                 "side_file": side_file}
 
     def write_side_file(self, path: Path) -> None:
@@ -291,15 +292,19 @@ def _json_default(value):
 
 
 def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold: float,
-            budget: int = CHUNK_BYTES, progress=None, stop_at_divergence: bool = False) -> Comparison:
+            budget: int = CHUNK_BYTES, progress=None, stop_at_divergence: bool = False,
+            deadline: Optional[float] = None) -> Comparison:
     """Run every sample through both sides chunk by chunk (network order) and accumulate
     per-tensor stats. ``reference`` and ``target`` answer ``call("probe", names)`` and
     ``call("run_probe", feeds)``; they run side by side, the next sample while this one's
     stats are summed. ``stop_at_divergence`` (only the culprit is needed): checkpoints
     first (every CHECKPOINT_STEP-th tensor), then every tensor between the last
-    checkpoint that agrees and the first that does not; the whole table otherwise."""
+    checkpoint that agrees and the first that does not; the whole table otherwise.
+    ``deadline`` (time.perf_counter()): no chunk is started after it, and the chunk in
+    flight stops at the sample it reached; ``cut`` says what was left out."""
     started = time.perf_counter()
     probing = _Probing(reference, target, graph, Comparison(graph, threshold, samples=len(samples)), samples)
+    probing.deadline = deadline
     wanted = [t.name for t in graph.tensors]
     with ThreadPoolExecutor(max_workers=2) as probing.pool:
         if stop_at_divergence and graph.nbytes(wanted) > STOP_BYTES:
@@ -322,6 +327,10 @@ class _Probing:
         self.not_exposed: List[str] = []
         self.unmappable: set = set()
         self.pool = None
+        self.deadline: Optional[float] = None
+
+    def late(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
 
     def bracket(self, wanted: List[str], budget: int, progress) -> None:
         """Checkpoints, then the tensors from the last agreeing checkpoint to the first
@@ -343,7 +352,11 @@ class _Probing:
     def run(self, names: List[str], budget: int, progress) -> None:
         chunks = self.graph.chunks(names, budget)
         task = progress.add_task("layerwise", total=len(chunks) * len(self.samples)) if progress else None
-        for chunk in chunks:
+        for done, chunk in enumerate(chunks):
+            if self.late():
+                left = sum(len(c) for c in chunks[done:])
+                self.comparison.cut = f"the diagnosis budget ran out with {left} tensors not compared"
+                return
             ours, theirs = _both(self.pool, self.reference, self.target, "probe", chunk)
             self.unmappable.update(n for n in theirs["tensors"]
                                    if n not in self.graph.by_name and n not in self.graph.inputs)
@@ -351,7 +364,7 @@ class _Probing:
             self.not_exposed += [name for name in chunk if name not in both]
             if both:
                 _compare_chunk(self.pool, self.reference, self.target, self.samples, both, self.comparison,
-                               progress, task)
+                               progress, task, self.late)
             elif progress:
                 progress.advance(task, len(self.samples))
 
@@ -362,11 +375,13 @@ def _both(pool, reference, target, method: str, *args):
     return ours.result(), theirs.result()
 
 
-def _compare_chunk(pool, reference, target, samples, names, comparison, progress, task) -> None:
+def _compare_chunk(pool, reference, target, samples, names, comparison, progress, task, late=lambda: False) -> None:
     pending = _submit(pool, reference, target, samples[0]) if samples else None
     for index in range(len(samples)):
         expected, actual = pending[0].result(), pending[1].result()
-        pending = _submit(pool, reference, target, samples[index + 1]) if index + 1 < len(samples) else None
+        stop = index > 0 and late()  # at least one sample of every started chunk
+        pending = _submit(pool, reference, target, samples[index + 1]) \
+            if index + 1 < len(samples) and not stop else None
         for name in names:
             if name in comparison.errors:
                 continue
@@ -377,6 +392,12 @@ def _compare_chunk(pool, reference, target, samples, names, comparison, progress
                 comparison.stats.pop(name, None)
         if progress:
             progress.advance(task)
+        if pending is None and index + 1 < len(samples):  # the deadline passed: this chunk stops here
+            comparison.cut = comparison.cut or (f"the diagnosis budget ran out: some tensors compared on "
+                                                f"{index + 1} of {len(samples)} samples")
+            if progress:
+                progress.advance(task, len(samples) - index - 1)
+            return
 
 
 def _submit(pool, reference, target, feeds):

@@ -66,7 +66,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
                 result, computed_seconds = _compute(stage, ctx, out_dir, started)
                 if key and result.cache:
                     _to_cache(out_dir, cache_root / name / key)
-                status = "computed"
+                status = "cached" if result.reused else "computed"
         seconds = time.perf_counter() - started
         log.info("stage %s: %s in %.2f s", name, status, seconds)
         outcome.results[name] = result

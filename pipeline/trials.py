@@ -1,8 +1,10 @@
-"""Advice tried before it is given: each keep-in-float candidate for a failing int8/mixed
-build is applied (rebuilt on the target's backend), re-measured on the validation set
-against the same reference and judged with the same thresholds. Only candidates that
-improve on the build are printed as advice; when none passes, the best one found is
-named as such (docs/verify.md, "Advice")."""
+"""Advice tried before it is given: the keep-in-float candidates for a failing int8/mixed
+build are ranked by their expected gain (each one's plain Q/DQ model on the reference
+runtime, a few samples: ``screen``), then confirmed on the target best first: rebuilt like
+the build, re-measured on the validation set against the same reference and judged with
+the same thresholds, while the diagnosis budget lasts. Only a candidate that passes is
+printed as advice, with the line that applies it; when none passes, one line says so and
+what the best one reached, with nothing to apply (docs/verify.md, "Advice")."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pipeline.recommend import QuantizedGraph
 WORST_ROWS = 3  # layerwise tensors with the lowest cosine whose quantized producers are a candidate
 LOSSES_WIDE = 3  # tensors adding the most error whose quantized producers are kept in float together
 SHOWN = 3  # passing candidates given as advice (every trial is in the report's verify.advice_tried)
+SCREEN_SAMPLES = 16  # validation samples each candidate is ranked on (reference runtime)
 TIMING = {"rounds": 5, "runs": 5, "max_seconds": 2.0}
 log = logging.getLogger("parity")
 
@@ -43,6 +46,37 @@ def candidates(advice: List[dict], layers: Optional[dict], graph: QuantizedGraph
 
 def _union(groups) -> List[str]:
     return list(dict.fromkeys(op for group in groups for op in group))
+
+
+def screen(candidates_: List[List[str]], launch: Callable, reference, feeds: List[dict],
+           needed: Optional[float] = None) -> dict:
+    """The candidates ranked by the output cosine of ``launch(keep) -> worker`` (a plain Q/DQ
+    model on the reference runtime) against ``reference`` on ``feeds``: those reaching
+    ``needed`` (the cosine threshold) first, fewest ops in float first (the least speed
+    given up), then the rest, closest first. {"order": [keep, ...], "cosine": {"op,op":
+    cosine}, "failed": [trials that could not run]}."""
+    expected = [reference.run(f) for f in feeds]
+    cosine, failed = {}, []
+    for keep in candidates_:
+        try:
+            worker = launch(keep)
+            stats: Dict[str, OutputStats] = {}
+            for feed, wanted in zip(feeds, expected):
+                actual = worker.run(feed)
+                for name in wanted:
+                    if name in actual:
+                        stats.setdefault(name, OutputStats()).update(wanted[name], actual[name])
+            worker.close()
+            cosine[",".join(keep)] = min(s.result()["cosine"] for s in stats.values())
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot be built is a finding, not the verdict
+            failed.append({"keep_float": keep, "error": f"{type(err).__name__}: {err}", "passed": False})
+    def rank(keep):
+        found = cosine[",".join(keep)]
+        reaches = needed is not None and found >= needed
+        return (not reaches, len(keep) if reaches else 0, -found)
+
+    order = sorted((k for k in candidates_ if ",".join(k) in cosine), key=rank)
+    return {"order": order, "cosine": cosine, "failed": failed}
 
 
 def run(candidates_: List[List[str]], launch: Callable, reference, target, dataset, judge: Callable,
@@ -123,9 +157,9 @@ def describe(trial: dict, user_keep: List[str]) -> str:
 
 
 def advice(tried: List[dict], base: dict, user_keep: List[str]) -> List[dict]:
-    """The recommendations: every improving trial, passing ones first; when none passed,
-    one line saying so with the best candidate found."""
-    # passing ones with the fewest ops kept in float first (the least speed given up), then the closest
+    """The recommendations: the passing trials, fewest ops in float first, each with the
+    line that applies it; when none passed, one line saying what was tried and how close the
+    best came, with nothing to apply (a failing trial is not advice)."""
     ranked = sorted((t for t in tried if "error" not in t),
                     key=lambda t: (not t["passed"], len(t["keep_float"]) if t["passed"] else 0, -t["cosine"]))
     found = [{"kind": "tried_keep_float", "text": describe(t, user_keep), "tried": True,
@@ -134,14 +168,13 @@ def advice(tried: List[dict], base: dict, user_keep: List[str]) -> List[dict]:
     if found:
         return found
     best = max(ranked, key=lambda t: t["cosine"]) if ranked else None
-    text = f"none of the {len(tried)} keep-in-float candidates tried passed"
+    text = f"none of the {len(tried)} keep-in-float candidates confirmed on the target passed"
     if best is not None:
-        text += f"; the best found: {describe(best, user_keep)}"
-        if not improves(best, base):
-            text += f" (no better than the build's cosine {base['cosine']:.4f})"
-    return [{"kind": "tried_none_passed", "text": text, "tried": True,
-             "action": ({"keep_float": list(dict.fromkeys([*user_keep, *best["keep_float"]]))} if best
-                        else {"tried": len(tried)}),
+        reached = f"cosine {best['cosine']:.6f}" + (", no better than the build's" if not improves(best, base)
+                                                     else f" against the build's {base['cosine']:.6f}")
+        text += (f"; the closest, keep_float=[{','.join(best['keep_float'])}], reached {reached} and still fails: "
+                 f"{'; '.join(best.get('reasons') or [])}")
+    return [{"kind": "tried_none_passed", "text": text, "tried": True, "action": {"tried": len(tried)},
              "measured": _measured(best) if best else None}]
 
 

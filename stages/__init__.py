@@ -34,6 +34,7 @@ class StageResult:
     files: Dict[str, str] = field(default_factory=dict)  # artifact role -> path relative to out_dir
     summary: dict = field(default_factory=dict)  # JSON for the report
     cache: bool = True  # False: a result that must not be reused (e.g. a backend crashed)
+    reused: bool = False  # computed from work stored earlier (ctx.memo), nothing measured again
 
     def path(self, role: str) -> Path:
         return self.out_dir / self.files[role]

@@ -23,6 +23,7 @@ from stages import StageContext, StageResult
 
 NAME = "calibrate"
 VERSION = 10  # 8: batches follow each input's batch axis, a note when they cannot; 9: auto judged at the outputs; 10: mean_min_max
+VERSION += 1  # one calibration for int8 and mixed: every method's entries (candidates.json) for both
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
@@ -41,10 +42,16 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
-            "activations": cfg.precision.activations, "precision": cfg.precision.name,
+            "activations": cfg.precision.activations, "precision": _calibrated_as(cfg),
             # auto's choice measures int8 models built with these (_auto_at_outputs)
             "auto": (QdqSettings.resolve(cfg.precision, backends.REFERENCE), sorted(cfg.precision.keep_float))
             if _judged_at_outputs(cfg) else None}
+
+
+def _calibrated_as(cfg) -> str:
+    """int8 and mixed share one calibration (the same table, and every method's entries for
+    the search): a later run or precision=auto's other candidate is served from the cache."""
+    return "int8" if cfg.precision.kind in ("int8", "mixed") else cfg.precision.kind
 
 
 def _judged_at_outputs(cfg) -> bool:
@@ -109,7 +116,7 @@ def _computed_table(ctx: StageContext, model_path: Path):
     stats = statistics.Statistics.load(folder)
     collected = time.perf_counter() - started
     precision = ctx.cfg.precision.kind
-    every_method = _candidates(stats, cfg) if precision == "mixed" else None
+    every_method = _candidates(stats, cfg) if precision in ("int8", "mixed") else None
     table, choices, decision = _thresholds(stats, ctx, model_path, every_method)
     if every_method is not None:
         write_json(ctx.out_dir / CANDIDATES, every_method)

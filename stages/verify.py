@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -20,9 +22,9 @@ import numpy as np
 import onnx
 import yaml
 
-from pipeline import backends, environment, layerwise, speed, trials, truth as float64, tuning, verdict
-from pipeline.artifacts import read_json, write_json, write_npz
-from pipeline.config import Layerwise
+from pipeline import backends, diagnosis, environment, layerwise, speed, trials, truth as float64, tuning, verdict
+from pipeline.artifacts import hash_files, hash_tree, read_json, write_json, write_npz
+from pipeline.config import Layerwise, plain
 from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, first_line
 from pipeline.metrics import OutputStats, failures
@@ -41,6 +43,7 @@ VERSION += 1  # MNN mixed: its INT8 baseline and advice trials through MNN's own
 VERSION += 1  # advice trials rounded like the build (precision.weight_rounding)
 VERSION += 1  # a mixed build left with no int8 op fails on that (exit 3), not as a precision mismatch
 VERSION += 1  # an int8 build keeping the backend's float op kinds is accepted as mixed
+VERSION += 1  # the measurement stored apart from the diagnosis; diagnosis within a budget; no failing trial as advice
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -59,53 +62,147 @@ def external_files(ctx: StageContext) -> List[Path]:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     dataset = ctx.dataset()
-    backend, artifact, settings = _target(ctx)
+    deployed = _target(ctx)
     output_names = [o["name"] for o in ctx.results["convert"].summary["outputs"]]
     metric, task_output = _task_output(cfg, output_names)
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
-    check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
-                   cfg.precision.kind)
-    requested = {"device": str(settings.get("device", cfg.target.device)).upper(), "precision": cfg.precision.kind,
+    requested = {"device": str(deployed[2].get("device", cfg.target.device)).upper(),
+                 "precision": cfg.precision.kind,
                  "accepted_precisions": _accepted_precisions(cfg.precision, _build_float_ops(ctx)),
                  **_nothing_int8(ctx)}
-    layers, truth = None, None
+    layers = None
     with contextlib.ExitStack() as stack, progress_bar() as progress:
-        ran = _compare(ctx, (backend, artifact, settings), check, dataset, (stack, limits), progress,
-                       ctx.out_dir / files["reproduce"])
-        outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
-                   if name not in check.missing and check.stats[name].elements]
-        task = check.task_result(cfg.validation.max_metric_drop)
-        if metric and task is None and check.samples and ran.crash is None:
-            dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
-                                    "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
-        check.add_task_values(ran.comparison)
-        checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, ran.effective,
-                                              check.samples, ran.crash)
-        if ran.crash is None and _truth_wanted(cfg.precision.kind, checks):
-            truth = _truth(ctx, ran.reference, ran.target, dataset, outputs)
-            checks, reasons, exit_code = _verdict(ctx, outputs, check.missing, task, requested, ran.effective,
-                                                  check.samples, ran.crash)
-        if ran.crash is None and ran.timing.get("failure"):  # validation.min_speedup: after every accuracy reason
-            reasons.append(ran.timing["failure"])
+        live = _Live(ctx, deployed, (stack, limits))
+        found = _measurement(ctx, live, (output_names, task_output, metric), requested, progress)
+        if found["folder"] is not None:  # none when the target crashed before the last sample
+            shutil.copyfile(found["folder"] / files["reproduce"], ctx.out_dir / files["reproduce"])
+        measured = found["measured"]
+        outputs, task, crash = measured["outputs"], measured["task"], measured["crash"]
+        checks, reasons, exit_code = _verdict(ctx, outputs, measured["missing"], task, requested,
+                                              measured["effective"], measured["samples"], crash)
+        if crash is None and (measured["timing"] or {}).get("failure"):  # min_speedup: after every accuracy reason
+            reasons.append(measured["timing"]["failure"])
             exit_code = exit_code if exit_code != ExitCode.OK else ExitCode.THRESHOLD
-        if ran.crash is None and _layerwise_wanted(cfg.validation.layerwise, exit_code):
-            layers = _layerwise(ctx, ran.reference, ran.target, dataset, exit_code, progress)
+        budget = diagnosis.Budget.of(cfg.validation, measured["seconds"])
+        if crash is None and _layerwise_wanted(cfg.validation.layerwise, exit_code):
+            layers = _layerwise(ctx, live, dataset, progress, budget)
             if layers.get("side_file"):
                 files["layerwise"] = layers["side_file"]
-        advice, tried = _advice(ctx, backend, (stack, limits), None if ran.crash else (ran.reference, ran.target),
-                                (requested, ran.effective, checks), layers, truth, outputs, task)
+        advice, tried = _advice(ctx, deployed[0], live if crash is None else None, (requested, measured["effective"],
+                                checks), layers, measured["truth"], outputs, task, budget)
     write_json(ctx.out_dir / "recommendations.json", advice)
     files["recommendations"] = "recommendations.json"
-    summary = _summary(ctx, check, ran, dataset, {
-        "requested": requested, "outputs": outputs, "task": task,
-        "verdict": "pass" if exit_code == ExitCode.OK else "fail", "exit_code": int(exit_code),
-        "reasons": reasons, "checks": checks, "truth": truth, "layerwise": layers, "recommendations": advice,
-        "advice_tried": tried, "reproduce_file": files["reproduce"]})
+    summary = _summary(ctx, measured, {
+        "requested": requested, "verdict": "pass" if exit_code == ExitCode.OK else "fail",
+        "exit_code": int(exit_code), "reasons": reasons, "checks": checks, "layerwise": layers,
+        "recommendations": advice, "advice_tried": tried, "reproduce_file": files["reproduce"],
+        "diagnosis": budget.summary(exit_code != ExitCode.OK and crash is None, found["reused"])})
     files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
     # a crash, a hang or a device fallback depends on the machine (drivers, load), not on
     # the inputs the cache key covers: such a verdict is measured again next time
-    return StageResult(ctx.out_dir, files, summary, cache=exit_code != ExitCode.BACKEND)
+    return StageResult(ctx.out_dir, files, summary, cache=exit_code != ExitCode.BACKEND,
+                       reused=found["reused"] and not summary["diagnosis"]["ran"])
+
+
+class _Live:
+    """The reference and target workers of this verify, launched when first needed: by the
+    measurement, or by the diagnosis of a measurement served from the cache."""
+
+    def __init__(self, ctx: StageContext, deployed, launching):
+        self.ctx, self.deployed, (self.stack, self.limits) = ctx, deployed, launching
+        self.reference: Optional[BackendWorker] = None
+        self.target: Optional[BackendWorker] = None
+        self.loaded = False
+
+    def launch(self) -> None:
+        if self.reference is not None:
+            return
+        cfg, (backend, artifact, settings) = self.ctx.cfg, self.deployed
+        convert = self.ctx.results["convert"]
+        self.reference = _launch(self.stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
+                                 "reference (onnxruntime fp32)", self.limits)
+        self.target = _launch(self.stack, backend.__name__, artifact.out_dir, settings,
+                              f"{cfg.target.name} ({backend.NAME} {cfg.precision.kind})", self.limits)
+
+    def workers(self) -> tuple:
+        """(reference, target), both loaded (waited for once)."""
+        self.launch()
+        if not self.loaded:
+            _loaded(self.reference)
+            _loaded(self.target)
+            self.loaded = True
+        return self.reference, self.target
+
+
+class _Crashed(Exception):
+    """The target crashed during the measurement: its result is the verdict's, never stored."""
+
+    def __init__(self, measured: dict):
+        super().__init__("crashed")
+        self.measured = measured
+
+
+def _measurement(ctx: StageContext, live: _Live, task_of, requested: dict, progress) -> dict:
+    """The reference, the target and the baselines on the validation set, judged against the
+    thresholds ({"measured", "folder" holding reproduce.npz, "reused"}). Stored by what it
+    depends on (the artifact's files, the reference, data, thresholds, runtimes, machine), not
+    by the run's diagnosis settings: the same build verified again (precision=auto's shipped
+    candidate, a later run) is served from the cache, and only its diagnosis runs."""
+    def produce(folder: Path) -> None:
+        measured = _measure(ctx, live, task_of, requested, progress, folder / "reproduce.npz")
+        if measured["crash"] is not None:
+            raise _Crashed(measured)
+        write_json(folder / "measured.json", measured)
+
+    try:
+        folder, reused = ctx.memo("verify-measurement", _measurement_material(ctx), produce)
+    except _Crashed as crashed:
+        return {"measured": crashed.measured, "folder": None, "reused": False}
+    if reused:
+        log.info("verify: the measurement of this build is served from the cache (same artifact, data, thresholds)")
+    return {"measured": read_json(folder / "measured.json"), "folder": folder, "reused": reused}
+
+
+def _measurement_material(ctx: StageContext) -> dict:
+    """What the measurement depends on: the files that run (artifact, reference, the
+    baselines' sources), the settings they run with, the validation data and thresholds."""
+    validation = ctx.cfg.validation.judged()
+    sources = {name: hash_tree(result.out_dir) for name, result in ctx.results.items()
+               if name in ("convert", "calibrate")}
+    artifact = deployable(ctx.results)
+    return {"version": VERSION, "runtimes": environment.versions(), "machine": environment.fingerprint(),
+            "artifact": {k: v for k, v in hash_tree(artifact.out_dir).items() if k != "result.json"},
+            "sources": {name: {k: v for k, v in tree.items() if k != "result.json"} for name, tree in sources.items()},
+            "config": plain({"validation": validation, "data": ctx.cfg.data, "target": ctx.cfg.target,
+                             "precision": ctx.cfg.precision, "metric": ctx.cfg.metric}),
+            "build": (ctx.results["build"].summary.get("quantization") or {}).get("float_ops"),
+            "tuned": (ctx.results["tune"].summary.get("chosen") if "tune" in ctx.results else None),
+            "external": list(hash_files(external_files(ctx)).values())}
+
+
+def _measure(ctx: StageContext, live: _Live, task_of, requested: dict, progress, reproduce: Path) -> dict:
+    """One measurement (see _measurement) with its seconds: what the diagnosis budget scales."""
+    started = time.perf_counter()
+    cfg, dataset, (output_names, task_output, metric) = ctx.cfg, ctx.dataset(), task_of
+    check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
+                   cfg.precision.kind)
+    ran = _compare(ctx, live, check, dataset, progress, reproduce)
+    outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
+               if name not in check.missing and check.stats[name].elements]
+    task = check.task_result(cfg.validation.max_metric_drop)
+    if metric and task is None and check.samples and ran.crash is None:
+        dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
+                                "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
+    check.add_task_values(ran.comparison)
+    truth = None
+    if ran.crash is None:
+        checks, _, _ = _verdict(ctx, outputs, check.missing, task, requested, ran.effective, check.samples, None)
+        if _truth_wanted(cfg.precision.kind, checks):
+            truth = _truth(ctx, live.reference, live.target, dataset, outputs)
+    return {"samples": check.samples, "missing": check.missing, "outputs": outputs, "task": task,
+            "effective": ran.effective, "comparison": ran.comparison, "timing": ran.timing, "crash": ran.crash,
+            "data": dataset.summary(), "truth": truth, "seconds": round(time.perf_counter() - started, 3)}
 
 
 def _target(ctx: StageContext):
@@ -141,20 +238,16 @@ class _Ran:
     crash: Optional[dict] = None
 
 
-def _compare(ctx: StageContext, deployed, check: "_Check", dataset, workers, progress, reproduce: Path) -> _Ran:
-    """The reference and the target (``deployed``: backend, artifact, settings), and the
-    fp32 and plain int8 baselines, on the validation set; a backend crash is recorded in
-    ``crash``, not raised."""
-    cfg, (backend, artifact, settings), (stack, limits), ran = ctx.cfg, deployed, workers, _Ran()
-    convert, build = ctx.results["convert"], ctx.results["build"]
+def _compare(ctx: StageContext, live: _Live, check: "_Check", dataset, progress, reproduce: Path) -> _Ran:
+    """The reference and the target, and the fp32 and plain int8 baselines, on the
+    validation set; a backend crash is recorded in ``crash``, not raised."""
+    cfg, ran = ctx.cfg, _Ran()
+    backend, build = live.deployed[0], ctx.results["build"]
     try:
-        ran.reference = _launch(stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
-                                "reference (onnxruntime fp32)", limits)
-        ran.target = _launch(stack, backend.__name__, artifact.out_dir, settings,
-                             f"{cfg.target.name} ({backend.NAME} {cfg.precision.kind})", limits)
-        baselines = _baselines(ctx, backend, stack, limits)  # fp32 (and plain int8 for mixed) side by side
-        _loaded(ran.reference)
-        _loaded(ran.target)
+        live.launch()
+        ran.reference, ran.target = live.reference, live.target
+        baselines = _baselines(ctx, backend, live.stack, live.limits)  # fp32 (and plain int8 for mixed) side by side
+        live.workers()
         for row in baselines.values():
             row.wait_loaded()
         check.run(ran.reference, ran.target, baselines, dataset, progress, reproduce,
@@ -170,30 +263,33 @@ def _compare(ctx: StageContext, deployed, check: "_Check", dataset, workers, pro
     return ran
 
 
-def _summary(ctx: StageContext, check: "_Check", ran: _Ran, dataset, judged: dict) -> dict:
+def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
     """verify's summary (report.json's verify section), in its order."""
+    crash = measured["crash"]
     return {
-        "samples": check.samples,
+        "samples": measured["samples"],
         "requested": judged["requested"],
-        "effective": ran.effective,
-        "outputs": judged["outputs"],
-        "missing_outputs": check.missing,
-        "task": judged["task"],
-        "comparison": ran.comparison,
-        "speed": ran.timing,
-        "data": dataset.summary(),
+        "effective": measured["effective"],
+        "outputs": measured["outputs"],
+        "missing_outputs": measured["missing"],
+        "task": measured["task"],
+        "comparison": measured["comparison"],
+        "speed": measured["timing"],
+        "data": measured["data"],
         "verdict": judged["verdict"],
         "exit_code": judged["exit_code"],
         "reasons": judged["reasons"],
         "checks": judged["checks"],  # every check that did not pass, warnings too (pipeline/verdict.py)
         "judged_with": _judged_with(ctx),  # what parity-bundle check needs to judge alike
-        "truth": judged["truth"],
-        "crash": ran.crash,
+        "truth": measured["truth"],
+        "crash": crash,
         "layerwise": judged["layerwise"] if judged["layerwise"] is not None
-        else _layerwise_skipped(ctx.cfg.validation.layerwise, ran.crash),
+        else _layerwise_skipped(ctx.cfg.validation.layerwise, crash),
         "recommendations": judged["recommendations"],
         "advice_tried": judged["advice_tried"],
-        "reproduce": {"file": judged["reproduce_file"], "samples": min(check.samples, REPRODUCE_SAMPLES)},
+        "diagnosis": judged["diagnosis"],  # what the failing verdict's diagnosis ran and what its budget cut
+        "measured_seconds": measured["seconds"],
+        "reproduce": {"file": judged["reproduce_file"], "samples": min(measured["samples"], REPRODUCE_SAMPLES)},
     }
 
 
@@ -414,19 +510,24 @@ def _layerwise_skipped(mode: Layerwise, crash) -> dict:
     return {"mode": mode.value, "ran": False, "reason": reason}
 
 
-def _layerwise(ctx, reference, target, dataset, exit_code: ExitCode, progress) -> dict:
-    """Every intermediate tensor on the first layerwise_samples samples; a crash of the
-    probing session is reported here and leaves the verdict as it was."""
+def _layerwise(ctx, live: _Live, dataset, progress, budget: "diagnosis.Budget") -> dict:
+    """Every intermediate tensor on the first layerwise_samples samples, within the
+    diagnosis budget; a crash of the probing session is reported here and leaves the
+    verdict as it was."""
     validation = ctx.cfg.validation
     mode = validation.layerwise.value
     reason = "always (validation.layerwise=always)" if mode == "always" else "the verdict failed"
     graph = layerwise.Graph(onnx.load(str(ctx.results["convert"].path("model"))))
     samples = [sample.feeds for _, sample in zip(range(validation.layerwise_samples), dataset.validation)]
+    always = mode == "always"  # every tensor, whatever the budget (the user asked for the whole table)
     try:
+        reference, target = live.workers()
         result = layerwise.compare(reference, target, graph, samples, validation.layer_min_cosine,
-                                   progress=progress, stop_at_divergence=mode != "always")  # always: every tensor
+                                   progress=progress, stop_at_divergence=not always,
+                                   deadline=None if always else budget.deadline)
     except BackendCrashed as err:
         return {"mode": mode, "ran": False, "reason": f"layerwise probing failed: {err}"}
+    budget.spent("layerwise", result.seconds, cut=result.cut)
     side_file = "layerwise.json.gz"
     result.write_side_file(ctx.out_dir / side_file)
     return result.summary(mode, reason, side_file)
@@ -466,17 +567,22 @@ def _judged_with(ctx) -> dict:
 ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
 
 
-def _advice(ctx, backend, launching, workers, judged, layers, truth, outputs, task) -> tuple:
+def _advice(ctx, backend, live: Optional[_Live], judged, layers, truth, outputs, task,
+            budget: "diagnosis.Budget") -> tuple:
     """(recommendations, trials): named from the evidence (pipeline/recommend.py), and for
-    an int8/mixed build failing on accuracy, keep-in-float candidates tried first."""
+    an int8/mixed build failing on accuracy, keep-in-float candidates tried within the
+    diagnosis budget first (``live``: None when the target crashed)."""
     (requested, effective, checks), precision = judged, ctx.cfg.precision.kind
     graph = _quantized_graph(ctx)
     calibrate = ctx.results.get("calibrate")
     table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
     advice = recommend(precision, backend.NAME, requested, effective, layers, table, graph, truth)
-    if workers is None or not _accuracy_failed(checks) or graph is None or ctx.cfg.validation.advice_trials <= 0:
+    if live is None or not _accuracy_failed(checks) or graph is None or ctx.cfg.validation.advice_trials <= 0:
         return advice, []
-    return _tried_advice(ctx, backend, *launching, workers, advice, layers, graph, outputs, task)
+    if budget.exhausted():
+        budget.skipped("advice trials")
+        return advice, []
+    return _tried_advice(ctx, backend, live, advice, layers, graph, outputs, task, budget)
 
 
 def _accuracy_failed(checks: List[dict]) -> bool:
@@ -525,11 +631,12 @@ def _quantized_graph(ctx) -> Optional[QuantizedGraph]:
                           present={node.name for node in prepared.graph.node})
 
 
-def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], layers, graph: QuantizedGraph,
-                  outputs: List[dict], task) -> tuple:
-    """Keep-in-float candidates built, measured and judged like the build (pipeline/trials.py):
-    (the advice to print, every trial)."""
-    cfg, (reference, target) = ctx.cfg, workers
+def _tried_advice(ctx, backend, live: _Live, advice: List[dict], layers, graph: QuantizedGraph,
+                  outputs: List[dict], task, budget: "diagnosis.Budget") -> tuple:
+    """Keep-in-float candidates ranked by their gain on the reference runtime (a few samples,
+    pipeline/trials.py), then confirmed on the target best first, built, measured and judged
+    like the build, while the budget lasts: (the advice to print, every trial)."""
+    cfg, (reference, target) = ctx.cfg, live.workers()
     dataset = ctx.dataset()
     metric = load_metric(cfg.metric)
     task_output = (metric and metric.output) or cfg.validation.task_output or outputs[0]["name"]
@@ -537,9 +644,6 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
                               cfg.validation.advice_trials)
     if not found:  # nothing this build could keep in float (no quantized op upstream of the evidence)
         return advice, []
-
-    scorer = TaskScorer(metric, task_output) if metric else None
-
     already = _judged_with(ctx)["intended_float"]
     requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.kind,
                  "accepted_precisions": ["int8", "mixed"]}  # as a run with precision.keep_float accepts
@@ -551,14 +655,73 @@ def _tried_advice(ctx, backend, stack, limits, workers, advice: List[dict], laye
                                       None, cfg.validation.fail_on_float_fallback, (*already, *build.split(",")))
         return reasons, min(o["metrics"]["cosine"] for o in judged), measured_task
 
-    tried = trials.run(found, _trial_launcher(ctx, backend, stack, limits), reference, target, dataset, judge,
-                       scorer)
-    base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
+    ranked = _screened(ctx, backend, live, found, outputs, budget)
+    launch, tried = _trial_launcher(ctx, backend, live.stack, live.limits), list(ranked["failed"])
+    for keep in ranked["order"]:
+        if budget.exhausted():
+            budget.skipped(f"confirming keep_float=[{','.join(keep)}] on the target")
+            continue
+        started = time.perf_counter()
+        scorer = TaskScorer(metric, task_output) if metric else None
+        confirmed = trials.run([keep], launch, reference, target, dataset, judge, scorer)
+        for trial in confirmed:
+            trial["screen_cosine"] = ranked["cosine"].get(",".join(keep))
+        tried += confirmed
+        budget.spent(f"trial keep_float=[{','.join(keep)}]", time.perf_counter() - started)
+        if any(t["passed"] for t in confirmed):
+            break  # the best-ranked candidate that passes is the advice; the rest cannot beat it on speed
     untouched = [a for a in advice if not a["action"].get("keep_float")]
+    if not any("cosine" in t for t in tried):  # the budget ran out before any confirmation
+        return untouched + [_unconfirmed(ranked, budget)], tried
+    base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
     found_advice = trials.advice(tried, base, list(cfg.precision.keep_float))
     if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.kind == "int8":
         found_advice[0]["text"] += "; precision=mixed searches further (docs/sensitivity.md)"
     return untouched + found_advice, tried
+
+
+def _unconfirmed(ranked: dict, budget: "diagnosis.Budget") -> dict:
+    """The advice when the budget ran out before a candidate was confirmed on the target:
+    which one would be next, with nothing to apply (it is not measured on the target)."""
+    text = (f"the diagnosis budget ({budget.seconds:.1f} s, validation.diagnosis_budget) ran out before a "
+            "keep-in-float candidate was confirmed on the target")
+    if ranked["order"]:
+        first = ranked["order"][0]
+        text += (f"; the best ranked on the reference runtime, keep_float=[{','.join(first)}] (cosine "
+                 f"{ranked['cosine'][','.join(first)]:.6f} there), is confirmed with a larger budget")
+    return {"kind": "diagnosis_cut", "text": text, "tried": False, "action": {"validation.diagnosis_budget":
+                                                                            "a larger multiple"}}
+
+
+def _screened(ctx, backend, live: _Live, found: List[List[str]], outputs: List[dict],
+              budget: "diagnosis.Budget") -> dict:
+    """The candidates ranked by output cosine of their plain Q/DQ models on the reference
+    runtime over trials.SCREEN_SAMPLES validation samples ({"order", "cosine", "failed"}); a
+    runtime with its own quantizer (MNN) builds no Q/DQ model: the order stays as found."""
+    if backends.own_quantizer(backend, ctx.cfg.precision.kind) or len(found) < 2:
+        return {"order": found, "cosine": {}, "failed": []}
+    started = time.perf_counter()
+    calibrate = ctx.results["calibrate"]
+    source = ctx.results["sensitivity"] if ctx.cfg.precision.kind == "mixed" else calibrate
+    table = read_json(source.path("table"))["tensors"]
+    settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
+    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
+    scratch = Path(live.stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-screen-")))
+    feeds = [sample.feeds for _, sample in zip(range(trials.SCREEN_SAMPLES), ctx.dataset().validation)]
+
+    def worker(keep: List[str]) -> BackendWorker:
+        path = scratch / f"screen{len(list(scratch.glob('*.onnx')))}.onnx"
+        build_qdq(calibrate.path("prepared"), table, path, settings, keep_float=[*float_ops, *keep])
+        return _loaded(_launch(live.stack, REFERENCE_MODULE, scratch, {**reference_settings(ctx.results["convert"]),
+                                                                        "model": path.name},
+                               f"screen keep_float=[{','.join(keep)}]", live.limits))
+
+    needed = [o["thresholds"]["min_cosine"] for o in outputs if o["thresholds"].get("min_cosine") is not None]
+    ranked = trials.screen(found, worker, live.workers()[0], feeds, max(needed) if needed else None)
+    budget.spent(f"screening {len(found)} candidates on the reference runtime ({len(feeds)} samples)",
+                 time.perf_counter() - started)
+    budget.screened = [{"keep_float": keep, "cosine": ranked["cosine"][",".join(keep)]} for keep in ranked["order"]]
+    return ranked
 
 
 def _trial_launcher(ctx, backend, stack, limits):

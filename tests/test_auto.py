@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
+from pipeline.artifacts import read_json
 from pipeline.auto import choose
 
 
@@ -29,7 +30,9 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_run):
     # plain int8 meets the mixed target here: the search keeps no op float, and the mixed build
     # is the int8 build byte for byte, verified once
     assert rows["mixed"]["verdict"] == "same build as int8" and rows["mixed"]["same_as"] == "int8"
-    assert (cwd / "outputs").exists() and not (run_dirs(cwd)[-1] / "candidates" / "mixed" / "stages" / "verify").exists()
+    # a candidate that cannot win is not built: with int8 passing, mixed is never calibrated, searched or built
+    assert rows["mixed"]["not_built"].startswith("int8 passes")
+    assert not (run_dirs(cwd)[-1] / "candidates" / "mixed").exists()
     rows = {p: row for p, row in rows.items() if p != "mixed"}
     # every passing build timed in the same interleaved rounds as fp32
     assert all(row["latency"]["rounds"] >= 3 and row["latency"]["median_ms"] > 0 for row in rows.values())
@@ -60,6 +63,17 @@ def test_nothing_passes_fails_with_the_closest_candidate(tmp_path):
     assert report["auto"]["chosen"] == "fp32" and report["auto"]["why"].startswith("no candidate passes: fp32")
     assert report["verdict"] == "fail" and report["reasons"][0].startswith("output logits: max abs error")
     assert {row["verdict"] for row in report["auto"]["candidates"]} == {"fail"}
+    # candidates are verified for their verdict alone; only the outcome is diagnosed, on the
+    # measurement its candidate made (not measured again)
+    run_dir = run_dirs(tmp_path)[-1]
+    for precision in ("fp32", "int8"):
+        candidate = read_json(run_dir / "candidates" / precision / "stages" / "verify" / "result.json")["summary"]
+        assert candidate["layerwise"]["ran"] is False and candidate["advice_tried"] == []
+        assert candidate["diagnosis"]["ran"] is False
+    verify = report["verify"]
+    assert verify["layerwise"]["ran"] and verify["diagnosis"]["ran"]
+    assert verify["diagnosis"]["measurement"] == "reused from the cache"
+    assert {s["stage"]: s["status"] for s in report["stages"]}["verify"] == "computed"  # the diagnosis ran
 
 
 def test_a_candidate_the_target_cannot_build_is_a_config_error(tmp_path):

@@ -1,0 +1,162 @@
+"""Time to a verified bundle: the `parity` CLI end to end on a cold cache, next to NNCF's
+MIXED quantize time on the same data in the same run, for the PP-OCRv4 text detector and
+recognizer of the rapidocr wheel on openvino_cpu with their task metrics.
+
+    pip install -e .[test,bench]      # nncf is a benchmark-only extra
+    python benchmarks/time_to_bundle.py [--models rec det] [--isa native AVX2]
+
+Rows per model (each a fresh folder, no stage cache):
+- `parity` with the default `precision=auto` (verified bundle and report at the end);
+- `parity precision=int8` with the default thresholds (a failing verdict gets its
+  diagnosis), and the same build verified again with thresholds it passes, so the
+  failing verify's time is next to the passing one's;
+- the digits default job warm (second run in the same folder);
+- NNCF `quantize(preset=MIXED)` on the same calibration samples (a floor: it verifies
+  nothing).
+Printed: each stage's seconds (candidates too), each figure next to its goal, and the CPU
+flags. `--isa AVX2` reruns everything with oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA and
+OV_CPU_MAX_ISA); the executed kernel names of one int8 build are printed to show what
+really dispatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from mixed import FILES, MODELS, SHAPES, det_samples, metric_args, nncf_build, rec_samples  # noqa: E402
+
+SIZES = {"rec": (64, 200), "det": (64, 100)}  # (calibration, validation), the issue's
+GOALS = {"auto_vs_nncf": 2.0, "failing_vs_passing_verify": 2.0, "digits_warm_s": 4.0, "rec_search_s": 60.0}
+PASSING = ["validation.min_cosine=0", "validation.max_metric_drop=1"]
+
+
+def parity(args, cwd: Path, env: dict) -> tuple:
+    """(wall seconds, exit code, report.json) of one `parity` run in ``cwd``."""
+    started = time.perf_counter()
+    result = subprocess.run([str(Path(sys.executable).parent / "parity"), *map(str, args)], cwd=cwd,
+                            capture_output=True, text=True, env={**env, "NO_COLOR": "1"})
+    seconds = time.perf_counter() - started
+    runs = sorted((cwd / "outputs").glob("*/*_*"), key=lambda p: p.stat().st_mtime)
+    if not runs or not (runs[-1] / "report.json").exists():
+        raise SystemExit(f"parity {' '.join(map(str, args))} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return seconds, result.returncode, json.loads((runs[-1] / "report.json").read_text()), runs[-1]
+
+
+def stage_table(run: Path) -> str:
+    """Each stage's status and seconds: the shipped run's, then each candidate's."""
+    rows = []
+    for folder in [run, *sorted((run / "candidates").glob("*"))]:
+        label = "run" if folder == run else f"candidate {folder.name}"
+        parts = []
+        for stage in sorted((folder / "stages").glob("*/result.json"), key=lambda p: p.stat().st_mtime):
+            saved = json.loads(stage.read_text())
+            parts.append(f"{stage.parent.name} {saved.get('computed_seconds', 0):.1f}")
+        rows.append(f"    {label:<18} " + ", ".join(parts))
+    return "\n".join(rows)
+
+
+def run_stage_seconds(report: dict) -> str:
+    return ", ".join(f"{s['stage']} {s['status']} {s['seconds']:.1f}" for s in report["stages"])
+
+
+def verify_seconds(report: dict) -> float:
+    return next(s["seconds"] for s in report["stages"] if s["stage"] == "verify")
+
+
+def model_rows(kind: str, scratch: Path, env: dict) -> dict:
+    calibration_size, validation_size = SIZES[kind]
+    work = scratch / kind
+    work.mkdir(parents=True)
+    if kind == "rec":
+        calibration, _ = rec_samples(calibration_size, seed=1)
+        validation, truth = rec_samples(validation_size, seed=2)
+    else:
+        calibration, validation, truth = det_samples(calibration_size, 1), det_samples(validation_size, 2), None
+    data = work / "data.npz"
+    labels = {"validation/labels": np.array(truth)} if truth is not None else {}
+    np.savez(data, **{"calibration/x": calibration, "validation/x": validation, **labels})
+    base = [f"model.path={MODELS / FILES[kind]}", f"+model.input_shapes.x={SHAPES[kind]}".replace(" ", ""),
+            "data.kind=tensors", f"data.path={data}", f"data.calibration_size={calibration_size}",
+            f"data.validation_size={validation_size}", "target=openvino_cpu", "target.threads=2",
+            *metric_args(kind, work)]
+    rows = {}
+    for name, extra, folder in (("auto", [], "auto"), ("int8", ["precision=int8"], "int8")):
+        cwd = work / folder
+        cwd.mkdir()
+        seconds, code, report, run = parity(base + extra, cwd, env)
+        rows[name] = {"seconds": seconds, "exit": code, "report": report, "run": run}
+    cwd = work / "int8"
+    seconds, code, report, run = parity(base + ["precision=int8", *PASSING], cwd, env)
+    rows["int8 passing"] = {"seconds": seconds, "exit": code, "report": report, "run": run}
+    fp32 = rows["int8"]["run"] / "stages" / "convert" / "model.onnx"
+    _, nncf_seconds, version = nncf_build(fp32, calibration, work / "nncf.xml")
+    rows["nncf"] = {"seconds": nncf_seconds, "version": version}
+    return rows
+
+
+def digits_warm(scratch: Path, env: dict) -> float:
+    cwd = scratch / "digits"
+    cwd.mkdir()
+    parity([], cwd, env)
+    return parity([], cwd, env)[0]
+
+
+def print_model(kind: str, rows: dict) -> list:
+    auto, int8, passing, nncf = rows["auto"], rows["int8"], rows["int8 passing"], rows["nncf"]
+    section = auto["report"].get("auto") or {}
+    print(f"\n## {kind}: auto shipped {section.get('chosen')} (exit {auto['exit']}) in {auto['seconds']:.1f} s; "
+          f"NNCF MIXED ({nncf['version']}) quantize {nncf['seconds']:.1f} s")
+    print(f"  auto stages: {run_stage_seconds(auto['report'])}\n{stage_table(auto['run'])}")
+    print(f"  int8 (exit {int8['exit']}) {int8['seconds']:.1f} s: {run_stage_seconds(int8['report'])}")
+    print(f"  int8 passing thresholds (exit {passing['exit']}) {passing['seconds']:.1f} s: "
+          f"{run_stage_seconds(passing['report'])}")
+    diagnosis = int8["report"]["verify"].get("diagnosis") or {}
+    if diagnosis:
+        print(f"  diagnosis: {json.dumps(diagnosis)[:600]}")
+    figures = [(f"{kind} auto wall / NNCF MIXED quantize", auto["seconds"] / nncf["seconds"], GOALS["auto_vs_nncf"]),
+               (f"{kind} failing int8 verify / passing verify", verify_seconds(int8["report"]) /
+                max(verify_seconds(passing["report"]), 1e-9), GOALS["failing_vs_passing_verify"])]
+    search = [s for s in (auto["run"] / "candidates").glob("mixed/stages/sensitivity/result.json")]
+    if kind == "rec" and search:
+        figures.append(("rec mixed search s", json.loads(search[0].read_text()).get("computed_seconds", 0.0),
+                        GOALS["rec_search_s"]))
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["rec", "det"], choices=["rec", "det"])
+    parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "AVX2"])
+    args = parser.parse_args()
+    from pipeline.environment import cpu
+
+    info = cpu()
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU {info['model']}; flags {' '.join(info['flags'])}")
+    for isa in args.isa:
+        env = dict(os.environ)
+        if isa != "native":
+            env.update(ONEDNN_MAX_CPU_ISA=isa, OV_CPU_MAX_ISA=isa)
+        print(f"\n# ISA {isa} (openvino_cpu, 2 threads, cold cache per model)")
+        figures = []
+        with tempfile.TemporaryDirectory(prefix="parity-ttb-") as scratch:
+            for kind in args.models:
+                figures += print_model(kind, model_rows(kind, Path(scratch), env))
+            figures.append(("digits default job warm s", digits_warm(Path(scratch), env), GOALS["digits_warm_s"]))
+        print(f"\n  figures ({isa}):")
+        for text, value, goal in figures:
+            print(f"  {'met ' if value <= goal else 'MISS'} {text}: {value:.2f} (goal <= {goal:.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The time a failing verdict's diagnosis may take: ``validation.diagnosis_budget`` times
+what the check itself took (the measurement of reference, target and baselines), never less
+than FLOOR_S. Layerwise runs first and stops at the deadline; advice trials start only while
+time is left, so the diagnosis overruns its budget by at most the step in flight. What the
+budget cut is recorded (report.json verify.diagnosis) and printed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+FLOOR_S = 10.0  # a small model's check takes a second or two; starting the workers of its diagnosis takes longer
+
+
+@dataclass
+class Budget:
+    seconds: float
+    started: float = field(default_factory=time.perf_counter)
+    steps: List[dict] = field(default_factory=list)
+    cut: List[str] = field(default_factory=list)
+    screened: List[dict] = field(default_factory=list)  # advice candidates ranked on the reference runtime
+
+    @classmethod
+    def of(cls, validation, measured_seconds: float) -> "Budget":
+        return cls(max(FLOOR_S, validation.diagnosis_budget * float(measured_seconds)))
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def exhausted(self) -> bool:
+        return self.left() <= 0
+
+    def spent(self, step: str, seconds: float, cut: Optional[str] = None) -> None:
+        self.steps.append({"step": step, "seconds": round(float(seconds), 3)})
+        if cut:
+            self.cut.append(f"{step}: {cut}")
+
+    def skipped(self, what: str) -> None:
+        """Something the diagnosis would have run, not started because the budget was spent."""
+        self.cut.append(f"{what}: not started, the budget ({self.seconds:.1f} s) was spent")
+
+    def summary(self, ran: bool, measurement_reused: bool) -> dict:
+        return {"ran": ran and bool(self.steps or self.cut), "budget_seconds": round(self.seconds, 3),
+                "seconds": round(sum(s["seconds"] for s in self.steps), 3), "steps": self.steps, "cut": self.cut,
+                "screened": self.screened,
+                "measurement": "reused from the cache" if measurement_reused else "measured"}
