@@ -17,13 +17,15 @@ from pipeline import backends, fp16
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
+from pipeline.calibration.fake_quant import FakeQuantModel
 from pipeline.calibration.measure import OutputJudge
-from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, prepare, write_ort_cache
+from pipeline.quantize import QdqSettings, prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
 VERSION = 10  # 8: batches follow each input's batch axis, a note when they cannot; 9: auto judged at the outputs; 10: mean_min_max
 VERSION += 1  # one calibration for int8 and mixed: every method's entries (candidates.json) for both
+VERSION += 1  # int8/mixed measure the tensors of precision.quantize_ops only; auto's tables measured on one fake-quantized model
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
@@ -42,7 +44,7 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
-            "activations": cfg.precision.activations, "precision": _calibrated_as(cfg),
+            "activations": cfg.precision.activations, "precision": _calibrated_as(cfg), "around": _measured_around(cfg),
             # auto's choice measures int8 models built with these (_auto_at_outputs)
             "auto": (QdqSettings.resolve(cfg.precision, backends.REFERENCE), sorted(cfg.precision.keep_float))
             if _judged_at_outputs(cfg) else None}
@@ -52,6 +54,13 @@ def _calibrated_as(cfg) -> str:
     """int8 and mixed share one calibration (the same table, and every method's entries for
     the search): a later run or precision=auto's other candidate is served from the cache."""
     return "int8" if cfg.precision.kind in ("int8", "mixed") else cfg.precision.kind
+
+
+def _measured_around(cfg):
+    """The op types whose tensors calibration measures: for int8 and mixed the ones they can
+    quantize (the inputs and outputs of precision.quantize_ops: 55 of PP-OCRv4 rec's 405
+    activations); fp16's pre-flight looks at every activation (None)."""
+    return sorted(cfg.precision.quantize_ops) if cfg.precision.kind in ("int8", "mixed") else None
 
 
 def _judged_at_outputs(cfg) -> bool:
@@ -104,13 +113,13 @@ def _computed_table(ctx: StageContext, model_path: Path):
                         "thresholds may not represent real inputs")
     material = {"model": sha256_file(model_path), "data": hash_files(dataset.files), "split": split.names,
                 "data_config": str(ctx.cfg.data), "bins": cfg.bins, "batch_size": cfg.batch_size,
-                "keep": cfg.auto_samples, "sample_ranges": True}
+                "keep": cfg.auto_samples, "sample_ranges": True, "around": _measured_around(ctx.cfg)}
     started = time.perf_counter()
     def collect(out: Path) -> None:
         with progress_bar() as progress:
             task = progress.add_task("calibration statistics", total=len(split))
             statistics.collect(model_path, split, len(split), cfg.bins, cfg.batch_size, cfg.auto_samples,
-                               progress=lambda n: progress.advance(task, n)).save(out)
+                               progress=lambda n: progress.advance(task, n), around=_measured_around(ctx.cfg)).save(out)
 
     folder, reused = ctx.memo("calibration-statistics", material, collect)
     stats = statistics.Statistics.load(folder)
@@ -179,14 +188,13 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
                                   for name, entries in candidates.items()}
     split = ctx.dataset().calibration
     prepared = onnx.load(str(model_path))
-    judge = OutputJudge(prepared, [sample.feeds for sample in split])
-    settings = QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE)
-    try:
-        chosen, scores = auto.choose_table(judge, tables_by_name, lambda table: MixedModels(
-            prepared, table, settings, ctx.cfg.precision.keep_float).build())
-    except QuantizerFailed as err:
-        raise err.with_run(ctx)
+    samples = [sample.feeds for sample in split]
+    judge = OutputJudge(prepared, samples)
+    model = FakeQuantModel(prepared, per_tensor, QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE),
+                           ctx.cfg.precision.keep_float)
+    chosen, scores = auto.choose_table(lambda table: judge.score(model.run(table, samples)), tables_by_name)
     return tables_by_name[chosen], {"chosen": chosen, "samples": judge.count, "criterion": auto.CRITERION,
+                                    "measured_on": "the fake-quantized model (calibration/fake_quant.py)",
                                     "candidates": scores}
 
 

@@ -5,8 +5,9 @@
    Weighted consumers (Conv, Gemm, MatMul) are run as single-node ONNX Runtime models on
    the fake-quantized tensor; for any other consumer the tensor's own quantization error
    is what propagates, so that is measured instead.
-2. ``choose_table``: that per-tensor table and every single method's table are each built
-   into an int8 model and measured at the network outputs; the lowest loss wins. The
+2. ``choose_table``: that per-tensor table and every single method's table are each
+   measured at the network outputs of the int8 model (one fake-quantized model whose
+   ranges are inputs, pipeline/calibration/fake_quant.py); the lowest loss wins. The
    single methods are candidates, so auto is never worse than the best of them on this
    measurement (a local criterion alone can clip what a few samples need)."""
 
@@ -26,15 +27,15 @@ WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
 CRITERION = "lowest (1 - cosine) + (1 - worst sample's cosine) at the outputs, calibration set"
 
 
-def choose_table(judge, tables: Dict[str, Dict[str, dict]], build: Callable[[Dict[str, dict]], object]
+def choose_table(measure: Callable[[Dict[str, dict]], dict], tables: Dict[str, Dict[str, dict]]
                  ) -> Tuple[str, Dict[str, dict]]:
-    """(name of the best table, every table's measurement). ``judge`` (measure.OutputJudge)
-    measures the int8 model ``build(table)`` makes; the loss adds the worst sample's
-    1 - cosine to the whole set's, so one sample wrecked by clipping counts as much as the
-    average. Ties go to the earlier table."""
+    """(name of the best table, every table's measurement). ``measure(table)`` gives
+    measure.OutputJudge's figures for the int8 model of that table; the loss adds the worst
+    sample's 1 - cosine to the whole set's, so one sample wrecked by clipping counts as much
+    as the average. Ties go to the earlier table."""
     scores = {}
     for name, table in tables.items():
-        result = judge(build(table))
+        result = measure(table)
         scores[name] = {**result, "loss": (1.0 - result["cosine"]) + (1.0 - result["worst_sample_cosine"])}
     return min(scores, key=lambda name: scores[name]["loss"]), scores
 

@@ -48,18 +48,20 @@ class AbsHistogram:
         above = float(self.counts[whole + 1:].sum()) + float(self.counts[whole]) * (1.0 - (position - whole))
         return min(1.0, above / self.count)
 
-    def update(self, values: np.ndarray) -> None:
+    def update(self, values: np.ndarray, bounds: tuple = None) -> None:
         """Fold a batch in. Raises ValueError (and changes nothing) on NaN or Inf.
 
         Calibration pushes hundreds of millions of values through here, so the batch stays
-        in its own float type and each pass over it is a single vectorized operation."""
+        in its own float type and each pass over it is a single vectorized operation.
+        ``bounds``: (min, max) of ``values`` when the caller has them already (one pass less)."""
         signed = np.asarray(values)
         if signed.dtype.kind != "f":
             signed = signed.astype(np.float64)
         signed = signed.ravel()
         if signed.size == 0:
             return
-        low, high = float(signed.min()), float(signed.max())  # NaN and Inf propagate here
+        low, high = bounds if bounds is not None else (float(signed.min()), float(signed.max()))
+        low, high = float(low), float(high)  # NaN and Inf propagate here
         if not (math.isfinite(low) and math.isfinite(high)):
             bad = signed[~np.isfinite(signed)]
             raise ValueError(

@@ -37,18 +37,23 @@ class OutputJudge:
         """cosine: verify's (all samples together, per output), averaged over the outputs;
         worst_sample_cosine: the lowest cosine of one sample's output; sqnr_db over
         everything; top1_drop against the float model's top-1 (None without labels)."""
-        actual = self._run(model)
+        return self.score(self._run(model))
+
+    def score(self, actual: List[List[np.ndarray]]) -> dict:
+        """__call__'s measure of outputs already computed (chunks in _run's layout)."""
         cosines, worst, signal, noise = [], 1.0, 0.0, 0.0
         for index in range(len(self.outputs)):
-            ref = np.concatenate([chunk[index] for chunk in self.reference])
-            out = np.concatenate([chunk[index] for chunk in actual])
-            ref = ref.reshape(self.count, -1).astype(np.float64)
-            out = np.nan_to_num(out.reshape(self.count, -1).astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
-            dots, ref_sq, out_sq = (ref * out).sum(axis=1), (ref * ref).sum(axis=1), (out * out).sum(axis=1)
+            ref = np.concatenate([chunk[index] for chunk in self.reference]).reshape(self.count, -1)
+            out = np.concatenate([chunk[index] for chunk in actual]).reshape(self.count, -1)
+            if not np.isfinite(out).all():
+                out = np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)
+            # float64 sums without float64 copies of the outputs (einsum casts as it goes)
+            dots, ref_sq, out_sq = (np.einsum("ij,ij->i", a, b, dtype=np.float64)
+                                    for a, b in ((ref, out), (ref, ref), (out, out)))
             cosines.append(_cosine(dots.sum(), ref_sq.sum(), out_sq.sum()))
             worst = min(worst, min(_cosine(*row) for row in zip(dots, ref_sq, out_sq)))
             signal += float(ref_sq.sum())
-            noise += float(((ref - out) ** 2).sum())
+            noise += float(max(ref_sq.sum() + out_sq.sum() - 2.0 * dots.sum(), 0.0))
         top1 = self._top1(actual)
         return {"cosine": float(np.mean(cosines)), "worst_sample_cosine": worst,
                 "sqnr_db": 10 * math.log10(signal / noise) if noise and signal else None,

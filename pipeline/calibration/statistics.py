@@ -48,9 +48,14 @@ class Statistics:
                    meta.get("sample_ranges", {}))
 
 
-def activation_names(model: onnx.ModelProto) -> List[str]:
+def activation_names(model: onnx.ModelProto, around: Optional[Iterable[str]] = None) -> List[str]:
     """Float tensors that depend on the graph inputs (weights and constant subgraphs are
-    not activations), in topological order."""
+    not activations), in topological order; ``around``: only the inputs and outputs of
+    these op types (what an int8 build can quantize)."""
+    if around is not None:
+        kinds = set(around)
+        touching = {t for node in model.graph.node if node.op_type in kinds for t in [*node.input, *node.output]}
+        return [n for n in activation_names(model) if n in touching]
     initializers = {t.name for t in model.graph.initializer}
     types = {v.name: v.type.tensor_type.elem_type
              for v in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
@@ -65,9 +70,10 @@ def activation_names(model: onnx.ModelProto) -> List[str]:
 
 
 def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int = 2048,
-            batch_size: int = 16, keep: int = 4, progress=None) -> Statistics:
+            batch_size: int = 16, keep: int = 4, progress=None, around: Optional[Iterable[str]] = None) -> Statistics:
+    """``around``: the op types whose tensors are measured (activation_names); None: all."""
     model = onnx.load(str(model_path))
-    names = activation_names(model)
+    names = activation_names(model, around)
     histograms = {name: AbsHistogram(bins) for name in names}
     kept: Dict[str, List[np.ndarray]] = {name: [] for name in names}
     extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
@@ -78,15 +84,16 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
 
     def update(item):
         name, value = item
+        per_sample = value.reshape(len(batch), -1) if value.size % len(batch) == 0 else value.reshape(1, -1)
+        lows, highs = (per_sample.min(axis=1), per_sample.max(axis=1)) if per_sample.size else (None, None)
         try:
-            histograms[name].update(value)
+            # the per-sample extremes give the range: one pass less over the values
+            histograms[name].update(value, None if lows is None else (float(lows.min()), float(highs.max())))
         except ValueError as err:  # NaN/Inf inside the network, not in the data
             raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples "
                              f"{batch[0].name}..{batch[-1].name} ({err})") from err
-        per_sample = value.reshape(len(batch), -1) if value.size % len(batch) == 0 else value.reshape(1, -1)
         if per_sample.size:
-            extremes[name] += (per_sample.min(axis=1).sum() * len(batch) / len(per_sample),
-                               per_sample.max(axis=1).sum() * len(batch) / len(per_sample))
+            extremes[name] += (lows.sum() * len(batch) / len(per_sample), highs.sum() * len(batch) / len(per_sample))
         room = keep - sum(len(k) for k in kept[name])
         if room > 0:
             kept[name].append(value[:room])
@@ -96,7 +103,8 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         feeds = pack([s.feeds for s in batch])
         values = runner.run(feeds, len(batch))
         per_sample = sum(v.nbytes for v in values.values()) / len(batch)
-        group = int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
+        # one sample at a time when the model takes no batch: grouping would only copy them together
+        group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
         # numpy releases the GIL in its loops: histograms of different tensors fill in parallel
         list(pool.map(update, values.items()))
         del values
@@ -182,8 +190,8 @@ class BatchRunner:
         values = self._run_batch(samples) if self.batch_size > 1 and samples else None
         if values is None:
             rows = [self._session.run(self.names, sample) for sample in samples]
-            values = {name: np.concatenate([np.atleast_1d(row[j]) for row in rows])
-                      for j, name in enumerate(self.names)}
+            values = {name: np.atleast_1d(rows[0][j]) if len(rows) == 1 else
+                      np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j, name in enumerate(self.names)}
         values.update({name: np.atleast_1d(feeds[name]) for name in self.fed})
         return values
 
