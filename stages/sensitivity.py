@@ -13,8 +13,9 @@ from typing import Dict, List, Optional
 import numpy as np
 import onnx
 
-from pipeline import backends
-from pipeline.artifacts import read_json, write_json
+from pipeline import backends, environment
+from pipeline.artifacts import read_json, sha256_file, write_json
+from pipeline.config import plain
 from pipeline.calibration import sensitivity as search
 from pipeline.calibration import latency, tables
 from pipeline.calibration.statistics import BatchRunner
@@ -180,9 +181,22 @@ def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dic
                               if not cfg.sensitivity.latency_aware else
                               f"{backend} builds its own int8 model, not this Q/DQ one: selection by accuracy alone"}
         return {}
-    feeds = next(iter(ctx.dataset().validation)).feeds
-    measured = latency.op_costs(measure.prepared, measure.models(table).build([]), backends.spec(backend),
-                                cfg.target, feeds, [r["op"] for r in ranking])
+    ops = [r["op"] for r in ranking]
+
+    def produce(folder: Path) -> None:
+        feeds = next(iter(ctx.dataset().validation)).feeds
+        write_json(folder / "costs.json", latency.op_costs(measure.prepared, measure.models(table).build([]),
+                                                           backends.spec(backend), cfg.target, feeds, ops))
+
+    # timed once per model, placement, target and machine: a rerun (another metric, goal or
+    # candidate) reuses the times instead of taking new ones under another load
+    material = {"model": sha256_file(ctx.results["calibrate"].path("prepared")), "qdq": _settings(cfg),
+                "always_float": sorted(measure.always_float), "target": plain(cfg.target), "ops": sorted(ops),
+                "machine": environment.fingerprint(), "runtimes": environment.versions(), "data": plain(cfg.data)}
+    folder, reused = ctx.memo("op-costs", plain(material), produce)
+    measured = read_json(folder / "costs.json")
+    if reused:
+        measured["reused"] = "timed by an earlier run on this machine (same model, placement and target)"
     write_json(ctx.out_dir / "costs.json", measured)
     summary["latency"] = {k: v for k, v in measured.items() if k != "ops"}
     return {op: entry["cost_ms"] for op, entry in measured["ops"].items()}

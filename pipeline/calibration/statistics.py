@@ -51,10 +51,14 @@ class Statistics:
 def activation_names(model: onnx.ModelProto, around: Optional[Iterable[str]] = None) -> List[str]:
     """Float tensors that depend on the graph inputs (weights and constant subgraphs are
     not activations), in topological order; ``around``: only the inputs and outputs of
-    these op types (what an int8 build can quantize)."""
+    these op types and the outputs of the ops that read theirs (what an int8 build can
+    quantize: ONNX Runtime's quantizer also asks for the range of a Relu it fuses into the
+    Q/DQ of the op before it)."""
     if around is not None:
         kinds = set(around)
+        made = {o for node in model.graph.node if node.op_type in kinds for o in node.output}
         touching = {t for node in model.graph.node if node.op_type in kinds for t in [*node.input, *node.output]}
+        touching.update(o for node in model.graph.node if made & set(node.input) for o in node.output)
         return [n for n in activation_names(model) if n in touching]
     initializers = {t.name for t in model.graph.initializer}
     types = {v.name: v.type.tensor_type.elem_type
