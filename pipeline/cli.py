@@ -174,6 +174,7 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
                                   f"tensor {escape(found['tensor'])}")
         for advice in verify.get("recommendations", []):
             console.print(f"[cyan]recommendation:[/] {escape(advice['text'])}")
+        _diagnosis_lines(console, verify.get("diagnosis") or {})
     if verify and (verify.get("speed") or {}).get("speedups"):
         console.print(_speed_line(verify))
     profile = outcome.results.get("profile")
@@ -211,6 +212,16 @@ def _auto_table(section: dict) -> Table:
         table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-", metric,
                       speedup, size, escape(verdict))
     return table
+
+
+def _diagnosis_lines(console, diagnosis: dict) -> None:
+    """What the failing verdict's diagnosis spent of its budget, and what the budget cut."""
+    if not diagnosis.get("ran"):
+        return
+    console.print(f"diagnosis: {diagnosis['seconds']:.1f} s of a {diagnosis['budget_seconds']:.1f} s budget "
+                  f"(validation.diagnosis_budget); the check itself was {diagnosis['measurement']}")
+    for cut in diagnosis.get("cut") or []:
+        console.print(f"  [dim]cut by the budget: {escape(cut)}[/]")
 
 
 def _speed_line(verify: dict) -> str:

@@ -342,7 +342,8 @@ class OutputThresholds:
     min_sqnr_db: Optional[float] = None
 
 
-DIAGNOSIS_KEYS = ("layerwise", "layerwise_samples", "layer_min_cosine", "advice_trials", "diagnosis_budget")
+DIAGNOSIS_KEYS = ("layerwise", "layerwise_samples", "layer_min_cosine", "advice_trials", "diagnosis_budget",
+                  "diagnosis_min_seconds")
 
 
 @dataclass
@@ -365,8 +366,9 @@ class ValidationConfig:
     fail_on_float_fallback: bool = False
     advice_trials: int = 4  # keep-in-float candidates a failing int8/mixed verify builds and measures (0: none)
     # A failing verdict's diagnosis (layerwise, advice trials) may take this multiple of the
-    # check's own time (at least pipeline.diagnosis.FLOOR_S seconds); docs/verify.md
+    # check's own time, and at least diagnosis_min_seconds (docs/verify.md, "Diagnosis budget")
     diagnosis_budget: float = 1.0
+    diagnosis_min_seconds: float = 10.0
     # Speed: fp32, plain int8 and the shipped build timed interleaved in rounds (docs/verify.md).
     min_speedup: Optional[float] = None  # shipped build vs fp32; null: a slow build is a warning only
     timing_rounds: int = 7
@@ -543,7 +545,7 @@ RANGES = {
     "validation.min_cosine": COSINE, "validation.layer_min_cosine": COSINE,
     "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),
     "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
-    "validation.diagnosis_budget": (0.0, None),
+    "validation.diagnosis_budget": (0.0, None), "validation.diagnosis_min_seconds": (0.0, None),
     "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
     "calibration.kl_max_clipped": (0.0, 1.0),
     "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None),

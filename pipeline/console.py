@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from functools import lru_cache
 
 from rich.console import Console
@@ -34,10 +35,26 @@ def set_plain_progress() -> None:
     _PLAIN["progress"] = True
 
 
+_LIVE: list = []  # the progress display in use: a step inside another adds its bar to it
+
+
+@contextmanager
 def progress_bar():
-    """A live bar on a terminal; nothing when output goes to a file or a CI log, or when
-    jobs run in parallel (the log lines of each stage remain)."""
+    """A live bar with an ETA on a terminal; nothing when output goes to a file or a CI
+    log, or when jobs run in parallel (the log lines of each stage remain). Nested uses
+    (weight rounding inside verify's advice trials) share the display that is already
+    live: rich allows one live display at a time."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=stderr_console(), transient=True, disable=_PLAIN["progress"] or not stderr_console().is_terminal)
+    if _LIVE:
+        yield _LIVE[-1]
+        return
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                        console=stderr_console(), transient=True,
+                        disable=_PLAIN["progress"] or not stderr_console().is_terminal)
+    with progress:
+        _LIVE.append(progress)
+        try:
+            yield progress
+        finally:
+            _LIVE.pop()

@@ -1,6 +1,7 @@
 """The time a failing verdict's diagnosis may take: ``validation.diagnosis_budget`` times
 what the check itself took (the measurement of reference, target and baselines), never less
-than FLOOR_S. Layerwise runs first and stops at the deadline; advice trials start only while
+than ``validation.diagnosis_min_seconds`` (a small model's check takes a second or two;
+starting the workers of its diagnosis takes longer). Layerwise runs first and stops at the deadline; advice trials start only while
 time is left, so the diagnosis overruns its budget by at most the step in flight. What the
 budget cut is recorded (report.json verify.diagnosis) and printed."""
 
@@ -9,8 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
-
-FLOOR_S = 10.0  # a small model's check takes a second or two; starting the workers of its diagnosis takes longer
 
 
 @dataclass
@@ -23,7 +22,7 @@ class Budget:
 
     @classmethod
     def of(cls, validation, measured_seconds: float) -> "Budget":
-        return cls(max(FLOOR_S, validation.diagnosis_budget * float(measured_seconds)))
+        return cls(max(validation.diagnosis_min_seconds, validation.diagnosis_budget * float(measured_seconds)))
 
     @property
     def deadline(self) -> float:

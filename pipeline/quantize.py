@@ -29,6 +29,22 @@ def activation_range(entry: dict, activations: str) -> Tuple[float, float]:
     return low, high
 
 
+def scale_and_zero_point(entry: dict, activations: str) -> Tuple[np.float32, int]:
+    """The scale and zero point ONNX Runtime's quantizer writes for an activation with this
+    table entry (its compute_scale_zp: float32 range ends that include 0, a float64 scale,
+    the zero point rounded half to even; symmetric for int8). Every fake quantization
+    (calibration=auto, the mixed search) uses these: a zero point of 128 where the build
+    has 127 (float64 arithmetic on a symmetric range) moved PP-OCRv4 rec's cosine by 0.03."""
+    qmin, qmax = (-127, 127) if activations == "int8" else (0, 255)  # symmetric int8: the restricted range
+    low, high = (np.float32(v) for v in activation_range(entry, activations))
+    low, high = min(low, np.float32(0)), max(high, np.float32(0))
+    if activations == "int8":
+        low, high = -max(-low, high), max(-low, high)
+    scale = (np.float64(high) - np.float64(low)) / np.float64(qmax - qmin)
+    zero = 0 if activations == "int8" else int(np.round(qmin - low / scale))
+    return np.float32(scale), zero
+
+
 def ort_tensors_data(table: Dict[str, dict], activations: str):
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
 

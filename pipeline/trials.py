@@ -12,6 +12,7 @@ import logging
 from typing import Callable, Dict, List, Optional
 
 from pipeline import speed
+from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed
 from pipeline.metrics import OutputStats
 from pipeline.recommend import QuantizedGraph
@@ -92,20 +93,11 @@ def run(candidates_: List[List[str]], launch: Callable, reference, target, datas
         except Exception as err:  # noqa: BLE001 - a candidate that cannot be built is a finding, not the verdict
             tried.append({"keep_float": keep, "error": f"{type(err).__name__}: {err}", "passed": False})
     stats: Dict[str, dict] = {key: {} for key in workers}
-    for sample in dataset.validation:
-        expected = reference.run(sample.feeds)
-        _score(scorer, "reference", expected, expected, sample.label)
-        for key, (keep, worker) in list(workers.items()):
-            try:
-                actual = worker.run(sample.feeds)
-            except BackendCrashed as err:
-                tried.append({"keep_float": keep, "error": str(err), "passed": False})
-                del workers[key]
-                continue
-            for name in expected:
-                if name in actual:
-                    stats[key].setdefault(name, OutputStats()).update(expected[name], actual[name])
-            _score(scorer, key, expected, actual, sample.label)
+    with progress_bar() as progress:
+        task = progress.add_task(f"advice trial {', '.join(workers)}", total=len(dataset.validation))
+        for sample in dataset.validation:
+            _measure_sample(sample, reference, workers, stats, scorer, tried)
+            progress.advance(task)
     if scorer is not None:
         scorer.finish()
     sample = next(iter(dataset.validation), None)
@@ -115,6 +107,23 @@ def run(candidates_: List[List[str]], launch: Callable, reference, target, datas
         tried.append({"keep_float": keep, "passed": not reasons, "reasons": reasons, "cosine": cosine,
                       "task": task, "slower_ms": timing})
     return tried
+
+
+def _measure_sample(sample, reference, workers: dict, stats: dict, scorer, tried: List[dict]) -> None:
+    """One validation sample through the reference and every trial still running."""
+    expected = reference.run(sample.feeds)
+    _score(scorer, "reference", expected, expected, sample.label)
+    for key, (keep, worker) in list(workers.items()):
+        try:
+            actual = worker.run(sample.feeds)
+        except BackendCrashed as err:
+            tried.append({"keep_float": keep, "error": str(err), "passed": False})
+            del workers[key]
+            continue
+        for name in expected:
+            if name in actual:
+                stats[key].setdefault(name, OutputStats()).update(expected[name], actual[name])
+        _score(scorer, key, expected, actual, sample.label)
 
 
 def _score(scorer, build: str, expected: dict, actual: dict, label) -> None:

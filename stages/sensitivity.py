@@ -31,6 +31,8 @@ NAME = "sensitivity"
 VERSION = 12  # 9: metric_drop (the metric group) replaces top1_drop; 10: latency-aware selection, the
 # target defaults to verify's thresholds; 11: ops ranked by cosine and task-metric budget spent;
 # 12: the backend's float op kinds and precision.keep_float float in every measured model, not ranked
+VERSION += 1  # fake quantization with the build's own zero points (quantize.scale_and_zero_point); costs stored;
+# the selection's prefix found by doubling and halving, not one measurement per op
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -346,17 +348,48 @@ def _best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidate
 
 def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: int, costs: dict,
                        neighbours: Dict[str, List[str]]):
-    """Add ops to the float set until the target is met, then drop every op whose removal
-    keeps it. Without costs, ops join in rank order and the least sensitive go first in the
-    prune. With per-op costs (latency-aware), the op joining next is the one with the most
-    loss per millisecond it gives back (an op next to a float op costs less: no new edge
-    between an int8 chain and a float island), and the prune tries the costliest op first.
-    Real int8 kernels do not always improve as ops go back to float (measured: the curve is
-    not monotonic on this CPU), so when the target is never met the best point of the curve
-    is kept. Returns (float ops, curve); a prune trial that had to keep its op records the
-    op's measured gain (cosine with the op float minus with it int8)."""
+    """The shortest prefix of the joining order that meets the target, then every op dropped
+    whose removal keeps it. Without costs, ops join in rank order and the least sensitive go
+    first in the prune. With per-op costs (latency-aware), the op joining next is the one
+    with the most loss per millisecond it gives back (an op next to a float op costs less:
+    no new edge between an int8 chain and a float island), and the prune tries the costliest
+    op first. The order does not depend on what is measured, so the prefix is found by
+    doubling its length until the target is met, then halving the interval (a few whole-model
+    measurements instead of one per op: each compiles and runs the model on every validation
+    sample). Real int8 kernels do not always improve as ops go back to float (measured: the
+    curve is not monotonic on this CPU): the prune removes what the search over-took, and
+    when the target is never met the best point measured is kept. Returns (float ops,
+    curve); a prune trial that had to keep its op records the op's measured gain (cosine
+    with the op float minus with it int8)."""
+    order = _joining_order(ranking, max_float_ops, costs, neighbours)
+    if not order:
+        return [], []
+    measured: Dict[int, dict] = {}
+
+    def at(length: int) -> dict:
+        if length not in measured:
+            measured[length] = measure(table, order[:length])
+        return measured[length]
+
+    failing, length = 0, 1
+    while not measure.meets(at(length)) and length < len(order):
+        failing, length = length, min(2 * length, len(order))
+    if measure.meets(at(length)):
+        while length - failing > 1:
+            middle = (failing + length) // 2
+            failing, length = (failing, middle) if measure.meets(at(middle)) else (middle, length)
+    curve = [{"float_ops": k, "added": order[k - 1], "cost_ms": latency.estimate_ms(order[:k], costs), **measured[k]}
+             for k in sorted(measured)]
+    if not measure.meets(measured[length]):
+        best = max(measured, key=lambda k: measured[k]["cosine"])
+        curve.append({**measured[best], "float_ops": best, "added": None, "kept_best": True})
+        return order[:best], curve
+    return _prune(measure, table, order[:length], measured[length], costs, curve)
+
+
+def _joining_order(ranking, max_float_ops: int, costs: dict, neighbours: Dict[str, List[str]]) -> List[str]:
+    """The ops in the order they join the float set (at most max_float_ops)."""
     float_ops: List[str] = []
-    curve = []
     remaining = list(ranking)
     edge_ms = EDGE_WEIGHT * statistics.median(costs.values()) if costs else 0.0
     floor_ms = FLOOR_SHARE * sum(costs.values())
@@ -365,19 +398,12 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
             if costs else remaining[0]
         remaining.remove(row)
         float_ops.append(row["op"])
-        result = measure(table, float_ops)
-        curve.append({"float_ops": len(float_ops), "added": row["op"], "cost_ms": latency.estimate_ms(float_ops, costs),
-                      **result})
-        if measure.meets(result):
-            break
-    if not curve:
-        return float_ops, curve
-    if not measure.meets(curve[-1]):
-        best = max(range(len(curve)), key=lambda i: curve[i]["cosine"])
-        float_ops = float_ops[:best + 1]
-        curve.append({**curve[best], "added": None, "kept_best": True})
-        return float_ops, curve
-    current = curve[-1]
+    return float_ops
+
+
+def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, costs: dict, curve: List[dict]):
+    """Drop every op whose removal still meets the target (costliest first with costs,
+    else the last joined first): (float ops, curve)."""
     order = (sorted(float_ops, key=lambda op: -costs.get(op, 0.0)) if costs
              else list(reversed(float_ops[:-1])))
     for op in order:

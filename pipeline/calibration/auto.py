@@ -21,7 +21,7 @@ from onnx import numpy_helper
 
 from pipeline.calibration.single_node import node_session
 
-from pipeline.quantize import activation_range
+from pipeline.quantize import scale_and_zero_point
 
 WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
 CRITERION = "lowest (1 - cosine) + (1 - worst sample's cosine) at the outputs, calibration set"
@@ -42,10 +42,8 @@ def choose_table(measure: Callable[[Dict[str, dict]], dict], tables: Dict[str, D
 
 def fake_quantize(values: np.ndarray, entry: dict, activations: str) -> np.ndarray:
     """Quantize-dequantize over the range the int8 build will use for this tensor."""
-    low, high = activation_range(entry, activations)
     qmin, qmax = (-128, 127) if activations == "int8" else (0, 255)
-    scale = (high - low) / (qmax - qmin)
-    zero = 0 if activations == "int8" else int(round(qmin - low / scale))
+    scale, zero = scale_and_zero_point(entry, activations)  # exactly the build's
     quantized = np.clip(np.round(values / scale) + zero, qmin, qmax)
     return ((quantized - zero) * scale).astype(values.dtype)
 

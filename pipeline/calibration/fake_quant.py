@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.quantize import activation_range
+from pipeline.quantize import scale_and_zero_point
 
 
 class FakeQuantModel:
@@ -55,20 +55,12 @@ class FakeQuantModel:
         return [[np.concatenate([np.atleast_1d(row[index]) for row in rows]) for index in range(len(self.outputs))]]
 
     def _ranges(self, table: Dict[str, dict]) -> Dict[str, np.ndarray]:
-        """Each quantized tensor's scale and zero point from its table entry, computed as
-        ONNX Runtime's quantizer (compute_scale_zp) computes them for the build: float32
-        range ends, a float64 scale, the zero point rounded half to even. A zero point one
-        off (128 for 127 on a symmetric range) took PP-OCRv4 rec's cosine from 0.987 to 0.959."""
-        qmin, qmax = (-128, 127) if self.activations == "int8" else (0, 255)
+        """Each quantized tensor's scale and zero point from its table entry, as ONNX
+        Runtime's quantizer writes them into the build (quantize.scale_and_zero_point)."""
         dtype = np.int8 if self.activations == "int8" else np.uint8
         feeds = {}
         for name in self.tensors:
-            low, high = (np.float32(v) for v in activation_range(table[name], self.activations))
-            low, high = min(low, np.float32(0)), max(high, np.float32(0))
-            if self.activations == "int8":
-                low, high = -max(-low, high), max(-low, high)
-            scale = (np.float64(high) - np.float64(low)) / np.float64(qmax - qmin)
-            zero = 0 if self.activations == "int8" else int(np.round(qmin - low / scale))
+            scale, zero = scale_and_zero_point(table[name], self.activations)
             feeds[_scale(name)] = np.asarray(scale, dtype=np.float32)
             feeds[_zero(name)] = np.asarray(zero, dtype=dtype)
         return feeds
@@ -86,13 +78,14 @@ def _quantized_tensors(model: onnx.ModelProto, in_table: set, settings, keep_flo
     """The activations the build quantizes: the inputs of the quantized ops (and their
     outputs where the backend quantizes outputs) that the table holds."""
     initializers = {t.name for t in model.graph.initializer}
+    graph_outputs = {o.name for o in model.graph.output}
     found = []
     for node in model.graph.node:
         if node.op_type not in settings.quantize_ops or node.name in keep_float:
             continue
         names = [i for i in node.input[:2] if i and i not in initializers]
-        if settings.quantize_outputs:
-            names += [o for o in node.output[:1] if o]
+        if settings.quantize_outputs:  # not a graph output: the build strips what only rounds the user's output
+            names += [o for o in node.output[:1] if o and o not in graph_outputs]
         found += [n for n in names if n in in_table]
     return list(dict.fromkeys(found))
 

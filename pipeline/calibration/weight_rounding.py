@@ -28,6 +28,7 @@ from onnx import helper, numpy_helper
 
 from pipeline.calibration import bias_correction
 from pipeline.calibration.statistics import BatchRunner
+from pipeline.console import progress_bar
 from pipeline.data import pack
 
 MAX_SAMPLES = 32  # calibration samples whose activations make H
@@ -189,10 +190,12 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
                 "reason": "no calibration samples" if layers else "no quantized op with a constant weight"}
     size = bias_correction.batch_size_for(prepared, [layer.op.source for layer in layers])
     batches = bias_correction.sample_batches(kept, max_samples, size)
-    reference = _hessians(layers, prepared, batches)
-    candidate = onnx.ModelProto()
-    candidate.CopyFrom(quantized)
-    rounded = _apply(layers, candidate, skipped)
+    with progress_bar() as progress:  # a live bar with an ETA on a terminal (docs/verify.md)
+        task = progress.add_task("weight rounding", total=len(batches) + len(layers))
+        reference = _hessians(layers, prepared, batches, lambda: progress.advance(task))
+        candidate = onnx.ModelProto()
+        candidate.CopyFrom(quantized)
+        rounded = _apply(layers, candidate, skipped, lambda: progress.advance(task))
     if judged_on is not None:
         batches = bias_correction.sample_batches(judged_on, bias_correction.MAX_JUDGED, len(batches[0]))
         reference = bias_correction.reference_outputs(prepared, batches)
@@ -206,7 +209,8 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches) -> List[Dict[str, np.ndarray]]:
+def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches, advance=lambda: None
+              ) -> List[Dict[str, np.ndarray]]:
     """Accumulate every layer's H over the batches' fp32 activations; the fp32 outputs."""
     outputs = [o.name for o in prepared.graph.output]
     names = list(dict.fromkeys([*(layer.op.source for layer in layers), *outputs]))
@@ -217,14 +221,16 @@ def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches) -> List[
         for layer in layers:
             layer.accumulate(values[layer.op.source], len(batch))
         reference.append({name: values[name] for name in outputs})
+        advance()
     return reference
 
 
-def _apply(layers: List[_Layer], model: onnx.ModelProto, skipped: Dict[str, str]) -> List[str]:
+def _apply(layers: List[_Layer], model: onnx.ModelProto, skipped: Dict[str, str], advance=lambda: None) -> List[str]:
     """Write each layer's re-rounded int8 weight into ``model``; the ops changed."""
     constants = {t.name: t for t in model.graph.initializer}
     changed = []
     for layer in layers:
+        advance()
         try:
             values = layer.rounded()
         except (ValueError, np.linalg.LinAlgError) as err:

@@ -12,7 +12,7 @@ from pipeline.report.formatting import as_dict, as_list
 from pipeline.report.sections_run import (build_section, calibration_section, data_section, environment_section,
                                           model_section, preflight_section, profile_section, sensitivity_section,
                                           stages_section, tuning_section)
-from pipeline.report.sections_verify import (auto_section, header_section, layerwise_section,
+from pipeline.report.sections_verify import (auto_section, diagnosis_section, header_section, layerwise_section,
                                              recommendations_section, report_title, verification_section)
 
 
@@ -36,6 +36,8 @@ def build_document(report: dict) -> list:
             blocks += layerwise_section(verify["layerwise"])
         if isinstance(verify.get("recommendations"), (list, tuple)):
             blocks += recommendations_section(list(verify["recommendations"]))
+        if isinstance(verify.get("diagnosis"), dict):
+            blocks += diagnosis_section(verify["diagnosis"])
     if isinstance(report.get("profile"), dict):
         blocks += profile_section(report["profile"])
     if isinstance(report.get("stages"), (list, tuple)):

@@ -428,3 +428,21 @@ def recommendations_section(recommendations: list) -> list:
     return [Heading(2, "Recommendations"), Items(texts, css="recommendations")]
 
 
+
+
+def diagnosis_section(diagnosis: dict) -> list:
+    """What a failing verdict's diagnosis ran within its budget, and what the budget cut."""
+    if not diagnosis.get("ran"):
+        return []
+    steps = [s for s in as_list(diagnosis.get("steps")) if isinstance(s, dict)]
+    blocks = [Heading(2, "Diagnosis"),
+              Para(f"{fmt_value(diagnosis.get('seconds'))} s of a {fmt_value(diagnosis.get('budget_seconds'))} s "
+                   f"budget (validation.diagnosis_budget times the check's own time); the check itself was "
+                   f"{fmt_value(diagnosis.get('measurement'))}.")]
+    if steps:
+        blocks.append(Table(["step", "seconds"], [[fmt_value(s.get("step")), fmt_value(s.get("seconds"))]
+                                                  for s in steps]))
+    cut = [str(c) for c in as_list(diagnosis.get("cut"))]
+    if cut:
+        blocks += [Para("Cut by the budget:"), Items(cut)]
+    return blocks
