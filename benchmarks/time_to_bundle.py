@@ -34,7 +34,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from mixed import FILES, MODELS, SHAPES, det_samples, metric_args, nncf_build, rec_samples  # noqa: E402
+from mixed import FILES, MODELS, SHAPES, det_samples, metric_args, rec_samples  # noqa: E402
 
 SIZES = {"rec": (64, 200), "det": (64, 100)}  # (calibration, validation), the issue's
 GOALS = {"auto_vs_nncf": 2.0, "failing_vs_passing_verify": 2.0, "digits_warm_s": 4.0, "rec_search_s": 60.0}
@@ -74,6 +74,16 @@ def verify_seconds(report: dict) -> float:
     return next(s["seconds"] for s in report["stages"] if s["stage"] == "verify")
 
 
+NNCF_RUN = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+from mixed import nncf_build
+calibration = np.load(sys.argv[3])["calibration/x"]
+_, seconds, version = nncf_build(sys.argv[2], calibration, sys.argv[4])
+print(f"{seconds:.3f}", version.replace(" ", "-"))
+"""
+
+
 def model_rows(kind: str, scratch: Path, env: dict) -> dict:
     calibration_size, validation_size = SIZES[kind]
     work = scratch / kind
@@ -100,9 +110,38 @@ def model_rows(kind: str, scratch: Path, env: dict) -> dict:
     seconds, code, report, run = parity(base + ["precision=int8", *PASSING], cwd, env)
     rows["int8 passing"] = {"seconds": seconds, "exit": code, "report": report, "run": run}
     fp32 = rows["int8"]["run"] / "stages" / "convert" / "model.onnx"
-    _, nncf_seconds, version = nncf_build(fp32, calibration, work / "nncf.xml")
-    rows["nncf"] = {"seconds": nncf_seconds, "version": version}
+    started = time.perf_counter()  # cold: in a fresh process, as the parity runs are
+    done = subprocess.run([sys.executable, "-c", NNCF_RUN, str(REPO / "benchmarks"), str(fp32), str(data),
+                           str(work / "nncf.xml")], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"NNCF failed:\n{done.stderr[-2000:]}")
+    quantize_s, version = done.stdout.split()[-2:]
+    rows["nncf"] = {"seconds": float(quantize_s), "process_seconds": time.perf_counter() - started,
+                    "version": version}
+    rows["kernels"] = kernels(rows["int8"]["run"], env)
     return rows
+
+
+KERNELS = """
+import collections, sys, numpy as np, openvino as ov
+core = ov.Core()
+model = core.read_model(sys.argv[1])
+compiled = core.compile_model(model, "CPU", {"PERF_COUNT": True, "INFERENCE_PRECISION_HINT": "f32"})
+request = compiled.create_infer_request()
+request.infer({0: np.zeros(list(compiled.input(0).shape), np.float32)})
+kinds = collections.Counter(i.exec_type for i in request.get_profiling_info() if i.node_type in ("Convolution", "FullyConnected", "MatMul"))
+print(", ".join(f"{k} x{v}" for k, v in kinds.most_common(4)))
+"""
+
+
+def kernels(run: Path, env: dict) -> str:
+    """The kernels OpenVINO executed for the int8 build's convolutions and matmuls: what
+    really dispatched under this ISA."""
+    model = run / "stages" / "build" / "model.xml"
+    if not model.is_file():
+        return "-"
+    found = subprocess.run([sys.executable, "-c", KERNELS, str(model)], capture_output=True, text=True, env=env)
+    return found.stdout.strip() or found.stderr.strip()[-300:]
 
 
 def digits_warm(scratch: Path, env: dict) -> float:
@@ -116,7 +155,12 @@ def print_model(kind: str, rows: dict) -> list:
     auto, int8, passing, nncf = rows["auto"], rows["int8"], rows["int8 passing"], rows["nncf"]
     section = auto["report"].get("auto") or {}
     print(f"\n## {kind}: auto shipped {section.get('chosen')} (exit {auto['exit']}) in {auto['seconds']:.1f} s; "
-          f"NNCF MIXED ({nncf['version']}) quantize {nncf['seconds']:.1f} s")
+          f"NNCF MIXED ({nncf['version']}) quantize {nncf['seconds']:.1f} s ({nncf['process_seconds']:.1f} s "
+          f"with its imports, in a fresh process)")
+    print(f"  int8 build's conv/matmul kernels (OpenVINO): {rows['kernels']}")
+    for row in section.get("candidates", []):
+        print(f"  candidate {row['precision']:<6} {row['verdict'][:40]:<40} cosine {row.get('cosine')} "
+              f"speed-up {(row.get('speedup') or {}).get('speedup')}")
     print(f"  auto stages: {run_stage_seconds(auto['report'])}\n{stage_table(auto['run'])}")
     print(f"  int8 (exit {int8['exit']}) {int8['seconds']:.1f} s: {run_stage_seconds(int8['report'])}")
     print(f"  int8 passing thresholds (exit {passing['exit']}) {passing['seconds']:.1f} s: "
