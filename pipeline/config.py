@@ -368,7 +368,7 @@ class ValidationConfig:
     # A failing verdict's diagnosis (layerwise, advice trials) may take this multiple of the
     # check's own time, and at least diagnosis_min_seconds (docs/verify.md, "Diagnosis budget")
     diagnosis_budget: float = 1.0
-    diagnosis_min_seconds: float = 10.0
+    diagnosis_min_seconds: float = 5.0
     # Speed: fp32, plain int8 and the shipped build timed interleaved in rounds (docs/verify.md).
     min_speedup: Optional[float] = None  # shipped build vs fp32; null: a slow build is a warning only
     timing_rounds: int = 7

@@ -29,6 +29,7 @@ VERSION = 28  # 28: precision.int8_where_faster; 26: the summary counts the ops 
 # 23: a mixed build keeps bias correction only where it does not lower the validation cosine
 # 24: ncnn int8/mixed requantize between int8 convolutions (activation layers folded into them)
 # 25: int8 weights rounded against the calibration inputs (precision.weight_rounding)
+VERSION += 1  # a mixed build's refinements judged on shared validation outputs (bias_correction.Judged)
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -292,8 +293,7 @@ def _quantize(ctx: StageContext):
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
                 "backend_float_ops": by_backend, "slower_in_int8": slower,
                 "gemm_bias_reshaped": reshaped,
-                **{step: _refine(ctx, quantized, keep_float, step, refine_file, nothing)
-                   for step, refine_file, nothing in REFINEMENTS},
+                **_refinements(ctx, quantized, keep_float),
                 "int8_ops": int8_op_count(onnx.load(str(quantized)))}
     return quantized, settings
 
@@ -347,14 +347,27 @@ REFINEMENTS = (("weight_rounding", weight_rounding.round_file, {"ops": []}),
                ("bias_correction", bias_correction.correct_file, {"corrected": {}}))
 
 
-def _refine(ctx: StageContext, quantized: Path, float_ops: List[str], step: str, refine_file, nothing: dict) -> dict:
+def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str]) -> dict:
+    """Every refinement's summary; judged on the validation samples (a mixed build keeping ops
+    float), they share the fp32 outputs and each model's cosine (bias_correction.Judged)."""
+    samples = _judged_on(ctx, float_ops)
+    judged_on = None
+    if samples is not None and any(_refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step)
+                                   for step, _, _ in REFINEMENTS):
+        prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
+        size = bias_correction.batch_size_for(prepared, [o.name for o in prepared.graph.output])
+        judged_on = bias_correction.Judged(prepared, samples, size)
+    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing)
+            for step, refine_file, nothing in REFINEMENTS}
+
+
+def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict) -> dict:
     """precision.<step> on the QDQ model, in place where it brings the outputs closer to fp32
     (pipeline/calibration/weight_rounding.py, bias_correction.py); the build's summary."""
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
         return {"enabled": False}
     label = step.replace("_", " ")
     samples = (sample.feeds for sample in ctx.dataset().calibration)
-    judged_on = _judged_on(ctx, float_ops)
     try:
         summary = refine_file(quantized, ctx.results["calibrate"].path("prepared"), samples, judged_on=judged_on)
     except Exception as err:  # noqa: BLE001 - ONNX Runtime rejects a cut-out op or extra outputs: build without it

@@ -75,7 +75,7 @@ def run(ctx: StageContext) -> StageResult:
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         live = _Live(ctx, deployed, (stack, limits))
         found = _measurement(ctx, live, (output_names, task_output, metric), requested, progress)
-        if found["folder"] is not None:  # none when the target crashed before the last sample
+        if found["folder"] not in (None, ctx.out_dir):  # none when the target crashed before the last sample
             shutil.copyfile(found["folder"] / files["reproduce"], ctx.out_dir / files["reproduce"])
         measured = found["measured"]
         outputs, task, crash = measured["outputs"], measured["task"], measured["crash"]
@@ -135,12 +135,13 @@ class _Live:
         return self.reference, self.target
 
 
-class _Crashed(Exception):
-    """The target crashed during the measurement: its result is the verdict's, never stored."""
+class _NotStored(Exception):
+    """A measurement that depends on the machine's state, not on what the key covers (the
+    target crashed or hung, the device fell back): the verdict's, never stored."""
 
-    def __init__(self, measured: dict):
-        super().__init__("crashed")
-        self.measured = measured
+    def __init__(self, measured: dict, folder: Optional[Path]):
+        super().__init__("not stored")
+        self.measured, self.folder = measured, folder
 
 
 def _measurement(ctx: StageContext, live: _Live, task_of, requested: dict, progress) -> dict:
@@ -151,14 +152,19 @@ def _measurement(ctx: StageContext, live: _Live, task_of, requested: dict, progr
     candidate, a later run) is served from the cache, and only its diagnosis runs."""
     def produce(folder: Path) -> None:
         measured = _measure(ctx, live, task_of, requested, progress, folder / "reproduce.npz")
-        if measured["crash"] is not None:
-            raise _Crashed(measured)
+        _, _, exit_code = _verdict(ctx, measured["outputs"], measured["missing"], measured["task"], requested,
+                                   measured["effective"], measured["samples"], measured["crash"])
+        if measured["crash"] is not None or exit_code == ExitCode.BACKEND:
+            kept = ctx.out_dir / "reproduce.npz"
+            if (folder / "reproduce.npz").is_file():  # the folder is dropped with the exception
+                shutil.copyfile(folder / "reproduce.npz", kept)
+            raise _NotStored(measured, ctx.out_dir if kept.is_file() else None)
         write_json(folder / "measured.json", measured)
 
     try:
         folder, reused = ctx.memo("verify-measurement", _measurement_material(ctx), produce)
-    except _Crashed as crashed:
-        return {"measured": crashed.measured, "folder": None, "reused": False}
+    except _NotStored as unstored:
+        return {"measured": unstored.measured, "folder": unstored.folder, "reused": False}
     if reused:
         log.info("verify: the measurement of this build is served from the cache (same artifact, data, thresholds)")
     return {"measured": read_json(folder / "measured.json"), "folder": folder, "reused": reused}
@@ -657,9 +663,10 @@ def _tried_advice(ctx, backend, live: _Live, advice: List[dict], layers, graph: 
 
     ranked = _screened(ctx, backend, live, found, outputs, budget)
     launch, tried = _trial_launcher(ctx, backend, live.stack, live.limits), list(ranked["failed"])
+    expected = budget.check_seconds + _refinement_seconds(ctx)
     for keep in ranked["order"]:
-        if budget.exhausted():
-            budget.skipped(f"confirming keep_float=[{','.join(keep)}] on the target")
+        if not budget.fits(expected):
+            budget.skipped(f"confirming keep_float=[{','.join(keep)}] on the target", expected)
             continue
         started = time.perf_counter()
         scorer = TaskScorer(metric, task_output) if metric else None
@@ -680,11 +687,19 @@ def _tried_advice(ctx, backend, live: _Live, advice: List[dict], layers, graph: 
     return untouched + found_advice, tried
 
 
+def _refinement_seconds(ctx) -> float:
+    """What the build's weight rounding and bias correction took: a trial built like the
+    build repeats them."""
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    return sum(float((quantization.get(step) or {}).get("seconds") or 0.0)
+               for step in ("weight_rounding", "bias_correction"))
+
+
 def _unconfirmed(ranked: dict, budget: "diagnosis.Budget") -> dict:
     """The advice when the budget ran out before a candidate was confirmed on the target:
     which one would be next, with nothing to apply (it is not measured on the target)."""
-    text = (f"the diagnosis budget ({budget.seconds:.1f} s, validation.diagnosis_budget) ran out before a "
-            "keep-in-float candidate was confirmed on the target")
+    text = (f"the diagnosis budget ({budget.seconds:.1f} s, validation.diagnosis_budget) left no time to "
+            "confirm a keep-in-float candidate on the target")
     if ranked["order"]:
         first = ranked["order"][0]
         text += (f"; the best ranked on the reference runtime, keep_float=[{','.join(first)}] (cosine "

@@ -161,3 +161,36 @@ def _table(prepared: onnx.ModelProto, samples) -> dict:
         onnx.save(prepared, str(path))
         stats = statistics.collect(path, [Sample(str(i), s) for i, s in enumerate(samples)], len(samples), 512, 8, 0)
     return tables.build_table(stats.histograms, "percentile")
+
+
+class _Accuracy:
+    """The mixed model's cosine as a sum of what each float op gives back (what the
+    selection reads of a measurement), counting the whole-model measurements made."""
+
+    def __init__(self, gains: dict, base: float, target: float):
+        self.gains, self.base, self.target, self.calls = gains, base, target, 0
+
+    def __call__(self, table, float_ops):
+        self.calls += 1
+        return {"cosine": self.base + sum(self.gains.get(op, 0.0) for op in float_ops), "metric_drop": None}
+
+    def meets(self, result):
+        return result["cosine"] >= self.target
+
+
+def test_the_selection_finds_the_float_set_in_a_few_measurements():
+    """32 ranked ops, three of which (ranked 5th, 17th and 30th) reach the target together:
+    the prefix is found by doubling and halving and the prune by halves, far fewer
+    measurements than one per op joined and one per op pruned (62)."""
+    from stages.sensitivity import _select_for_target
+
+    ranking = [{"op": f"op{i}", "loss": 1.0 / (i + 1)} for i in range(32)]
+    measure = _Accuracy({"op4": 0.002, "op16": 0.002, "op29": 0.002}, base=0.990, target=0.9959)
+    float_ops, curve = _select_for_target(measure, {}, ranking, 32, {}, {})
+    assert sorted(float_ops) == ["op16", "op29", "op4"]
+    assert measure.meets(measure({}, float_ops))
+    assert measure.calls - 1 <= 30 and [p["float_ops"] for p in curve if p.get("added")][:5] == [1, 2, 4, 8, 16]
+    # never met: the best point measured is kept
+    measure = _Accuracy({"op4": 0.001}, base=0.990, target=0.999)
+    float_ops, curve = _select_for_target(measure, {}, ranking, 32, {}, {})
+    assert "op4" in float_ops and curve[-1].get("kept_best")

@@ -93,7 +93,8 @@ def broken_table(tmp_path_factory):
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
 def test_a_clipped_int8_threshold_is_named_as_the_first_divergence(broken_table, target):
     root, table = broken_table
-    result, _, report = run_with_valid_report(["precision=int8", f"target={target}", f"calibration.table={table}"],
+    result, _, report = run_with_valid_report(["precision=int8", f"target={target}", f"calibration.table={table}",
+                                               "validation.diagnosis_min_seconds=60"],
                                               root, returncode=3)
     layers = report["verify"]["layerwise"]
     assert layers["ran"] and layers["reason"] == "the verdict failed"

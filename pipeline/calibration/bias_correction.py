@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hashlib
 import time
 from typing import Dict, Iterable, List, Optional
 
@@ -103,16 +104,45 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
         else:
             corrected[op.node.name] = round(float(np.abs(op.shift).max()), 6)
     if judged_on is not None:
-        batches = sample_batches(judged_on, MAX_JUDGED, batch_size_for(prepared, [op.source for op in ops]))
-        reference = reference_outputs(prepared, batches)
-    without, with_ = (output_cosine(model, batches, reference) for model in (quantized, candidate))
+        on = judged(prepared, judged_on, [op.source for op in ops])
+        without, with_, count = on.cosine(quantized), on.cosine(candidate), on.count
+    else:
+        without, with_ = (output_cosine(model, batches, reference) for model in (quantized, candidate))
+        count = sum(len(b) for b in batches)
     applied = bool(corrected) and with_ >= without
     if applied:
         quantized.CopyFrom(candidate)
-    return {"enabled": True, "applied": applied, "samples": sum(len(b) for b in batches),
+    return {"enabled": True, "applied": applied, "samples": count,
             "output_cosine": {"without": round(without, 6), "with": round(with_, 6)},
             "corrected": corrected if applied else {}, "measured": corrected, "skipped": skipped,
             "seconds": round(time.perf_counter() - started, 3)}
+
+
+class Judged:
+    """Samples a refinement is judged on, with the fp32 outputs computed once and each
+    model's output cosine remembered by its bytes: the build's refinements share it (the
+    second's model without it is the first's result), so the samples run through the fp32
+    model once and through each distinct model once."""
+
+    def __init__(self, prepared: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]], size: int):
+        self.batches = sample_batches(samples, MAX_JUDGED, size)
+        self.reference = reference_outputs(prepared, self.batches) if self.batches else []
+        self._cosines: Dict[str, float] = {}
+
+    @property
+    def count(self) -> int:
+        return sum(len(batch) for batch in self.batches)
+
+    def cosine(self, model: onnx.ModelProto) -> float:
+        key = hashlib.sha256(model.SerializeToString()).hexdigest()
+        if key not in self._cosines:
+            self._cosines[key] = output_cosine(model, self.batches, self.reference)
+        return self._cosines[key]
+
+
+def judged(prepared: onnx.ModelProto, judged_on, sources: List[str]) -> "Judged":
+    """``judged_on`` as a Judged (built here from samples, or shared by the caller)."""
+    return judged_on if isinstance(judged_on, Judged) else Judged(prepared, judged_on, batch_size_for(prepared, sources))
 
 
 def sample_batches(samples: Iterable[Dict[str, np.ndarray]], max_samples: int, size: int) -> List[List[Dict[str, np.ndarray]]]:

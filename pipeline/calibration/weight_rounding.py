@@ -196,10 +196,11 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
         candidate = onnx.ModelProto()
         candidate.CopyFrom(quantized)
         rounded = _apply(layers, candidate, skipped, lambda: progress.advance(task))
-    if judged_on is not None:
-        batches = bias_correction.sample_batches(judged_on, bias_correction.MAX_JUDGED, len(batches[0]))
-        reference = bias_correction.reference_outputs(prepared, batches)
-    without, with_ = (bias_correction.output_cosine(model, batches, reference) for model in (quantized, candidate))
+    if judged_on is not None:  # validation samples, shared with bias correction (bias_correction.Judged)
+        on = bias_correction.judged(prepared, judged_on, [layer.op.source for layer in layers])
+        without, with_ = on.cosine(quantized), on.cosine(candidate)
+    else:
+        without, with_ = (bias_correction.output_cosine(model, batches, reference) for model in (quantized, candidate))
     applied = bool(rounded) and (with_ > without or not only_if_closer)
     if applied:
         quantized.CopyFrom(candidate)
