@@ -32,7 +32,7 @@ VERSION = 12  # 9: metric_drop (the metric group) replaces top1_drop; 10: latenc
 # target defaults to verify's thresholds; 11: ops ranked by cosine and task-metric budget spent;
 # 12: the backend's float op kinds and precision.keep_float float in every measured model, not ranked
 VERSION += 1  # fake quantization with the build's own zero points (quantize.scale_and_zero_point); costs stored;
-# the selection's prefix found by doubling and halving, the prune by halves, not one measurement per op
+# the selection's prefix found by doubling and halving, not one measurement per op joined
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -402,30 +402,21 @@ def _joining_order(ranking, max_float_ops: int, costs: dict, neighbours: Dict[st
 
 
 def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, costs: dict, curve: List[dict]):
-    """Drop what can go while the target is still met: each half of the float set (costliest
-    first with costs, else the last joined first) is tried as one removal, and a half that
-    cannot go is split in two and tried again, down to single ops. Where most ops can go
-    back to int8 together (PP-OCRv4 rec: 20 of 32), that is far fewer whole-model
-    measurements than one per op; where none can, at most twice as many. (float ops, curve)"""
+    """Drop every op whose removal still meets the target, one at a time (costliest first
+    with costs, else the last joined first). Removing halves at once was tried: on PP-OCRv4
+    rec most halves failed together and it took more measurements than this (42 vs 30,
+    docs/sensitivity.md). (float ops, curve)"""
     order = (sorted(float_ops, key=lambda op: -costs.get(op, 0.0)) if costs
              else list(reversed(float_ops[:-1])))
-    middle = (len(order) + 1) // 2
-    pending = [order[:middle], order[middle:]]
-    while pending:
-        group = [op for op in pending.pop(0) if op in float_ops]
-        trial = [o for o in float_ops if o not in group]
-        if not group or not trial:
-            continue
+    for op in order:
+        trial = [o for o in float_ops if o != op]
         result = measure(table, trial)
         if measure.meets(result):
             float_ops, current = trial, result
-            curve.append({"float_ops": len(float_ops), "removed": ",".join(group),
-                          "cost_ms": latency.estimate_ms(float_ops, costs), **result})
-        elif len(group) > 1:
-            half = (len(group) + 1) // 2
-            pending[:0] = [group[:half], group[half:]]
+            curve.append({"float_ops": len(float_ops), "removed": op, "cost_ms": latency.estimate_ms(float_ops, costs),
+                          **result})
         else:
-            curve.append({"float_ops": len(float_ops), "kept": group[0], "gain": current["cosine"] - result["cosine"],
+            curve.append({"float_ops": len(float_ops), "kept": op, "gain": current["cosine"] - result["cosine"],
                           **{f"without_{k}": v for k, v in result.items()}})
     return float_ops, curve
 

@@ -180,8 +180,7 @@ class _Accuracy:
 
 def test_the_selection_finds_the_float_set_in_a_few_measurements():
     """32 ranked ops, three of which (ranked 5th, 17th and 30th) reach the target together:
-    the prefix is found by doubling and halving and the prune by halves, far fewer
-    measurements than one per op joined and one per op pruned (62)."""
+    the prefix is found by doubling and halving (10 measurements, not 30), then pruned."""
     from stages.sensitivity import _select_for_target
 
     ranking = [{"op": f"op{i}", "loss": 1.0 / (i + 1)} for i in range(32)]
@@ -189,7 +188,8 @@ def test_the_selection_finds_the_float_set_in_a_few_measurements():
     float_ops, curve = _select_for_target(measure, {}, ranking, 32, {}, {})
     assert sorted(float_ops) == ["op16", "op29", "op4"]
     assert measure.meets(measure({}, float_ops))
-    assert measure.calls - 1 <= 30 and [p["float_ops"] for p in curve if p.get("added")][:5] == [1, 2, 4, 8, 16]
+    added = [p["float_ops"] for p in curve if p.get("added")]
+    assert added[:5] == [1, 2, 4, 8, 16] and len(added) <= 11 and max(added) == 32
     # never met: the best point measured is kept
     measure = _Accuracy({"op4": 0.001}, base=0.990, target=0.999)
     float_ops, curve = _select_for_target(measure, {}, ranking, 32, {}, {})
