@@ -51,7 +51,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
     for name in cfg.pipeline.stages:
         stage = stages.load(name)
         out_dir = outcome.run_dir / "stages" / name
-        ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records, cache_root)
+        ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records, cache_root, output_hashes)
         started = time.perf_counter()
         key = _stage_key(stage, ctx, _inputs_of(stage, outcome.results, output_hashes)) \
             if cache_root and stage.CACHEABLE else None

@@ -51,6 +51,9 @@ class StageContext:
     results: Dict[str, StageResult]  # earlier stages of this run, by name
     records: List[dict]  # timing records of earlier stages
     cache_root: Optional[Path] = None  # the stage cache, when enabled
+    # each earlier stage's files and their sha256 (result.json left out), as the runner
+    # hashed them for the cache keys; empty without a cache
+    output_hashes: Dict[str, dict] = field(default_factory=dict)
 
     def dataset(self):
         """The run's calibration and validation data, checked against the converted model's inputs."""

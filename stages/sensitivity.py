@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from pipeline import backends, environment
-from pipeline.artifacts import read_json, sha256_file, write_json
+from pipeline.artifacts import read_json, write_json
 from pipeline.config import plain
 from pipeline.calibration import sensitivity as search
 from pipeline.calibration import latency, tables
@@ -192,7 +192,8 @@ def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dic
 
     # timed once per model, placement, target and machine: a rerun (another metric, goal or
     # candidate) reuses the times instead of taking new ones under another load
-    material = {"model": sha256_file(ctx.results["calibrate"].path("prepared")), "qdq": _settings(cfg),
+    calibrate = ctx.results["calibrate"]
+    material = {"model": ctx.output_hashes.get("calibrate", {}).get(calibrate.files["prepared"]), "qdq": _settings(cfg),
                 "always_float": sorted(measure.always_float), "target": plain(cfg.target), "ops": sorted(ops),
                 "machine": environment.fingerprint(), "runtimes": environment.versions(), "data": plain(cfg.data)}
     folder, reused = ctx.memo("op-costs", plain(material), produce)

@@ -16,14 +16,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
 import yaml
 
 from pipeline import backends, diagnosis, environment, layerwise, speed, trials, truth as float64, tuning, verdict
-from pipeline.artifacts import hash_files, hash_tree, read_json, write_json, write_npz
+from pipeline.artifacts import hash_files, read_json, write_json, write_npz
 from pipeline.config import Layerwise, plain
 from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, first_line
@@ -74,7 +74,7 @@ def run(ctx: StageContext) -> StageResult:
     layers = None
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         live = _Live(ctx, deployed, (stack, limits))
-        found = _measurement(ctx, live, (output_names, task_output, metric), requested, progress)
+        found = _measurement(ctx, live, dataset, (output_names, task_output, metric), requested, progress)
         if found["folder"] not in (None, ctx.out_dir):  # none when the target crashed before the last sample
             shutil.copyfile(found["folder"] / files["reproduce"], ctx.out_dir / files["reproduce"])
         measured = found["measured"]
@@ -144,14 +144,14 @@ class _NotStored(Exception):
         self.measured, self.folder = measured, folder
 
 
-def _measurement(ctx: StageContext, live: _Live, task_of, requested: dict, progress) -> dict:
+def _measurement(ctx: StageContext, live: _Live, dataset, task_of, requested: dict, progress) -> dict:
     """The reference, the target and the baselines on the validation set, judged against the
     thresholds ({"measured", "folder" holding reproduce.npz, "reused"}). Stored by what it
     depends on (the artifact's files, the reference, data, thresholds, runtimes, machine), not
     by the run's diagnosis settings: the same build verified again (precision=auto's shipped
     candidate, a later run) is served from the cache, and only its diagnosis runs."""
     def produce(folder: Path) -> None:
-        measured = _measure(ctx, live, task_of, requested, progress, folder / "reproduce.npz")
+        measured = _measure(ctx, live, dataset, task_of, requested, progress, folder / "reproduce.npz")
         _, _, exit_code = _verdict(ctx, measured["outputs"], measured["missing"], measured["task"], requested,
                                    measured["effective"], measured["samples"], measured["crash"])
         if measured["crash"] is not None or exit_code == ExitCode.BACKEND:
@@ -171,15 +171,14 @@ def _measurement(ctx: StageContext, live: _Live, task_of, requested: dict, progr
 
 
 def _measurement_material(ctx: StageContext) -> dict:
-    """What the measurement depends on: the files that run (artifact, reference, the
-    baselines' sources), the settings they run with, the validation data and thresholds."""
+    """What the measurement depends on: the files that run (the artifact, build's or tune's;
+    the reference and the baselines' sources, convert's and calibrate's), hashed once by the
+    runner, the settings they run with, the validation data and thresholds."""
     validation = ctx.cfg.validation.judged()
-    sources = {name: hash_tree(result.out_dir) for name, result in ctx.results.items()
-               if name in ("convert", "calibrate")}
-    artifact = deployable(ctx.results)
+    files = {name: ctx.output_hashes[name] for name in ("convert", "calibrate", "build", "tune")
+             if name in ctx.output_hashes}
     return {"version": VERSION, "runtimes": environment.versions(), "machine": environment.fingerprint(),
-            "artifact": {k: v for k, v in hash_tree(artifact.out_dir).items() if k != "result.json"},
-            "sources": {name: {k: v for k, v in tree.items() if k != "result.json"} for name, tree in sources.items()},
+            "files": files,
             "config": plain({"validation": validation, "data": ctx.cfg.data, "target": ctx.cfg.target,
                              "precision": ctx.cfg.precision, "metric": ctx.cfg.metric}),
             "build": (ctx.results["build"].summary.get("quantization") or {}).get("float_ops"),
@@ -187,10 +186,10 @@ def _measurement_material(ctx: StageContext) -> dict:
             "external": list(hash_files(external_files(ctx)).values())}
 
 
-def _measure(ctx: StageContext, live: _Live, task_of, requested: dict, progress, reproduce: Path) -> dict:
+def _measure(ctx: StageContext, live: _Live, dataset, task_of, requested: dict, progress, reproduce: Path) -> dict:
     """One measurement (see _measurement) with its seconds: what the diagnosis budget scales."""
     started = time.perf_counter()
-    cfg, dataset, (output_names, task_output, metric) = ctx.cfg, ctx.dataset(), task_of
+    cfg, (output_names, task_output, metric) = ctx.cfg, task_of
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
                    cfg.precision.kind)
     ran = _compare(ctx, live, check, dataset, progress, reproduce)
@@ -236,8 +235,6 @@ def _task_output(cfg, output_names: List[str]):
 class _Ran:
     """What the side-by-side run of the reference, the target and the baselines gave."""
 
-    reference: Optional[BackendWorker] = None
-    target: Optional[BackendWorker] = None
     effective: dict = field(default_factory=dict)
     comparison: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
@@ -251,15 +248,13 @@ def _compare(ctx: StageContext, live: _Live, check: "_Check", dataset, progress,
     backend, build = live.deployed[0], ctx.results["build"]
     try:
         live.launch()
-        ran.reference, ran.target = live.reference, live.target
         baselines = _baselines(ctx, backend, live.stack, live.limits)  # fp32 (and plain int8 for mixed) side by side
-        live.workers()
+        reference, target = live.workers()
         for row in baselines.values():
             row.wait_loaded()
-        check.run(ran.reference, ran.target, baselines, dataset, progress, reproduce,
-                  f"verify {cfg.target.name}")
-        ran.effective = ran.target.effective()
-        rows = {**baselines, cfg.precision.kind: _Row(ran.target, build.summary.get("bytes"), check.stats)}
+        check.run(reference, target, baselines, dataset, progress, reproduce, f"verify {cfg.target.name}")
+        ran.effective = target.effective()
+        rows = {**baselines, cfg.precision.kind: _Row(target, build.summary.get("bytes"), check.stats)}
         ran.comparison, ran.timing = _side_by_side(rows, check.last, cfg.precision.kind, backend.NAME,
                                                    cfg.validation)
     except BackendCrashed as err:
@@ -661,8 +656,9 @@ def _tried_advice(ctx, backend, live: _Live, advice: List[dict], layers, graph: 
                                       None, cfg.validation.fail_on_float_fallback, (*already, *build.split(",")))
         return reasons, min(o["metrics"]["cosine"] for o in judged), measured_task
 
-    ranked = _screened(ctx, backend, live, found, outputs, budget)
-    launch, tried = _trial_launcher(ctx, backend, live.stack, live.limits), list(ranked["failed"])
+    qdq = None if backends.own_quantizer(backend, cfg.precision.kind) else _qdq_maker(ctx, backend, live.stack)
+    ranked = _screened(ctx, live, qdq, found, (outputs, dataset), budget)
+    launch, tried = _trial_launcher(ctx, backend, qdq, live), list(ranked["failed"])
     expected = budget.check_seconds + _refinement_seconds(ctx)
     for keep in ranked["order"]:
         if not budget.fits(expected):
@@ -708,27 +704,20 @@ def _unconfirmed(ranked: dict, budget: "diagnosis.Budget") -> dict:
                                                                             "a larger multiple"}}
 
 
-def _screened(ctx, backend, live: _Live, found: List[List[str]], outputs: List[dict],
-              budget: "diagnosis.Budget") -> dict:
+def _screened(ctx, live: _Live, qdq, found: List[List[str]], judged: tuple, budget: "diagnosis.Budget") -> dict:
     """The candidates ranked by output cosine of their plain Q/DQ models on the reference
     runtime over trials.SCREEN_SAMPLES validation samples ({"order", "cosine", "failed"}); a
     runtime with its own quantizer (MNN) builds no Q/DQ model: the order stays as found."""
-    if backends.own_quantizer(backend, ctx.cfg.precision.kind) or len(found) < 2:
+    if qdq is None or len(found) < 2:
         return {"order": found, "cosine": {}, "failed": []}
     started = time.perf_counter()
-    calibrate = ctx.results["calibrate"]
-    source = ctx.results["sensitivity"] if ctx.cfg.precision.kind == "mixed" else calibrate
-    table = read_json(source.path("table"))["tensors"]
-    settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
-    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
-    scratch = Path(live.stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-screen-")))
-    feeds = [sample.feeds for _, sample in zip(range(trials.SCREEN_SAMPLES), ctx.dataset().validation)]
+    outputs, dataset = judged  # the build's judged outputs (their thresholds), the run's data
+    feeds = [sample.feeds for _, sample in zip(range(trials.SCREEN_SAMPLES), dataset.validation)]
 
     def worker(keep: List[str]) -> BackendWorker:
-        path = scratch / f"screen{len(list(scratch.glob('*.onnx')))}.onnx"
-        build_qdq(calibrate.path("prepared"), table, path, settings, keep_float=[*float_ops, *keep])
-        return _loaded(_launch(live.stack, REFERENCE_MODULE, scratch, {**reference_settings(ctx.results["convert"]),
-                                                                        "model": path.name},
+        path = qdq(keep)
+        return _loaded(_launch(live.stack, REFERENCE_MODULE, path.parent, {**reference_settings(ctx.results["convert"]),
+                                                                            "model": path.name},
                                f"screen keep_float=[{','.join(keep)}]", live.limits))
 
     needed = [o["thresholds"]["min_cosine"] for o in outputs if o["thresholds"].get("min_cosine") is not None]
@@ -739,31 +728,47 @@ def _screened(ctx, backend, live: _Live, found: List[List[str]], outputs: List[d
     return ranked
 
 
-def _trial_launcher(ctx, backend, stack, limits):
+def _trial_launcher(ctx, backend, qdq, live: _Live):
     """keep_float -> a loaded worker running the build with those ops (and the build's own
     float ops) in float, made as the build stage makes it: the same quantizer, table,
     settings and bias correction (a rerun with precision.keep_float gets this model)."""
-    precision = ctx.cfg.precision
-    calibrate = ctx.results["calibrate"]
-    source = ctx.results["sensitivity"] if precision.kind == "mixed" else calibrate
-    table = read_json(source.path("table"))["tensors"]
-    settings = QdqSettings.resolve(precision, backend.NAME)
-    quantization = ctx.results["build"].summary["quantization"]
-    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
+    precision, stack, limits = ctx.cfg.precision, live.stack, live.limits
+    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
 
     def launch(keep: List[str]):
         label = f"advice keep_float=[{','.join(keep)}]"
-        if backends.own_quantizer(backend, precision.kind):  # as the build: the runtime's quantizer
+        if qdq is None:  # as the build: the runtime's quantizer
             worker, _ = _built_worker(ctx, backend, stack, limits, None, None, precision.kind, label,
-                                      [*quantization["float_ops"], *keep])
+                                      [*float_ops, *keep])
             return _loaded(worker)
-        path = scratch / f"trial{len(list(scratch.iterdir()))}.onnx"
-        build_qdq(calibrate.path("prepared"), table, path, settings, keep_float=[*quantization["float_ops"], *keep])
+        path = qdq(keep)
+        path = shutil.copyfile(path, path.with_name(f"refined-{path.name}"))  # the screened model stays as it was
         _correct_like_the_build(ctx, path)
         worker, _ = _built_worker(ctx, backend, stack, limits, path, None, precision.kind, label)
         return _loaded(worker)
 
     return launch
+
+
+def _qdq_maker(ctx, backend, stack):
+    """keep_float -> the path of the build's plain Q/DQ model (its table, settings and own
+    float ops) with those ops float too, made once per keep_float (screening ranks it,
+    confirming refines a copy of it), in a scratch folder the stack removes."""
+    calibrate = ctx.results["calibrate"]
+    source = ctx.results["sensitivity"] if ctx.cfg.precision.kind == "mixed" else calibrate
+    table = read_json(source.path("table"))["tensors"]
+    settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
+    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
+    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
+    made: Dict[tuple, Path] = {}
+
+    def make(keep: List[str]) -> Path:
+        if tuple(keep) not in made:
+            made[tuple(keep)] = scratch / f"model{len(made)}.onnx"
+            build_qdq(calibrate.path("prepared"), table, made[tuple(keep)], settings, keep_float=[*float_ops, *keep])
+        return made[tuple(keep)]
+
+    return make
 
 
 def _correct_like_the_build(ctx, quantized: Path) -> None:

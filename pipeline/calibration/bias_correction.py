@@ -70,7 +70,7 @@ MAX_JUDGED = 256  # judged_on samples compared with and without the correction
 
 
 def correct_file(quantized_path: Path, prepared_path: Path, samples: Iterable[Dict[str, np.ndarray]],
-                 judged_on: Optional[Iterable[Dict[str, np.ndarray]]] = None) -> dict:
+                 judged_on: Optional["Judged"] = None) -> dict:
     """``correct`` on a QDQ model file, rewritten in place: how every int8 model parity
     builds from a table (the build, verify's INT8 baseline, tried advice) gets its biases."""
     model = onnx.load(str(quantized_path))
@@ -80,9 +80,10 @@ def correct_file(quantized_path: Path, prepared_path: Path, samples: Iterable[Di
 
 
 def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]],
-            max_samples: int = MAX_SAMPLES, judged_on: Optional[Iterable[Dict[str, np.ndarray]]] = None) -> dict:
+            max_samples: int = MAX_SAMPLES, judged_on: Optional["Judged"] = None) -> dict:
     """Correct the biases of ``quantized`` (built from ``prepared``) in place, when that
-    brings the model's outputs closer to fp32 on the samples, or on ``judged_on`` when given
+    brings the model's outputs closer to fp32 on the samples, or on ``judged_on`` (validation
+    samples with their fp32 outputs, shared by the build's refinements) when given
     (it does not on every model: docs/calibration.md). Returns the summary the build
     records: per corrected op the largest |shift|, the ops skipped, and the output cosine
     with and without."""
@@ -104,8 +105,7 @@ def correct(quantized: onnx.ModelProto, prepared: onnx.ModelProto, samples: Iter
         else:
             corrected[op.node.name] = round(float(np.abs(op.shift).max()), 6)
     if judged_on is not None:
-        on = judged(prepared, judged_on, [op.source for op in ops])
-        without, with_, count = on.cosine(quantized), on.cosine(candidate), on.count
+        without, with_, count = judged_on.cosine(quantized), judged_on.cosine(candidate), judged_on.count
     else:
         without, with_ = (output_cosine(model, batches, reference) for model in (quantized, candidate))
         count = sum(len(b) for b in batches)
@@ -138,11 +138,6 @@ class Judged:
         if key not in self._cosines:
             self._cosines[key] = output_cosine(model, self.batches, self.reference)
         return self._cosines[key]
-
-
-def judged(prepared: onnx.ModelProto, judged_on, sources: List[str]) -> "Judged":
-    """``judged_on`` as a Judged (built here from samples, or shared by the caller)."""
-    return judged_on if isinstance(judged_on, Judged) else Judged(prepared, judged_on, batch_size_for(prepared, sources))
 
 
 def sample_batches(samples: Iterable[Dict[str, np.ndarray]], max_samples: int, size: int) -> List[List[Dict[str, np.ndarray]]]:

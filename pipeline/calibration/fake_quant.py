@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.calibration.sensitivity import fake_quantize_weight
 from pipeline.quantize import scale_and_zero_point
 
 
@@ -91,8 +92,9 @@ def _quantized_tensors(model: onnx.ModelProto, in_table: set, settings, keep_flo
 
 
 def _fake_quantize_weights(model: onnx.ModelProto, settings, keep_float: set) -> None:
-    """Each quantized op's weight initializer rounded to int8 and back, symmetric per output
-    channel (per tensor without per_channel), 7-bit where the build reduces the range."""
+    """Each quantized op's weight initializer rounded to int8 and back as the mixed search
+    does it (sensitivity.fake_quantize_weight: symmetric per output channel, 7-bit where
+    the build reduces the range)."""
     initializers = {t.name: t for t in model.graph.initializer}
     done = set()
     for node in model.graph.node:
@@ -101,15 +103,7 @@ def _fake_quantize_weights(model: onnx.ModelProto, settings, keep_float: set) ->
         weight = initializers.get(node.input[1])
         if weight is None or weight.name in done or weight.data_type != TensorProto.FLOAT:
             continue
-        values = numpy_helper.to_array(weight)
-        axis = 1 if node.op_type in ("ConvTranspose", "MatMul", "Gemm") and values.ndim >= 2 else 0
-        if node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute):
-            axis = 0
-        limit = 63.0 if settings.reduce_range else 127.0
-        peak = np.abs(values).max(axis=tuple(a for a in range(values.ndim) if a != axis), keepdims=True) \
-            if settings.per_channel and values.ndim > 1 else np.abs(values).max()
-        scale = np.where(peak > 0, peak / limit, 1.0)
-        rounded = (np.clip(np.round(values / scale), -limit, limit) * scale).astype(values.dtype)
+        rounded = fake_quantize_weight(numpy_helper.to_array(weight), node, settings)
         weight.CopyFrom(numpy_helper.from_array(rounded, weight.name))
         done.add(weight.name)
 

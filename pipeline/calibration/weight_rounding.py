@@ -164,7 +164,7 @@ def _inverse_factor(hessian: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 def round_file(quantized_path, prepared_path, samples: Iterable[Dict[str, np.ndarray]],
-               judged_on: Optional[Iterable[Dict[str, np.ndarray]]] = None) -> dict:
+               judged_on: Optional["bias_correction.Judged"] = None) -> dict:
     """``round_weights`` on a QDQ model file, rewritten in place when the rounding is kept."""
     model = onnx.load(str(quantized_path))
     summary = round_weights(model, onnx.load(str(prepared_path)), samples, judged_on=judged_on)
@@ -175,9 +175,10 @@ def round_file(quantized_path, prepared_path, samples: Iterable[Dict[str, np.nda
 
 def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
                   samples: Iterable[Dict[str, np.ndarray]], max_samples: int = MAX_SAMPLES,
-                  only_if_closer: bool = True, judged_on: Optional[Iterable[Dict[str, np.ndarray]]] = None) -> dict:
+                  only_if_closer: bool = True, judged_on: Optional["bias_correction.Judged"] = None) -> dict:
     """Re-round the int8 weights of ``quantized`` (built from ``prepared``) in place, when
-    that brings its outputs closer to fp32 on the samples (on ``judged_on`` when given).
+    that brings its outputs closer to fp32 on the samples (on ``judged_on``, a
+    bias_correction.Judged, when given).
     Returns the build's summary."""
     started = time.perf_counter()
     ops, skipped = bias_correction.quantized_ops(quantized, prepared)
@@ -196,9 +197,8 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
         candidate = onnx.ModelProto()
         candidate.CopyFrom(quantized)
         rounded = _apply(layers, candidate, skipped, lambda: progress.advance(task))
-    if judged_on is not None:  # validation samples, shared with bias correction (bias_correction.Judged)
-        on = bias_correction.judged(prepared, judged_on, [layer.op.source for layer in layers])
-        without, with_ = on.cosine(quantized), on.cosine(candidate)
+    if judged_on is not None:  # validation samples, shared with bias correction
+        without, with_ = judged_on.cosine(quantized), judged_on.cosine(candidate)
     else:
         without, with_ = (bias_correction.output_cosine(model, batches, reference) for model in (quantized, candidate))
     applied = bool(rounded) and (with_ > without or not only_if_closer)
