@@ -33,16 +33,29 @@ def _conv(x: np.ndarray, w: np.ndarray, **attributes) -> np.ndarray:
     ({"pads": [1, 2, 1, 0], "strides": [2, 1], "dilations": [1, 2], "group": 2}, 4, 2),
     ({"pads": [1, 1, 1, 1], "group": 6}, 6, 6),  # depthwise
 ])
-def test_patches_reproduce_the_convolution(monkeypatch, attributes, channels, groups):
-    monkeypatch.setattr(weight_rounding, "MAX_ROWS", 10**9)  # every output position, in order
+def test_columns_reproduce_the_convolution(attributes, channels, groups):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1, channels, 9, 11)).astype(np.float32)
     w = rng.normal(size=(6, channels // groups, 3, 3)).astype(np.float32)
     expected = _conv(x, w, **attributes)
-    patches = weight_rounding._conv_patches(x, attributes, w.shape, groups)
+    columns = weight_rounding._conv_columns(x, attributes, w.shape, groups, 10**9)  # every position, in order
     per_group = w.reshape(groups, 6 // groups, -1)
-    computed = np.concatenate([patches[g] @ per_group[g].T for g in range(groups)], axis=1)
-    assert np.allclose(computed.T.reshape(expected.shape), expected, atol=1e-4)
+    computed = np.concatenate([per_group[g] @ columns[g] for g in range(groups)], axis=0)
+    assert np.allclose(computed.reshape(expected.shape), expected, atol=1e-4)
+
+
+def test_columns_stride_the_positions_evenly():
+    """At most about ``rows`` output positions per sample, picked on both axes: each picked
+    column is the convolution's input patch at that position."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(1, 3, 10, 12)).astype(np.float32)
+    w = rng.normal(size=(4, 3, 3, 3)).astype(np.float32)
+    attributes = {"pads": [1, 1, 1, 1]}
+    expected = _conv(x, w, **attributes)[0]  # [4, 10, 12]
+    columns = weight_rounding._conv_columns(x, attributes, w.shape, 1, 14)  # 120 positions: every 3rd
+    assert columns.shape == (1, 27, 4 * 4)  # every 3rd row and column of the 10x12 grid
+    computed = (w.reshape(4, -1) @ columns[0]).reshape(4, 4, 4)
+    assert np.allclose(computed, expected[:, ::3, ::3], atol=1e-4)
 
 
 def test_compensated_rounding_lowers_the_output_error_on_correlated_inputs():

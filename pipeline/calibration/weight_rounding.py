@@ -23,7 +23,6 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 import onnx
-from numpy.lib.stride_tricks import sliding_window_view
 from onnx import helper, numpy_helper
 
 from pipeline.calibration import bias_correction
@@ -33,7 +32,9 @@ from pipeline.data import pack
 
 MAX_SAMPLES = 32  # calibration samples whose activations make H
 MAX_ROWS = 1024  # input rows (output positions) per sample and op, evenly strided
+ROWS_PER_COLUMN = 32  # ... and no more than this many per column of the op's patch (H is columns x columns)
 DAMPING = 0.01  # of H's mean diagonal, added to its diagonal (GPTQ's default)
+BLOCK = 128  # columns rounded per block before the later columns are updated (GPTQ's)
 
 
 def unsupported(op) -> Optional[str]:
@@ -82,18 +83,22 @@ class _Layer:
 
     def accumulate(self, activation: np.ndarray, samples: int) -> None:
         """Add this batch's input patches to H = X^T X (per group)."""
-        patches = self._patches(activation, samples)
-        hessian = np.matmul(patches.transpose(0, 2, 1), patches).astype(np.float64)
+        columns = self._columns(activation, samples)
+        hessian = np.matmul(columns, columns.transpose(0, 2, 1)).astype(np.float64)
         self.hessian = hessian if self.hessian is None else self.hessian + hessian
-        self.rows += patches.shape[1]
+        self.rows += columns.shape[2]
 
-    def _patches(self, activation: np.ndarray, samples: int) -> np.ndarray:
-        """[groups, rows, in per group] float32, at most MAX_ROWS rows per sample."""
+    def _columns(self, activation: np.ndarray, samples: int) -> np.ndarray:
+        """The input patches as columns: [groups, in per group, rows] float32, at most
+        MAX_ROWS rows per sample and ROWS_PER_COLUMN per column (a depthwise 5x5 has 25
+        columns: 800 rows per sample estimate its 25 x 25 H well enough; 8 per column lost
+        PP-OCRv4 det's gain, docs/time.md)."""
+        limit = min(MAX_ROWS, ROWS_PER_COLUMN * self.matrix(self.float_weight).shape[2])
         if self.node.op_type != "Conv":
             rows = activation.reshape(-1, activation.shape[-1])
-            return _strided(rows, MAX_ROWS * samples)[None].astype(np.float32)
-        return np.concatenate([_conv_patches(sample, self.attributes, self.float_weight.shape, self.groups)
-                               for sample in np.split(activation, samples)], axis=1)
+            return _strided(rows, limit * samples).T[None].astype(np.float32, copy=False)
+        return np.concatenate([_conv_columns(sample, self.attributes, self.float_weight.shape, self.groups, limit)
+                               for sample in np.split(activation, samples)], axis=2)
 
     def rounded(self) -> Optional[np.ndarray]:
         """The int8 weight rounded against H, in the built weight's layout; None without H."""
@@ -111,9 +116,12 @@ def _strided(rows: np.ndarray, limit: int) -> np.ndarray:
     return rows[::step]
 
 
-def _conv_patches(sample: np.ndarray, attributes: dict, weight_shape, groups: int) -> np.ndarray:
-    """im2col of one [1, C, H, W] sample: [groups, positions, C/groups * kh * kw], the
-    columns in the weight's (channel, kh, kw) order; positions evenly strided."""
+def _conv_columns(sample: np.ndarray, attributes: dict, weight_shape, groups: int, rows: int) -> np.ndarray:
+    """im2col of one [1, C, H, W] sample as columns: [groups, C/groups * kh * kw, positions],
+    in the weight's (channel, kh, kw) order; output positions evenly strided on both axes
+    to at most about ``rows``.
+    Built from one strided slice of the input per kernel offset: a depthwise 5x5's
+    sliding-window copy took most of the rounding's time (PP-OCRv4 rec)."""
     kernel = weight_shape[2:]
     if len(kernel) != 2:
         raise ValueError(f"{len(kernel)}-D convolution")
@@ -121,30 +129,42 @@ def _conv_patches(sample: np.ndarray, attributes: dict, weight_shape, groups: in
     strides, dilations = attributes.get("strides", [1, 1]), attributes.get("dilations", [1, 1])
     padded = np.pad(sample[0], ((0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
     extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    windows = sliding_window_view(padded, extent, axis=(1, 2))
-    windows = windows[:, ::strides[0], ::strides[1], ::dilations[0], ::dilations[1]]
-    stride = max(1, int(np.ceil(np.sqrt(windows.shape[1] * windows.shape[2] / MAX_ROWS))))
-    picked = windows[:, ::stride, ::stride]  # a view: only the rows kept are copied below
-    channels, positions = picked.shape[0], picked.shape[1] * picked.shape[2]
-    grouped = picked.reshape(groups, channels // groups, positions, kernel[0] * kernel[1])
-    return grouped.transpose(0, 2, 1, 3).reshape(groups, positions, -1).astype(np.float32)
+    out = [(padded.shape[1 + axis] - extent[axis]) // strides[axis] + 1 for axis in (0, 1)]
+    every = max(1, int(np.ceil(np.sqrt(out[0] * out[1] / rows))))
+    steps = [strides[0] * every, strides[1] * every]
+    stop = [(o - 1) * s + 1 for o, s in zip(out, strides)]
+    shifted = [padded[:, i * dilations[0]:i * dilations[0] + stop[0]:steps[0],
+                      j * dilations[1]:j * dilations[1] + stop[1]:steps[1]]
+               for i in range(kernel[0]) for j in range(kernel[1])]
+    stacked = np.stack(shifted, axis=1)  # [C, kh * kw, picked rows, picked columns]
+    channels = stacked.shape[0]
+    return stacked.reshape(groups, channels // groups * kernel[0] * kernel[1], -1).astype(np.float32, copy=False)
 
 
 def compensated_rounding(weights: np.ndarray, scales: np.ndarray, limits: np.ndarray,
                          hessian: np.ndarray) -> np.ndarray:
     """Integers for ``weights`` [G, O, I] on the grid ``scales`` [G, O] within +-``limits``
     [G, O], column by column, each column's error spread over the later ones through the
-    upper Cholesky factor of H^-1 (H [G, I, I]). Vectorized over groups and rows."""
+    upper Cholesky factor of H^-1 (H [G, I, I]). Vectorized over groups and rows; columns
+    go in blocks (GPTQ's lazy batch updates): inside a block the errors are spread column by
+    column, onto the columns after it in one matrix product per block."""
     work = weights.astype(np.float64).copy()
     inverse = _inverse_factor(hessian, work)
     chosen = np.zeros_like(work)
-    steps, bounds = scales, limits
-    for column in range(work.shape[2]):
-        values = work[:, :, column]
-        integers = np.clip(np.round(values / np.where(steps > 0, steps, 1.0)), -bounds, bounds)
-        chosen[:, :, column] = integers
-        error = (values - integers * steps) / inverse[:, column, column][:, None]
-        work[:, :, column + 1:] -= error[:, :, None] * inverse[:, None, column, column + 1:]
+    steps = np.where(scales > 0, scales, 1.0)
+    columns = work.shape[2]
+    for start in range(0, columns, BLOCK):
+        end = min(start + BLOCK, columns)
+        errors = np.empty(work.shape[:2] + (end - start,))
+        for column in range(start, end):
+            values = work[:, :, column]
+            integers = np.clip(np.round(values / steps), -limits, limits)
+            chosen[:, :, column] = integers
+            error = (values - integers * scales) / inverse[:, column, column][:, None]
+            work[:, :, column + 1:end] -= error[:, :, None] * inverse[:, None, column, column + 1:end]
+            errors[:, :, column - start] = error
+        if end < columns:
+            work[:, :, end:] -= np.matmul(errors, inverse[:, start:end, end:])
     return chosen.astype(np.int64)
 
 
