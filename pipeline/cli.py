@@ -261,6 +261,17 @@ def _profile_line(profile: dict) -> str:
 REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
 
 
+def _task_cells(task: dict) -> tuple:
+    """(check, value with its interval, threshold) of the task metric's drop."""
+    scale, unit = (100, " pts") if task["metric"] == "top1" else (1, "")
+    check = "top-1 drop" if task["metric"] == "top1" else f"{escape(task['metric'])} drop"
+    value = f"{task['drop'] * scale:.4g}{unit}"
+    if task.get("interval"):
+        low, high = (bound * scale for bound in task["interval"])
+        value += f" ({task['confidence'] * 100:.0f} % CI {low:.4g} to {high:.4g})"
+    return check, value, f"<= {task['max_drop'] * scale:.4g}{unit}"
+
+
 def _verify_table(report: dict, verify: dict) -> Table:
     """Target, precision, each metric against its threshold, and the result."""
     table = Table(title=f"verify: {report['target']['name']} {report['precision']} vs ONNX Runtime fp32 "
@@ -271,13 +282,19 @@ def _verify_table(report: dict, verify: dict) -> Table:
     target, precision = report["target"]["name"], report["precision"]
 
     def row(output, check, value, threshold, passed):
-        table.add_row(escape(target), precision, escape(output), check, value, threshold,
-                      "[green]pass[/]" if passed else "[red]fail[/]")
+        result = {True: "[green]pass[/]", False: "[red]fail[/]", None: "[yellow]pass, uncertain[/]"}[passed]
+        table.add_row(escape(target), precision, escape(output), check, value, threshold, result)
 
     for output in verify["outputs"]:
         m, limits, failed = output["metrics"], output["thresholds"], " ".join(output["failures"])
-        row(output["name"], "cosine", f"{m['cosine']:.6f}",
-            f">= {limits['min_cosine']}" if limits["min_cosine"] is not None else "not gated", "cosine" not in failed)
+        if m.get("exact"):  # an integer or boolean output: compared exactly
+            agreement = "n/a" if m["agreement"] is None else f"{m['agreement']:.4f} ({m['changed']} values changed)"
+            row(output["name"], "exact match", agreement, f">= {limits.get('min_agreement') or 1.0}", not failed)
+            continue
+        gate = f">= {limits['min_cosine']}" if limits["min_cosine"] is not None else "not gated"
+        if output.get("cosine_gate") == "task_min_cosine":
+            gate += " (floor: the task metric gates)"
+        row(output["name"], "cosine", f"{m['cosine']:.6f}", gate, "cosine" not in failed)
         if limits.get("max_abs_error") is not None:
             row(output["name"], "max abs", f"{m['max_abs']:.3g}", f"<= {limits['max_abs_error']}",
                 "max abs" not in failed)
@@ -289,13 +306,10 @@ def _verify_table(report: dict, verify: dict) -> Table:
             row(output["name"], "SQNR", sqnr, f">= {limits['min_sqnr_db']} dB", "SQNR" not in failed)
         row(output["name"], "NaN/Inf", f"{m['nan']}/{m['inf']}", "0/0", not (m["nan"] or m["inf"]))
     task = verify.get("task")
-    if task and task["metric"] == "top1":
-        row(task["output"], "top-1 drop", f"{task['drop'] * 100:.2f} pts", f"<= {task['max_drop'] * 100:.2f} pts",
-            task["passed"])
-    elif task:
-        row(task["output"], f"{escape(task['metric'])} drop", f"{task['drop']:.4g}", f"<= {task['max_drop']:.4g}",
-            task["passed"])
     if task:
+        passed = task["passed"] and not (task.get("uncertain") and task.get("require_confidence"))
+        passed = None if passed and task.get("uncertain") else passed
+        row(task["output"], *_task_cells(task), passed)
         agreement = f", agreement {task['agreement']:.4f}" if task.get("agreement") is not None else ""
         table.caption = (f"{'top-1' if task['metric'] == 'top1' else escape(task['metric'])}: reference "
                          f"{task['reference']:.4f}, target {task['target']:.4f}{agreement}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from importlib import resources
 from typing import Any, Dict, List, Optional, get_type_hints
@@ -256,6 +256,7 @@ class PrecisionConfig:
     name: Precision = MISSING
     min_cosine: float = 0.9999  # the default threshold for builds at this precision
     max_metric_drop: float = 0.0  # the default allowed task-metric drop
+    task_min_cosine: Optional[float] = None  # the task output's cosine floor when a task metric gates; null: min_cosine
     layer_min_cosine: float = 0.9999  # layerwise: an intermediate tensor below this diverges
     # int8 builds only:
     activations: QuantType = QuantType.uint8  # u8 activations x s8 weights: the x86 VNNI kernels
@@ -340,6 +341,8 @@ class OutputThresholds:
     max_abs_error: Optional[float] = None
     max_mean_abs_error: Optional[float] = None
     min_sqnr_db: Optional[float] = None
+    # integer and boolean outputs: the share of samples whose values all match (null: every one)
+    min_agreement: Optional[float] = None
 
 
 DIAGNOSIS_KEYS = ("layerwise", "layerwise_samples", "layer_min_cosine", "advice_trials", "diagnosis_budget",
@@ -353,6 +356,10 @@ class ValidationConfig:
     max_mean_abs_error: Optional[float] = None
     min_sqnr_db: Optional[float] = None
     max_metric_drop: float = 0.0  # the task metric's allowed drop (top1: 0.01 = 1 point), docs/metrics.md
+    # with a task metric scored, the task output's cosine gate is this floor (null: min_cosine)
+    task_min_cosine: Optional[float] = None
+    # a passing drop whose 95 % bootstrap interval reaches past max_metric_drop: a warning, or (true) a failure
+    require_confidence: bool = False
     task_output: Optional[str] = None  # output holding class scores; default: the first
     outputs: Dict[str, OutputThresholds] = field(default_factory=dict)  # per-output overrides
     # Layerwise comparison of every intermediate tensor: off, when the verdict fails, always.
@@ -375,20 +382,29 @@ class ValidationConfig:
     timing_runs: int = 10  # runs of one sample per build and round
     timing_max_seconds: float = 10.0  # no new round after this (3 rounds at least)
 
+    def cosine_gate(self, task_gated: bool) -> Optional[float]:
+        """The cosine an output must reach: task_min_cosine for the output a scored task
+        metric judges (when set), else min_cosine; none with min_cosine null (no cosine gate)."""
+        if self.min_cosine is None or not task_gated or self.task_min_cosine is None:
+            return self.min_cosine
+        return self.task_min_cosine
+
     def judged(self) -> dict:
         """The keys a verdict depends on, without how a failing one is diagnosed: what a
         stored measurement of a build (verify) or a tuned setting (tune) is keyed by."""
         return {k: v for k, v in vars(self).items() if k not in DIAGNOSIS_KEYS}
 
-    def thresholds_for(self, output: str) -> OutputThresholds:
-        base = OutputThresholds(self.min_cosine, self.max_abs_error,
+    def thresholds_for(self, output: str, task_output: Optional[str] = None) -> OutputThresholds:
+        """``output``'s thresholds; ``task_output``: the output a scored task metric judges,
+        whose cosine is gated at task_min_cosine (a floor) where that is set."""
+        base = OutputThresholds(self.cosine_gate(output == task_output), self.max_abs_error,
                                 self.max_mean_abs_error, self.min_sqnr_db)
         override = self.outputs.get(output)
         if override is None:
             return base
-        return OutputThresholds(*(o if o is not None else b for o, b in zip(
-            (override.min_cosine, override.max_abs_error, override.max_mean_abs_error, override.min_sqnr_db),
-            (base.min_cosine, base.max_abs_error, base.max_mean_abs_error, base.min_sqnr_db))))
+        keys = [f.name for f in fields(OutputThresholds)]
+        return OutputThresholds(**{key: getattr(override, key) if getattr(override, key) is not None
+                                   else getattr(base, key) for key in keys})
 
 
 @dataclass
@@ -543,6 +559,7 @@ DROP = (-1.0, 1.0)  # a task metric's drop, as a fraction; negative: the target 
 RANGES = {
     "precision.min_cosine": COSINE, "precision.layer_min_cosine": COSINE, "precision.max_metric_drop": DROP,
     "validation.min_cosine": COSINE, "validation.layer_min_cosine": COSINE,
+    "precision.task_min_cosine": COSINE, "validation.task_min_cosine": COSINE,
     "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),
     "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
     "validation.diagnosis_budget": (0.0, None), "validation.diagnosis_min_seconds": (0.0, None),
@@ -552,7 +569,8 @@ RANGES = {
     "sensitivity.top_n": (0, None), "sensitivity.screen": (0, None), "sensitivity.max_float_ops": (0, None),
     "tuning.verify_samples": (1, None),
 }
-OUTPUT_RANGES = {"min_cosine": COSINE, "max_abs_error": (0.0, None), "max_mean_abs_error": (0.0, None)}
+OUTPUT_RANGES = {"min_cosine": COSINE, "max_abs_error": (0.0, None), "max_mean_abs_error": (0.0, None),
+                 "min_agreement": (0.0, 1.0)}
 
 
 def check_ranges(run: RunConfig) -> None:

@@ -11,6 +11,8 @@ import numpy as np
 
 from pipeline.config import OutputThresholds
 
+FIRST_MISMATCHES = 5  # sample indices listed for an integer output that changed
+
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
@@ -39,8 +41,14 @@ class OutputStats:
     max_rel: float = 0.0  # max |target - reference| / |reference|; inf where the reference is 0
     sample_cosine: List[float] = field(default_factory=list)
     sample_max_abs: List[float] = field(default_factory=list)
+    # integer and boolean outputs (class ids, masks, counts) are compared exactly
+    exact: bool = False
+    changed: int = 0  # elements that differ
+    mismatched: List[int] = field(default_factory=list)  # indices of the samples with a change
 
     def update(self, reference: np.ndarray, output: np.ndarray) -> None:
+        if np.asarray(reference).dtype.kind in "biu":
+            self._count_changes(np.asarray(reference), np.asarray(output))
         ref = np.asarray(reference, dtype=np.float64).ravel()
         out = np.asarray(output, dtype=np.float64).ravel()
         if ref.shape != out.shape:
@@ -80,7 +88,25 @@ class OutputStats:
         self.sample_cosine.append(dot / norm if norm else (1.0 if ref_sq == out_sq == 0 else 0.0))
         self.sample_max_abs.append(sample_max)
 
+    def _count_changes(self, reference: np.ndarray, output: np.ndarray) -> None:
+        self.exact = True
+        if reference.shape != output.shape:
+            return  # update() raises with both shapes
+        changed = int(np.count_nonzero(reference != output))
+        if changed:
+            self.changed += changed
+            self.mismatched.append(len(self.sample_cosine))
+
     def result(self) -> dict:
+        found = self._float_result()
+        if self.exact:
+            samples = len(self.sample_cosine)
+            found.update({"exact": True, "changed": self.changed, "mismatched_samples": len(self.mismatched),
+                          "agreement": 1.0 - len(self.mismatched) / samples if samples else None,
+                          "first_mismatches": self.mismatched[:FIRST_MISMATCHES]})
+        return found
+
+    def _float_result(self) -> dict:
         norm = math.sqrt(self.ref_sq * self.out_sq)
         total_cos = self.dot / norm if norm else (1.0 if self.ref_sq == self.out_sq == 0 else 0.0)
         return {
@@ -98,7 +124,11 @@ class OutputStats:
 
 
 def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
-    """Which thresholds the metrics miss; NaN/Inf never pass."""
+    """Which thresholds the metrics miss; NaN/Inf never pass. An integer or boolean output
+    is judged by its agreement alone (samples whose values all equal the reference's; every
+    sample by default, ``min_agreement``), never by cosine or errors."""
+    if metrics.get("exact"):
+        return _exact_failures(metrics, limits)
     failed = []
     if metrics["nan"] or metrics["inf"]:
         failed.append(f"{metrics['nan']} NaN and {metrics['inf']} Inf values in the output")
@@ -112,6 +142,17 @@ def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
     if limits.min_sqnr_db is not None and sqnr is not None and not sqnr >= limits.min_sqnr_db:
         failed.append(f"SQNR {sqnr:.1f} dB < {limits.min_sqnr_db} dB")
     return failed
+
+
+def _exact_failures(metrics: dict, limits: OutputThresholds) -> List[str]:
+    needed = 1.0 if limits.min_agreement is None else limits.min_agreement
+    agreement = metrics["agreement"]
+    if agreement is None or agreement >= needed:
+        return []
+    where = ", ".join(str(i) for i in metrics["first_mismatches"])
+    more = metrics["mismatched_samples"] - len(metrics["first_mismatches"])
+    return [f"{metrics['changed']} values changed in {metrics['mismatched_samples']} samples (agreement "
+            f"{agreement:.4f} < {needed}; samples {where}{f', +{more} more' if more > 0 else ''})"]
 
 
 def output_failures(run, samples, expected, thresholds_for) -> List[str]:

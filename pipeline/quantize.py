@@ -210,6 +210,20 @@ def flatten_gemm_bias(model) -> None:
         nodes[op].input[2] = name
 
 
+FLOAT_TYPES = (1, 10, 11, 16)  # ONNX FLOAT, FLOAT16, DOUBLE, BFLOAT16
+
+
+def decision_ops(model, quantize_ops: Iterable[str]) -> List[str]:
+    """Ops of the quantized types that produce an integer or boolean output (ArgMax, TopK
+    indices, comparisons, casts to int): kept float, an int8 input would change decisions
+    (ties, near ties) that verify compares exactly."""
+    from pipeline.calibration.statistics import element_types
+
+    types, kinds = element_types(model), set(quantize_ops)
+    return [node.name for node in model.graph.node if node.op_type in kinds
+            and any(types.get(o, 1) not in FLOAT_TYPES for o in node.output if o)]
+
+
 class MixedModels:
     """QDQ models of one prepared model and one table with different ops kept in float.
     ONNX Runtime's quantizer runs once, for the all-int8 model; each mixed model is derived
@@ -223,7 +237,7 @@ class MixedModels:
         quantizer's own run too (names the prepared graph lacks are ignored)."""
         self.prepared, self.table, self.settings = prepared, table, settings
         names = {node.name for node in prepared.graph.node}
-        self.always_float = sorted(set(always_float) & names)
+        self.always_float = sorted((set(always_float) | set(decision_ops(prepared, settings.quantize_ops))) & names)
         self._all_int8 = None
 
     def build(self, keep_float: Iterable[str] = ()):

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from pipeline import confidence
 from pipeline.errors import ConfigError
 
 PARITY_KEYS = ("output", "path", "higher_is_better", "needs_labels", "name")  # read by parity, not the metric
@@ -93,22 +94,35 @@ class CTC:
     dropped), then character accuracy = 1 - edit distance / max(len(label), len(text))
     per sample; ``exact_match`` is reported next to it. Without labels, the reference's
     decoded text is the label. ``charset``: a file with one symbol per line, or a list;
-    class ``blank`` is the CTC blank, the other classes map to the charset in order."""
+    class ``blank`` is the CTC blank, the other classes map to the charset in order.
+    ``strip``: surrounding whitespace dropped from texts and labels (PaddleOCR's
+    post-processing: its recognizer emits leading spaces on some lines); ``casefold``:
+    compared case-insensitively; ``ignore_space``: every space dropped (PaddleOCR's
+    training metric, RecMetric, does this by default)."""
 
-    def __init__(self, charset: Any, blank: int = 0, root: Optional[str] = None):
+    def __init__(self, charset: Any, blank: int = 0, root: Optional[str] = None, strip: bool = True,
+                 casefold: bool = False, ignore_space: bool = False):
         self.symbols = read_charset(charset, root)
         self.blank = int(blank)
+        self.strip, self.casefold, self.ignore_space = bool(strip), bool(casefold), bool(ignore_space)
         self._recent: List[tuple] = []  # (batch, texts): score, extras and agreement decode the same batches
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
-        texts = self.decode_batch(outputs)
-        truth = [str(label) for label in labels] if labels is not None else self.decode_batch(reference)
+        texts, truth = self.decode_batch(outputs), self._truth(reference, labels)
         return np.asarray([char_accuracy(text, label) for text, label in zip(texts, truth)])
 
     def extras(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> Dict[str, np.ndarray]:
-        texts = self.decode_batch(outputs)
-        truth = [str(label) for label in labels] if labels is not None else self.decode_batch(reference)
+        texts, truth = self.decode_batch(outputs), self._truth(reference, labels)
         return {"exact_match": np.asarray([float(a == b) for a, b in zip(texts, truth)])}
+
+    def _truth(self, reference: np.ndarray, labels: Optional[Sequence]) -> List[str]:
+        """The labels, normalized as the decoded texts are; without labels the reference's texts."""
+        return [self._normal(str(label)) for label in labels] if labels is not None else self.decode_batch(reference)
+
+    def _normal(self, text: str) -> str:
+        text = text.replace(" ", "") if self.ignore_space else text
+        text = text.strip() if self.strip else text
+        return text.casefold() if self.casefold else text
 
     def agreement(self, outputs: np.ndarray, reference: np.ndarray) -> np.ndarray:
         return np.asarray([float(a == b) for a, b in zip(self.decode_batch(outputs), self.decode_batch(reference))])
@@ -135,7 +149,7 @@ class CTC:
             keep = np.ones(len(row), dtype=bool)
             keep[1:] = row[1:] != row[:-1]
             keep &= row != self.blank
-            texts.append("".join(self.symbols[c - (c > self.blank)] for c in row[keep]))
+            texts.append(self._normal("".join(self.symbols[c - (c > self.blank)] for c in row[keep])))
         return texts
 
 
@@ -430,13 +444,22 @@ class TaskScorer:
         parts = self.scores.get(build)
         return self.metric.aggregate(np.concatenate(parts)) if parts else None
 
-    def result(self, build: str, max_drop: float) -> Optional[dict]:
-        """The task-metric verdict of ``build`` against the reference (None when nothing was scored)."""
+    def result(self, build: str, max_drop: float, require_confidence: bool = False) -> Optional[dict]:
+        """The task-metric verdict of ``build`` against the reference (None when nothing was
+        scored), with the drop's paired bootstrap interval (pipeline/confidence.py): a drop
+        that passes while its interval reaches past ``max_drop`` is ``uncertain``, a
+        failure with ``require_confidence``."""
         reference, target = self.value("reference"), self.value(build)
         if reference is None or target is None:
             return None
         drop = reference - target if self.metric.higher_is_better else target - reference
         agreement = self.agreement.get(build)
+        task = self._verdict(build, max_drop, drop, reference, target, agreement)
+        task.update(self._confidence(build, task, require_confidence))
+        return task
+
+    def _verdict(self, build: str, max_drop: float, drop: float, reference: float, target: float,
+                 agreement: Optional[List[np.ndarray]]) -> dict:
         extras = {key: {"reference": float(np.mean(np.concatenate(self.extras["reference"][key]))),
                         "target": float(np.mean(np.concatenate(values)))}
                   for key, values in self.extras.get(build, {}).items()}
@@ -450,4 +473,20 @@ class TaskScorer:
             task["reason"] = (f"task metric {self.metric.name} {worse} by {abs(drop):.4g} ({reference:.4f} -> "
                               f"{target:.4f}), allowed {max_drop:.4g} (validation.max_metric_drop)")
         return task
+
+    def _confidence(self, build: str, task: dict, require: bool) -> dict:
+        """The drop's interval, the agreement's, and whether a passing drop is resolved."""
+        own = getattr(self.metric.score, "aggregate", None)
+        interval = confidence.drop_interval(np.concatenate(self.scores["reference"]),
+                                            np.concatenate(self.scores[build]), self.metric.higher_is_better,
+                                            (lambda scores: float(own(scores))) if own else None)
+        agreement = self.agreement.get(build)
+        found = {"interval": interval, "confidence": confidence.LEVEL, "resamples": confidence.RESAMPLES,
+                 "agreement_interval": confidence.rate_interval(np.concatenate(agreement)) if agreement else None,
+                 "uncertain": False, "require_confidence": bool(require)}
+        if interval and task["passed"] and interval[1] > task["max_drop"] + 1e-12:
+            found["uncertain"] = True
+            found["samples_to_resolve"] = confidence.samples_to_resolve(task["samples"], task["drop"], interval[1],
+                                                                        task["max_drop"])
+        return found
 

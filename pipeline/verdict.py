@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 from pipeline.errors import ExitCode
 
 # Order of the reasons: a crash (it stops everything else), what the model computes, what the machine ran.
-ORDER = ("crash", "nothing", "accuracy", "task", "nothing_int8", "nan_inf", "device", "precision", "float_fallback")
+ORDER = ("crash", "nothing", "accuracy", "task", "task_confidence", "nothing_int8", "nan_inf", "device", "precision", "float_fallback")
 
 
 def judge(outputs: List[dict], missing: List[str], task: Optional[dict], requested: dict, effective: dict,
@@ -67,6 +67,8 @@ def _truth_note(output: dict, kind: str) -> str:
 
 
 def _task(task: Optional[dict]) -> List[dict]:
+    if task and task.get("passed", True) and task.get("uncertain"):
+        return [_uncertain(task)]
     if not task or task.get("passed", True):
         return []
     if task.get("reason"):
@@ -74,6 +76,21 @@ def _task(task: Optional[dict]) -> List[dict]:
     metric = "top-1 accuracy" if task.get("metric", "top1") == "top1" else str(task["metric"])
     return [_check("task", f"{metric} dropped {task['drop'] * 100:.2f} points ({task['reference']:.4f} -> "
                            f"{task['target']:.4f}), allowed {task['max_drop'] * 100:.2f}")]
+
+
+def _uncertain(task: dict) -> dict:
+    """A drop that passes while its interval reaches past the allowed one: a warning, or a
+    failure with validation.require_confidence."""
+    low, high = task["interval"]
+    needed = task.get("samples_to_resolve")
+    text = (f"task metric {task['metric']}: the drop {task['drop']:.4g} passes but its "
+            f"{task['confidence'] * 100:.0f} % interval [{low:.4g}, {high:.4g}] reaches past the allowed "
+            f"{task['max_drop']:.4g} on {task['samples']} samples"
+            + (f"; about {needed} samples would resolve it" if needed else ""))
+    if task.get("require_confidence"):
+        return _check("task_confidence", text + " (validation.require_confidence)")
+    return _check("task_confidence", text + " (a warning; validation.require_confidence=true fails on it)",
+                  "warning")
 
 
 def _crash_text(crash: dict) -> str:

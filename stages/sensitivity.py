@@ -19,6 +19,7 @@ from pipeline.config import plain
 from pipeline.calibration import sensitivity as search
 from pipeline.calibration import latency, tables
 from pipeline.calibration.statistics import BatchRunner
+from pipeline.calibration.measure import float_outputs
 from pipeline.data import pack
 from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
@@ -48,7 +49,8 @@ def key_config(cfg):
     if not needed(cfg):
         return {"needed": False}
     return {"needed": True, "sensitivity": cfg.sensitivity, "data": cfg.data, "precision": cfg.precision,
-            "qdq": _settings(cfg), "measured_on": measured_on(cfg), "metric": cfg.metric, "goal": goal(cfg),
+            "qdq": _settings(cfg), "measured_on": measured_on(cfg), "metric": cfg.metric,
+            "goal": (goal(cfg), goal(cfg, task=True)),
             # per-op latency costs are the target's own: its threads and options are in the key
             "costs_on": cfg.target if _latency_aware(cfg) else None,
             # ops the target's int8 builds keep float (ncnn: depthwise on x86) are float here too
@@ -93,7 +95,7 @@ def run(ctx: StageContext) -> StageResult:
         raise err.with_run(ctx)
     summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "select": cfg.sensitivity.select.value,
                "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
-               "expected_cos": goal(cfg)[0], "max_drop": goal(cfg)[1], "always_float": measure.always_float}
+               "expected_cos": measure.goal[0], "max_drop": measure.goal[1], "always_float": measure.always_float}
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
@@ -123,7 +125,7 @@ def run(ctx: StageContext) -> StageResult:
     final = [p for p in curve if not p.get("kept")]
     summary["mixed"] = final[-1] if final else plain
     if cfg.sensitivity.select.value == "target" and not measure.meets(summary["mixed"]):
-        goal_cos, goal_drop = goal(cfg)
+        goal_cos, goal_drop = measure.goal
         summary["warning"] = (f"the target (cosine {goal_cos}, task-metric drop <= {goal_drop}) was not reached "
                               f"with {len(float_ops)} float ops (sensitivity.max_float_ops)")
     return _write(ctx, best_table, float_ops, trials, summary)
@@ -146,15 +148,19 @@ def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[di
     return float_ops, curve, costs
 
 
-def goal(cfg) -> tuple:
+def goal(cfg, task: bool = False) -> tuple:
     """(cosine, task-metric drop) the selection reaches: sensitivity.expected_cos and
     max_drop, or where they are null (the default) the thresholds verify checks,
-    validation.min_cosine and max_metric_drop: a search aiming above the gate keeps ops in
-    float that the gate does not need (0.999 against mixed's 0.995 kept 20 ops float on
-    PP-OCRv4 det: docs/sensitivity.md). 0.999 / 0.01 where both are null."""
+    validation.min_cosine (validation.task_min_cosine when a task metric is scored:
+    ``task``) and max_metric_drop: a search aiming above the gate keeps ops in float that
+    the gate does not need (0.999 against mixed's 0.995 kept 20 ops float on PP-OCRv4 det:
+    docs/sensitivity.md). 0.999 / 0.01 where both are null."""
     cos = cfg.sensitivity.expected_cos
     if cos is None:
-        cos = cfg.validation.min_cosine if cfg.validation.min_cosine is not None else 0.999
+        gate = cfg.validation.min_cosine
+        if task and gate is not None and cfg.validation.task_min_cosine is not None:
+            gate = cfg.validation.task_min_cosine  # as ValidationConfig.cosine_gate: no floor without a gate
+        cos = gate if gate is not None else 0.999
     drop = cfg.sensitivity.max_drop
     if drop is None:
         drop = cfg.validation.max_metric_drop if cfg.validation.max_metric_drop is not None else 0.01
@@ -233,10 +239,13 @@ class _MixedMeasure:
     def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg):
         self.prepared, self.feeds, self.labels, self.count, self.cfg = prepared, feeds, labels, count, cfg
         self.outputs = [o.name for o in prepared.graph.output]
+        # the cosine is the float outputs' (class ids and masks: verify compares them exactly)
+        self.compared = [self.outputs.index(name) for name in float_outputs(prepared)]
         reference = self._chunked(prepared, lambda model, feeds, count: BatchRunner(model, self.outputs, count)
                                   .run(feeds, count))
         self.reference = [reference[name] for name in self.outputs]
         self.task_drop = TaskDrop(cfg, self.outputs, self.reference, labels, count)
+        self.goal = goal(cfg, task=self.task_drop.index is not None)  # a scored task metric: its cosine floor
         self.always_float = always_float(prepared, cfg)
         self._models = None
 
@@ -251,8 +260,24 @@ class _MixedMeasure:
         values = self._chunked(model, self._run, CHUNK if measured_on(self.cfg) == backends.REFERENCE else self.count)
         actual = [values[name] for name in self.outputs]
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
-        agreement = search.output_agreement(self.reference, actual)
-        return {"cosine": agreement["cosine"], "sqnr_db": agreement["sqnr_db"], "metric_drop": self.task_drop(actual)}
+        agreement = search.output_agreement([self.reference[i] for i in self.compared],
+                                            [actual[i] for i in self.compared])
+        return {"cosine": agreement["cosine"], "sqnr_db": agreement["sqnr_db"], "metric_drop": self.task_drop(actual),
+                "ids_short": self._ids_short(actual)}
+
+    def _ids_short(self, actual: List[np.ndarray]) -> float:
+        """How far the integer and boolean outputs (compared exactly by verify) fall short of
+        their agreement (samples whose values all match; validation.outputs.<name>.min_agreement,
+        default 1): the largest shortfall, 0 when every one holds."""
+        short = 0.0
+        for index, name in enumerate(self.outputs):
+            if index in self.compared:
+                continue
+            ref, out = per_sample(self.reference[index], self.count), per_sample(actual[index], self.count)
+            same = np.mean([np.array_equal(a, b) for a, b in zip(ref, out)])
+            needed = self.cfg.validation.thresholds_for(name).min_agreement
+            short = max(short, (1.0 if needed is None else needed) - float(same))
+        return short
 
     def _chunked(self, model: onnx.ModelProto, run, step: int = CHUNK) -> Dict[str, np.ndarray]:
         """``run(model, feeds, count)`` on ``step`` samples at a time (sample i is the i-th of
@@ -274,9 +299,10 @@ class _MixedMeasure:
         return BatchRunner(model, self.outputs, count).run(feeds, count)
 
     def meets(self, result: dict) -> bool:
-        cos, max_drop = goal(self.cfg)
+        cos, max_drop = self.goal
         drop = result["metric_drop"]
-        return result["cosine"] >= cos and (drop is None or drop <= max_drop + 1e-12)
+        return result["cosine"] >= cos and (drop is None or drop <= max_drop + 1e-12) \
+            and result.get("ids_short", 0.0) <= 1e-12
 
 
 class TaskDrop:
@@ -313,7 +339,7 @@ def badness(loss: float, metric_drop: Optional[float], cfg) -> float:
     """How much of the target's budget one op's int8 spends: its loss over the cosine budget
     (1 - target cosine), plus its task-metric drop over the allowed drop when a metric is
     measured; ops are ranked, and their methods chosen, by this."""
-    cos, max_drop = goal(cfg)
+    cos, max_drop = goal(cfg, task=metric_drop is not None)
     spent = loss / max(1.0 - cos, 1e-9)
     if metric_drop is not None:
         spent += max(metric_drop, 0.0) / max(max_drop, 1e-9)

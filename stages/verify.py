@@ -193,9 +193,9 @@ def _measure(ctx: StageContext, live: _Live, dataset, task_of, requested: dict, 
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
                    cfg.precision.kind)
     ran = _compare(ctx, live, check, dataset, progress, reproduce)
-    outputs = [_judge(name, check.stats[name], cfg.validation) for name in output_names
+    task = check.task_result(cfg.validation.max_metric_drop, cfg.validation.require_confidence)
+    outputs = [_judge(name, check.stats[name], cfg.validation, task) for name in output_names
                if name not in check.missing and check.stats[name].elements]
-    task = check.task_result(cfg.validation.max_metric_drop)
     if metric and task is None and check.samples and ran.crash is None:
         dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
                                 "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
@@ -387,11 +387,11 @@ class _Check:
         if self.scorer and actual is not None and self.task_output in actual and self.scorer.active(label):
             self.scorer.add(build, actual[self.task_output], expected[self.task_output], label)
 
-    def task_result(self, max_drop: float) -> Optional[dict]:
+    def task_result(self, max_drop: float, require_confidence: bool) -> Optional[dict]:
         if self.scorer is None:
             return None
         self.scorer.finish()
-        return self.scorer.result(self.shipped, max_drop)
+        return self.scorer.result(self.shipped, max_drop, require_confidence)
 
     def add_task_values(self, comparison: dict) -> None:
         """The task metric of every build in the side-by-side table (``top1`` too, for top-1)."""
@@ -541,11 +541,15 @@ def _check_output_names(validation, outputs: List[str]) -> None:
             raise ConfigError(f"validation: the model has no output {name!r}; outputs: {', '.join(outputs)}")
 
 
-def _judge(name: str, stats: OutputStats, validation) -> dict:
+def _judge(name: str, stats: OutputStats, validation, task: Optional[dict]) -> dict:
+    """One output's checks; with a task metric scored (``task``), its output's cosine is
+    gated at validation.task_min_cosine (docs/verify.md, "Task-first verdicts")."""
     metrics = stats.result()
-    limits = validation.thresholds_for(name)
+    limits = validation.thresholds_for(name, task["output"] if task else None)
     failed = failures(metrics, limits)
+    task_gated = task is not None and task["output"] == name and validation.cosine_gate(True) != validation.min_cosine
     return {"name": name, "passed": not failed, "failures": failed, "thresholds": vars(limits),
+            "cosine_gate": "task_min_cosine" if task_gated else "min_cosine",
             "metrics": metrics,
             # Polygraphy-style: either tolerance alone would pass every element (rel: null, none would)
             "min_tolerances": {"abs": stats.max_abs, "rel": stats.max_rel if np.isfinite(stats.max_rel) else None},
@@ -650,8 +654,9 @@ def _tried_advice(ctx, backend, live: _Live, advice: List[dict], layers, graph: 
                  "accepted_precisions": ["int8", "mixed"]}  # as a run with precision.keep_float accepts
 
     def judge(stats, build, effective):
-        judged = [_judge(name, found_stats, cfg.validation) for name, found_stats in stats.items()]
-        measured_task = scorer.result(build, cfg.validation.max_metric_drop) if scorer else None
+        measured_task = (scorer.result(build, cfg.validation.max_metric_drop, cfg.validation.require_confidence)
+                         if scorer else None)
+        judged = [_judge(name, found_stats, cfg.validation, measured_task) for name, found_stats in stats.items()]
         _, reasons, _ = verdict.judge(judged, [], measured_task, requested, effective, len(dataset.validation),
                                       None, cfg.validation.fail_on_float_fallback, (*already, *build.split(",")))
         return reasons, min(o["metrics"]["cosine"] for o in judged), measured_task

@@ -49,6 +49,41 @@ def test_ctc_greedy_decoding_merges_repeats_and_drops_blanks():
         ctc.decode_batch(np.zeros((1, 1, 3, 6)))
 
 
+def test_ctc_strips_surrounding_spaces_by_default_and_can_fold_case():
+    """PaddleOCR's recognizer emits a leading space on some lines and its post-processing
+    strips it: so does metric=ctc unless metric.strip=false; metric.casefold=true compares
+    case-insensitively."""
+    symbols = ["a", "b", " ", "C"]
+    batch = np.stack([one_hot([3, 1, 2, 0]), one_hot([4, 1, 0, 0])])  # " ab", "Ca"
+    labels = ["ab ", "ca"]
+    assert CTC(symbols).decode_batch(batch) == ["ab", "Ca"]
+    assert CTC(symbols)(batch, batch, labels).tolist() == [1.0, 0.5]
+    assert CTC(symbols, strip=False)(batch, batch, labels).tolist() == [pytest.approx(1 / 3), 0.5]
+    assert CTC(symbols, casefold=True)(batch, batch, labels).tolist() == [1.0, 1.0]
+    assert CTC(symbols, casefold=True).extras(batch, batch, labels)["exact_match"].tolist() == [1.0, 1.0]
+    assert CTC(symbols, ignore_space=True)(one_hot([1, 3, 2])[np.newaxis], None, ["a b "]).tolist() == [1.0]
+    metric = load_metric({"_target_": "pipeline.task_metrics.CTC", "charset": symbols, "strip": False})
+    assert metric.score.strip is False
+
+
+def test_ctc_decodes_as_paddleocr_does():
+    """parity's decoding against rapidocr's port of PaddleOCR's CTCLabelDecode (its output
+    stripped) on the recognizer's own charset: the same texts, hence the same accuracy."""
+    from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
+
+    metadata = {p.key: p.value for p in onnx.load(str(REC), load_external_data=False).metadata_props}
+    characters = metadata["character"].splitlines()
+    paddle = CTCLabelDecode(character=list(characters))
+    ours = CTC([*characters, " "])
+    rng = np.random.default_rng(5)
+    space = len(characters) + 1  # PaddleOCR appends the space after the charset
+    steps = rng.integers(0, 40, size=(32, 40))
+    steps[:, :3] = space  # leading spaces, as the recognizer emits on some lines
+    scores = np.eye(len(characters) + 2, dtype=np.float32)[steps]
+    theirs = [text.strip() for text, _ in paddle(scores)]
+    assert ours.decode_batch(scores) == theirs
+
+
 def test_ctc_charset_file_keeps_a_space_line(tmp_path):
     charset = tmp_path / "keys.txt"
     charset.write_text("a\nb\n \n", encoding="utf-8")

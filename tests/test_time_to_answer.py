@@ -60,7 +60,7 @@ def test_the_diagnosis_stops_at_its_budget(tmp_path):
     """int8 cannot meet cosine 0.999999 on the digits model; with no time for a diagnosis,
     layerwise stops at once and no trial starts: what was cut is reported and printed, and
     nothing unconfirmed is given as a line to apply."""
-    result = run_cli(["precision=int8", STAGES, "validation.min_cosine=0.999999",
+    result = run_cli(["precision=int8", STAGES, "validation.min_cosine=0.999999", "validation.task_min_cosine=null",
                       "validation.diagnosis_budget=0", "validation.diagnosis_min_seconds=0"], tmp_path)
     assert result.returncode == 3, result.stdout + result.stderr
     verify = read_report(run_dirs(tmp_path)[-1])["verify"]
@@ -75,7 +75,7 @@ def test_the_diagnosis_stops_at_its_budget(tmp_path):
 def test_a_diagnosis_starts_no_step_after_its_budget(tmp_path):
     """The default budget on a failing int8 build: every step but the last one started
     within the budget, so the diagnosis overruns it by at most one step."""
-    result = run_cli(["precision=int8", STAGES, "validation.min_cosine=0.999999",
+    result = run_cli(["precision=int8", STAGES, "validation.min_cosine=0.999999", "validation.task_min_cosine=null",
                       "validation.diagnosis_min_seconds=3"], tmp_path)
     assert result.returncode == 3, result.stdout + result.stderr
     diagnosis = read_report(run_dirs(tmp_path)[-1])["verify"]["diagnosis"]

@@ -206,8 +206,8 @@ def test_a_verdict_never_passes_on_nothing(outputs, missing, samples, expected):
 def test_a_mixed_build_left_with_no_int8_op_fails_on_that_not_as_a_fallback(tmp_path):
     """An unreachable target makes the search keep every quantized op float: fp32 runs as
     built, so the verdict is the thresholds' (exit 3), not a runtime's precision fallback."""
-    result = run_cli(["precision=mixed", "validation.min_cosine=0.9999999", "pipeline.stages=[convert,calibrate,"
-                      "sensitivity,build,verify]"], tmp_path)
+    result = run_cli(["precision=mixed", "validation.min_cosine=0.9999999", "validation.task_min_cosine=null",
+                      "pipeline.stages=[convert,calibrate,sensitivity,build,verify]"], tmp_path)
     assert result.returncode == 3, result.stdout + result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
     assert report["build"]["quantization"]["int8_ops"] == 0

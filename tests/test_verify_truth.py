@@ -101,7 +101,7 @@ def test_classifier_kl_int8_on_ort_fails_on_cosine_with_advice_that_works(tmp_pa
             "data.calibration_size=8", "data.validation_size=24", "data.preprocess.keep_aspect=true",
             "data.preprocess.color=bgr", "data.preprocess.mean=[0.5]", "data.preprocess.std=[0.5]",
             "target=ort_cpu", "precision=int8", "calibration=kl", "validation.min_cosine=0.999",
-            "validation.diagnosis_min_seconds=60",
+            "validation.task_min_cosine=null", "validation.diagnosis_min_seconds=60",
             "pipeline.stages=[convert,calibrate,build,verify]"]
     result = run_cli(args, tmp_path)
     assert result.returncode == 3, result.stdout + result.stderr
@@ -182,7 +182,8 @@ def test_a_partial_float_fallback_is_a_warning_by_default_and_keep_float_must_be
 
 
 def test_a_mixed_build_with_an_empty_qtable_ran_int8_without_a_mismatch(tmp_path):
-    args = ["precision=mixed", "validation.min_cosine=0.99999", "sensitivity.expected_cos=0.999",
+    args = ["precision=mixed", "validation.min_cosine=0.99999", "validation.task_min_cosine=null",
+            "sensitivity.expected_cos=0.999",
             "validation.diagnosis_min_seconds=60",
             "pipeline.stages=[convert,calibrate,sensitivity,build,verify]"]
     result = run_cli(args, tmp_path)

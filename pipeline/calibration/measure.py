@@ -25,7 +25,7 @@ class OutputJudge:
         if not samples:
             raise ValueError("no samples to measure on")
         self.samples, self.labels = list(samples), labels
-        self.outputs = [o.name for o in reference.graph.output]
+        self.outputs = float_outputs(reference)
         self.reference = self._run(reference)
         self.reference_top1 = self._top1(self.reference)
 
@@ -76,6 +76,15 @@ class OutputJudge:
             return None
         first = np.concatenate([chunk[0] for chunk in chunks]).reshape(self.count, -1)
         return float(np.mean(np.argmax(first, axis=1) == np.asarray(self.labels)))
+
+
+def float_outputs(model: onnx.ModelProto) -> List[str]:
+    """The outputs a cosine means something for: the float ones (class ids and masks are
+    decisions, verify compares them exactly); every output when none is float."""
+    from pipeline.quantize import FLOAT_TYPES
+
+    names = [o.name for o in model.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
+    return names or [o.name for o in model.graph.output]
 
 
 def _cosine(dot: float, ref_sq: float, out_sq: float) -> float:

@@ -61,8 +61,7 @@ def activation_names(model: onnx.ModelProto, around: Optional[Iterable[str]] = N
         touching.update(o for node in model.graph.node if made & set(node.input) for o in node.output)
         return [n for n in activation_names(model) if n in touching]
     initializers = {t.name for t in model.graph.initializer}
-    types = {v.name: v.type.tensor_type.elem_type
-             for v in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
+    types = element_types(model)
     names = [i.name for i in model.graph.input if i.name not in initializers]
     reachable = set(names)
     for node in model.graph.node:
@@ -71,6 +70,13 @@ def activation_names(model: onnx.ModelProto, around: Optional[Iterable[str]] = N
             reachable.update(outputs)
             names += outputs
     return [n for n in dict.fromkeys(names) if types.get(n) == onnx.TensorProto.FLOAT]
+
+
+def element_types(model: onnx.ModelProto) -> Dict[str, int]:
+    """The ONNX element type of every tensor the graph declares (inputs, value_info as the
+    convert stage inferred it, outputs)."""
+    return {v.name: v.type.tensor_type.elem_type
+            for v in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
 
 
 def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int = 2048,
@@ -169,8 +175,10 @@ class BatchRunner:
         augmented.CopyFrom(self.model)
         del augmented.graph.value_info[:]
         del augmented.graph.output[:]
+        types = element_types(self.model)
         for name in self.names:
-            augmented.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            augmented.graph.output.append(onnx.helper.make_tensor_value_info(
+                name, types.get(name, onnx.TensorProto.FLOAT), None))
         if batched:
             axes = {spec.name: spec.batch_axis for spec in self.specs}
             for value in augmented.graph.input:

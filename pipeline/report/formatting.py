@@ -43,6 +43,13 @@ def fmt_ratio(value: Any) -> str:
     return fmt_number(value, ".4f")
 
 
+def fmt_interval(value: Any) -> str:
+    """A [low, high] interval (the task metric drop's bootstrap interval)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(is_number(v) for v in value):
+        return NA
+    return f"[{fmt_number(value[0], '.4f')}, {fmt_number(value[1], '.4f')}]"
+
+
 def fmt_sqnr(value: Any) -> str:
     """SQNR in dB; None means the outputs were identical (infinite SQNR)."""
     if value is None:

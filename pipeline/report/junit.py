@@ -4,9 +4,13 @@ One ``<testsuite name="parity.<target>.<precision>">`` inside a ``<testsuites>``
 root. Test cases, in this order:
 
 - per compared output: "<output>: no NaN/Inf" and one case per set threshold
-  ("<output>: min_cosine >= 0.995"), classname "<suite>.outputs"; an output the
+  ("<output>: min_cosine >= 0.995"), classname "<suite>.outputs" (an integer or boolean
+  output: "<output>: exact match, agreement >= 1" instead of the thresholds); an output the
   target did not produce is one failing "<output>: produced by the target" case;
-- the task metric ("top1 drop <= 0.01"), classname "<suite>.task", when present;
+- the task metric ("top1 drop <= 0.01"), classname "<suite>.task", when present, and
+  "top1 drop 95 % interval within 0.01": failing with validation.require_confidence
+  when the drop passes but its bootstrap interval reaches past the limit, else
+  ``<skipped>`` with that warning as its message;
 - "requested device and precision ran", classname "<suite>.backend";
 - "compared at least one output on at least one sample", classname "<suite>.verify":
   a verdict never passes on nothing;
@@ -113,6 +117,16 @@ def _threshold_case(suite: _Suite, output: str, key: str, limit: Any, metrics: d
         suite.case("outputs", name)
 
 
+def _exact_case(suite: _Suite, name: str, out: dict, metrics: dict) -> None:
+    needed = _as_dict(out.get("thresholds")).get("min_agreement")
+    case = f"{name}: exact match, agreement >= {_fmt(1.0 if needed is None else needed)}"
+    failed = [str(f) for f in _as_list(out.get("failures"))]
+    if failed:
+        suite.case("outputs", case, "; ".join(failed), failure_type="threshold")
+    else:
+        suite.case("outputs", case)
+
+
 def _output_cases(suite: _Suite, out: dict) -> None:
     name = str(out.get("name", "?"))
     metrics = _as_dict(out.get("metrics"))
@@ -125,9 +139,12 @@ def _output_cases(suite: _Suite, out: dict) -> None:
                    failure_type="nan_inf")
     else:
         suite.case("outputs", f"{name}: no NaN/Inf")
-    for key, limit in _as_dict(out.get("thresholds")).items():
-        if limit is not None:
-            _threshold_case(suite, name, str(key), limit, metrics)
+    if metrics.get("exact"):  # an integer or boolean output: its agreement is its only threshold
+        _exact_case(suite, name, out, metrics)
+    else:
+        for key, limit in _as_dict(out.get("thresholds")).items():
+            if limit is not None and key != "min_agreement":
+                _threshold_case(suite, name, str(key), limit, metrics)
     if out.get("passed") is False and suite.failures == before:
         reasons = "; ".join(str(f) for f in _as_list(out.get("failures"))) or "the verify stage failed it"
         suite.case("outputs", f"{name}: passed", reasons, failure_type="verdict")
@@ -148,6 +165,24 @@ def _task_case(suite: _Suite, task: dict) -> None:
         suite.case("task", name, message, failure_type="task_metric")
     else:
         suite.case("task", name)
+    if task.get("interval") is not None:  # its own case: a passing drop whose interval reaches past the limit
+        _confidence_case(suite, metric, task)
+
+
+def _confidence_case(suite: _Suite, metric: str, task: dict) -> None:
+    low, high = (_fmt(v) for v in task["interval"])
+    name = f"{metric} drop 95 % interval within {_fmt(task.get('max_drop'))}"
+    if not task.get("uncertain"):
+        suite.case("task", name)
+        return
+    needed = task.get("samples_to_resolve")
+    message = (f"{metric} drop {_fmt(task.get('drop'))} passes but its 95 % interval [{low}, {high}] reaches past "
+               f"{_fmt(task.get('max_drop'))}" + (f"; about {needed} samples would resolve it" if needed else ""))
+    if task.get("require_confidence"):
+        suite.case("task", name, message, failure_type="task_confidence")
+    else:  # a warning: JUnit has no such outcome, the case is skipped with the reason
+        case = suite.case("task", name)
+        ET.SubElement(case, "skipped", {"message": _clean(message + " (a warning)")})
 
 
 def _device_precision_case(suite: _Suite, verify: dict) -> None:

@@ -16,7 +16,7 @@ from pipeline.report.charts import LineChart, bar_chart, line_chart
 from pipeline.report.document import Banner, Charts, Heading, Items, KeyValues, Para, Pre, Table
 from pipeline.report.formatting import (FIRST_NAMES, NA, STDERR_LINES, STDERR_WIDTH, as_dict, as_list,
                                         column_headers, finite, first_names, fmt_attribute, fmt_cells, fmt_cosine,
-                                        fmt_error, fmt_number, fmt_pass, fmt_ratio, fmt_seconds, fmt_sqnr,
+                                        fmt_error, fmt_interval, fmt_number, fmt_pass, fmt_ratio, fmt_seconds, fmt_sqnr,
                                         fmt_value, is_number, truncate)
 
 
@@ -175,7 +175,8 @@ def _count_with_reference(count: Any, reference: Any) -> str:
 OUTPUT_COLUMNS = (("output", "name", fmt_value), ("result", "passed", fmt_pass))
 METRIC_COLUMNS = (("cosine", "cosine", fmt_cosine), ("min sample cosine", "min_sample_cosine", fmt_cosine),
                   ("max abs", "max_abs", fmt_error), ("mean abs", "mean_abs", fmt_error),
-                  ("rel L2", "rel_l2", fmt_error), ("SQNR dB", "sqnr_db", fmt_sqnr))
+                  ("rel L2", "rel_l2", fmt_error), ("SQNR dB", "sqnr_db", fmt_sqnr),
+                  ("exact agreement", "agreement", fmt_ratio))  # integer and boolean outputs only
 
 
 def _output_metrics_table(outputs: list) -> Table:
@@ -197,6 +198,7 @@ THRESHOLD_LABELS = {
     "max_abs_error": "max abs error",
     "max_mean_abs_error": "max mean abs error",
     "min_sqnr_db": "min SQNR dB",
+    "min_agreement": "min exact agreement",
 }
 
 
@@ -208,6 +210,18 @@ def _fmt_threshold(key: str, value: Any) -> str:
     if "sqnr" in key:
         return fmt_number(value, ".1f")
     return fmt_error(value)
+
+
+def _threshold_cell(out: dict, key: str, value: Any) -> str:
+    """A threshold as it applied: an integer output is judged by exact agreement alone (1
+    unless set), and the task output's cosine is a floor when a task metric gates."""
+    exact = as_dict(out.get("metrics")).get("exact")
+    if key == "min_agreement":
+        return _fmt_threshold(key, 1.0 if value is None else value) if exact else "not checked"
+    if exact:
+        return "not checked (exact)"
+    text = _fmt_threshold(key, value)
+    return f"{text} (task floor)" if key == "min_cosine" and out.get("cosine_gate") == "task_min_cosine" else text
 
 
 def _thresholds_blocks(outputs: list) -> list:
@@ -222,8 +236,7 @@ def _thresholds_blocks(outputs: list) -> list:
     rows = []
     for out in outputs:
         thresholds = as_dict(out.get("thresholds"))
-        rows.append([fmt_value(out.get("name"))]
-                    + [_fmt_threshold(k, thresholds.get(k)) for k in keys])
+        rows.append([fmt_value(out.get("name"))] + [_threshold_cell(out, k, thresholds.get(k)) for k in keys])
     return [Heading(3, "Thresholds"), Table(headers, rows)]
 
 
@@ -287,16 +300,23 @@ def _per_sample_blocks(outputs: list) -> list:
 
 TASK_COLUMNS = (("metric", "metric", fmt_value), ("output", "output", fmt_value),
                 ("reference", "reference", fmt_ratio), ("target", "target", fmt_ratio), ("drop", "drop", fmt_ratio),
-                ("max drop", "max_drop", fmt_ratio), ("agreement", "agreement", fmt_ratio),
+                ("drop 95 % interval", "interval", fmt_interval), ("max drop", "max_drop", fmt_ratio),
+                ("agreement", "agreement", fmt_ratio), ("agreement 95 % interval", "agreement_interval", fmt_interval),
                 ("result", "passed", fmt_pass))
 
 
 def _task_blocks(task: dict) -> list:
     row_class = "row-fail" if task.get("passed") is False else ""
-    extras = [f"{key}: reference {fmt_ratio(as_dict(v).get('reference'))}, target {fmt_ratio(as_dict(v).get('target'))}"
-              for key, v in as_dict(task.get("extras")).items()]
+    notes = [f"{key}: reference {fmt_ratio(as_dict(v).get('reference'))}, target {fmt_ratio(as_dict(v).get('target'))}"
+             for key, v in as_dict(task.get("extras")).items()]
+    if task.get("uncertain"):
+        needed = task.get("samples_to_resolve")
+        notes.append("uncertain: the drop passes but its interval reaches past the allowed "
+                     f"{fmt_ratio(task.get('max_drop'))}"
+                     + (f"; about {needed} validation samples would resolve it" if needed else "")
+                     + (" (a failure: validation.require_confidence)" if task.get("require_confidence") else ""))
     table = Table(column_headers(TASK_COLUMNS), [fmt_cells(task, TASK_COLUMNS)], [row_class])
-    return [Heading(3, "Task metric"), table] + ([Items(extras)] if extras else [])
+    return [Heading(3, "Task metric"), table] + ([Items(notes)] if notes else [])
 
 
 def _device_precision_blocks(requested: dict, effective: dict) -> list:
