@@ -111,12 +111,12 @@ def main() -> None:
         symbols.write_text("\n".join(charset()[1:]) + "\n", encoding="utf-8")
         base = [f"model.path={MODELS / FILES['rec']}", "+model.input_shapes.x=[1,3,48,320]", "data.kind=tensors",
                 f"data.path={data}", f"data.calibration_size={args.calibration}",
-                f"data.validation_size={args.validation}", "target=openvino_cpu", "target.threads=2",
-                "metric=ctc", f"metric.charset={symbols}"]
+                f"data.validation_size={args.validation}", "target=openvino_cpu", "target.threads=2"]
+        ctc = ["metric=ctc", f"metric.charset={symbols}"]
         rows = {}
-        for name, extra in (("int8, metric=ctc", ["precision=int8"]),
+        for name, extra in (("int8, metric=ctc", ["precision=int8", *ctc]),
                             ("int8, metric=none", ["precision=int8", "metric=none"]),
-                            ("auto, metric=ctc", [])):
+                            ("auto, metric=ctc", ctc)):
             rows[name] = parity(base + extra, work / name.replace(", ", "_").replace("=", "-"))
             print(verdict_line(name, rows[name][0], rows[name][1], rows[name][2]), flush=True)
         auto = rows["auto, metric=ctc"][2]

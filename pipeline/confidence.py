@@ -20,15 +20,20 @@ SEED = 0
 
 
 def drop_interval(reference: np.ndarray, target: np.ndarray, higher_is_better: bool,
-                  aggregate: Optional[Callable[[np.ndarray], float]] = None) -> Optional[list]:
+                  aggregate: Optional[Callable[[np.ndarray], float]] = None,
+                  weights: Optional[tuple] = None) -> Optional[list]:
     """[low, high] of the drop (reference - target where higher is better, else target -
-    reference) at LEVEL; ``aggregate``: the metric's own (default: the mean). None with
-    fewer than two samples."""
+    reference) at LEVEL; ``aggregate``: the metric's own (default: the mean); ``weights``:
+    (reference's, target's) per-sample weights of a pooled metric (weighted means). None
+    with fewer than two samples."""
     reference, target = np.asarray(reference, dtype=np.float64), np.asarray(target, dtype=np.float64)
     if len(reference) < 2 or len(reference) != len(target):
         return None
-    drops = _resampled(reference, target, aggregate) * (1.0 if higher_is_better else -1.0)
-    return _percentiles(drops)
+    if weights is not None:
+        drops = _weighted(reference, target, *(np.asarray(w, dtype=np.float64) for w in weights))
+    else:
+        drops = _resampled(reference, target, aggregate)
+    return _percentiles(drops * (1.0 if higher_is_better else -1.0))
 
 
 def rate_interval(values: Sequence[float]) -> Optional[list]:
@@ -54,6 +59,18 @@ def _resampled(reference: np.ndarray, target: np.ndarray, aggregate) -> np.ndarr
     if aggregate is None:
         return reference[indices].mean(axis=1) - target[indices].mean(axis=1)
     return np.array([aggregate(reference[row]) - aggregate(target[row]) for row in indices])
+
+
+def _weighted(reference: np.ndarray, target: np.ndarray, ref_weights: np.ndarray,
+              target_weights: np.ndarray) -> np.ndarray:
+    indices = _indices(len(reference))
+
+    def means(scores, weights):
+        total = weights[indices].sum(axis=1)
+        plain = scores[indices].mean(axis=1)
+        return np.where(total > 0, (scores * weights)[indices].sum(axis=1) / np.where(total > 0, total, 1), plain)
+
+    return means(reference, ref_weights) - means(target, target_weights)
 
 
 def _indices(count: int) -> np.ndarray:

@@ -76,17 +76,26 @@ def _class_index(label) -> int:
 
 class MapIoU:
     """Segmentation / text detection: IoU of the output map binarized at ``threshold``
-    with the reference's map binarized the same way (both empty: 1). Needs no labels."""
+    with the reference's map binarized the same way (both empty: 1). Needs no labels.
+    Per page (default): the mean of the pages' IoUs, every page counts the same; ``pooled``:
+    all intersections over all unions, a page counts by its area (the union-weighted mean
+    of the pages' IoUs: ``weights``)."""
 
-    def __init__(self, threshold: float = 0.3):
-        self.threshold = float(threshold)
+    def __init__(self, threshold: float = 0.3, pooled: bool = False):
+        self.threshold, self.pooled = float(threshold), bool(pooled)
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        both, union = self._areas(outputs, reference)
+        return np.where(union > 0, both / np.maximum(union, 1), 1.0)
+
+    def weights(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> Optional[np.ndarray]:
+        """Each page's union when pooled (None: every page weighs the same)."""
+        return self._areas(outputs, reference)[1].astype(np.float64) if self.pooled else None
+
+    def _areas(self, outputs: np.ndarray, reference: np.ndarray) -> tuple:
         mine = outputs.reshape(len(outputs), -1) > self.threshold
         theirs = reference.reshape(len(reference), -1) > self.threshold
-        union = (mine | theirs).sum(axis=1)
-        both = (mine & theirs).sum(axis=1)
-        return np.where(union > 0, both / np.maximum(union, 1), 1.0)
+        return (mine & theirs).sum(axis=1), (mine | theirs).sum(axis=1)
 
 
 class CTC:
@@ -377,6 +386,12 @@ def bundle_record(config: Optional[Dict[str, Any]], folder: Path) -> Optional[Di
     return record
 
 
+def weighted_mean(scores: np.ndarray, weights: np.ndarray) -> float:
+    """A pooled metric's value: the weighted mean (the plain mean where nothing weighs)."""
+    total = float(weights.sum())
+    return float((scores * weights).sum() / total) if total > 0 else float(np.mean(scores))
+
+
 def per_sample(batched: np.ndarray, count: int) -> np.ndarray:
     """Outputs of ``count`` samples concatenated on axis 0 (a batched run) as the
     interface's [N, *output shape] stack."""
@@ -395,6 +410,7 @@ class TaskScorer:
         self.scores: Dict[str, List[np.ndarray]] = {}
         self.extras: Dict[str, Dict[str, List[np.ndarray]]] = {}
         self.agreement: Dict[str, List[np.ndarray]] = {}
+        self.weights: Dict[str, List[np.ndarray]] = {}  # per-sample weights of a pooled metric
         self.labeled: Optional[bool] = None
         self._stacks: List[tuple] = []  # the last two batches stacked (the reference's, a build's)
 
@@ -422,6 +438,10 @@ class TaskScorer:
         labels = [p[2] for p in pending] if self.labeled else None
         self.scores.setdefault(build, []).append(self.metric(outputs, reference, labels))
         name, count = self.metric.name, len(outputs)
+        weights = self.metric.hook("weights")
+        found = self.metric.call(weights, outputs, reference, labels) if weights else None
+        if found is not None:  # a pooled metric: the samples weigh differently (map_iou pooled: by area)
+            self.weights.setdefault(build, []).append(check_scores(name, found, count, "weights"))
         extras = self.metric.hook("extras")
         for key, values in (self.metric.call(extras, outputs, reference, labels) if extras else {}).items():
             values = check_scores(name, values, count, f"extras[{key!r}]")
@@ -442,7 +462,11 @@ class TaskScorer:
 
     def value(self, build: str) -> Optional[float]:
         parts = self.scores.get(build)
-        return self.metric.aggregate(np.concatenate(parts)) if parts else None
+        if not parts:
+            return None
+        if build in self.weights:
+            return weighted_mean(np.concatenate(parts), np.concatenate(self.weights[build]))
+        return self.metric.aggregate(np.concatenate(parts))
 
     def result(self, build: str, max_drop: float, require_confidence: bool = False) -> Optional[dict]:
         """The task-metric verdict of ``build`` against the reference (None when nothing was
@@ -477,9 +501,11 @@ class TaskScorer:
     def _confidence(self, build: str, task: dict, require: bool) -> dict:
         """The drop's interval, the agreement's, and whether a passing drop is resolved."""
         own = getattr(self.metric.score, "aggregate", None)
+        weights = ((np.concatenate(self.weights["reference"]), np.concatenate(self.weights[build]))
+                   if build in self.weights and "reference" in self.weights else None)
         interval = confidence.drop_interval(np.concatenate(self.scores["reference"]),
                                             np.concatenate(self.scores[build]), self.metric.higher_is_better,
-                                            (lambda scores: float(own(scores))) if own else None)
+                                            (lambda scores: float(own(scores))) if own else None, weights)
         agreement = self.agreement.get(build)
         found = {"interval": interval, "confidence": confidence.LEVEL, "resamples": confidence.RESAMPLES,
                  "agreement_interval": confidence.rate_interval(np.concatenate(agreement)) if agreement else None,

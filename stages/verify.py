@@ -44,6 +44,7 @@ VERSION += 1  # advice trials rounded like the build (precision.weight_rounding)
 VERSION += 1  # a mixed build left with no int8 op fails on that (exit 3), not as a precision mismatch
 VERSION += 1  # an int8 build keeping the backend's float op kinds is accepted as mixed
 VERSION += 1  # the measurement stored apart from the diagnosis; diagnosis within a budget; no failing trial as advice
+VERSION += 1  # task-first verdicts (task_min_cosine), bootstrap intervals, integer outputs compared exactly
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")

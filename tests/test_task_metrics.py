@@ -106,6 +106,29 @@ def test_map_iou_and_regression():
         Regression("mape")
 
 
+def test_map_iou_per_page_or_pooled():
+    """Per page, a small page's miss counts as much as a large page's hit; pooled, pages
+    weigh by their area (all intersections over all unions). The scorer aggregates, and
+    bootstraps, either way."""
+    out = np.zeros((2, 1, 10, 10), dtype=np.float32)
+    ref = np.zeros_like(out)
+    ref[0, 0, :, :] = 0.9  # a full page, found
+    out[0, 0, :, :] = 0.9
+    ref[1, 0, 0, :2] = 0.9  # two pixels, missed
+    per_page, pooled = MapIoU(0.3), MapIoU(0.3, pooled=True)
+    assert per_page(out, ref, None).tolist() == [1.0, 0.0] and per_page.weights(out, ref, None) is None
+    assert pooled.weights(out, ref, None).tolist() == [100.0, 2.0]
+    for metric, expected in ((per_page, 0.5), (pooled, 100 / 102)):
+        scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.MapIoU", "pooled": metric.pooled}), "y")
+        for index in range(2):
+            scorer.add("reference", ref[index], ref[index], None)
+            scorer.add("build", out[index], ref[index], None)
+        scorer.finish()
+        task = scorer.result("build", 1.0)
+        assert task["target"] == pytest.approx(expected) and task["reference"] == 1.0
+        assert task["interval"][0] <= task["drop"] <= task["interval"][1]
+
+
 def test_a_lower_is_better_metric_drops_when_it_rises():
     scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.Regression"}), "y")
     for label, value in ((1.0, 1.5), (2.0, 2.0)):
