@@ -96,10 +96,11 @@ def test_a_build_that_keeps_the_task_passes_below_the_cosine_threshold(tmp_path)
     metric, or without the floor, the same build fails on cosine. The drop's interval is in
     report.json, report.md, report.html and junit.xml."""
     strict = ["precision=int8", "validation.min_cosine=0.9999999", "validation.max_metric_drop=0.05"]
-    result = run_cli(strict, tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_cli([*strict, "validation.require_confidence=true"], tmp_path)
     run_dir = run_dirs(tmp_path)[-1]
     verify = read_report(run_dir)["verify"]
+    assert verify["task"]["require_confidence"] is True
+    assert result.returncode == (3 if verify["task"]["uncertain"] else 0), result.stdout + result.stderr
     output = verify["outputs"][0]
     assert output["cosine_gate"] == "task_min_cosine" and output["thresholds"]["min_cosine"] == 0.98
     assert output["metrics"]["cosine"] < 0.9999999
