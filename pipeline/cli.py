@@ -50,6 +50,9 @@ def main() -> None:
         _fail(f"config error: {_describe_composition_error(err)}", ExitCode.USAGE)
     except ParityError as err:
         _fail(str(err), err.exit_code)
+    except (FileExistsError, NotADirectoryError) as err:  # Hydra makes the run folder where a file is
+        _fail(f"config error: the run folder {err.filename} cannot be made, a file is in its way ({err.strerror}): "
+              "move the file or set hydra.run.dir (hydra.sweep.dir) to a folder", ExitCode.USAGE)
     except Exception as err:  # noqa: BLE001 - the last line of defence
         fault = environment_fault(err)  # e.g. Hydra cannot create a read-only run folder
         _fail(str(fault), fault.exit_code) if fault else _fail(f"internal error: {type(err).__name__}: {err}",

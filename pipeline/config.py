@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any, Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
@@ -583,6 +584,8 @@ def check_ranges(run: RunConfig) -> None:
     values += [(f"validation.outputs.{output}.min_sqnr_db", o.min_sqnr_db, (None, None))
                for output, o in run.validation.outputs.items()]
     values.append(("validation.min_sqnr_db", run.validation.min_sqnr_db, (None, None)))
+    values += [(f"model.input_shapes.{name}[{axis}]", dim, (1, None))
+               for name, shape in run.model.input_shapes.items() for axis, dim in enumerate(shape)]
     for key, value, (low, high) in values:
         if value is None:
             continue
@@ -635,6 +638,8 @@ def describe_config_error(err: BaseException) -> str:
         chain.append(err)
         err = err.__cause__ or err.__context__
     for item in chain:
+        if isinstance(item, OverrideParseException):
+            return _unparsable_override(item)
         if isinstance(item, OmegaConfBaseException) and getattr(item, "full_key", None):
             msg = str(getattr(item, "msg", "") or item).splitlines()[0]
             allowed = _allowed_keys(item) if isinstance(item, (ConfigKeyError, ConfigAttributeError)) else None
@@ -642,6 +647,17 @@ def describe_config_error(err: BaseException) -> str:
                 + _key_hint(item.full_key, msg)
     first = str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__]
     return first[0]
+
+
+def _unparsable_override(err) -> str:
+    """Hydra's grammar takes unquoted values of ASCII letters, digits and a few symbols: a
+    path with a space or a non-ASCII letter must be quoted."""
+    override = str(err.override)
+    key, _, value = override.partition("=")
+    odd = sorted({c for c in value if not c.isascii() or c.isspace()})
+    why = f"{', '.join(repr(c) for c in odd)} cannot stand unquoted" if odd else "Hydra cannot parse it"
+    return (f"override {override!r}: {why}; quote the value: \"{key}='{value}'\" "
+            "(https://hydra.cc/docs/advanced/override_grammar/basic)")
 
 
 def plain(obj):

@@ -22,6 +22,8 @@ def load_onnx(path: Path, key: str = "model.path") -> onnx.ModelProto:
         raise InputError(f"{key}: {path} does not exist (set {key}=... to an ONNX file)")
     if path.is_dir():
         raise InputError(f"{key}: {path} is a directory, not an ONNX file")
+    if not path.is_file():  # reading a FIFO would wait forever, a device never ends
+        raise InputError(f"{key}: {path} is not a regular file (a device, pipe or socket): give the ONNX file itself")
     head = path.read_bytes()[:512] if path.stat().st_size else b""
     if not head:
         raise InputError(f"{key}: {path} is empty (0 bytes): re-export or re-download the model")
