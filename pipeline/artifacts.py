@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -64,10 +66,21 @@ def _temp_name(final: Path) -> Path:
     return final.parent / f".{final.name}.{uuid.uuid4().hex[:12]}"
 
 
+def _aside_name(final: Path) -> Path:
+    """Where a replaced ``final`` waits while the new one is renamed in (no atomic exchange)."""
+    return final.parent / f".{final.name}.old.{uuid.uuid4().hex[:12]}"
+
+
 def remove_stale_temps(final: Path) -> None:
     """Remove the temporary folders and files that writers killed mid-way (kill -9, power
-    loss) left beside ``final``. Only for a place no other process is writing."""
-    for leftover in Path(final).parent.glob(f".{Path(final).name}.*"):
+    loss) left beside ``final``; an old ``final`` set aside by a writer killed before the
+    new one took its place is put back, never removed. Only for a place no other process
+    is writing."""
+    final = Path(final)
+    for aside in sorted(final.parent.glob(f".{final.name}.old.*")):
+        if not final.exists() and not final.is_symlink():
+            os.rename(aside, final)
+    for leftover in final.parent.glob(f".{final.name}.*"):
         if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
         else:
@@ -79,14 +92,19 @@ def atomic_directory(final: Path, replace: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory next to ``final``; on success rename it into
     place, so readers never see half of it. With replace=False an existing ``final``
     wins (another writer finished first) and the temporary copy is dropped; with
-    replace=True the old ``final`` is renamed aside first and removed last, so a kill
-    never leaves half of either. The folder gets the umask's mode (mkdtemp's is 0700)."""
+    replace=True the old and the new ``final`` trade places in one atomic exchange
+    (renameat2 RENAME_EXCHANGE) and the old one is removed last; where the file system has
+    no exchange the old one is renamed aside first, and a kill between the two renames
+    leaves it aside for remove_stale_temps to put back. The folder gets the umask's mode
+    (mkdtemp's is 0700)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    temp, aside = _temp_name(final), _temp_name(final)
+    temp, aside = _temp_name(final), _aside_name(final)
     temp.mkdir()
     try:
         yield temp
+        if final.exists() and replace and exchange(temp, final):
+            return  # the old one is in temp now: removed below
         if final.exists() and replace:
             os.rename(final, aside)
         try:
@@ -98,9 +116,30 @@ def atomic_directory(final: Path, replace: bool = False) -> Iterator[Path]:
             if not final.exists():
                 raise
     finally:
+        if aside.exists() and not final.exists():  # interrupted between the renames: the old one goes back
+            os.rename(aside, final)
         for leftover in (temp, aside):
             if leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+AT_FDCWD = -100
+
+
+def exchange(first: Path, second: Path) -> bool:
+    """Swap two existing paths atomically (Linux renameat2 RENAME_EXCHANGE): True when
+    done, False where the C library or the file system has no such call."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(str(first)), AT_FDCWD, os.fsencode(str(second)), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
 
 
 def atomic_write_bytes(final: Path, writer) -> None:
