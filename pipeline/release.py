@@ -16,7 +16,9 @@ import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path, PurePosixPath
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
+
+import yaml
 
 import pipeline
 from pipeline.archive import write_tar_gz
@@ -56,6 +58,8 @@ class Release:
     folder: Optional[Path] = None  # None: nothing was written
     archive: Optional[Path] = None
     manifest: dict = field(default_factory=dict)
+    missing: List[Dict[str, str]] = field(default_factory=list)  # intended jobs with no folder
+    refused: Optional[str] = None  # why nothing was written although bundles passed (exit 3)
 
     @property
     def passing(self) -> List[Job]:
@@ -118,10 +122,13 @@ def _name(value) -> Optional[str]:
 # ---------------------------------------------------------------- writing a release
 
 
-def make_release(sweep: Path, output: Optional[Path], name: Optional[str], include_failing: bool) -> Release:
+def make_release(sweep: Path, output: Optional[Path], name: Optional[str], include_failing: bool,
+                 allow_partial: bool = False) -> Release:
     """Collect the sweep's passing bundles (and failing ones with ``include_failing``)
     into the folder ``output`` (default SWEEP_DIR/release) and ``<output>.tar.gz`` next to
-    it. Nothing is written when there is no bundle to ship."""
+    it. Nothing is written when there is no bundle to ship, nor when a job the sweep
+    intended (its multirun.yaml) never ran or did not pass, unless ``allow_partial``
+    (release.json then lists the missing and failing jobs)."""
     sweep = Path(sweep)
     if not sweep.is_dir():
         raise InputError(f"release: {sweep} is not a folder; pass a sweep folder such as multirun/<date>/<time>")
@@ -134,7 +141,7 @@ def make_release(sweep: Path, output: Optional[Path], name: Optional[str], inclu
     if not jobs:
         raise InputError(f"release: {sweep} holds no jobs (no folder with report.json, job.json or .hydra/); "
                          f"pass a sweep folder such as multirun/<date>/<time>")
-    release = Release(jobs)
+    release = Release(jobs, missing=missing_jobs(sweep, jobs))
     shipped = [job for job in jobs if job.passed or (include_failing and job.bundles)]
     if not shipped:
         return release
@@ -142,6 +149,9 @@ def make_release(sweep: Path, output: Optional[Path], name: Optional[str], inclu
     for job in shipped:
         for bundle in job.bundles:
             _check_bundle(job, bundle)
+    release.refused = None if allow_partial else _partial(release, include_failing)
+    if release.refused:
+        return release
     places = _places(shipped)
     remove_stale_temps(final)  # folders and archives of a release killed mid-way (.<name>.*)
     with atomic_directory(final, replace=True) as temp:
@@ -151,10 +161,77 @@ def make_release(sweep: Path, output: Optional[Path], name: Optional[str], inclu
         for file in summary:
             shutil.copyfile(sweep / file, temp / file)
         release.manifest = _manifest(temp, name, sweep, jobs, places, summary)
+        release.manifest["missing"] = release.missing
         write_json(temp / RELEASE_MANIFEST, release.manifest)
     release.folder, release.archive = final, final.parent / f"{final.name}.tar.gz"
     atomic_write_bytes(release.archive, lambda path: write_tar_gz(final, path, name))
     return release
+
+
+def _partial(release: Release, include_failing: bool) -> Optional[str]:
+    """Why a release without --allow-partial is refused: intended jobs that never ran, or
+    jobs that did not pass (unless --include-failing ships them, marked fail)."""
+    failing = [] if include_failing else [job.dir for job in release.jobs if not job.passed]
+    parts = []
+    if release.missing:
+        names = [",".join(f"{k}={v}" for k, v in sorted(job.items())) for job in release.missing]
+        parts.append(f"{len(names)} intended jobs never ran ({'; '.join(names[:4])}"
+                     f"{f'; +{len(names) - 4} more' if len(names) > 4 else ''})")
+    if failing:
+        parts.append(f"{len(failing)} jobs did not pass ({'; '.join(failing[:4])}"
+                     f"{f'; +{len(failing) - 4} more' if len(failing) > 4 else ''})")
+    if not parts:
+        return None
+    total = len(release.jobs) + len(release.missing)
+    return (f"the sweep is partial, {sum(j.passed for j in release.jobs)} of {total} jobs passed: "
+            f"{'; '.join(parts)}: rerun them, or pass --allow-partial to release what passed "
+            "(release.json then lists the rest)")
+
+
+def missing_jobs(sweep: Path, jobs: List[Job]) -> List[Dict[str, str]]:
+    """The swept values of every job the sweep's multirun.yaml intended that has no job
+    folder (never started: the sweep was killed or a launcher lost it). Empty when the
+    sweep has no readable multirun.yaml (nothing to compare with)."""
+    intended = intended_jobs(sweep)
+    if intended is None:
+        return []
+    found = [_swept(sweep / job.dir, intended[0].keys()) for job in jobs] if intended else []
+    return [job for job in intended if job not in found]
+
+
+def intended_jobs(sweep: Path) -> Optional[List[Dict[str, str]]]:
+    """Each job of the multirun as {swept key: value}, expanded from its multirun.yaml the
+    way Hydra's basic sweeper does (command-line overrides and hydra.sweeper.params)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hydra = yaml.safe_load((Path(sweep) / "multirun.yaml").read_text())["hydra"]
+        task = list(hydra["overrides"]["task"])
+        params = (hydra.get("sweeper") or {}).get("params") or {}
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    task += [f"{key}={value}" for key, value in params.items()]
+    parsed = OverridesParser.create().parse_overrides(task)
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    if not swept:
+        return None
+    jobs = [overrides for batch in BasicSweeper.split_arguments(parsed, None) for overrides in batch]
+    return [_pairs(overrides, swept) for overrides in jobs]
+
+
+def _swept(folder: Path, keys) -> Dict[str, str]:
+    """A job folder's values of the swept keys, from Hydra's .hydra/overrides.yaml."""
+    try:
+        overrides = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return {}
+    return _pairs(overrides, set(keys))
+
+
+def _pairs(overrides, keys) -> Dict[str, str]:
+    pairs = dict(str(o).split("=", 1) for o in overrides if "=" in str(o))
+    return {key.lstrip("+~"): value for key, value in pairs.items() if key.lstrip("+~") in keys}
 
 
 def _check_output(final: Path) -> None:

@@ -33,6 +33,9 @@ def main(argv=None) -> None:
                                        "(default: the release folder's name)")
     parser.add_argument("--include-failing", action="store_true",
                         help="also ship the bundles of failing jobs (they stay marked fail)")
+    parser.add_argument("--allow-partial", action="store_true",
+                        help="release what passed although jobs the sweep intended never ran or failed "
+                             "(release.json lists them); without it such a sweep is refused, exit 3")
     args = parser.parse_args(argv)
     try:
         code = _release(args)
@@ -47,10 +50,15 @@ def main(argv=None) -> None:
 
 
 def _release(args) -> ExitCode:
-    release = make_release(args.sweep, args.output, args.name, args.include_failing)
+    release = make_release(args.sweep, args.output, args.name, args.include_failing, args.allow_partial)
     console = stdout_console()
     for job in release.jobs:
         console.print(escape(_job_line(job, release)))
+    for missing in release.missing:
+        console.print(escape(f"miss  {','.join(f'{k}={v}' for k, v in sorted(missing.items()))}  never ran"))
+    if release.refused:
+        _error(f"nothing released: {release.refused}")
+        return ExitCode.THRESHOLD
     if release.folder:
         manifest = release.manifest
         console.print(f"release: {escape(str(release.folder))} ({len(manifest['bundles'])} bundles, "

@@ -88,7 +88,7 @@ def sweep(tmp_path_factory):
 @pytest.fixture(scope="module")
 def release(sweep):
     folder, _ = sweep
-    result = release_cli([folder], folder.parent)
+    result = release_cli([folder, "--allow-partial"], folder.parent)  # two jobs fail their threshold
     assert_ok(result)
     return folder / "release", json.loads((folder / "release" / "release.json").read_text()), result
 
@@ -141,10 +141,37 @@ def test_verify_release_folder_and_archive(sweep, release):
 def test_release_archive_is_byte_identical_when_made_again(sweep, release, tmp_path):
     folder, _ = sweep
     first = (folder / "release.tar.gz").read_bytes()
-    assert_ok(release_cli([folder, "--output", tmp_path / "release"], tmp_path))
+    assert_ok(release_cli([folder, "--output", tmp_path / "release", "--allow-partial"], tmp_path))
     assert (tmp_path / "release.tar.gz").read_bytes() == first
-    assert_ok(release_cli([folder], tmp_path))  # an earlier release in the way is replaced
+    assert_ok(release_cli([folder, "--allow-partial"], tmp_path))  # an earlier release in the way is replaced
     assert (folder / "release.tar.gz").read_bytes() == first
+
+
+def test_a_partial_sweep_is_refused_unless_allowed(sweep, tmp_path):
+    """Half a release never exits 0: jobs that failed, or that the sweep intended and that
+    never ran (the sweep killed after its first jobs: their folders never appeared), refuse
+    the release (exit 3, nothing written) unless --allow-partial, and then release.json
+    lists what is missing."""
+    folder, _ = sweep
+    result = release_cli([folder, "--output", tmp_path / "refused"], tmp_path)
+    assert_one_line_error(result, "parity-release", 3, ["nothing released", "2 of 4 jobs passed",
+                                                        "2 jobs did not pass", "--allow-partial"])
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "refused.tar.gz").exists()
+    killed = tmp_path / "killed"
+    shutil.copytree(folder, killed, ignore=shutil.ignore_patterns("release*"))
+    for job in killed.iterdir():
+        if job.is_dir() and (FAIL in job.name or "openvino_cpu" in job.name):
+            shutil.rmtree(job)  # 3 of the 4 intended jobs never started
+    result = release_cli([killed], tmp_path)
+    line = assert_one_line_error(result, "parity-release", 3, ["1 of 4 jobs passed", "3 intended jobs never ran"])
+    assert "target=openvino_cpu" in line and result.stdout.count("miss  ") == 3
+    assert not (killed / "release").exists()
+    result = release_cli([killed, "--allow-partial"], tmp_path)
+    assert_ok(result)
+    manifest = json.loads((killed / "release" / "release.json").read_text())
+    assert len(manifest["bundles"]) == 1 and len(manifest["missing"]) == 3
+    assert {m["target"] for m in manifest["missing"]} == {"ort_cpu", "openvino_cpu"}
+    assert all(set(m) == {"target", "validation.min_cosine"} for m in manifest["missing"])
 
 
 def test_bad_name_is_exit_2(sweep, tmp_path):
