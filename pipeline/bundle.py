@@ -83,7 +83,7 @@ def check_compile_cache(bundle: Path, manifest: dict) -> None:
 
 def check_files(root: Path, listed: dict, manifest_name: str, label: str) -> None:
     """Every listed file under root present with its sha256, and no other file but the
-    manifest itself; otherwise an InputError naming the first offending file."""
+    manifest itself and its signature; otherwise an InputError naming the first offending file."""
     for name, entry in sorted(listed.items()):
         if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
             raise InputError(f"{label}: {manifest_name} lists {name!r}, a path outside the folder")
@@ -92,8 +92,9 @@ def check_files(root: Path, listed: dict, manifest_name: str, label: str) -> Non
             raise InputError(f"{label}: {name} is listed in the manifest but missing")
         if sha256_file(path) != entry["sha256"]:
             raise InputError(f"{label}: {name} does not match its sha256 in the manifest (tampered or corrupt)")
+    own = (manifest_name, f"{manifest_name}.sig")  # the manifest and its signature (pipeline/signing.py)
     extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                   if p.is_file() and p.relative_to(root).as_posix() not in (manifest_name, *listed))
+                   if p.is_file() and p.relative_to(root).as_posix() not in (*own, *listed))
     if extra:
         raise InputError(f"{label}: {extra[0]} is not listed in the manifest (added after packaging)")
 
@@ -145,6 +146,52 @@ def recorded_samples(bundle: Path) -> List[dict]:
 REPRODUCED_COSINE = 0.999999  # the bundle's outputs on this machine vs the packaged run's own outputs
 
 
+def _run_recorded(backend, bundle: Path, settings: dict, samples: list, thresholds: dict, timeout_s: float):
+    """The recorded inputs through the bundle in a worker: (stats against the reference,
+    stats against the packaged run's outputs, what ran, the outputs)."""
+    from pipeline.metrics import OutputStats
+    from pipeline.worker import BackendWorker
+
+    stats: Dict[str, OutputStats] = {}
+    same: Dict[str, OutputStats] = {}
+    outputs = []
+    with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name}", timeout_s=timeout_s) as worker:
+        for sample in samples:
+            actual = worker.run(sample["inputs"])
+            outputs.append(actual)
+            for name, expected in sample["reference"].items():
+                if name in thresholds and name in actual:
+                    stats.setdefault(name, OutputStats()).update(expected, actual[name])
+                if name in sample["target"] and name in actual:
+                    same.setdefault(name, OutputStats()).update(sample["target"][name], actual[name])
+        effective = worker.effective()
+    return stats, same, effective, outputs
+
+
+def _check_cache_runs_the_artifact(backend, bundle: Path, settings: dict, samples: list, artifact_outputs: list,
+                                   timeout_s: float) -> None:
+    """The bundle is judged by what its artifact computes (a machine without the cache
+    compiles it); its compile cache must compute the same, or it is another model's (a
+    cache and its key.json rewritten with the model and the manifest): InputError."""
+    from pipeline.metrics import OutputStats
+    from pipeline.worker import BackendWorker
+
+    agreement: Dict[str, OutputStats] = {}
+    with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name} (compile cache)",
+                       timeout_s=timeout_s) as worker:
+        for sample, expected in zip(samples, artifact_outputs):
+            actual = worker.run(sample["inputs"])
+            for name in expected:
+                if name in actual:
+                    agreement.setdefault(name, OutputStats()).update(expected[name], actual[name])
+    for name, found in agreement.items():
+        cosine = found.result()["cosine"]
+        if cosine < REPRODUCED_COSINE:
+            raise InputError(f"bundle: its compile cache ({compile_cache.FOLDER}/) does not compute what its model "
+                             f"{settings['model']} computes (output {name}: cosine {cosine:.6f} between them): the "
+                             "cache or the model was changed after packaging; rebuild the bundle")
+
+
 def reproduce(bundle: Path, timeout_s: float = 600.0) -> dict:
     """Run the bundle on its recorded inputs, in a worker process, and judge it with the
     verdict the run used (pipeline.verdict). When its outputs reproduce the packaged run's
@@ -153,9 +200,8 @@ def reproduce(bundle: Path, timeout_s: float = 600.0) -> dict:
     the same bundle on the same machine gets the run's verdict and exit code. Otherwise
     the outputs are judged on the recorded samples against the recorded reference."""
     from pipeline.config import OutputThresholds
-    from pipeline.metrics import OutputStats, failures
+    from pipeline.metrics import failures
     from pipeline.verdict import judge
-    from pipeline.worker import BackendWorker
 
     bundle = Path(bundle)
     settings = runtime_settings(bundle)
@@ -167,17 +213,10 @@ def reproduce(bundle: Path, timeout_s: float = 600.0) -> dict:
     ok, reason = backend.available()
     if not ok:
         raise BackendUnavailable(reason)
-    stats: Dict[str, OutputStats] = {}
-    same: Dict[str, OutputStats] = {}
-    with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name}", timeout_s=timeout_s) as worker:
-        for sample in samples:
-            actual = worker.run(sample["inputs"])
-            for name, expected in sample["reference"].items():
-                if name in thresholds and name in actual:
-                    stats.setdefault(name, OutputStats()).update(expected, actual[name])
-                if name in sample["target"] and name in actual:
-                    same.setdefault(name, OutputStats()).update(sample["target"][name], actual[name])
-        effective = worker.effective()
+    stats, same, effective, outputs = _run_recorded(backend, bundle, compile_cache.without_cache(settings), samples,
+                                                    thresholds, timeout_s)
+    if settings.get(compile_cache.CACHE_FIELD):
+        _check_cache_runs_the_artifact(backend, bundle, settings, samples, outputs, timeout_s)
     outputs = []
     for name, limits in thresholds.items():
         metrics = stats[name].result() if name in stats else None

@@ -3,6 +3,7 @@
     parity-bundle verify PATH   (a bundle or release folder, or its .tar.gz)
     parity-bundle run BUNDLE INPUT [--output y.npz]   (an image, .npy, .npz, or what a custom preprocess reads)
     parity-bundle check BUNDLE   (re-run the recorded verify samples: reproduce the verdict)
+    parity-bundle keygen KEY     (an Ed25519 key pair for parity-release --sign; verify/check --verify-key KEY.pub)
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from rich.markup import escape
 
+from pipeline import signing
 from pipeline.archive import is_archive, safe_extract
 from pipeline.bundle import MANIFEST, check_integrity, open_session, read_inputs, reproduce, runtime_settings
 from pipeline.console import stderr_console, stdout_console
@@ -29,6 +32,8 @@ def main(argv=None) -> None:
     verify = commands.add_parser("verify", help="check every file against the manifest's sha256 "
                                                  "(a bundle or release folder, or its .tar.gz)")
     verify.add_argument("bundle", type=Path, metavar="PATH")
+    verify.add_argument("--verify-key", type=Path, metavar="PUB",
+                        help="an Ed25519 public key: every manifest must carry a valid signature by it")
     run = commands.add_parser("run", help="check the bundle, then run it on its backend")
     run.add_argument("bundle", type=Path)
     run.add_argument("input", type=Path, nargs="?", help="an image (through the bundle's recorded preprocessing), "
@@ -40,9 +45,14 @@ def main(argv=None) -> None:
                                                "against the recorded reference outputs and thresholds")
     check.add_argument("bundle", type=Path)
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per backend request (default 600)")
+    check.add_argument("--verify-key", type=Path, metavar="PUB",
+                       help="an Ed25519 public key: the manifest must carry a valid signature by it")
+    keygen = commands.add_parser("keygen", help="write a new Ed25519 key pair for parity-release --sign: "
+                                                "KEY (private, mode 0600) and KEY.pub")
+    keygen.add_argument("key", type=Path, metavar="KEY")
     args = parser.parse_args(argv)
     try:
-        code = {"verify": _verify, "run": _run, "check": _check}[args.command](args)
+        code = {"verify": _verify, "run": _run, "check": _check, "keygen": _keygen}[args.command](args)
     except ParityError as err:
         stderr_console().print(f"[bold red]parity-bundle:[/] {escape(str(err))}", soft_wrap=True)
         code = err.exit_code
@@ -56,7 +66,7 @@ def main(argv=None) -> None:
 
 def _verify(args) -> ExitCode:
     if not is_archive(args.bundle):
-        return _verify_folder(args.bundle)
+        return _verify_folder(args.bundle, args.verify_key)
     with tempfile.TemporaryDirectory(prefix="parity-verify-") as scratch:
         safe_extract(args.bundle, Path(scratch), manifests=(RELEASE_MANIFEST, MANIFEST))  # sizes checked first
         roots = list(Path(scratch).iterdir())
@@ -64,18 +74,38 @@ def _verify(args) -> ExitCode:
             raise InputError(f"archive {args.bundle} holds {len(roots)} top-level entries; "
                              f"expected one bundle or release folder")
         stdout_console().print(f"archive {escape(str(args.bundle))}: extracted safely")
-        return _verify_folder(roots[0])
+        return _verify_folder(roots[0], args.verify_key)
 
 
-def _verify_folder(path: Path) -> ExitCode:
+def _verify_folder(path: Path, key: Optional[Path] = None) -> ExitCode:
     if is_release(path):
         release, bundles = check_release(path)
+        if key is not None:
+            signing.verify(path / RELEASE_MANIFEST, key)
+            for entry in release["bundles"]:
+                signing.verify(path / entry["path"] / MANIFEST, key)
         for manifest in bundles:
             _print_bundle(manifest)
         stdout_console().print(f"release {escape(release['name'])}: {len(release['files'])} files match "
-                               f"release.json, {len(bundles)} bundles verified")
+                               f"release.json, {len(bundles)} bundles verified" + _signed(key))
         return ExitCode.OK
-    _print_bundle(check_integrity(path))
+    manifest = check_integrity(path)
+    if key is not None:
+        signing.verify(path / MANIFEST, key)
+    _print_bundle(manifest)
+    if key is not None:
+        stdout_console().print(f"bundle {escape(manifest['name'])}: {_signed(key).lstrip('; ')}")
+    return ExitCode.OK
+
+
+def _signed(key: Optional[Path]) -> str:
+    return f"; signatures valid for {key}" if key is not None else ""
+
+
+def _keygen(args) -> ExitCode:
+    private, public = signing.generate(args.key)
+    stdout_console().print(f"private key {escape(str(private))} (mode 0600: keep it secret, e.g. a CI secret), "
+                           f"public key {escape(str(public))} (ship it to whoever checks the bundles)")
     return ExitCode.OK
 
 
@@ -168,6 +198,8 @@ def _print_effective(console, effective: dict) -> None:
 
 def _check(args) -> ExitCode:
     check_integrity(args.bundle)
+    if args.verify_key is not None:
+        signing.verify(Path(args.bundle) / MANIFEST, args.verify_key)
     result = reproduce(args.bundle, args.timeout)
     console = stdout_console()
     for output in result["outputs"]:

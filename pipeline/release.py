@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 import pipeline
+from pipeline import signing
 from pipeline.archive import write_tar_gz
 from pipeline.artifacts import (atomic_directory, atomic_write_bytes, read_json, remove_stale_temps, sha256_file,
                                 write_json)
@@ -123,12 +124,13 @@ def _name(value) -> Optional[str]:
 
 
 def make_release(sweep: Path, output: Optional[Path], name: Optional[str], include_failing: bool,
-                 allow_partial: bool = False) -> Release:
+                 allow_partial: bool = False, sign_key: Optional[Path] = None) -> Release:
     """Collect the sweep's passing bundles (and failing ones with ``include_failing``)
     into the folder ``output`` (default SWEEP_DIR/release) and ``<output>.tar.gz`` next to
     it. Nothing is written when there is no bundle to ship, nor when a job the sweep
     intended (its multirun.yaml) never ran or did not pass, unless ``allow_partial``
-    (release.json then lists the missing and failing jobs)."""
+    (release.json then lists the missing and failing jobs). ``sign_key``: an Ed25519
+    private key; each shipped bundle's manifest.json and release.json get a signature."""
     sweep = Path(sweep)
     if not sweep.is_dir():
         raise InputError(f"release: {sweep} is not a folder; pass a sweep folder such as multirun/<date>/<time>")
@@ -157,12 +159,16 @@ def make_release(sweep: Path, output: Optional[Path], name: Optional[str], inclu
     with atomic_directory(final, replace=True) as temp:
         for _, bundle, place in places:
             shutil.copytree(bundle, temp / place)
+            if sign_key is not None:
+                signing.sign(temp / place / MANIFEST, sign_key)
         summary = [f for f in SUMMARY_FILES if (sweep / f).is_file()]
         for file in summary:
             shutil.copyfile(sweep / file, temp / file)
         release.manifest = _manifest(temp, name, sweep, jobs, places, summary)
         release.manifest["missing"] = release.missing
         write_json(temp / RELEASE_MANIFEST, release.manifest)
+        if sign_key is not None:
+            signing.sign(temp / RELEASE_MANIFEST, sign_key)
     release.folder, release.archive = final, final.parent / f"{final.name}.tar.gz"
     atomic_write_bytes(release.archive, lambda path: write_tar_gz(final, path, name))
     return release

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from pipeline import signing
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, ParityError, environment_fault
 from pipeline.release import Job, Release, make_release
@@ -33,6 +34,9 @@ def main(argv=None) -> None:
                                        "(default: the release folder's name)")
     parser.add_argument("--include-failing", action="store_true",
                         help="also ship the bundles of failing jobs (they stay marked fail)")
+    parser.add_argument("--sign", type=Path, metavar="KEY",
+                        help="an Ed25519 private key (PEM): sign every shipped bundle's manifest.json and "
+                             "release.json (parity-bundle verify/check --verify-key KEY.pub)")
     parser.add_argument("--allow-partial", action="store_true",
                         help="release what passed although jobs the sweep intended never ran or failed "
                              "(release.json lists them); without it such a sweep is refused, exit 3")
@@ -50,7 +54,9 @@ def main(argv=None) -> None:
 
 
 def _release(args) -> ExitCode:
-    release = make_release(args.sweep, args.output, args.name, args.include_failing, args.allow_partial)
+    if args.sign is not None:
+        signing.check_private_key(args.sign)  # a bad key before any work
+    release = make_release(args.sweep, args.output, args.name, args.include_failing, args.allow_partial, args.sign)
     console = stdout_console()
     for job in release.jobs:
         console.print(escape(_job_line(job, release)))
