@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import re
 from enum import IntEnum
 from typing import Iterator, Optional, Sequence
 
@@ -123,3 +124,17 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message (runtimes raise multi-page ones)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+# lines of a runtime's message that say where in its sources it stopped, not what went wrong
+_PLUMBING = re.compile(r"^\s*(Exception from \S+|Check '.*' failed at \S+|Traceback|File \"|at \S+:\d+|-+$|\[ERROR\]\s*$)")
+
+
+def meaningful_line(err: BaseException) -> str:
+    """The line of a runtime's message that says what is wrong: the first naming an
+    operation or node, else the first that is not plumbing (OpenVINO's frontend prefixes
+    "Exception from src/...cpp:123:" lines and ends with a summary), source paths dropped."""
+    lines = [re.sub(r"\S+\.(?:cpp|hpp|cc|h):\d+:?", "", line).strip(" :-") for line in str(err).splitlines()]
+    lines = [line for line in lines if line and not _PLUMBING.match(line)]
+    naming = [line for line in lines if re.search(r"\b(operations?|ops?|node|layer)\b", line, re.IGNORECASE)]
+    return (naming or lines or [first_line(err)])[0]

@@ -15,7 +15,8 @@ import yaml
 from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
 from pipeline.calibration import bias_correction, latency, weight_rounding
-from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
+from pipeline.errors import (BackendCrashed, BackendUnavailable, ConfigError, ParityError, first_line,
+                             meaningful_line)
 from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, build_qdq, int8_op_count
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
@@ -206,7 +207,7 @@ def run(ctx: StageContext) -> StageResult:
             (onnx_path, quantization), ir_dir = _quantize(ctx), None
         elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
             (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
-        artifacts, settings = backend.build(onnx_path, ir_dir, ctx.out_dir, target, precision)
+        artifacts, settings = _converted(backend, onnx_path, ir_dir, ctx.out_dir, target, precision)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         onnx_path.unlink()
     runtime = {
@@ -234,6 +235,18 @@ def run(ctx: StageContext) -> StageResult:
                "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts),
                "quantization": quantization, "compile_cache": cache}
     return StageResult(ctx.out_dir, files, summary)
+
+
+def _converted(backend, onnx_path: Path, ir_dir, out_dir: Path, target, precision: str):
+    """The backend's build of the model; a converter that rejects or crashes on it is this
+    target's limitation: exit 4, one line naming what it could not convert."""
+    try:
+        return backend.build(onnx_path, ir_dir, out_dir, target, precision)
+    except ParityError:
+        raise
+    except RuntimeError as err:  # pnnx, MNN's converter and OpenVINO's frontend raise these; a bug of ours stays 1
+        raise BackendUnavailable(f"target {target.name} cannot build this model: {meaningful_line(err)}; ort_cpu "
+                                 "runs it as the fp32 reference did (or change the model)") from err
 
 
 def _half(ctx: StageContext, converter: Optional[str]):

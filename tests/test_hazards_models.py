@@ -1,6 +1,8 @@
-"""Models that ended in an internal error (issue 28, item 1): a float16 ONNX model (float16
-input, weights and output) builds int8 on ONNX Runtime and OpenVINO and fp32 on ncnn,
-each with a verdict (exit 0 or 3, never 1)."""
+"""Models that ended in an internal error (issue 28, items 1-3): a float16 ONNX model
+(float16 input, weights and output) builds int8 on ONNX Runtime and OpenVINO and fp32 on
+ncnn, each with a verdict (exit 0 or 3, never 1); a converter that rejects an op (pnnx on
+Loop, OpenVINO's frontend on Det) is the target's limitation: exit 4, one line naming the
+op, and the target that runs it."""
 
 from __future__ import annotations
 
@@ -57,3 +59,56 @@ def test_a_float16_model_gets_a_verdict(tmp_path, target, precision):
     assert result.returncode in (0, 3), result.stdout + result.stderr
     verify = read_report(run_dirs(tmp_path)[-1])["verify"]
     assert verify["outputs"][0]["metrics"]["cosine"] > 0.99
+
+
+def loop_model(path):
+    """x [1, 8] -> MatMul -> Loop (3 times: + 1) -> y: pnnx has no ncnn layer for Loop."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["v_in", "one"], ["v_out"], name="inc"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep")], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1, 4])],
+        [numpy_helper.from_array(np.ones((1, 4), np.float32), "one")])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="dense"),
+             helper.make_node("Loop", ["trips", "cond", "h"], ["y"], name="repeat", body=body)]
+    return _save(nodes, path, {"w": np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32),
+                               "trips": np.array(3, np.int64), "cond": np.array(True)}, [1, 4])
+
+
+def det_model(path):
+    """x [1, 8] -> MatMul -> Reshape [1, 3, 3] -> Det -> y: OpenVINO has no Det."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="dense"),
+             helper.make_node("Reshape", ["h", "shape"], ["m"], name="square"),
+             helper.make_node("Det", ["m"], ["y"], name="det")]
+    return _save(nodes, path, {"w": np.random.default_rng(0).normal(size=(8, 9)).astype(np.float32),
+                               "shape": np.array([1, 3, 3], np.int64)}, [1])
+
+
+def _save(nodes, path, constants, out_shape):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
+                              [numpy_helper.from_array(v, k) for k, v in constants.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("make, target, said", [
+    (loop_model, "ncnn_cpu", "target ncnn_cpu cannot build this model: pnnx cannot convert ops"),
+    (det_model, "openvino_cpu", "target openvino_cpu cannot read this model: No conversion rule found for "
+                                "operations: Det"),
+])
+def test_a_converter_that_rejects_an_op_is_exit_4_in_one_line(tmp_path, make, target, said):
+    model = make(tmp_path / "model.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "data.calibration_size=8", "data.validation_size=8",
+                      "metric=none", f"target={target}", "precision=fp32"], tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("parity:")]
+    assert len(lines) == 1 and said in lines[0] and "ort_cpu runs it" in lines[0], result.stderr
+    assert "Loop (node repeat)" in lines[0] or target != "ncnn_cpu"
+    assert "Exception from" not in result.stderr and "internal error" not in result.stderr
