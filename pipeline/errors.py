@@ -134,7 +134,8 @@ def meaningful_line(err: BaseException) -> str:
     """The line of a runtime's message that says what is wrong: the first naming an
     operation or node, else the first that is not plumbing (OpenVINO's frontend prefixes
     "Exception from src/...cpp:123:" lines and ends with a summary), source paths dropped."""
-    lines = [re.sub(r"\S+\.(?:cpp|hpp|cc|h):\d+:?", "", line).strip(" :-") for line in str(err).splitlines()]
-    lines = [line for line in lines if line and not _PLUMBING.match(line)]
+    lines = [re.sub(r"\S+\.(?:cpp|hpp|cc|h):\d+:?", "", line).strip(" :-") for line in str(err).splitlines()
+             if not _PLUMBING.match(line)]
+    lines = [line for line in lines if line]
     naming = [line for line in lines if re.search(r"\b(operations?|ops?|node|layer)\b", line, re.IGNORECASE)]
     return (naming or lines or [first_line(err)])[0]

@@ -35,7 +35,6 @@ import contextlib
 import importlib
 import multiprocessing
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Any, List, Optional
 
-from pipeline.errors import BackendCrashed, first_line
+from pipeline.errors import BackendCrashed, meaningful_line
 
 _LATENCY = "__latency__"
 _THROUGHPUT = "__throughput__"
@@ -67,10 +66,10 @@ MEMORY_SIGNS = ("bad_alloc", "failed to map segment", "Cannot allocate memory")
 
 
 def _failure(err: BaseException) -> tuple:
-    """("error", kind, "TypeName: first line"), OpenVINO's "Exception from file:line:" lines skipped."""
+    """("error", kind, "TypeName: meaningful line"): the runtime's line naming the op or node,
+    OpenVINO's "Exception from file:line:" plumbing skipped (errors.meaningful_line)."""
     traceback.print_exc()  # into the log
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    message = next((line for line in lines if not re.match(r"Exception from \S+:\d+:?$", line)), first_line(err))
+    message = meaningful_line(err)
     # the memory limit also shows as a shared library that cannot be mapped while importing
     memory = isinstance(err, MemoryError) or any(sign in message for sign in MEMORY_SIGNS)
     name = "MemoryError" if isinstance(err, MemoryError) else type(err).__name__

@@ -112,3 +112,15 @@ def test_a_converter_that_rejects_an_op_is_exit_4_in_one_line(tmp_path, make, ta
     assert len(lines) == 1 and said in lines[0] and "ort_cpu runs it" in lines[0], result.stderr
     assert "Loop (node repeat)" in lines[0] or target != "ncnn_cpu"
     assert "Exception from" not in result.stderr and "internal error" not in result.stderr
+
+
+def test_the_meaningful_line_of_a_runtime_message():
+    from pipeline.errors import meaningful_line
+
+    openvino = RuntimeError("Exception from src/inference/src/cpp/core.cpp:105:\nCheck 'false' failed at "
+                            "src/frontends/common_translators/src/unconverted_ops_report.cpp:151:\nFrontEnd API "
+                            "failed with OpConversionFailure:\nModel wasn't fully converted.\nSummary:\n-- No "
+                            "conversion rule found for operations: If-13, LSTM-14\n")
+    assert meaningful_line(openvino) == "No conversion rule found for operations: If-13, LSTM-14"
+    assert meaningful_line(RuntimeError("Exception from src/a.cpp:3:\nout of range")) == "out of range"
+    assert meaningful_line(RuntimeError("")) == "RuntimeError"
