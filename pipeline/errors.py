@@ -97,12 +97,19 @@ ENVIRONMENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EN
 
 def environment_fault(err: BaseException, path=None) -> Optional[EnvironmentFault]:
     """An EnvironmentFault for an OSError with one of ENVIRONMENT_ERRNOS (looked for along
-    the exception's causes), naming the path and the errno; None for anything else."""
+    the exception's causes), naming the path and the errno, or for a MemoryError (this
+    machine's memory, not a bug: exit 5 with what is available); None for anything else."""
     seen = err
-    while seen is not None and not (isinstance(seen, OSError) and seen.errno in ENVIRONMENT_ERRNOS):
+    while seen is not None and not (isinstance(seen, OSError) and seen.errno in ENVIRONMENT_ERRNOS) \
+            and not isinstance(seen, MemoryError):
         seen = seen.__cause__ or seen.__context__
     if seen is None:
         return None
+    if isinstance(seen, MemoryError):
+        available = available_memory_bytes()
+        free = f"; {available / 2**30:.1f} GiB available now" if available else ""
+        return EnvironmentFault(f"out of memory (MemoryError{f': {seen}' if str(seen) else ''}){free}: lower "
+                                "data.validation_size / data.calibration_size, or run on a machine with more memory")
     where = seen.filename or path or "?"
     verb = "access" if seen.errno in (errno.EACCES, errno.EPERM) else "write"  # a refused read is EACCES too
     return EnvironmentFault(f"cannot {verb} {where}: [Errno {seen.errno}] {seen.strerror}")
@@ -118,6 +125,18 @@ def writing(path) -> Iterator[None]:
         if fault is None:
             raise
         raise fault from err
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable of /proc/meminfo (Linux); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def first_line(err: BaseException) -> str:

@@ -57,9 +57,11 @@ class StageContext:
 
     def dataset(self):
         """The run's calibration and validation data, checked against the converted model's inputs."""
+        from pipeline import memory
         from pipeline.data import TensorSpec, open_dataset
 
         inputs = [TensorSpec(**spec) for spec in self.results["convert"].summary["inputs"]]
+        memory.check(self.cfg.data, inputs)  # before a byte is loaded (pipeline/memory.py)
         return open_dataset(self.cfg.data, inputs)
 
     def memo(self, name: str, material: dict, produce: Callable[[Path], None]) -> Tuple[Path, bool]:
