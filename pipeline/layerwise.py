@@ -328,9 +328,10 @@ class _Probing:
         self.unmappable: set = set()
         self.pool = None
         self.deadline: Optional[float] = None
+        self.probe_seconds = 0.0  # the last probe (both workers re-exposing tensors): a chunk costs at least it
 
-    def late(self) -> bool:
-        return self.deadline is not None and time.perf_counter() > self.deadline
+    def late(self, margin: float = 0.0) -> bool:
+        return self.deadline is not None and time.perf_counter() + margin > self.deadline
 
     def bracket(self, wanted: List[str], budget: int, progress) -> None:
         """Checkpoints, then the tensors from the last agreeing checkpoint to the first
@@ -353,11 +354,13 @@ class _Probing:
         chunks = self.graph.chunks(names, budget)
         task = progress.add_task("layerwise", total=len(chunks) * len(self.samples)) if progress else None
         for done, chunk in enumerate(chunks):
-            if self.late():
+            if self.late(self.probe_seconds):  # a chunk that could not compare one sample in time is not started
                 left = sum(len(c) for c in chunks[done:])
                 self.comparison.cut = f"the diagnosis budget ran out with {left} tensors not compared"
                 return
+            started = time.perf_counter()
             ours, theirs = _both(self.pool, self.reference, self.target, "probe", chunk)
+            self.probe_seconds = time.perf_counter() - started
             self.unmappable.update(n for n in theirs["tensors"]
                                    if n not in self.graph.by_name and n not in self.graph.inputs)
             both = [name for name in chunk if name in ours["exposed"] and name in theirs["exposed"]]
