@@ -49,9 +49,9 @@ def test_passing_report():
     assert list(cases) == [
         "logits: no NaN/Inf", "logits: min_cosine >= 0.9999",
         "probs: no NaN/Inf", "probs: min_cosine >= 0.9999",
-        "top1 drop <= 0.01", "requested device and precision ran",
+        "top1 drop <= 0.01", "top1 drop 95 % interval within 0.01", "requested device and precision ran",
         "compared at least one output on at least one sample"]
-    assert counts(suite) == (7, 0, 0)
+    assert counts(suite) == (8, 0, 0)
     assert cases["logits: min_cosine >= 0.9999"].get("classname") == f"{SUITE}.outputs"
     assert cases["top1 drop <= 0.01"].get("classname") == f"{SUITE}.task"
     assert all(c.find("failure") is None and c.find("error") is None for c in cases.values())
@@ -68,7 +68,7 @@ def test_every_set_threshold_is_a_case():
     for name in ("logits: min_cosine >= 0.995", "logits: max_abs_error <= 1e-05",
                  "logits: max_mean_abs_error <= 1e-06", "logits: min_sqnr_db >= 30"):
         assert name in cases and cases[name].find("failure") is None
-    assert counts(suite) == (10, 0, 0)
+    assert counts(suite) == (11, 0, 0)
     # identical outputs: SQNR None is infinite and passes
     report["verify"]["outputs"][1]["thresholds"]["min_sqnr_db"] = 200.0
     _, suite, cases = parse(junit_xml(report))
@@ -85,7 +85,7 @@ def test_failing_thresholds_report():
     out["passed"] = False
     report["verify"]["task"].update(drop=0.05, target=0.935, passed=False)
     _, suite, cases = parse(junit_xml(report))
-    assert counts(suite) == (8, 4, 0)
+    assert counts(suite) == (9, 4, 0)
     assert failure(cases["logits: no NaN/Inf"]) == "2 NaN and 1 Inf values in the output"
     assert failure(cases["logits: min_cosine >= 0.995"]) == "cosine 0.912345 < 0.995"
     assert failure(cases["logits: max_abs_error <= 1e-06"]) == "max_abs 3e-06 > 1e-06"
@@ -95,12 +95,23 @@ def test_failing_thresholds_report():
     assert cases["logits: min_cosine >= 0.995"].find("failure").get("type") == "threshold"
 
 
+def test_an_uncertain_drop_is_skipped_with_the_warning_or_fails_when_required():
+    report = full_report()
+    report["verify"]["task"].update(uncertain=True, samples_to_resolve=800)
+    _, suite, cases = parse(junit_xml(report))
+    case = cases["top1 drop 95 % interval within 0.01"]
+    assert case.find("failure") is None and "about 800 samples would resolve it" in case.find("skipped").get("message")
+    report["verify"]["task"]["require_confidence"] = True
+    _, suite, cases = parse(junit_xml(report))
+    assert "[0, 0.015]" in failure(cases["top1 drop 95 % interval within 0.01"]) and counts(suite) == (8, 1, 0)
+
+
 def test_nan_metric_never_passes():
     report = full_report()
     report["verify"]["outputs"][0]["metrics"]["cosine"] = float("nan")
     _, suite, cases = parse(junit_xml(report))
     assert failure(cases["logits: min_cosine >= 0.9999"]) == "cosine nan < 0.9999"
-    assert counts(suite) == (7, 1, 0)
+    assert counts(suite) == (8, 1, 0)
 
 
 def test_stage_verdict_the_cases_do_not_explain_still_fails():
@@ -108,7 +119,7 @@ def test_stage_verdict_the_cases_do_not_explain_still_fails():
     report["verify"]["outputs"][1].update(passed=False, failures=["a check this file does not know"])
     _, suite, cases = parse(junit_xml(report))
     assert failure(cases["probs: passed"]) == "a check this file does not know"
-    assert counts(suite) == (8, 1, 0)
+    assert counts(suite) == (9, 1, 0)
 
 
 def test_device_precision_mismatch_follows_the_verdict_reasons():
@@ -155,7 +166,7 @@ def test_missing_output_is_a_failure():
     report["verify"]["missing_outputs"] = ["boxes"]
     _, suite, cases = parse(junit_xml(report))
     assert failure(cases["boxes: produced by the target"]) == "output boxes was not produced by the target"
-    assert counts(suite) == (8, 1, 0)
+    assert counts(suite) == (9, 1, 0)
 
 
 def test_crash_report():

@@ -73,7 +73,7 @@ def full_report() -> dict:
             "task": {"metric": "top1", "output": "logits", "reference": 0.985, "target": 0.98,
                      "drop": 0.005, "agreement": 0.995, "max_drop": 0.01, "passed": True,
                      "interval": [0.0, 0.015], "agreement_interval": [0.985, 1.0], "confidence": 0.95,
-                     "resamples": 1000, "uncertain": True, "require_confidence": False, "samples_to_resolve": 800},
+                     "resamples": 1000, "uncertain": False, "require_confidence": False},
         },
         "environment": {"versions": {"python": "3.11.7", "onnx": "1.23.2", "onnxruntime": "1.22.0"},
                         "cpu": {"model": "AMD EPYC 7B13", "flags": ["avx2", "f16c", "fma"]},
@@ -154,7 +154,9 @@ def test_full_report_markdown_has_all_sections_and_values():
     assert "AMD EPYC 7B13" in md and "avx2 f16c fma" in md
     assert ("| top1 | logits | 0.9850 | 0.9800 | 0.0050 | [0.0000, 0.0150] | 0.0100 | 0.9950 | [0.9850, 1.0000] "
             "| PASS |") in md
-    assert "about 800 validation samples would resolve it" in md
+    uncertain = full_report()
+    uncertain["verify"]["task"].update(uncertain=True, samples_to_resolve=800)
+    assert "about 800 validation samples would resolve it" in render_markdown(uncertain)
     assert "0.999980 (sample 3)" in md  # worst per-sample cosine
     assert "<svg" not in md
 
