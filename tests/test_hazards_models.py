@@ -105,9 +105,11 @@ def _save(nodes, path, constants, out_shape):
 ])
 def test_a_converter_that_rejects_an_op_is_exit_4_in_one_line(tmp_path, make, target, said):
     model = make(tmp_path / "model.onnx")
+    source = model.read_bytes()
     result = run_cli([f"model.path={model}", "data=random", "data.calibration_size=8", "data.validation_size=8",
                       "metric=none", f"target={target}", "precision=fp32"], tmp_path)
     assert result.returncode == 4, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "outputs"] and model.read_bytes() == source
     lines = [line for line in result.stderr.splitlines() if line.startswith("parity:")]
     assert len(lines) == 1 and said in lines[0] and "ort_cpu runs it" in lines[0], result.stderr
     assert "Loop (node repeat)" in lines[0] or target != "ncnn_cpu"
@@ -124,3 +126,24 @@ def test_the_meaningful_line_of_a_runtime_message():
     assert meaningful_line(openvino) == "No conversion rule found for operations: If-13, LSTM-14"
     assert meaningful_line(RuntimeError("Exception from src/a.cpp:3:\nout of range")) == "out of range"
     assert meaningful_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_a_runtime_that_cannot_load_the_model_says_so_in_one_line(tmp_path):
+    """ONNX Runtime has no float64 Det kernel: exit 4, one line naming the node."""
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["m"], name="square"),
+             helper.make_node("Det", ["m"], ["y"], name="det")]
+    graph = helper.make_graph(nodes, "det64", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [1, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [1])],
+                              [numpy_helper.from_array(np.array([1, 3, 3], np.int64), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "det64.onnx"))
+    (tmp_path / "keep.txt").write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run_cli([f"model.path={tmp_path / 'det64.onnx'}", "data=random", "data.calibration_size=4",
+                      "data.validation_size=4", "metric=none", "target=ort_cpu", "precision=fp32"], tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("parity:")]
+    assert len(lines) == 1 and "Could not find an implementation for Det(11) node with name 'det'" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({*before, "outputs"})
+    assert (tmp_path / "keep.txt").read_text() == "mine"
