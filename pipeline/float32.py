@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.fp16 import unique_name
+
 HALF, FLOAT = TensorProto.FLOAT16, TensorProto.FLOAT
 
 
@@ -79,13 +81,10 @@ def _cast_inputs(graph: onnx.GraphProto, taken: Set[str]) -> None:
     """Each float16 graph input feeds a Cast to float32, which its readers read instead."""
     casts = []
     for value in graph.input:
-        if value.type.tensor_type.elem_type != HALF:
-            continue
-        wide = _unique(f"{value.name}_float32", taken)
-        for node in graph.node:
-            node.input[:] = [wide if name == value.name else name for name in node.input]
-        casts.append(helper.make_node("Cast", [value.name], [wide], name=_unique(f"{value.name}_to_float32", taken),
-                                      to=FLOAT))
+        if value.type.tensor_type.elem_type == HALF:
+            wide = _renamed(graph, value.name, taken)
+            casts.append(helper.make_node("Cast", [value.name], [wide], to=FLOAT,
+                                          name=unique_name(f"{value.name}_to_float32", taken)))
     for cast in reversed(casts):
         graph.node.insert(0, cast)
 
@@ -93,19 +92,16 @@ def _cast_inputs(graph: onnx.GraphProto, taken: Set[str]) -> None:
 def _cast_outputs(graph: onnx.GraphProto, taken: Set[str]) -> None:
     """Each float16 graph output is a Cast back to float16 of what its producer now makes."""
     for value in graph.output:
-        if value.type.tensor_type.elem_type != HALF:
-            continue
-        wide = _unique(f"{value.name}_float32", taken)
-        for node in graph.node:
-            node.output[:] = [wide if name == value.name else name for name in node.output]
-            node.input[:] = [wide if name == value.name else name for name in node.input]
-        graph.node.append(helper.make_node("Cast", [wide], [value.name], name=_unique(f"{value.name}_to_float16",
-                                                                                       taken), to=HALF))
+        if value.type.tensor_type.elem_type == HALF:
+            wide = _renamed(graph, value.name, taken)
+            graph.node.append(helper.make_node("Cast", [wide], [value.name], to=HALF,
+                                               name=unique_name(f"{value.name}_to_float16", taken)))
 
 
-def _unique(base: str, taken: Set[str]) -> str:
-    name, index = base, 1
-    while name in taken:
-        name, index = f"{base}_{index}", index + 1
-    taken.add(name)
-    return name
+def _renamed(graph: onnx.GraphProto, name: str, taken: Set[str]) -> str:
+    """Every node's use of tensor ``name`` (read or made) renamed to a new float32 name."""
+    wide = unique_name(f"{name}_float32", taken)
+    for node in graph.node:
+        node.input[:] = [wide if tensor == name else tensor for tensor in node.input]
+        node.output[:] = [wide if tensor == name else tensor for tensor in node.output]
+    return wide

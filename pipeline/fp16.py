@@ -90,7 +90,7 @@ def name_nodes(model: onnx.ModelProto) -> None:
     seen: Set[str] = set()
     for index, node in enumerate(model.graph.node):
         if not node.name or node.name in seen:
-            node.name = _unique(f"{node.op_type}_{index}", taken)
+            node.name = unique_name(f"{node.op_type}_{index}", taken)
         seen.add(node.name)
 
 
@@ -231,7 +231,7 @@ def _split_shared_initializers(graph: onnx.GraphProto, blocked: Set[str]) -> Non
     for name, readers in _consumers(graph).items():
         if name not in initializers or len({r.name in blocked for r in readers}) < 2:
             continue
-        copy_name = _unique(f"{name}_fp32", names)
+        copy_name = unique_name(f"{name}_fp32", names)
         copy = graph.initializer.add()
         copy.CopyFrom(initializers[name])
         copy.name = copy_name
@@ -255,11 +255,11 @@ def _separate_consumed_outputs(graph: onnx.GraphProto, blocked: Set[str]) -> Set
         if output.name not in readers or producer_index is None:
             continue
         producer = graph.node[producer_index]
-        inner = _unique(f"{output.name}_inner", names)
+        inner = unique_name(f"{output.name}_inner", names)
         producer.output[:] = [inner if o == output.name else o for o in producer.output]
         for node in readers[output.name]:
             node.input[:] = [inner if i == output.name else i for i in node.input]
-        identity = helper.make_node("Identity", [inner], [output.name], name=_unique(f"{output.name}_output", names))
+        identity = helper.make_node("Identity", [inner], [output.name], name=unique_name(f"{output.name}_output", names))
         graph.node.insert(producer_index + 1, identity)
         if producer.name in blocked:
             added_blocked.add(identity.name)
@@ -370,10 +370,10 @@ def _restore_float_outputs(graph: onnx.GraphProto, float_outputs: Set[str], adde
             _make_identity(producer, source)
         else:
             names = {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
-            inner = _unique(f"{output.name}_fp16", names)
+            inner = unique_name(f"{output.name}_fp16", names)
             producer.output[:] = [inner if o == output.name else o for o in producer.output]
             cast = helper.make_node("Cast", [inner], [output.name], to=TensorProto.FLOAT,
-                                    name=_unique(f"{output.name}_to_float", names))
+                                    name=unique_name(f"{output.name}_to_float", names))
             graph.node.insert(index + 1, cast)
         output.type.tensor_type.elem_type = TensorProto.FLOAT
 
@@ -402,7 +402,8 @@ def _cast_to(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "to"), 0)
 
 
-def _unique(base: str, taken: Set[str]) -> str:
+def unique_name(base: str, taken: Set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``...: the first not in ``taken`` (added to it)."""
     name, suffix = base, 1
     while name in taken:
         name, suffix = f"{base}_{suffix}", suffix + 1
