@@ -146,7 +146,8 @@ def recorded_samples(bundle: Path) -> List[dict]:
 REPRODUCED_COSINE = 0.999999  # the bundle's outputs on this machine vs the packaged run's own outputs
 
 
-def _run_recorded(backend, bundle: Path, settings: dict, samples: list, thresholds: dict, timeout_s: float):
+def _run_recorded(backend, bundle: Path, settings: dict, samples: list, thresholds: dict, timeout_s: float,
+                  label: str = ""):
     """The recorded inputs through the bundle in a worker: (stats against the reference,
     stats against the packaged run's outputs, what ran, the outputs)."""
     from pipeline.metrics import OutputStats
@@ -155,7 +156,8 @@ def _run_recorded(backend, bundle: Path, settings: dict, samples: list, threshol
     stats: Dict[str, OutputStats] = {}
     same: Dict[str, OutputStats] = {}
     outputs = []
-    with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name}", timeout_s=timeout_s) as worker:
+    with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name}{label}",
+                       timeout_s=timeout_s) as worker:
         for sample in samples:
             actual = worker.run(sample["inputs"])
             outputs.append(actual)
@@ -174,16 +176,12 @@ def _check_cache_runs_the_artifact(backend, bundle: Path, settings: dict, sample
     compiles it); its compile cache must compute the same, or it is another model's (a
     cache and its key.json rewritten with the model and the manifest): InputError."""
     from pipeline.metrics import OutputStats
-    from pipeline.worker import BackendWorker
 
+    cached = _run_recorded(backend, bundle, settings, samples, {}, timeout_s, " (compile cache)")[3]
     agreement: Dict[str, OutputStats] = {}
-    with BackendWorker(backend.__name__, bundle, settings, label=f"bundle {bundle.name} (compile cache)",
-                       timeout_s=timeout_s) as worker:
-        for sample, expected in zip(samples, artifact_outputs):
-            actual = worker.run(sample["inputs"])
-            for name in expected:
-                if name in actual:
-                    agreement.setdefault(name, OutputStats()).update(expected[name], actual[name])
+    for expected, actual in zip(artifact_outputs, cached):
+        for name in expected.keys() & actual.keys():
+            agreement.setdefault(name, OutputStats()).update(expected[name], actual[name])
     for name, found in agreement.items():
         cosine = found.result()["cosine"]
         if cosine < REPRODUCED_COSINE:

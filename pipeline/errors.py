@@ -158,3 +158,11 @@ def meaningful_line(err: BaseException) -> str:
     lines = [line for line in lines if line]
     naming = [line for line in lines if re.search(r"\b(operations?|ops?|node|layer)\b", line, re.IGNORECASE)]
     return (naming or lines or [first_line(err)])[0]
+
+
+def target_cannot(target: str, doing: str, err: BaseException) -> "BackendUnavailable":
+    """A converter or frontend that rejects or crashes on the model (pnnx, MNN's converter,
+    OpenVINO's frontend): this target's limitation, exit 4, one line naming what it could
+    not take; ``doing``: "build", "read"."""
+    return BackendUnavailable(f"target {target} cannot {doing} this model: {meaningful_line(err)}; ort_cpu runs it "
+                              "as the fp32 reference does (or change the model)")

@@ -11,7 +11,8 @@ from typing import List, Optional, Tuple
 from pipeline.errors import ExitCode
 
 # Order of the reasons: a crash (it stops everything else), what the model computes, what the machine ran.
-ORDER = ("crash", "nothing", "accuracy", "task", "task_confidence", "nothing_int8", "nan_inf", "device", "precision", "float_fallback")
+ORDER = ("crash", "nothing", "accuracy", "task", "task_confidence", "nothing_int8", "nan_inf", "device", "precision",
+         "float_fallback")
 
 
 def judge(outputs: List[dict], missing: List[str], task: Optional[dict], requested: dict, effective: dict,

@@ -16,7 +16,7 @@ from pipeline import backends, compile_cache, environment, fp16
 from pipeline.artifacts import read_json
 from pipeline.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import (BackendCrashed, BackendUnavailable, ConfigError, ParityError, first_line,
-                             meaningful_line)
+                             target_cannot)
 from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, build_qdq, int8_op_count
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
@@ -245,8 +245,7 @@ def _converted(backend, onnx_path: Path, ir_dir, out_dir: Path, target, precisio
     except ParityError:
         raise
     except RuntimeError as err:  # pnnx, MNN's converter and OpenVINO's frontend raise these; a bug of ours stays 1
-        raise BackendUnavailable(f"target {target.name} cannot build this model: {meaningful_line(err)}; ort_cpu "
-                                 "runs it as the fp32 reference did (or change the model)") from err
+        raise target_cannot(target.name, "build", err) from err
 
 
 def _half(ctx: StageContext, converter: Optional[str]):

@@ -14,7 +14,7 @@ from onnx import numpy_helper, version_converter
 
 from pipeline import backends
 from pipeline.artifacts import sha256_file
-from pipeline.errors import BackendUnavailable, InputError, first_line, meaningful_line
+from pipeline.errors import InputError, first_line, target_cannot
 from pipeline.model import batch_axes, check, external_data_files, load_onnx, record_batch_axes, signature
 from stages import StageContext, StageResult
 
@@ -58,8 +58,7 @@ def run(ctx: StageContext) -> StageResult:
         try:
             ir_files = backend.convert_ir(ctx.out_dir / "model.onnx", ctx.out_dir)
         except RuntimeError as err:  # OpenVINO's frontend: pages of "Exception from src/...": one line
-            raise BackendUnavailable(f"target {ctx.cfg.target.name} cannot read this model: {meaningful_line(err)}; "
-                                     "ort_cpu runs it as the fp32 reference does (or change the model)") from err
+            raise target_cannot(ctx.cfg.target.name, "read", err) from err
         files.update({"ir_xml": ir_files[0], "ir_bin": ir_files[1]})
     summary = {
         "source": str(source.resolve()),

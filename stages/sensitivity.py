@@ -19,7 +19,7 @@ from pipeline.config import plain
 from pipeline.calibration import sensitivity as search
 from pipeline.calibration import latency, tables
 from pipeline.calibration.statistics import BatchRunner
-from pipeline.calibration.measure import float_outputs
+from pipeline.calibration.measure import float_outputs, output_agreement
 from pipeline.data import pack
 from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
@@ -158,9 +158,7 @@ def goal(cfg, task: bool = False) -> tuple:
     docs/sensitivity.md). 0.999 / 0.01 where both are null."""
     cos = cfg.sensitivity.expected_cos
     if cos is None:
-        gate = cfg.validation.min_cosine
-        if task and gate is not None and cfg.validation.task_min_cosine is not None:
-            gate = cfg.validation.task_min_cosine  # as ValidationConfig.cosine_gate: no floor without a gate
+        gate = cfg.validation.cosine_gate(task)
         cos = gate if gate is not None else 0.999
     drop = cfg.sensitivity.max_drop
     if drop is None:
@@ -261,8 +259,8 @@ class _MixedMeasure:
         values = self._chunked(model, self._run, CHUNK if measured_on(self.cfg) == backends.REFERENCE else self.count)
         actual = [values[name] for name in self.outputs]
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
-        agreement = search.output_agreement([self.reference[i] for i in self.compared],
-                                            [actual[i] for i in self.compared])
+        agreement = output_agreement([self.reference[i] for i in self.compared],
+                                     [actual[i] for i in self.compared])
         return {"cosine": agreement["cosine"], "sqnr_db": agreement["sqnr_db"], "metric_drop": self.task_drop(actual),
                 "ids_short": self._ids_short(actual)}
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from conftest import read_report, run_cli, run_dirs
 
 from pipeline import confidence, verdict
+from pipeline.config import ValidationConfig
 from pipeline.errors import ExitCode
 from pipeline.task_metrics import TaskScorer, load_metric
 
@@ -81,8 +82,8 @@ def test_a_passing_drop_with_an_interval_past_the_limit_warns_or_fails():
 def test_the_search_aims_at_the_task_floor_when_a_metric_is_scored():
     from stages.sensitivity import goal
 
-    cfg = OmegaConf.create({"sensitivity": {"expected_cos": None, "max_drop": None},
-                            "validation": {"min_cosine": 0.995, "task_min_cosine": 0.98, "max_metric_drop": 0.01}})
+    cfg = SimpleNamespace(sensitivity=SimpleNamespace(expected_cos=None, max_drop=None),  # as config.validate gives it
+                          validation=ValidationConfig(min_cosine=0.995, task_min_cosine=0.98, max_metric_drop=0.01))
     assert goal(cfg) == (0.995, 0.01) and goal(cfg, task=True) == (0.98, 0.01)
     cfg.validation.task_min_cosine = None
     assert goal(cfg, task=True) == (0.995, 0.01)

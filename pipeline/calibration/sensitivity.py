@@ -25,6 +25,7 @@ import onnx
 from onnx import numpy_helper
 
 from pipeline.calibration.auto import fake_quantize
+from pipeline.calibration.measure import output_agreement
 from pipeline.calibration.single_node import elem_type, node_session, session
 from pipeline.calibration.statistics import BatchRunner, free_reshape_batch
 from pipeline.data import unpack
@@ -51,28 +52,6 @@ def output_loss(reference: Sequence[np.ndarray], actual: Sequence[np.ndarray]) -
     """(1 - cosine averaged over samples and outputs, SQNR in dB over everything)."""
     agreement = output_agreement(reference, actual)
     return agreement["loss"], agreement["sqnr_db"]
-
-
-def output_agreement(reference: Sequence[np.ndarray], actual: Sequence[np.ndarray]) -> dict:
-    """Outputs (axis 0: samples) against the reference's: ``cosine``, verify's (all samples
-    together, per output) averaged over the outputs; ``loss``, 1 - cosine averaged over
-    samples and outputs; ``sqnr_db`` over everything. Float64 sums per sample without
-    float64 copies of the outputs (einsum casts as it goes): the search scores ~40 whole
-    models of 200 samples each, and copies took longer than running them."""
-    cosines, losses, signal, noise = [], [], 0.0, 0.0
-    for ref, out in zip(reference, actual):
-        a, b = ref.reshape(ref.shape[0], -1), out.reshape(out.shape[0], -1)
-        dots, ref_sq, out_sq = (np.einsum("ij,ij->i", x, y, dtype=np.float64) for x, y in ((a, b), (a, a), (b, b)))
-        norms = np.sqrt(ref_sq * out_sq)
-        both_zero = (ref_sq == 0) & (out_sq == 0)  # identical; one zero and not the other: cosine 0
-        per_sample = np.where(norms > 0, dots / np.where(norms > 0, norms, 1), both_zero * 1.0)
-        losses.append(float(np.mean(1.0 - per_sample)))
-        total = math.sqrt(float(ref_sq.sum()) * float(out_sq.sum()))
-        cosines.append(float(dots.sum()) / total if total else float(ref_sq.sum() == out_sq.sum() == 0))
-        signal += float(ref_sq.sum())
-        noise += max(float(ref_sq.sum() + out_sq.sum() - 2.0 * dots.sum()), 0.0)
-    return {"cosine": float(np.mean(cosines)), "loss": float(np.mean(losses)),
-            "sqnr_db": 10 * math.log10(signal / noise) if noise and signal else None}
 
 
 def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_types=WEIGHTED_OPS) -> List[int]:
