@@ -20,6 +20,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
+from pipeline import shapes
 from pipeline.errors import ConfigError
 
 
@@ -119,13 +120,21 @@ class Layout(Enum):
 class ModelConfig:
     path: str = MISSING  # the ONNX file
     name: Optional[str] = None  # bundle and report name; default: the file's stem
-    input_shapes: Dict[str, List[int]] = field(default_factory=dict)  # fix dynamic dims
+    # per input: a fixed shape [1,3,224,224] or a range {min: [...], opt: [...], max: [...]}
+    # (pipeline/shapes.py); a dynamic input not named here takes the data's shapes
+    input_shapes: Dict[str, Any] = field(default_factory=dict)
     min_opset: int = 13  # models below are upgraded to this opset
 
 
 @dataclass
 class PreprocessConfig:
-    resize: Optional[List[int]] = None  # [height, width]; default: the model input's
+    # [height, width]; null or "fixed": the model input's (its range's opt when dynamic);
+    # "limit_side": long side at most `side` (PaddleOCR det: 960), aspect kept; "height":
+    # height `side` (default: the model's), width by aspect (PaddleOCR rec). multiple_of:
+    # limit_side rounds both sides to it, height rounds the width up to it
+    resize: Any = None
+    side: Optional[int] = None
+    multiple_of: int = 1
     keep_aspect: bool = False  # resize to fit, then pad bottom/right
     pad_value: float = 0.0  # in normalized units (after mean/std)
     color: Color = Color.rgb
@@ -584,8 +593,7 @@ def check_ranges(run: RunConfig) -> None:
     values += [(f"validation.outputs.{output}.min_sqnr_db", o.min_sqnr_db, (None, None))
                for output, o in run.validation.outputs.items()]
     values.append(("validation.min_sqnr_db", run.validation.min_sqnr_db, (None, None)))
-    values += [(f"model.input_shapes.{name}[{axis}]", dim, (1, None))
-               for name, shape in run.model.input_shapes.items() for axis, dim in enumerate(shape)]
+    shapes.parse_all(run.model.input_shapes)  # dims >= 1, min <= opt <= max
     for key, value, (low, high) in values:
         if value is None:
             continue
@@ -601,7 +609,21 @@ def _describe_range(low, high) -> str:
     return f"must be in [{low}, {high}]"
 
 
+RESIZE_POLICIES = ("fixed", "limit_side", "height")
+
+
+def _check_resize(pre: PreprocessConfig) -> None:
+    resize = pre.resize
+    fixed = isinstance(resize, list) and len(resize) == 2 and all(isinstance(d, int) and d >= 1 for d in resize)
+    if not (resize is None or fixed or resize in RESIZE_POLICIES):
+        raise ConfigError(f"data.preprocess.resize={resize!r}: give [height, width] or one of "
+                          f"{', '.join(RESIZE_POLICIES)} (null: the model input's size)")
+    if pre.multiple_of < 1 or (pre.side is not None and pre.side < 1):
+        raise ConfigError("data.preprocess.multiple_of and data.preprocess.side must be >= 1")
+
+
 def _check_data(data: DataConfig) -> None:
+    _check_resize(data.preprocess)
     if (data.calibration_size is not None and data.calibration_size < 0) or \
             (data.validation_size is not None and data.validation_size < 1):
         raise ConfigError("data.validation_size must be >= 1 and data.calibration_size >= 0 (null: every sample found)")

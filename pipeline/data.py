@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import numpy as np
 
 from pipeline.config import Color, DataConfig, DataKind, Layout, PreprocessConfig
+from pipeline import shapes
 from pipeline.errors import InputError
 
 SPLITS = ("calibration", "validation")
@@ -29,6 +30,13 @@ class TensorSpec:
     dtype: str  # numpy dtype name
     # the axis samples stack on; None: the input has none (a scalar, a shared setting)
     batch_axis: Optional[int] = 0
+    # a dynamic input's {min, opt, max} (pipeline.shapes); None: fixed, or the data decides
+    range: Optional[dict] = None
+
+    @property
+    def dynamic(self) -> bool:
+        """Some dim is dynamic (0 in ``shape``): samples may differ in shape there."""
+        return 0 in self.shape
 
 
 @dataclass
@@ -112,11 +120,14 @@ def conform(array: np.ndarray, spec: TensorSpec, where: str, label: str = "data"
     shape = list(spec.shape)
     axis = spec.batch_axis
     if axis is not None and axis < len(shape) and shape[axis] == 1 \
-            and list(array.shape) == shape[:axis] + shape[axis + 1:]:
+            and shapes.fits(array.shape, shape[:axis] + shape[axis + 1:]):
         array = np.expand_dims(array, axis)
-    if list(array.shape) != shape:
+    if not shapes.fits(array.shape, shape):
+        expected = "x".join(str(d) if d else "?" for d in shape) if spec.dynamic else shape
         raise InputError(f"{label}: {where} has shape {list(array.shape)} but model input "
-                         f"'{spec.name}' expects {shape}")
+                         f"'{spec.name}' expects {expected}")
+    if spec.range:
+        shapes.check_in_range(spec.name, array.shape, shapes.ShapeRange.from_json(spec.range), where, label)
     if array.dtype.kind == "f" or np.dtype(spec.dtype).kind == "f":
         bad = ~np.isfinite(array.astype(np.float64, copy=False)) if array.dtype.kind in "fc" else None
         if bad is not None and bad.any():
@@ -193,12 +204,13 @@ def pack(samples: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
 def unpack(packed: Dict[str, np.ndarray], index: int, count: int,
            shapes: Dict[str, Sequence[int]]) -> Dict[str, np.ndarray]:
     """Sample ``index`` of ``count`` from ``pack``'s form, in its own shape (``shapes``;
-    tensors not named there keep their slice's shape)."""
+    tensors not named there, or with a dynamic dim, keep their slice's shape)."""
     sample = {}
     for name, values in packed.items():
         size = len(values) // count
         part = values[index * size:(index + 1) * size]
-        sample[name] = part.reshape(shapes[name]) if name in shapes else part
+        shape = shapes.get(name)
+        sample[name] = part.reshape(shape) if shape is not None and 0 not in shape else part
     return sample
 
 
@@ -389,22 +401,16 @@ def _label(text: str):
 
 
 def load_image(path: Path, spec: TensorSpec, pre: PreprocessConfig, label: str = "data") -> np.ndarray:
-    """One image as a batch-of-one tensor, preprocessed as the config declares."""
+    """One image as a batch-of-one tensor, preprocessed as the config declares: resized to
+    the model's size (or data.preprocess.resize), or at its own size under a resize policy."""
     from PIL import Image, UnidentifiedImageError
 
     channels_first = pre.layout is Layout.nchw
-    height, width = spec.shape[2:4] if channels_first else spec.shape[1:3]
     channels = spec.shape[1] if channels_first else spec.shape[3]
-    if pre.resize:
-        height, width = pre.resize
     try:
         with Image.open(path) as image:
             image = image.convert("L" if pre.color is Color.gray else "RGB")
-            if pre.keep_aspect:
-                ratio = min(height / image.height, width / image.width)
-                size = (max(1, min(width, round(image.width * ratio))), max(1, min(height, round(image.height * ratio))))
-            else:
-                size = (width, height)
+            (height, width), size = image_size(image.height, image.width, spec, pre)
             pixels = np.asarray(image.resize(size, Image.BILINEAR), dtype=np.float32)
     except (UnidentifiedImageError, OSError) as err:
         raise InputError(f"{label}: {path} cannot be read as an image ({err})") from err
@@ -422,6 +428,42 @@ def load_image(path: Path, spec: TensorSpec, pre: PreprocessConfig, label: str =
     canvas[: normalized.shape[0], : normalized.shape[1]] = normalized
     tensor = canvas.transpose(2, 0, 1) if channels_first else canvas
     return tensor[np.newaxis]
+
+
+def image_size(image_height: int, image_width: int, spec: TensorSpec, pre: PreprocessConfig):
+    """((canvas height, width), (resized width, height) for PIL): the canvas is the tensor's
+    size; the resized image fills it (keep_aspect: fits inside, the rest padded)."""
+    axes = (2, 3) if pre.layout is Layout.nchw else (1, 2)
+    model = [spec.shape[a] for a in axes]
+    opt = [spec.range["opt"][a] for a in axes] if spec.range else model
+    high = [spec.range["max"][a] for a in axes] if spec.range else [0, 0]
+    if pre.resize == "limit_side":
+        ratio = min(1.0, (pre.side or 960) / max(image_height, image_width))
+        canvas = [_multiple(image_height * ratio, pre.multiple_of), _multiple(image_width * ratio, pre.multiple_of)]
+        return tuple(canvas), (canvas[1], canvas[0])
+    if pre.resize == "height":
+        height = pre.side or model[0] or opt[0]
+        width = _multiple(image_width * height / image_height, pre.multiple_of, up=True)
+        canvas = [height, min(width, high[1]) if high[1] else width]
+        return tuple(canvas), (canvas[1], canvas[0])
+    height, width = pre.resize if isinstance(pre.resize, list) else [m or o for m, o in zip(model, opt)]
+    if not height or not width:
+        raise InputError(f"data.preprocess.resize: model input '{spec.name}' has a dynamic image size: set "
+                         "data.preprocess.resize to [height, width], limit_side or height, or give a range "
+                         f"model.input_shapes.{spec.name}")
+    if not pre.keep_aspect:
+        return (height, width), (width, height)
+    ratio = min(height / image_height, width / image_width)
+    size = (max(1, min(width, round(image_width * ratio))), max(1, min(height, round(image_height * ratio))))
+    return (height, width), size
+
+
+def _multiple(value: float, multiple: int, up: bool = False) -> int:
+    """``value`` rounded (up) to a multiple of ``multiple``, at least one multiple."""
+    import math
+
+    steps = math.ceil(value / multiple) if up else round(value / multiple)
+    return int(max(1, steps) * multiple)
 
 
 # --- one .npz holding every sample -----------------------------------------------------
@@ -472,6 +514,13 @@ RANDOM_SIZE = 16
 
 
 def _random_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
+    """Seeded uniform tensors; a dynamic input's samples take its range's min, opt and max
+    shapes in turn (one without a range cannot be made up: an InputError)."""
+    undecided = [spec.name for spec in inputs if spec.dynamic and not spec.range]
+    if undecided:
+        raise InputError(f"data.kind=random cannot choose the shape of dynamic input '{undecided[0]}': set "
+                         f"model.input_shapes.{undecided[0]} to a shape or a range {{min: [...], opt: [...], "
+                         "max: [...]}}, or give real data")
     splits = {}
     for offset, split in enumerate(SPLITS):
         size = cfg.calibration_size if split == "calibration" else cfg.validation_size
@@ -479,7 +528,7 @@ def _random_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
 
         def read(index, offset=offset):
             rng = np.random.default_rng([cfg.seed, offset, index])
-            return {i.name: _random_tensor(rng, i, cfg) for i in inputs}
+            return {i.name: _random_tensor(rng, i, cfg, _random_shape(i, index)) for i in inputs}
 
         splits[split] = Split(split, f"random(seed={cfg.seed})", [f"{split}[{i}]" for i in range(size)], read)
     warning = ("random data: seeded uniform tensors in "
@@ -487,7 +536,11 @@ def _random_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
     return Dataset("random", splits["calibration"], splits["validation"], [], [warning])
 
 
-def _random_tensor(rng: np.random.Generator, spec: TensorSpec, cfg: DataConfig) -> np.ndarray:
+def _random_shape(spec: TensorSpec, index: int) -> List[int]:
+    return spec.range[shapes.RANGE_KEYS[index % 3]] if spec.range else spec.shape
+
+
+def _random_tensor(rng: np.random.Generator, spec: TensorSpec, cfg: DataConfig, shape: List[int]) -> np.ndarray:
     if np.dtype(spec.dtype).kind in "iub":
-        return rng.integers(int(cfg.low), int(cfg.high) + 1, size=spec.shape).astype(spec.dtype)
-    return rng.uniform(cfg.low, cfg.high, size=spec.shape).astype(spec.dtype)
+        return rng.integers(int(cfg.low), int(cfg.high) + 1, size=shape).astype(spec.dtype)
+    return rng.uniform(cfg.low, cfg.high, size=shape).astype(spec.dtype)

@@ -23,9 +23,15 @@ _said: set = set()
 
 
 def sample_bytes(inputs: Sequence) -> int:
-    """One sample's input bytes (TensorSpec-like: shape, dtype; unknown dims count as 1)."""
-    return sum(int(np.prod([max(int(d), 1) for d in spec.shape] or [1])) * np.dtype(spec.dtype).itemsize
+    """One sample's input bytes (TensorSpec-like: shape, dtype; a range's max shape; other
+    unknown dims count as 1)."""
+    return sum(int(np.prod([max(int(d), 1) for d in _largest(spec)] or [1])) * np.dtype(spec.dtype).itemsize
                for spec in inputs)
+
+
+def _largest(spec) -> Sequence[int]:
+    found = getattr(spec, "range", None)
+    return found["max"] if found else spec.shape
 
 
 def check(data, inputs: Sequence, available: Optional[int] = None) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
+from pipeline import shapes
 from pipeline.data import TensorSpec
 from pipeline.errors import InputError, first_line
 
@@ -113,13 +114,15 @@ def signature(model: onnx.ModelProto, outputs: bool = False) -> List[TensorSpec]
     values = model.graph.output if outputs else [v for v in model.graph.input if v.name not in initializers]
     recorded = {p.key: p.value for p in model.metadata_props}.get(BATCH_AXES_KEY)
     axes = json.loads(recorded) if recorded else batch_axes(model)
+    ranges = {} if outputs else shapes.recorded(model)
     specs = []
     for value in values:
         tensor_type = value.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tensor_type.shape.dim]
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)).name
         axis = axes.get(value.name, 0 if dims else None) if not outputs else (0 if dims else None)
-        specs.append(TensorSpec(value.name, dims, dtype, axis))
+        found = ranges.get(value.name)
+        specs.append(TensorSpec(value.name, dims, dtype, axis, found.to_json() if found else None))
     return specs
 
 

@@ -13,7 +13,7 @@ from typing import Dict, List
 import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
-from pipeline import backends, fp16
+from pipeline import backends, fp16, shapes
 from pipeline.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
@@ -188,7 +188,7 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
                                   for name, entries in candidates.items()}
     split = ctx.dataset().calibration
     prepared = onnx.load(str(model_path))
-    samples = [sample.feeds for sample in split]
+    samples = shapes.one_shape([sample.feeds for sample in split])  # compared as equal slices
     judge = OutputJudge(prepared, samples)
     model = FakeQuantModel(prepared, per_tensor, QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE),
                            ctx.cfg.precision.keep_float)

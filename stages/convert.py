@@ -1,5 +1,5 @@
-"""convert: the user's ONNX file -> a normalized, checked ONNX model (static input
-shapes, opset >= model.min_opset, an IR version every runtime here loads, shapes
+"""convert: the user's ONNX file -> a normalized, checked ONNX model (input shapes fixed
+where the config or the batch says so, dynamic within their recorded range elsewhere, opset >= model.min_opset, an IR version every runtime here loads, shapes
 inferred), a numeric pre-flight of its weights, and OpenVINO IR for OpenVINO targets."""
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, version_converter
 
-from pipeline import backends
+from pipeline import backends, shapes
 from pipeline.artifacts import sha256_file
 from pipeline.errors import InputError, first_line, target_cannot
 from pipeline.model import batch_axes, check, external_data_files, load_onnx, record_batch_axes, signature
 from stages import StageContext, StageResult
 
 NAME = "convert"
-VERSION = 3  # 2: batch axes recorded in the model, batch dims fixed where they are; 3: output_shapes
+VERSION = 4  # 2: batch axes recorded in the model, batch dims fixed where they are; 3: output_shapes;
+# 4: dynamic dims kept within model.input_shapes ranges or for the data to decide
 CACHEABLE = True
 
 # ONNX Runtime 1.31 loads IR <= 13 and OpenVINO reads IR 10 files; IR 10 covers opsets up to 21.
@@ -70,6 +71,7 @@ def run(ctx: StageContext) -> StageResult:
         "inputs": [vars(s) for s in signature(model)],
         "outputs": [vars(s) for s in signature(model, outputs=True)],
         "fixed_shapes": fixed,
+        "dynamic_shapes": {name: r.to_json() if r else "data" for name, r in shapes.recorded(model).items()},
         "preflight": preflight(model),
         "output_shapes": output_shape_check(ctx.out_dir / "model.onnx", model),
     }
@@ -80,47 +82,60 @@ def _default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
-def _fix_input_shapes(model: onnx.ModelProto, requested: Dict[str, List[int]], axes: Dict[str, Optional[int]]) -> dict:
-    """Make every input shape static: config first, then batch 1 on each input's batch axis
-    (``axes``); other unknown dims are an error. A scalar input stays a scalar."""
+def _fix_input_shapes(model: onnx.ModelProto, requested: Dict[str, object], axes: Dict[str, Optional[int]]) -> dict:
+    """Fix what should be fixed: config first (a fixed shape, or a range's dims whose min
+    equals max), then batch 1 on each input's batch axis (``axes``) where no range names
+    it. Other dynamic dims stay dynamic: within the range given, or as the data decides.
+    The ranges are recorded in the model (pipeline.shapes.record). A scalar stays a scalar."""
     inputs = {s.name: s for s in signature(model)}
-    unknown = sorted(set(requested) - set(inputs))
+    ranges = shapes.parse_all(requested)
+    unknown = sorted(set(ranges) - set(inputs))
     if unknown:
         raise InputError(f"model.input_shapes: the model has no input {unknown[0]!r}; inputs: {', '.join(inputs)}")
-    fixed = {}
+    fixed, dynamic = {}, {}
     initializers = {t.name for t in model.graph.initializer}
     for value in model.graph.input:
         if value.name in initializers:
             continue
         dims = value.type.tensor_type.shape.dim
         before = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or "?") for d in dims]
-        wanted = list(requested.get(value.name, []))
-        if wanted and len(wanted) != len(dims):
-            raise InputError(f"model.input_shapes.{value.name}: {wanted} has {len(wanted)} dims, "
-                             f"the input has {len(dims)} ({before})")
-        after = []
-        for index, dim in enumerate(before):
-            if wanted:
-                after.append(int(wanted[index]))
-            elif isinstance(dim, int):
-                after.append(dim)
-            elif index == axes.get(value.name):
-                after.append(1)
-            else:
-                raise InputError(f"model input '{value.name}' has dynamic dims {before}: set "
-                                 f"model.input_shapes.{value.name}=[...] with every dim (e.g. batch 1)")
+        after = _wanted_dims(value.name, before, ranges.get(value.name), axes.get(value.name))
         if after != before:
-            for dim, size in zip(dims, after):
+            for axis, (dim, size) in enumerate(zip(dims, after)):
                 dim.Clear()
-                dim.dim_value = size
+                if isinstance(size, int):
+                    dim.dim_value = size
+                else:
+                    dim.dim_param = size if size != "?" else f"{value.name}_{axis}"
             fixed[value.name] = {"from": before, "to": after}
+        if any(isinstance(d, str) for d in after):
+            given = ranges.get(value.name)
+            dynamic[value.name] = given if given and given.dynamic_axes else None
     if fixed:  # stale intermediate and output shapes would contradict the new input shapes
         del model.graph.value_info[:]
         for output in model.graph.output:
             for dim in output.type.tensor_type.shape.dim:
                 if not (dim.HasField("dim_value") and dim.dim_value > 0):
                     dim.Clear()
+    shapes.record(model, dynamic)
     return fixed
+
+
+def _wanted_dims(name: str, before: List, wanted: Optional[shapes.ShapeRange], batch_axis: Optional[int]) -> List:
+    """One input's dims after convert: ints where fixed, the model's dim names (or "?")
+    where dynamic. A range that contradicts a fixed dim of the model is an InputError."""
+    if wanted is None:
+        return [1 if index == batch_axis and isinstance(dim, str) else dim for index, dim in enumerate(before)]
+    if len(wanted.min) != len(before):
+        raise InputError(f"model.input_shapes.{name}: {len(wanted.min)} dims given, the input has {len(before)} "
+                         f"({before})")
+    after = []
+    for index, (dim, low, high) in enumerate(zip(before, wanted.min, wanted.max)):
+        if isinstance(dim, int) and not low == high == dim:
+            raise InputError(f"model.input_shapes.{name}: dim {index} is fixed at {dim} in the model but the config "
+                             f"gives {low if low == high else f'{low}..{high}'} ({before})")
+        after.append(low if low == high else dim)
+    return after
 
 
 def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> onnx.ModelProto:
@@ -191,7 +206,11 @@ def output_shape_check(path: Path, model: onnx.ModelProto) -> dict:
     declared = {o.name: [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else "?"
                          for d in o.type.tensor_type.shape.dim]
                 for o in model.graph.output if o.type.tensor_type.HasField("shape")}
-    feeds = {spec.name: np.zeros(spec.shape, spec.dtype) for spec in signature(model)}
+    specs = signature(model)
+    if any(spec.dynamic and not spec.range for spec in specs):
+        return {"checked": False, "reason": "dynamic inputs without a range: verify checks the outputs at each "
+                                            "sample's own shape", "mismatches": []}
+    feeds = {spec.name: np.zeros(spec.range["opt"] if spec.dynamic else spec.shape, spec.dtype) for spec in specs}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3  # ONNX Runtime's own "Error merging shape info" line: reported here instead

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import onnx
 
-from pipeline import backends, environment
+from pipeline import backends, environment, shapes
 from pipeline.artifacts import read_json, write_json
 from pipeline.config import plain
 from pipeline.calibration import sensitivity as search
@@ -210,12 +210,15 @@ def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dic
 
 
 def _samples(ctx: StageContext, size: int):
-    """The first ``size`` validation samples, packed: (feeds, labels, count)."""
+    """The first ``size`` validation samples, packed: (feeds, labels, count). The search
+    compares samples as equal slices: with samples of several shapes, those of the most
+    common one (pipeline.shapes.one_shape)."""
     split = ctx.dataset().validation
     count = min(size, len(split))
     if count == 0:
         raise InputError("sensitivity: no validation samples to measure on")
-    samples = [sample for _, sample in zip(range(count), split)]
+    samples = shapes.one_shape([sample for _, sample in zip(range(count), split)], lambda sample: sample.feeds)
+    count = len(samples)
     feeds = pack([s.feeds for s in samples])  # scalars count as [1]; BatchRunner unpacks them
     labels = [s.label for s in samples] if all(s.label is not None for s in samples) else None
     return feeds, labels, count

@@ -45,8 +45,29 @@ def convert(onnx_path: Path, out_dir: Path, fp16_weights: bool = False) -> List[
     import openvino as ov
 
     model = ov.Core().read_model(str(onnx_path))
+    _bound_dynamic_dims(model, onnx_path)
     ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=fp16_weights)
     return ["model.xml", "model.bin"]
+
+
+def _bound_dynamic_dims(model, onnx_path: Path) -> None:
+    """Dynamic dims get the bounds of model.input_shapes' range (recorded by convert):
+    OpenVINO plans memory for bounded dims; dims the data decides stay unbounded."""
+    import onnx
+    import openvino as ov
+
+    from pipeline import shapes
+
+    ranges = {name: found for name, found in
+              shapes.recorded(onnx.load(str(onnx_path), load_external_data=False)).items() if found}
+    bounded = {}
+    for port in model.inputs:
+        found = ranges.get(port.get_any_name())
+        if found is not None and port.get_partial_shape().rank.get_length() == len(found.min):
+            bounded[port.get_any_name()] = ov.PartialShape(
+                [ov.Dimension(low) if low == high else ov.Dimension(low, high) for low, high in zip(found.min, found.max)])
+    if bounded:
+        model.reshape(bounded)
 
 
 def check_config(target, precision: str) -> Optional[str]:

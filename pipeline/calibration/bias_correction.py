@@ -33,6 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.calibration.single_node import session
+from pipeline import shapes
 from pipeline.calibration.statistics import ACTIVATION_BUDGET, BatchRunner
 from pipeline.data import pack
 
@@ -141,16 +142,16 @@ class Judged:
 
 
 def sample_batches(samples: Iterable[Dict[str, np.ndarray]], max_samples: int, size: int) -> List[List[Dict[str, np.ndarray]]]:
-    kept = [feeds for _, feeds in zip(range(max_samples), samples)]
-    return [kept[start:start + size] for start in range(0, len(kept), size)]
+    """Up to ``max_samples`` samples in batches of at most ``size`` of one shape each."""
+    return list(shapes.uniform_groups([feeds for _, feeds in zip(range(max_samples), samples)], size))
 
 
 def batch_size_for(prepared: onnx.ModelProto, sources: List[str]) -> int:
     """Up to BATCH samples per run, fewer where the activations the ops read (inferred
     shapes, float32) would pass ACTIVATION_BUDGET: a large detector input."""
-    shapes = {v.name: v.type.tensor_type.shape.dim for v in
-              list(prepared.graph.input) + list(prepared.graph.value_info) + list(prepared.graph.output)}
-    per_sample = sum(4 * int(np.prod([max(d.dim_value, 1) for d in shapes.get(name, [])])) for name in set(sources))
+    dims = {v.name: v.type.tensor_type.shape.dim for v in
+            list(prepared.graph.input) + list(prepared.graph.value_info) + list(prepared.graph.output)}
+    per_sample = sum(4 * int(np.prod([max(d.dim_value, 1) for d in dims.get(name, [])])) for name in set(sources))
     return int(max(1, min(BATCH, ACTIVATION_BUDGET // max(per_sample, 1))))
 
 

@@ -18,6 +18,7 @@ from pipeline.data import Sample, pack, stack, unpack
 from pipeline.environment import own_threads
 from pipeline.errors import InputError
 from pipeline.model import signature
+from pipeline.shapes import shape_key
 
 ACTIVATION_BUDGET = 256 << 20  # bytes of activations held per group of samples
 
@@ -89,8 +90,10 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
     runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
+    pending: Dict[str, List[Sample]] = {}  # shape -> samples waiting: a batch stacks samples of one shape
     seen = 0
     group = 1  # the first sample alone measures how much memory a sample's activations take
+    kept_shape: Dict[str, tuple] = {}  # the samples kept for auto's comparisons share one shape
 
     def update(item):
         name, value = item
@@ -105,7 +108,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         if per_sample.size:
             extremes[name] += (lows.sum() * len(batch) / len(per_sample), highs.sum() * len(batch) / len(per_sample))
         room = keep - sum(len(k) for k in kept[name])
-        if room > 0:
+        if room > 0 and kept_shape.setdefault(name, value.shape[1:]) == value.shape[1:]:
             kept[name].append(value[:room])
 
     def flush():
@@ -125,11 +128,16 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
 
     with ThreadPoolExecutor(max_workers=own_threads()) as pool:
         for sample in samples:
-            batch.append(sample)
-            if len(batch) >= group:  # histograms update once per group, whatever the runner's batch
+            waiting = pending.setdefault(shape_key(sample.feeds), [])
+            waiting.append(sample)
+            if len(waiting) >= group:  # histograms update once per group, whatever the runner's batch
+                batch.extend(waiting)
+                waiting.clear()
                 flush()
-        if batch:
-            flush()
+        for waiting in pending.values():
+            if waiting:
+                batch.extend(waiting)
+                flush()
     stacked = {name: np.concatenate(parts) for name, parts in kept.items() if parts}
     ranges = {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)] for name, (low, high) in extremes.items()}
     return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges)

@@ -160,7 +160,10 @@ def runtime_options(target, precision: str) -> dict:
 def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
     from onnx import helper
 
+    from pipeline import shapes
+
     initializers = {t.name for t in model.graph.initializer}
+    ranges = shapes.recorded(model)
     found = []
     for value in model.graph.input:
         if value.name in initializers:
@@ -174,7 +177,28 @@ def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
                 f"ncnn cannot take scalar input {value.name!r}: pnnx's inputshape cannot write a 0-d shape and an "
                 "ncnn Mat has at least one dimension; run this model on ort_cpu or openvino_cpu")
         if not dims or any(d <= 0 for d in dims):
-            raise ValueError(f"ncnn build: input {value.name!r} has dynamic or unknown dims {dims}; "
-                             "fix them first (model.input_shapes)")
+            dims = _opt_dims(value.name, dims, ranges.get(value.name))
         found.append((value.name, dims, np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type))))
     return found
+
+
+def _opt_dims(name: str, dims: List[int], found) -> List[int]:
+    """A dynamic input's shape for pnnx: its range's opt (pnnx traces at one shape; ncnn
+    itself runs any). Without a range nothing says which shape to trace at."""
+    from pipeline.errors import ConfigError
+
+    if found is None:
+        raise ConfigError(f"ncnn: input {name!r} has dynamic dims {dims} and no range: pnnx converts at given "
+                          f"shapes; set model.input_shapes.{name}={{min: [...], opt: [...], max: [...]}}")
+    return list(found.opt)
+
+
+def dynamic_max_shapes(model) -> Optional[List[List[int]]]:
+    """Every input's range max (its fixed shape where it has none) for pnnx's inputshape2,
+    or None when no input is dynamic."""
+    from pipeline import shapes
+
+    ranges = {name: found for name, found in shapes.recorded(model).items() if found}
+    if not ranges:
+        return None
+    return [list(ranges[name].max) if name in ranges else dims for name, dims, _ in _graph_inputs(model)]

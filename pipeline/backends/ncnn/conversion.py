@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from pipeline.backends.ncnn.common import (
-    BIN_FILE, INSTALL_HINT, PARAM_FILE, PNNX_TIMEOUT_S, QUANTIZED_PRECISIONS, _PNNX_TYPES, _graph_inputs,
+    BIN_FILE, INSTALL_HINT, dynamic_max_shapes, PARAM_FILE, PNNX_TIMEOUT_S, QUANTIZED_PRECISIONS, _PNNX_TYPES, _graph_inputs,
     pnnx_executable, runtime_options)
 from pipeline.backends.ncnn.names import _map_isolated
 from pipeline.backends.ncnn.param import Param, ParamLayer
@@ -52,9 +52,15 @@ def _convert(source: Path, inputs, model) -> Tuple[Path, Path]:
     executable = pnnx_executable()
     if executable is None:
         raise RuntimeError(f"pnnx is not installed: {INSTALL_HINT}")
-    shapes = ",".join("[" + ",".join(str(d) for d in dims) + "]" + _PNNX_TYPES.get(dtype.name, "f32")
-                      for _, dims, dtype in inputs)
-    command = [str(executable), source.name, f"inputshape={shapes}", "fp16=0", "device=cpu", "optlevel=2"]
+    def written(all_dims):
+        return ",".join("[" + ",".join(str(d) for d in dims) + "]" + _PNNX_TYPES.get(dtype.name, "f32")
+                        for dims, (_, _, dtype) in zip(all_dims, inputs))
+
+    command = [str(executable), source.name, f"inputshape={written([dims for _, dims, _ in inputs])}", "fp16=0",
+               "device=cpu", "optlevel=2"]
+    largest = dynamic_max_shapes(model)
+    if largest:  # a second shape: pnnx keeps the dims that differ dynamic instead of folding them
+        command.append(f"inputshape2={written(largest)}")
     try:
         done = subprocess.run(command, cwd=source.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               timeout=PNNX_TIMEOUT_S, check=False)

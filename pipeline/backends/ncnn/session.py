@@ -63,6 +63,8 @@ class Session:
         for spec in list(settings.get("inputs") or []) + list(settings.get("outputs") or []):
             self._shapes.setdefault(spec["name"], list(spec["shape"]))
         self.inputs, self.outputs = list(self._inputs), list(self._outputs)
+        # inputs with a dynamic dim: outputs take the sample's size, not the build's shapes
+        self._dynamic = any(0 in list(spec.get("shape") or []) for spec in settings.get("inputs") or [])
 
         self._net = ncnn.Net()
         _set_options(self._net.opt, options)
@@ -122,6 +124,8 @@ class Session:
                 if blob in self._int8_blobs:  # ncnn casts an int8 blob to float without its scale
                     value = value / np.float32(self._int8_blobs[blob])
                 shape = self._shapes.get(name)
+                if shape is not None and self._dynamic and int(np.prod(shape)) != value.size:
+                    shape = _at_own_size(shape, value)
                 if shape is not None:
                     if int(np.prod(shape)) != value.size:
                         raise ValueError(f"ncnn blob {blob} has {value.size} values, ONNX tensor {name!r} "
@@ -306,3 +310,11 @@ class Session:
             net.clear()
             self._net = None
         _SESSIONS.discard(self)
+
+
+def _at_own_size(recorded: list, value: np.ndarray) -> Optional[list]:
+    """An output of a dynamic-shape run in the ONNX rank: the Mat's own shape, with the
+    leading batch of 1 ncnn drops put back; None (kept as ncnn gives it) otherwise."""
+    if len(recorded) == value.ndim + 1 and recorded[0] == 1:
+        return [1, *value.shape]
+    return list(value.shape) if len(recorded) == value.ndim else None
