@@ -180,6 +180,8 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
         _diagnosis_lines(console, verify.get("diagnosis") or {})
     if verify and (verify.get("speed") or {}).get("speedups"):
         console.print(_speed_line(verify))
+    if verify and verify.get("shapes"):
+        console.print(_shape_line(verify))
     profile = outcome.results.get("profile")
     if profile:
         console.print(_profile_line(profile.summary))
@@ -235,6 +237,19 @@ def _speed_line(verify: dict) -> str:
         parts.append(f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f}){mark}")
     rounds = (verify["comparison"].get("fp32") or {}).get("latency") or {}
     return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds): " + ", ".join(parts)
+
+
+def _shape_line(verify: dict) -> str:
+    """A dynamic model: how many shapes ran, the lowest cosine of any, and the latency curve."""
+    groups = verify["shapes"]
+    worst = min((o["cosine"] for g in groups for o in g["outputs"].values() if o.get("cosine") is not None),
+                default=None)
+    line = f"shapes: {len(groups)} input shapes verified" + (f", lowest cosine {worst:.6f}" if worst is not None else "")
+    curve = (verify.get("speed") or {}).get("by_shape") or {}
+    shipped = verify["requested"]["precision"]
+    times = [f"{which} {found['shape']} {found['median_ms'].get(shipped):.3f} ms" for which, found in curve.items()
+             if found["median_ms"].get(shipped) is not None]
+    return line + ("; latency " + ", ".join(times) if times else "")
 
 
 SHOWN_REASONS = 2  # on the verdict line; report.json, report.md and junit.xml carry every reason

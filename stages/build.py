@@ -32,6 +32,7 @@ VERSION = 28  # 28: precision.int8_where_faster; 26: the summary counts the ops 
 # 25: int8 weights rounded against the calibration inputs (precision.weight_rounding)
 VERSION += 1  # a mixed build's refinements judged on shared validation outputs (bias_correction.Judged)
 VERSION += 1  # weight rounding: patches as columns, at most 32 rows per column; ops producing ids stay float
+VERSION += 1  # dynamic dims kept: OpenVINO bounded by the range, pnnx given inputshape2
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 

@@ -34,6 +34,7 @@ VERSION = 12  # 9: metric_drop (the metric group) replaces top1_drop; 10: latenc
 VERSION += 1  # fake quantization with the build's own zero points (quantize.scale_and_zero_point); costs stored;
 # the selection's prefix found by doubling and halving, not one measurement per op joined
 VERSION += 1  # the prune skips ops under 1 % of int8's gain; the task floor and exact outputs in the goal
+VERSION += 1  # samples of one shape (the most common) when the data's shapes differ
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"

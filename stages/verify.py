@@ -16,18 +16,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import onnx
 import yaml
 
-from pipeline import backends, diagnosis, environment, layerwise, speed, trials, truth as float64, tuning, verdict
+from pipeline import (backends, diagnosis, environment, layerwise, shapes, speed, trials, truth as float64, tuning,
+                      verdict)
 from pipeline.artifacts import hash_files, read_json, write_json, write_npz
 from pipeline.config import Layerwise, plain
 from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, first_line
+from pipeline.data import TensorSpec
 from pipeline.metrics import OutputStats, failures
+from pipeline.shape_checks import ShapeAccuracy
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
 from pipeline.calibration import bias_correction, weight_rounding
 from pipeline.quantize import QdqSettings, build_qdq
@@ -45,6 +48,7 @@ VERSION += 1  # a mixed build left with no int8 op fails on that (exit 3), not a
 VERSION += 1  # an int8 build keeping the backend's float op kinds is accepted as mixed
 VERSION += 1  # the measurement stored apart from the diagnosis; diagnosis within a budget; no failing trial as advice
 VERSION += 1  # task-first verdicts (task_min_cosine), bootstrap intervals, integer outputs compared exactly
+VERSION += 1  # a dynamic model: accuracy per input shape, latency at min/opt/max (issue 29)
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -192,7 +196,7 @@ def _measure(ctx: StageContext, live: _Live, dataset, task_of, requested: dict, 
     started = time.perf_counter()
     cfg, (output_names, task_output, metric) = ctx.cfg, task_of
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
-                   cfg.precision.kind)
+                   cfg.precision.kind, _inputs(ctx))
     ran = _compare(ctx, live, check, dataset, progress, reproduce)
     task = check.task_result(cfg.validation.max_metric_drop, cfg.validation.require_confidence)
     outputs = [_judge(name, check.stats[name], cfg.validation, task) for name in output_names
@@ -208,6 +212,7 @@ def _measure(ctx: StageContext, live: _Live, dataset, task_of, requested: dict, 
             truth = _truth(ctx, live.reference, live.target, dataset, outputs)
     return {"samples": check.samples, "missing": check.missing, "outputs": outputs, "task": task,
             "effective": ran.effective, "comparison": ran.comparison, "timing": ran.timing, "crash": ran.crash,
+            "shapes": check.by_shape.result(),
             "data": dataset.summary(), "truth": truth, "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -256,8 +261,11 @@ def _compare(ctx: StageContext, live: _Live, check: "_Check", dataset, progress,
         check.run(reference, target, baselines, dataset, progress, reproduce, f"verify {cfg.target.name}")
         ran.effective = target.effective()
         rows = {**baselines, cfg.precision.kind: _Row(target, build.summary.get("bytes"), check.stats)}
-        ran.comparison, ran.timing = _side_by_side(rows, check.last, cfg.precision.kind, backend.NAME,
-                                                   cfg.validation)
+        curve = check.by_shape.curve_feeds()
+        ran.comparison, ran.timing = _side_by_side(rows, curve.get("opt", check.last), cfg.precision.kind,
+                                                   backend.NAME, cfg.validation)
+        if curve:
+            ran.timing["by_shape"] = _latency_curve(rows, curve, ran, cfg.validation)
     except BackendCrashed as err:
         ran.crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
                      "stderr_tail": err.stderr_tail}
@@ -277,6 +285,7 @@ def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
         "task": measured["task"],
         "comparison": measured["comparison"],
         "speed": measured["timing"],
+        "shapes": measured.get("shapes"),  # a dynamic model: accuracy per input shape
         "data": measured["data"],
         "verdict": judged["verdict"],
         "exit_code": judged["exit_code"],
@@ -293,6 +302,27 @@ def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
         "measured_seconds": measured["seconds"],
         "reproduce": {"file": judged["reproduce_file"], "samples": min(measured["samples"], REPRODUCE_SAMPLES)},
     }
+
+
+def _inputs(ctx) -> list:
+    return [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
+
+
+def _latency_curve(rows: dict, curve: Dict[str, dict], ran: _Ran, validation) -> Dict[str, dict]:
+    """A dynamic model's latency at its min, opt and max shapes, every build interleaved as
+    the main table is (opt's timing is that table's)."""
+    workers = {name: row.worker for name, row in rows.items() if not row.error}
+    found = {}
+    for which, feeds in curve.items():
+        if which == "opt":
+            medians = {name: (row.get("latency") or {}).get("median_ms") for name, row in ran.comparison.items()}
+            speedups = ran.timing.get("speedups", {})
+        else:
+            timings = speed.interleaved(workers, feeds, validation.timing_rounds, validation.timing_runs,
+                                        validation.timing_max_seconds)
+            medians, speedups = {name: t.get("median_ms") for name, t in timings.items()}, speed.speedups(timings)
+        found[which] = {"shape": shapes.shape_key(feeds), "median_ms": medians, "speedups": speedups}
+    return found
 
 
 def _nothing_int8(ctx) -> dict:
@@ -353,8 +383,10 @@ def _loaded(worker: BackendWorker) -> BackendWorker:
 class _Check:
     """Reference vs target on every validation sample, with the side-by-side baselines."""
 
-    def __init__(self, output_names: List[str], task_output: str, scorer: Optional[TaskScorer], shipped: str):
+    def __init__(self, output_names: List[str], task_output: str, scorer: Optional[TaskScorer], shipped: str,
+                 inputs: Sequence = ()):
         self.stats = {name: OutputStats() for name in output_names}
+        self.by_shape = ShapeAccuracy(inputs)  # a dynamic model: accuracy per input shape
         self.task_output = task_output
         self.scorer, self.shipped = scorer, shipped  # the task metric, of the reference and every build
         self.missing: List[str] = []
@@ -371,6 +403,7 @@ class _Check:
             for name, stats in self.stats.items():
                 if name in actual:
                     stats.update(expected[name], actual[name])
+            self.by_shape.update(sample.feeds, expected, actual)
             self._score("reference", expected, expected, sample.label)
             self._score(self.shipped, expected, actual, sample.label)
             for name, baseline in baselines.items():

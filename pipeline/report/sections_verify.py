@@ -109,6 +109,28 @@ def verification_section(verify: dict) -> list:
                                            as_dict(verify.get("effective")))
     if isinstance(verify.get("comparison"), dict):
         blocks += _comparison_blocks(verify["comparison"], as_dict(verify.get("task")).get("metric"))
+    if verify.get("shapes"):
+        blocks += _shape_blocks(as_list(verify.get("shapes")), as_dict(as_dict(verify.get("speed")).get("by_shape")))
+    return blocks
+
+
+def _shape_blocks(groups: list, curve: dict) -> list:
+    """A dynamic model: accuracy per input shape, and latency at min, opt and max."""
+    rows = []
+    for group in groups:
+        group = as_dict(group)
+        cosines = [as_dict(v).get("cosine") for v in as_dict(group.get("outputs")).values()]
+        worst = min((c for c in cosines if is_number(c)), default=None)
+        rows.append([str(group.get("shape")), ", ".join(str(b) for b in as_list(group.get("buckets"))),
+                     str(group.get("samples")), fmt_cosine(worst)])
+    blocks = [Heading(3, "By input shape"), Table(["shape", "bucket", "samples", "lowest output cosine"], rows)]
+    if curve:
+        builds = list(as_dict(next(iter(curve.values()))).get("median_ms") or {})
+        timed = [[which, str(as_dict(found).get("shape")),
+                  *[fmt_number(as_dict(as_dict(found).get("median_ms")).get(b), ".3f") for b in builds]]
+                 for which, found in curve.items()]
+        blocks += [Table(["timed at", "shape", *[f"{b} median ms" for b in builds]], timed),
+                   Para("latency curve: each shape timed like the side-by-side table (interleaved rounds)")]
     return blocks
 
 
