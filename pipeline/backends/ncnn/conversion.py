@@ -77,7 +77,8 @@ def _convert(source: Path, inputs, model) -> Tuple[Path, Path]:
     if unknown:
         named = ", ".join(f"{layer.type} ({_onnx_node_for(layer, source, model)})" for layer in unknown)
         noun = "op" if len(unknown) == 1 else "ops"
-        raise RuntimeError(f"pnnx cannot convert {noun} {named}: ncnn has no such layer")
+        why = " with the input range's dynamic dims (a fixed model.input_shapes converts it static)" if largest else ""
+        raise RuntimeError(f"pnnx cannot convert {noun} {named}{why}: ncnn has no such layer")
     return param_path, bin_path
 
 
