@@ -1,0 +1,208 @@
+"""Dynamic-shape bundles against fixed-shape ones (issue 29), on the PP-OCRv4 detector and
+recognizer from the rapidocr wheel, unchanged (dynamic HxW; dynamic width).
+
+    pip install -e .[test,bench]
+    python benchmarks/dynamic.py [--models det rec] [--targets openvino_cpu ort_cpu]
+                                 [--precisions int8 auto]
+
+Per model, target and precision, two `parity` runs in fresh folders (cold cache):
+- dynamic: every sample at its own shape (det pages 480x640 / 640x960 / 960x960 after
+  PaddleOCR's limit-side-960 policy, multiples of 32; rec lines 160 / 320 / 960 wide), the
+  range given in model.input_shapes with opt = the middle shape;
+- fixed: model.input_shapes = opt, the same opt-shaped validation samples, calibration
+  samples of the opt shape only.
+Figures, side by side in one run:
+- accuracy at opt: the dynamic bundle's cosine on the opt-shaped samples (verify's per-shape
+  group) against the fixed build's on the same samples (goal: within 0.002);
+- latency at opt: both bundles loaded in workers and timed interleaved (pipeline.speed, the
+  same method as verify) at the opt shape (goal: dynamic within 10 % of fixed);
+- calibration cost: the calibrate stage's seconds per sample and per megapixel, mixed shapes
+  against the opt shape (goal: no more per sample).
+Validation thresholds are lowered (validation.min_cosine=0): this measures, it does not gate.
+Prints the CPU flags; absolute seconds are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from mixed import FILES, FONTS, MODELS, noisy, normalized, render_line, text_line  # noqa: E402
+
+from pipeline import backends, speed  # noqa: E402
+from pipeline.environment import cpu  # noqa: E402
+from pipeline.worker import BackendWorker  # noqa: E402
+
+# (height, width) per bucket; opt is the fixed build's shape
+SHAPES = {"det": {"min": (480, 640), "opt": (640, 960), "max": (960, 960)},
+          "rec": {"min": (48, 160), "opt": (48, 320), "max": (48, 960)}}
+PER_SHAPE = {"calibration": 4, "validation": 4}
+GOALS = {"cosine_gap": 0.002, "latency_ratio": 1.10}
+
+
+def page(height: int, width: int, rng: random.Random, noise) -> np.ndarray:
+    image = Image.new("RGB", (width, height), (rng.randint(225, 255),) * 3)
+    for _ in range(rng.randint(4, 9)):
+        line = render_line(text_line(rng), rng.randint(14, 36), rng.choice(FONTS), image.getpixel((0, 0))[0])
+        image.paste(line, (rng.randint(0, max(0, width - line.width)), rng.randint(0, max(0, height - 40))))
+    return normalized(noisy(image, noise))[np.newaxis]
+
+
+def line(width: int, rng: random.Random, noise) -> np.ndarray:
+    """A text line at height 48, its width by aspect (PaddleOCR rec), right-padded to ``width``."""
+    while True:
+        image = render_line(text_line(rng), rng.randint(20, 40), rng.choice(FONTS), rng.randint(225, 255))
+        own = int(np.ceil(48 * image.width / image.height))
+        if width // 3 <= own <= width:
+            break
+    canvas = np.zeros((1, 3, 48, width), np.float32)
+    canvas[0, :, :, :own] = normalized(noisy(image.resize((own, 48), Image.BILINEAR), noise))
+    return canvas
+
+
+def write_data(kind: str, root: Path) -> None:
+    """root/dynamic/{split}/ every bucket; root/fixed/{split}/ the opt bucket only."""
+    for split, count in PER_SHAPE.items():
+        rng, noise = random.Random(f"{kind}{split}"), np.random.default_rng(len(split))
+        for which, (height, width) in SHAPES[kind].items():
+            for index in range(count):
+                sample = page(height, width, rng, noise) if kind == "det" else line(width, rng, noise)
+                folders = ["dynamic"] + (["fixed"] if which == "opt" else [])
+                for folder in folders:
+                    (root / folder / split).mkdir(parents=True, exist_ok=True)
+                    np.save(root / folder / split / f"{which}_{index}.npy", sample)
+
+
+def shape_args(kind: str, dynamic: bool) -> str:
+    dims = {w: [1, 3, *hw] for w, hw in SHAPES[kind].items()}
+    if not dynamic:
+        return f"+model.input_shapes.x={dims['opt']}".replace(" ", "")
+    return ("+model.input_shapes.x={" + ",".join(f"{w}:{dims[w]}" for w in ("min", "opt", "max")) + "}").replace(" ", "")
+
+
+def parity(args, cwd: Path) -> tuple:
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, check=False)
+    seconds = time.perf_counter() - started
+    reports = sorted(cwd.glob("outputs/*/*/report.json"))
+    if not reports:
+        raise SystemExit(f"parity {' '.join(args)} wrote no report (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return seconds, done.returncode, json.loads(reports[-1].read_text()), reports[-1].parent
+
+
+def opt_cosine(report: dict, kind: str, dynamic: bool):
+    """The shipped build's cosine on the opt-shaped samples."""
+    verify = report["verify"]
+    if not dynamic:
+        return verify["outputs"][0]["cosine"]
+    opt = next(g for g in verify["shapes"] if "opt" in g["buckets"])
+    return next(iter(opt["outputs"].values()))["cosine"]
+
+
+def calibrate_cost(report: dict, kind: str, dynamic: bool):
+    """(seconds, per sample, per megapixel) of the calibrate stage, or None when it did not run."""
+    stage = next((s for s in report["stages"] if s["stage"] == "calibrate"), None)
+    samples = PER_SHAPE["calibration"] * (3 if dynamic else 1)
+    pixels = PER_SHAPE["calibration"] * sum(h * w for which, (h, w) in SHAPES[kind].items()
+                                            if dynamic or which == "opt")
+    if not stage or not stage.get("computed_seconds"):
+        return None
+    seconds = stage["computed_seconds"]
+    return seconds, seconds / samples, seconds / (pixels / 1e6)
+
+
+def interleaved_latency(bundles: dict, kind: str) -> dict:
+    """Both bundles in workers, timed interleaved at the opt shape (verify's method)."""
+    height, width = SHAPES[kind]["opt"]
+    feeds = {"x": np.random.default_rng(0).uniform(-1, 1, (1, 3, height, width)).astype(np.float32)}
+    workers = {}
+    try:
+        for name, bundle in bundles.items():
+            settings = yaml.safe_load((bundle / "runtime.yaml").read_text())
+            module = backends.spec(settings["backend"]).__name__
+            workers[name] = BackendWorker(module, bundle, settings, label=name, timeout_s=600).__enter__()
+        for worker in workers.values():
+            worker.wait_loaded()
+        return speed.interleaved(workers, feeds, rounds=9, runs=10, max_seconds=60)
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+
+def bundle_of(run_dir: Path) -> Path:
+    return next(p for p in (run_dir / "bundle").iterdir() if p.is_dir())
+
+
+def one(kind: str, target: str, precision: str, root: Path) -> dict:
+    model = MODELS / FILES[kind]
+    common = [f"model.path={model}", "data.kind=tensors", "metric=none", f"target={target}", "target.threads=2",
+              f"precision={precision}", "validation.min_cosine=0", "validation.task_min_cosine=null",
+              "validation.layerwise=off"]
+    found = {}
+    for dynamic in (True, False):
+        name = "dynamic" if dynamic else "fixed"
+        data = root / "data" / kind / name
+        seconds, code, report, run_dir = parity([*common, shape_args(kind, dynamic), f"data.path={data}"],
+                                                root / "runs" / f"{kind}-{target}-{precision}-{name}")
+        found[name] = {"seconds": seconds, "exit": code, "cosine": opt_cosine(report, kind, dynamic),
+                       "shipped": report["precision"], "calibrate": calibrate_cost(report, kind, dynamic),
+                       "bundle": bundle_of(run_dir)}
+    timing = interleaved_latency({n: found[n]["bundle"] for n in found}, kind)
+    ratios = [d / f for d, f in zip(timing["dynamic"]["round_medians_ms"], timing["fixed"]["round_medians_ms"])]
+    found["latency"] = {n: timing[n]["median_ms"] for n in ("dynamic", "fixed")}
+    found["latency_ratio"] = float(np.median(ratios))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["det", "rec"], choices=["det", "rec"])
+    parser.add_argument("--targets", nargs="+", default=["openvino_cpu", "ort_cpu"])
+    parser.add_argument("--precisions", nargs="+", default=["int8", "auto"])
+    args = parser.parse_args()
+    info = cpu()
+    print(f"CPU: {info.get('model')}; flags: {', '.join(info.get('flags', []))}; 2 threads")
+    with tempfile.TemporaryDirectory(prefix="parity-dynamic-") as scratch:
+        root = Path(scratch)
+        for kind in args.models:
+            write_data(kind, root / "data" / kind)
+            print(f"\n{kind}: shapes {SHAPES[kind]} ({PER_SHAPE} samples per shape)")
+            print(f"{'target':<13} {'prec':<5} {'shipped d/f':<12} {'cos@opt dyn':>11} {'fixed':>9} {'gap':>7} "
+                  f"{'ms@opt dyn':>10} {'fixed':>8} {'ratio':>6} {'calib s/sample dyn':>18} {'fixed':>6} "
+                  f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}")
+            for target in args.targets:
+                for precision in args.precisions:
+                    print(_row(target, precision, one(kind, target, precision, root)), flush=True)
+    print(f"\ngoals: cosine gap <= {GOALS['cosine_gap']}, latency ratio <= {GOALS['latency_ratio']:.2f}, "
+          "calibration s/sample dynamic <= fixed (per megapixel shown because the shapes differ in size)")
+
+
+def _row(target: str, precision: str, found: dict) -> str:
+    dyn, fix = found["dynamic"], found["fixed"]
+    gap = abs(dyn["cosine"] - fix["cosine"])
+    cal = [c[1] if c else float("nan") for c in (dyn["calibrate"], fix["calibrate"])]
+    per_mp = [c[2] if c else float("nan") for c in (dyn["calibrate"], fix["calibrate"])]
+    return (f"{target:<13} {precision:<5} {dyn['shipped'] + '/' + fix['shipped']:<12} {dyn['cosine']:>11.6f} "
+            f"{fix['cosine']:>9.6f} {gap:>7.4f} {found['latency']['dynamic']:>10.3f} {found['latency']['fixed']:>8.3f} "
+            f"{found['latency_ratio']:>6.3f} {cal[0]:>18.3f} {cal[1]:>6.3f} {per_mp[0]:>9.3f} {per_mp[1]:>6.3f} "
+            f"{dyn['seconds']:>9.1f} {fix['seconds']:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()
