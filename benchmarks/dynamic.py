@@ -110,7 +110,7 @@ def opt_cosine(report: dict, kind: str, dynamic: bool):
     """The shipped build's cosine on the opt-shaped samples."""
     verify = report["verify"]
     if not dynamic:
-        return verify["outputs"][0]["cosine"]
+        return verify["outputs"][0]["metrics"]["cosine"]
     opt = next(g for g in verify["shapes"] if "opt" in g["buckets"])
     return next(iter(opt["outputs"].values()))["cosine"]
 
