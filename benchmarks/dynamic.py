@@ -9,8 +9,8 @@ Per model, target and precision, two `parity` runs in fresh folders (cold cache)
 - dynamic: every sample at its own shape (det pages 480x640 / 640x960 / 960x960 after
   PaddleOCR's limit-side-960 policy, multiples of 32; rec lines 160 / 320 / 960 wide), the
   range given in model.input_shapes with opt = the middle shape;
-- fixed: model.input_shapes = opt, the same opt-shaped validation samples, calibration
-  samples of the opt shape only.
+- fixed: model.input_shapes = opt, the same opt-shaped validation samples, as many
+  calibration samples as the dynamic run, all of the opt shape.
 Figures, side by side in one run:
 - accuracy at opt: the dynamic bundle's cosine on the opt-shaped samples (verify's per-shape
   group) against the fixed build's on the same samples (goal: within 0.002);
@@ -74,16 +74,25 @@ def line(width: int, rng: random.Random, noise) -> np.ndarray:
 
 
 def write_data(kind: str, root: Path) -> None:
-    """root/dynamic/{split}/ every bucket; root/fixed/{split}/ the opt bucket only."""
+    """root/dynamic/{split}/ every bucket; root/fixed/validation/ the opt bucket only, and
+    root/fixed/calibration/ as many samples as the dynamic run's, all at opt."""
     for split, count in PER_SHAPE.items():
         rng, noise = random.Random(f"{kind}{split}"), np.random.default_rng(len(split))
         for which, (height, width) in SHAPES[kind].items():
             for index in range(count):
                 sample = page(height, width, rng, noise) if kind == "det" else line(width, rng, noise)
-                folders = ["dynamic"] + (["fixed"] if which == "opt" else [])
-                for folder in folders:
-                    (root / folder / split).mkdir(parents=True, exist_ok=True)
-                    np.save(root / folder / split / f"{which}_{index}.npy", sample)
+                _save(root / "dynamic" / split, f"{which}_{index}", sample)
+                if which == "opt":
+                    _save(root / "fixed" / split, f"{which}_{index}", sample)
+        height, width = SHAPES[kind]["opt"]
+        for index in range(count, 3 * count if split == "calibration" else count):
+            _save(root / "fixed" / split, f"opt_{index}", page(height, width, rng, noise) if kind == "det"
+                  else line(width, rng, noise))
+
+
+def _save(folder: Path, name: str, sample: np.ndarray) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / f"{name}.npy", sample)
 
 
 def shape_args(kind: str, dynamic: bool) -> str:
@@ -118,9 +127,9 @@ def opt_cosine(report: dict, kind: str, dynamic: bool):
 def calibrate_cost(report: dict, kind: str, dynamic: bool):
     """(seconds, per sample, per megapixel) of the calibrate stage, or None when it did not run."""
     stage = next((s for s in report["stages"] if s["stage"] == "calibrate"), None)
-    samples = PER_SHAPE["calibration"] * (3 if dynamic else 1)
-    pixels = PER_SHAPE["calibration"] * sum(h * w for which, (h, w) in SHAPES[kind].items()
-                                            if dynamic or which == "opt")
+    samples = PER_SHAPE["calibration"] * 3
+    pixels = PER_SHAPE["calibration"] * (sum(h * w for h, w in SHAPES[kind].values()) if dynamic
+                                         else 3 * SHAPES[kind]["opt"][0] * SHAPES[kind]["opt"][1])
     if not stage or not stage.get("computed_seconds"):
         return None
     seconds = stage["computed_seconds"]
@@ -136,7 +145,8 @@ def interleaved_latency(bundles: dict, kind: str) -> dict:
         for name, bundle in bundles.items():
             settings = yaml.safe_load((bundle / "runtime.yaml").read_text())
             module = backends.spec(settings["backend"]).__name__
-            workers[name] = BackendWorker(module, bundle, settings, label=name, timeout_s=600).__enter__()
+            workers[name] = BackendWorker(module, bundle, settings, label=name, timeout_s=600)
+            workers[name].launch()
         for worker in workers.values():
             worker.wait_loaded()
         return speed.interleaved(workers, feeds, rounds=9, runs=10, max_seconds=60)
