@@ -172,15 +172,16 @@ def _pages(folder: Path, count: int, seed: int) -> None:
 
 @pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
 def test_ppocr_det_with_no_input_shapes_takes_the_pages_as_they_are(tmp_path):
-    """No model.input_shapes at all: the data decides (limit_side 160, multiples of 32), int8
-    on openvino_cpu keeps the dynamic dims, accuracy grouped by the data's own shapes."""
+    """No model.input_shapes at all: the data decides (limit_side 160, multiples of 32),
+    openvino_cpu keeps the dynamic dims, accuracy grouped by the data's own shapes (int8's
+    Q/DQ model keeping the dims: the small model's tests above)."""
     _pages(tmp_path / "pages" / "calibration", 4, 1)
     _pages(tmp_path / "pages" / "validation", 6, 2)
     result = run_cli([f"model.path={MODELS / 'ch_PP-OCRv4_det_infer.onnx'}", "data.kind=images",
                       f"data.path={tmp_path / 'pages'}", "data.preprocess.resize=limit_side",
                       "data.preprocess.side=160", "data.preprocess.multiple_of=32",
                       "data.preprocess.mean=[0.485,0.456,0.406]", "data.preprocess.std=[0.229,0.224,0.225]",
-                      "metric=none", "target=openvino_cpu", "precision=int8", "validation.min_cosine=0.9",
+                      "data.calibration_size=0", "metric=none", "target=openvino_cpu", "precision=fp32",
                       "validation.timing_rounds=3"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
@@ -207,7 +208,8 @@ def test_ppocr_rec_lines_at_their_own_width_within_a_range(tmp_path):
                       "data.kind=images", f"data.path={tmp_path / 'lines'}", "data.calibration_size=0",
                       "data.preprocess.resize=height", "data.preprocess.multiple_of=8", "data.preprocess.mean=[0.5]",
                       "data.preprocess.std=[0.5]", "metric=none", "target=ort_cpu", "precision=fp32",
-                      "validation.timing_rounds=3"], tmp_path)
+                      "validation.timing_rounds=3", "validation.timing_runs=2",
+                      "pipeline.stages=[convert,build,verify]"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
     widths = [int(g["shape"].split("x")[-1]) for g in report["verify"]["shapes"]]

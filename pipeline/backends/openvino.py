@@ -117,7 +117,8 @@ def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> Non
 
 class Session:
     def __init__(self, model_path: Path, device: str, options: dict, output_names: List[str],
-                 cache_dir: Optional[Path] = None, cache_status: str = "none"):
+                 cache_dir: Optional[Path] = None, cache_status: str = "none",
+                 opt_shapes: Optional[Dict[str, List[int]]] = None):
         import openvino as ov
 
         core = ov.Core()
@@ -134,10 +135,27 @@ class Session:
         self._cache_status = cache_status
         self._probe = None
         self._request = self._compiled.create_infer_request()
+        self._at_opt = self._static_at_opt(opt_shapes or {})
         self.inputs = [_pick_name(i.get_names(), []) for i in self._compiled.inputs]
         self.outputs = [_pick_name(o.get_names(), output_names) for o in self._compiled.outputs]
 
+    def _static_at_opt(self, opt_shapes: Dict[str, List[int]]):
+        """A dynamic model's second compiled copy with every input fixed at its range's opt
+        shape: (the shapes, the request, its output ports), or None. The CPU plugin's
+        dynamic-shape kernels cost ~15 % at a given shape (benchmarks/dynamic.py); inputs at
+        opt, the shape the range names as the common one, run the static copy."""
+        if not opt_shapes:
+            return None
+        model = self._core.read_model(str(self._model_path))
+        model.reshape({name: list(shape) for name, shape in opt_shapes.items()})
+        compiled = self._core.compile_model(model, self._device, dict(self._options))
+        shapes = {name: tuple(shape) for name, shape in opt_shapes.items()}
+        return shapes, compiled.create_infer_request(), list(compiled.outputs)
+
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        if self._at_opt is not None and all(tuple(np.shape(feeds.get(n))) == s for n, s in self._at_opt[0].items()):
+            result = self._at_opt[1].infer(feeds)
+            return {name: np.array(result[port]) for name, port in zip(self.outputs, self._at_opt[2])}
         result = self._request.infer(feeds)
         return {name: np.array(result[port]) for name, port in zip(self.outputs, self._compiled.outputs)}
 
@@ -298,8 +316,9 @@ def load(artifact_dir: Path, settings: dict) -> Session:
 
     outputs = [o["name"] for o in settings.get("outputs", [])]
     folder, status = compile_cache.usable(artifact_dir, settings, NAME, versions())
+    opt_shapes = {spec["name"]: spec["range"]["opt"] for spec in settings.get("inputs", []) if spec.get("range")}
     return Session(Path(artifact_dir) / settings["model"], settings.get("device", "CPU"),
-                   settings.get("options", {}), outputs, cache_dir=folder, cache_status=status)
+                   settings.get("options", {}), outputs, cache_dir=folder, cache_status=status, opt_shapes=opt_shapes)
 
 
 def tuning_space(settings: dict, level: str, objective: str, devices: List[str]) -> List[Tuple[str, list]]:

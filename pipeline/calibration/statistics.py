@@ -86,14 +86,13 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     model = onnx.load(str(model_path))
     names = activation_names(model, around)
     histograms = {name: AbsHistogram(bins) for name in names}
-    kept: Dict[str, List[np.ndarray]] = {name: [] for name in names}
+    kept = _Kept(names, keep)
     extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
     runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
     pending: Dict[str, List[Sample]] = {}  # shape -> samples waiting: a batch stacks samples of one shape
     seen = 0
     group = 1  # the first sample alone measures how much memory a sample's activations take
-    kept_shape: Dict[str, tuple] = {}  # the samples kept for auto's comparisons share one shape
 
     def update(item):
         name, value = item
@@ -107,9 +106,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
                              f"{batch[0].name}..{batch[-1].name} ({err})") from err
         if per_sample.size:
             extremes[name] += (lows.sum() * len(batch) / len(per_sample), highs.sum() * len(batch) / len(per_sample))
-        room = keep - sum(len(k) for k in kept[name])
-        if room > 0 and kept_shape.setdefault(name, value.shape[1:]) == value.shape[1:]:
-            kept[name].append(value[:room])
+        kept.add(name, value)
 
     def flush():
         nonlocal seen, group
@@ -118,6 +115,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         per_sample = sum(v.nbytes for v in values.values()) / len(batch)
         # one sample at a time when the model takes no batch: grouping would only copy them together
         group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
+        kept.start(batch)
         # numpy releases the GIL in its loops: histograms of different tensors fill in parallel
         list(pool.map(update, values.items()))
         del values
@@ -134,13 +132,42 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
                 batch.extend(waiting)
                 waiting.clear()
                 flush()
-        for waiting in pending.values():
-            if waiting:
-                batch.extend(waiting)
-                flush()
-    stacked = {name: np.concatenate(parts) for name, parts in kept.items() if parts}
+        for waiting in [samples for samples in pending.values() if samples]:
+            batch.extend(waiting)
+            flush()
+    stacked = {name: np.concatenate(parts) for name, parts in kept.values.items() if parts}
     ranges = {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)] for name, (low, high) in extremes.items()}
     return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges)
+
+
+class _Kept:
+    """The values of every tensor for the first ``keep`` samples of one input shape, the
+    smallest seen: what auto compares methods on (each tensor's kept values must come from
+    the same samples, and the smallest shape is the cheapest to compare on)."""
+
+    def __init__(self, names: List[str], keep: int):
+        self.keep, self.names = keep, names
+        self.values: Dict[str, List[np.ndarray]] = {name: [] for name in names}
+        self.shape: Optional[str] = None
+        self.shape_feeds: Dict[str, np.ndarray] = {}
+        self.taking = False
+
+    def start(self, batch: List[Sample]) -> None:
+        """Before a batch's values: keep them when its shape is the kept one, or smaller."""
+        key = shape_key(batch[0].feeds)
+        if self.shape is None or _elements(batch[0].feeds) < _elements(self.shape_feeds):
+            self.values = {name: [] for name in self.names}
+            self.shape, self.shape_feeds = key, batch[0].feeds
+        self.taking = key == self.shape
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        room = self.keep - sum(len(part) for part in self.values[name])
+        if self.taking and room > 0:
+            self.values[name].append(value[:room])
+
+
+def _elements(feeds: Dict[str, np.ndarray]) -> int:
+    return sum(int(np.size(value)) for value in feeds.values())
 
 
 class BatchRunner:
