@@ -6,7 +6,7 @@ and the PP-OCRv4 text recognizer of the rapidocr wheel.
 
 Every run is the `parity` CLI in a fresh folder (no stage cache: cold). The candidate
 speed-ups are auto's own measurement: every passing build and fp32 timed interleaved in
-rounds on the target (pipeline/speed.py); the figure is the ratio, taken in one run.
+rounds on the target (pipeline/verification/speed.py); the figure is the ratio, taken in one run.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def speed(work: Path, data: Path, samples: int, skip_ort: bool) -> None:
 def ort_entropy(work: Path, data: Path, samples: int) -> float:
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, create_calibrator
 
-    from pipeline.config import DataConfig, DataKind, PreprocessConfig, Color
+    from pipeline.config.schemas import DataConfig, DataKind, PreprocessConfig, Color
     from pipeline.data import TensorSpec, open_dataset
 
     converted = sorted((work / "outputs").glob("*/*_*"))[-1] / "stages" / "convert" / "model.onnx"
@@ -106,7 +106,7 @@ def memory(work: Path, data: Path) -> None:
     peaks = {}
     for samples in (64, 512):
         cache = work / f"cache-{samples}"
-        code = ("import resource, sys; from pipeline.cli import main; sys.argv = ['parity'] + sys.argv[1:]\n"
+        code = ("import resource, sys; from pipeline.app.cli import main; sys.argv = ['parity'] + sys.argv[1:]\n"
                 "try:\n    main()\nfinally:\n"
                 "    print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
         args = [*classifier_args(data, samples, 1), "precision=int8", "calibration=kl",
@@ -178,7 +178,7 @@ def interleaved(data: Path, bundles: dict, rounds: int = 5, runs: int = 200) -> 
 
 def validation_split(data: Path, count: int):
     """The validation images preprocessed as classifier_args declares."""
-    from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig
+    from pipeline.config.schemas import Color, DataConfig, DataKind, PreprocessConfig
     from pipeline.data import TensorSpec, open_dataset
 
     pre = PreprocessConfig(keep_aspect=True, color=Color.bgr, mean=[0.5], std=[0.5])

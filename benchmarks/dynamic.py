@@ -14,7 +14,7 @@ Per model, target and precision, two `parity` runs in fresh folders (cold cache)
 Figures, side by side in one run:
 - accuracy at opt: the dynamic bundle's cosine on the opt-shaped samples (verify's per-shape
   group) against the fixed build's on the same samples (goal: within 0.002);
-- latency at opt: both bundles loaded in workers and timed interleaved (pipeline.speed, the
+- latency at opt: both bundles loaded in workers and timed interleaved (pipeline.verification.speed, the
   same method as verify) at the opt shape (goal: dynamic within 10 % of fixed);
 - calibration cost: the calibrate stage's seconds per sample and per megapixel, mixed shapes
   against the opt shape (goal: no more per sample).
@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import FILES, FONTS, MODELS, noisy, normalized, render_line, text_line  # noqa: E402
 
-from pipeline import backends, speed  # noqa: E402
+from pipeline import backends
+from pipeline.verification import speed
 from pipeline.environment import cpu  # noqa: E402
 from pipeline.worker import BackendWorker  # noqa: E402
 

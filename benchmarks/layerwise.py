@@ -44,7 +44,7 @@ def detector_args(data: Path):
 
 def peak_run(args, cwd: Path):
     """(peak RSS of the parity process, of its largest child) in MiB."""
-    code = ("import resource, sys; from pipeline.cli import main; sys.argv = ['parity'] + sys.argv[1:]\n"
+    code = ("import resource, sys; from pipeline.app.cli import main; sys.argv = ['parity'] + sys.argv[1:]\n"
             "try:\n    main()\nfinally:\n"
             "    print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
             " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)")

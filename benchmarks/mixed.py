@@ -10,7 +10,7 @@ converted model), parity int8 (defaults; weights rounded to nearest; neither wei
 nor bias correction), parity mixed (through
 the `parity` CLI, stages up to build), and `nncf.quantize(preset=MIXED)` on the same
 calibration samples. Every build is compiled the same way (OpenVINO CPU, f32 hint, 1
-thread) and timed interleaved in rounds (pipeline/speed.py). Printed per build: cosine
+thread) and timed interleaved in rounds (pipeline/verification/speed.py). Printed per build: cosine
 vs fp32 over the validation outputs, the task metric (det: IoU of the map binarized at
 0.3 vs fp32's; rec: character accuracy of the greedy CTC decoding vs the rendered
 text), latency ratio vs fp32, and the build's own time.
@@ -261,7 +261,7 @@ class Compiled:
 
 
 def measure(kind: str, builds: dict, validation: np.ndarray, truth, rounds: int) -> dict:
-    from pipeline.speed import interleaved
+    from pipeline.verification.speed import interleaved
 
     compiled = {name: Compiled(path) for name, (path, _, _) in builds.items()}
     outputs = {name: [model.run(x[None]) for x in validation] for name, model in compiled.items()}
@@ -334,7 +334,7 @@ def main() -> None:
 
     info = cpu()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU {info['model']}; flags {' '.join(info['flags'])}")
-    print("OpenVINO CPU, f32 hint, 1 thread, builds timed interleaved in rounds (pipeline/speed.py)\n")
+    print("OpenVINO CPU, f32 hint, 1 thread, builds timed interleaved in rounds (pipeline/verification/speed.py)\n")
     with tempfile.TemporaryDirectory(prefix="parity-mixed-bench-") as scratch:
         for kind in args.models:
             work = Path(scratch) / kind

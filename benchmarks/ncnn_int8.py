@@ -16,7 +16,7 @@ other ops kept float with precision.keep_float. Runtime variants load the fp32 a
 with other ncnn options (2 threads, use_sgemm_convolution off, lightmode off,
 use_packing_layout off): their speed-up is against fp32 with the same options. Printed:
 cosine of each int8 build's outputs vs fp32's and top-1 agreement over the validation
-lines; latency of every build, all timed interleaved in the same rounds (pipeline/speed.py:
+lines; latency of every build, all timed interleaved in the same rounds (pipeline/verification/speed.py:
 order rotated, median of round medians, speed-up the median of the per-round ratios with
 its quartiles); per layer type, each build's time from ncnn's incremental extraction (the
 profile stage's method), which says where int8 wins or loses.
@@ -81,7 +81,7 @@ class Build:
 
 def validation_feeds(conf: Path) -> list:
     """The validation lines, preprocessed as the data config declares (pipeline/data.py)."""
-    from pipeline.config import Color, PreprocessConfig
+    from pipeline.config.schemas import Color, PreprocessConfig
     from pipeline.data import TensorSpec, load_image
 
     folder = Path(yaml.safe_load((conf / "data" / "textlines.yaml").read_text())["path"]) / "validation"
@@ -147,7 +147,7 @@ def baseline(name: str) -> str:
 
 
 def speedup_of(timings: dict, name: str) -> dict:
-    from pipeline.speed import speedups
+    from pipeline.verification.speed import speedups
 
     return speedups({"fp32": timings[baseline(name)], name: timings[name]})[name]
 
@@ -189,12 +189,12 @@ def main() -> None:
     import ncnn
 
     from pipeline.environment import cpu
-    from pipeline.speed import interleaved
+    from pipeline.verification.speed import interleaved
 
     info = cpu()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU {info['model']}; flags {' '.join(info['flags'])}")
     print(f"ncnn {ncnn.__version__}, CPU; builds timed interleaved in {args.rounds} rounds of {args.runs} runs "
-          f"(pipeline/speed.py)\n")
+          f"(pipeline/verification/speed.py)\n")
     with tempfile.TemporaryDirectory(prefix="parity-ncnn-int8-bench-") as scratch:
         root = Path(scratch)
         write_ppocr_configs(root, calibration=args.calibration, validation=args.validation)

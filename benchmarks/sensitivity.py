@@ -32,7 +32,7 @@ SEARCH = ["precision=mixed", "sensitivity.samples=30", "sensitivity.expected_cos
 
 def peak_run(args, cwd: Path) -> float:
     """Peak RSS (MiB) of one `parity` process."""
-    code = ("import resource, sys; from pipeline.cli import main; sys.argv = ['parity'] + sys.argv[1:]\n"
+    code = ("import resource, sys; from pipeline.app.cli import main; sys.argv = ['parity'] + sys.argv[1:]\n"
             "try:\n    main()\nfinally:\n"
             "    print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True)
@@ -57,11 +57,11 @@ def search_figures(work: Path, data: Path) -> dict:
 
 def naive_loop(run_dir: Path, data: Path, sample_ops: int, ranking) -> None:
     """Single-op-quantized model built with ONNX Runtime's quantizer, run whole per trial."""
-    from pipeline.calibration.sensitivity import output_loss, quantizable_ops
-    from pipeline.calibration.statistics import BatchRunner
-    from pipeline.config import Color, DataConfig, DataKind, PreprocessConfig
+    from pipeline.precision.calibration.sensitivity import output_loss, quantizable_ops
+    from pipeline.precision.calibration.statistics import BatchRunner
+    from pipeline.config.schemas import Color, DataConfig, DataKind, PreprocessConfig
     from pipeline.data import TensorSpec, open_dataset
-    from pipeline.quantize import QdqSettings, needs_reduce_range, quantize_static_qdq
+    from pipeline.precision.quantize import QdqSettings, needs_reduce_range, quantize_static_qdq
 
     calibrate = run_dir / "stages" / "calibrate"
     prepared = calibrate / "prepared.onnx"

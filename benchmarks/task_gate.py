@@ -10,7 +10,7 @@ Rows, each a fresh folder (cold cache), 2 threads:
 - `parity` (precision=auto) with the task metric: what it ships and its speed-up;
 - fp32's character accuracy as parity's ctc metric scores it next to PaddleOCR's decoding
   (rapidocr's CTCLabelDecode, stripped, the same per-sample normalized edit distance);
-- the bootstrap's cost (pipeline/confidence.py on the int8 run's sample count) against the
+- the bootstrap's cost (pipeline/verification/confidence.py on the int8 run's sample count) against the
   verify stage's seconds (goal <= 2 %).
 Prints the CPU flags; absolute seconds are this machine's.
 """
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import FILES, MODELS, charset, rec_samples  # noqa: E402
 
-from pipeline import confidence  # noqa: E402
+from pipeline.verification import confidence
 from pipeline.environment import cpu  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def paddle_agreement(validation: np.ndarray, truth: list, report: dict) -> str:
     import onnxruntime as ort
     from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 
-    from pipeline.task_metrics import char_accuracy
+    from pipeline.verification.task_metrics import char_accuracy
 
     session = ort.InferenceSession(str(MODELS / FILES["rec"]), providers=["CPUExecutionProvider"])
     decode = CTCLabelDecode(character=charset()[1:-1])

@@ -31,7 +31,7 @@ from pathlib import Path
 module, bundle, cached = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "1"
 backend = importlib.import_module(module)
 __import__(module.rsplit(".", 1)[1])  # the runtime and parity's loader, imported before the clock starts
-import pipeline.compile_cache
+import pipeline.release.compile_cache
 settings = yaml.safe_load((bundle / "runtime.yaml").read_text())
 if not cached:
     settings.pop("compile_cache", None)

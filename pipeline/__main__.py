@@ -1,3 +1,3 @@
-from pipeline.cli import main
+from pipeline.app.cli import main
 
 main()

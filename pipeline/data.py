@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import numpy as np
 
-from pipeline.config import Color, DataConfig, DataKind, Layout, PreprocessConfig
+from pipeline.config.schemas import Color, DataConfig, DataKind, Layout, PreprocessConfig
 from pipeline import shapes
 from pipeline.errors import InputError
 
@@ -333,7 +333,7 @@ def custom_reader(pre: PreprocessConfig, inputs: Sequence[TensorSpec], label: st
 
 def preprocess_record(kind: DataKind, pre: PreprocessConfig) -> Optional[dict]:
     """The declared preprocessing as runtime.yaml records it (None for tensor data)."""
-    from pipeline.config import plain
+    from pipeline.config.schemas import plain
 
     if kind not in (DataKind.images, DataKind.custom):
         return None

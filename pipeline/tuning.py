@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from pipeline import compile_cache
+from pipeline.release import compile_cache
 from pipeline.environment import cores
 
 

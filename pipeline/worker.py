@@ -11,7 +11,7 @@ throwing ...", is kept), sets the memory limit, imports the backend module, then
     child -> ("ok", result)                   or ("error", kind, "TypeName: first line")
     parent -> None                            the child exits
 
-``__latency__``, ``__throughput__`` and ``__startup__`` run pipeline.metrics.latency /
+``__latency__``, ``__throughput__`` and ``__startup__`` run pipeline.verification.metrics.latency /
 throughput / startup in the child (no pickling in the timings; startup loads new sessions
 of the same artifact with other settings).
 The parent waits at most ``timeout_s`` for each answer, then kills the child ("hung");
@@ -134,16 +134,16 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
         method, args = request
         try:
             if method == _LATENCY:
-                from pipeline.metrics import latency
+                from pipeline.verification.metrics import latency
 
                 reply = ("ok", latency(session.run, *args))
             elif method == _THROUGHPUT:
-                from pipeline.metrics import throughput
+                from pipeline.verification.metrics import throughput
 
                 parallel = importlib.import_module(module).CAPABILITIES.parallel_runners
                 reply = ("ok", throughput(session.parallel_runners() if parallel else [session.run], *args))
             elif method == _STARTUP:  # new sessions of the same artifact, timed from load to first output
-                from pipeline.metrics import startup
+                from pipeline.verification.metrics import startup
 
                 load = importlib.import_module(module).load
                 reply = ("ok", startup(lambda settings: load(Path(artifact_dir), settings), *args))
@@ -226,7 +226,7 @@ class BackendWorker:
         return self.call(_THROUGHPUT, feeds, warmup, repeats, timeout_s=timeout_s)
 
     def startup(self, variants: dict, feeds: dict, rounds: int = 3, *, timeout_s: Optional[float] = None) -> dict:
-        """Load-to-first-output seconds of each settings variant (pipeline.metrics.startup)."""
+        """Load-to-first-output seconds of each settings variant (pipeline.verification.metrics.startup)."""
         return self.call(_STARTUP, variants, feeds, rounds, timeout_s=timeout_s)
 
     @property

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from pipeline import backends
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
-from pipeline.config import RunConfig
+from pipeline.config.schemas import RunConfig
 COMPLETE = ".complete"
 
 

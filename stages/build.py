@@ -12,12 +12,15 @@ from typing import List, Optional
 import onnx
 import yaml
 
-from pipeline import backends, compile_cache, environment, fp16
+from pipeline import backends, environment
+from pipeline.precision import fp16
+from pipeline.release import compile_cache
 from pipeline.artifacts import read_json
-from pipeline.calibration import bias_correction, latency, weight_rounding
+from pipeline.precision.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import (BackendCrashed, BackendUnavailable, ConfigError, ParityError, first_line,
                              target_cannot)
-from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed, build_qdq, int8_op_count
+from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
+                                        int8_op_count)
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
@@ -54,7 +57,7 @@ def key_config(cfg):
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.kind) else None,
-            # a compile cache is made for this machine's CPU (pipeline/compile_cache.py)
+            # a compile cache is made for this machine's CPU (pipeline/release/compile_cache.py)
             "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None}
 
 
@@ -109,9 +112,10 @@ def _qtable_float_ops(ctx: StageContext) -> List[str]:
 
 def _feature_masks(ctx: StageContext, backend, runtime: dict) -> dict:
     """fp16 on a backend with feature masks (ncnn): verify the plain build on the first
-    validation samples; when it fails, find the layers to mask from the evidence and search the masks (pipeline/feature_masks.py).
+    validation samples; when it fails, find the layers to mask from the evidence and search the masks (pipeline/precision/feature_masks.py).
     The masks found are written into the artifact in place."""
-    from pipeline import feature_masks, layerwise
+    from pipeline.precision import feature_masks
+    from pipeline.verification import layerwise
 
     cfg = ctx.cfg
     samples = [s.feeds for _, s in zip(range(MASK_SAMPLES), ctx.dataset().validation)]
@@ -182,7 +186,7 @@ def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str
 def _only_quantized(model: onnx.ModelProto, asked: List[str], quantize_ops: List[str]) -> None:
     """An int8 build keeps in float only what it quantizes: naming another op would
     rebuild the same model (exit 2, naming the quantized ops that feed it)."""
-    from pipeline.recommend import QuantizedGraph
+    from pipeline.verification.recommend import QuantizedGraph
 
     graph = QuantizedGraph(model, quantize_ops)
     for name in asked:
@@ -316,7 +320,7 @@ def _backend_float_ops(ctx: StageContext, backend, prepared: onnx.ModelProto, ch
     """The quantized ops the backend keeps in float on this target (Capabilities.float_op_kinds:
     ncnn's depthwise convolutions on x86), beyond those already chosen."""
     kinds = backends.float_op_kinds(backend, ctx.cfg.target)
-    ops = [name for name in backends.float_ops(backend, ctx.cfg.target, prepared, ctx.cfg.precision.quantize_ops)
+    ops = [name for name in backend_float_ops(backend, ctx.cfg.target, prepared, ctx.cfg.precision.quantize_ops)
            if name not in chosen]
     if ops:
         log.info("build: %d %s op(s) kept in float: %s's int8 kernel for them is slower here (%s)",
@@ -328,7 +332,7 @@ def _slower_in_int8(ctx: StageContext, backend, prepared_path: Path, table: dict
                     chosen: List[str]) -> dict:
     """precision.int8_where_faster: the quantized ops that are slower in int8 than in fp32 on
     this machine, each timed in the target's own fp32 and int8 builds on one validation sample
-    (pipeline/calibration/latency.py); they join the float ops."""
+    (pipeline/precision/calibration/latency.py); they join the float ops."""
     if not ctx.cfg.precision.int8_where_faster:
         return {"ops": []}
     if not backend.CAPABILITIES.profiler:
@@ -377,7 +381,7 @@ def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str]) -> di
 
 def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict) -> dict:
     """precision.<step> on the QDQ model, in place where it brings the outputs closer to fp32
-    (pipeline/calibration/weight_rounding.py, bias_correction.py); the build's summary."""
+    (pipeline/precision/calibration/weight_rounding.py, bias_correction.py); the build's summary."""
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
         return {"enabled": False}
     label = step.replace("_", " ")

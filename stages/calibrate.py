@@ -13,13 +13,14 @@ from typing import Dict, List
 import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
-from pipeline import backends, fp16, shapes
-from pipeline.calibration import auto, statistics, tables, thresholds
+from pipeline import backends, shapes
+from pipeline.precision import fp16
+from pipeline.precision.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
-from pipeline.calibration.fake_quant import FakeQuantModel
-from pipeline.calibration.measure import OutputJudge
-from pipeline.quantize import QdqSettings, prepare, write_ort_cache
+from pipeline.precision.calibration.fake_quant import FakeQuantModel
+from pipeline.precision.calibration.measure import OutputJudge
+from pipeline.precision.quantize import QdqSettings, prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"

@@ -13,16 +13,17 @@ from typing import List
 
 import yaml
 
-from pipeline import compile_cache, environment
-from pipeline.config import plain
-from pipeline.archive import write_tar_gz
+from pipeline import environment
+from pipeline.release import compile_cache
+from pipeline.config.schemas import plain
+from pipeline.release.archive import write_tar_gz
 from pipeline.artifacts import atomic_directory, hash_tree, remove_stale_temps, sha256_file, write_json
-from pipeline.bundle import REPORTS, compile_cache_entry, content_sha256, is_cache
+from pipeline.release.bundle import REPORTS, compile_cache_entry, content_sha256, is_cache
 from pipeline.errors import writing
 from pipeline.report import write_reports
 from pipeline.report.assemble import assemble, model_name
 from pipeline.data import preprocess_record
-from pipeline.task_metrics import bundle_record
+from pipeline.verification.task_metrics import bundle_record
 from stages import StageContext, StageResult, deployable
 
 NAME = "package"

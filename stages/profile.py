@@ -22,7 +22,8 @@ from typing import List
 
 import yaml
 
-from pipeline import backends, compile_cache, environment, profiling
+from pipeline import backends, environment, profiling
+from pipeline.release import compile_cache
 from pipeline.artifacts import write_json
 from pipeline.errors import BackendCrashed
 from pipeline.worker import BackendWorker

@@ -15,16 +15,16 @@ import onnx
 
 from pipeline import backends, environment, shapes
 from pipeline.artifacts import read_json, write_json
-from pipeline.config import plain
-from pipeline.calibration import sensitivity as search
-from pipeline.calibration import latency, tables
-from pipeline.calibration.statistics import BatchRunner
-from pipeline.calibration.measure import float_outputs, output_agreement
+from pipeline.config.schemas import plain
+from pipeline.precision.calibration import sensitivity as search
+from pipeline.precision.calibration import latency, tables
+from pipeline.precision.calibration.statistics import BatchRunner
+from pipeline.precision.calibration.measure import float_outputs, output_agreement
 from pipeline.data import pack
 from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
-from pipeline.task_metrics import files as metric_files, load_metric, per_sample
-from pipeline.quantize import MixedModels, QdqSettings, QuantizerFailed
+from pipeline.verification.task_metrics import files as metric_files, load_metric, per_sample
+from pipeline.precision.quantize import MixedModels, QdqSettings, QuantizerFailed, backend_float_ops
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
@@ -228,8 +228,8 @@ def _samples(ctx: StageContext, size: int):
 def always_float(prepared: onnx.ModelProto, cfg) -> List[str]:
     """Ops float in every mixed model, as the build keeps them: precision.keep_float and the
     quantized ops of the kinds the target's backend keeps float (Capabilities.float_op_kinds)."""
-    by_backend = backends.float_ops(backends.spec(cfg.target.backend.value), cfg.target, prepared,
-                                    cfg.precision.quantize_ops)
+    by_backend = backend_float_ops(backends.spec(cfg.target.backend.value), cfg.target, prepared,
+                                   cfg.precision.quantize_ops)
     return list(dict.fromkeys([*cfg.precision.keep_float, *by_backend]))
 
 

@@ -18,11 +18,12 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from pipeline import backends, compile_cache, environment, tuning
+from pipeline import backends, environment, tuning
+from pipeline.release import compile_cache
 from pipeline.artifacts import hash_files, read_json, write_json
 from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable
-from pipeline.metrics import output_failures
+from pipeline.verification.metrics import output_failures
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 

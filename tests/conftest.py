@@ -111,9 +111,9 @@ def classifier_qdq(tmp_path_factory):
 
     import onnx
 
-    from pipeline.calibration import statistics, tables
+    from pipeline.precision.calibration import statistics, tables
     from pipeline.data import Sample
-    from pipeline.quantize import QdqSettings, prepare, quantize_static_qdq
+    from pipeline.precision.quantize import QdqSettings, prepare, quantize_static_qdq
     from textlines import FONTS, WORDS, line_tensor
 
     folder = tmp_path_factory.mktemp("cls-qdq")

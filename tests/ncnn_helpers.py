@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, shape_inference
 
-from pipeline.config import Backend, NcnnOptions, NcnnTarget
+from pipeline.config.schemas import Backend, NcnnOptions, NcnnTarget
 
 ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
 DIGITS_MODEL = ASSETS / "digits_cnn.onnx"

@@ -1,5 +1,5 @@
 """precision=auto, the default: every candidate built, verified and timed side by side, the
-fastest passing one shipped (pipeline/auto.py)."""
+fastest passing one shipped (pipeline/app/auto.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import read_json
-from pipeline.auto import choose
+from pipeline.app.auto import choose
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Bias correction (pipeline/calibration/bias_correction.py): on by default in int8 builds,
+"""Bias correction (pipeline/precision/calibration/bias_correction.py): on by default in int8 builds,
 recorded in the build summary, switched off by precision.bias_correction=false, and it
 reduces the per-channel mean error of the quantized ops on real models."""
 
@@ -13,8 +13,8 @@ import pytest
 from onnx import numpy_helper
 
 from conftest import model_copy, run_cli, run_dirs, run_with_outputs
-from pipeline.calibration import bias_correction
-from pipeline.quantize import QdqSettings, build_qdq
+from pipeline.precision.calibration import bias_correction
+from pipeline.precision.quantize import QdqSettings, build_qdq
 
 STAGES = "pipeline.stages=[convert,calibrate,build]"
 

@@ -178,7 +178,7 @@ def test_added_file_is_refused(ort_bundle, ort_bundle_before, inputs, extra, tmp
     (copy / extra).parent.mkdir(parents=True, exist_ok=True)
     (copy / extra).write_text("{}\n")
     for result in _both_commands(copy, inputs, tmp_path):
-        # PRODUCT BUG (fails for "extra/manifest.json"): pipeline/bundle.py check_integrity skips
+        # PRODUCT BUG (fails for "extra/manifest.json"): pipeline/release/bundle.py check_integrity skips
         # every file *named* manifest.json at any depth (`p.name != MANIFEST`), not only the
         # top-level manifest, so a file added as <bundle>/extra/manifest.json is accepted.
         assert result.returncode == 2, (f"added file {extra} was accepted (exit {result.returncode}): "
@@ -221,7 +221,7 @@ def test_missing_input_file(ort_bundle, tmp_path):
 
 
 def test_output_into_missing_folder_is_a_user_error(ort_bundle, inputs, tmp_path):
-    # PRODUCT BUG (currently exit 1, "internal error: FileNotFoundError"): pipeline/bundle_cli.py
+    # PRODUCT BUG (currently exit 1, "internal error: FileNotFoundError"): pipeline/app/bundle_cli.py
     # _run calls np.savez(args.output) unguarded, after the model already ran.
     folder, _, _ = inputs
     target = tmp_path / "no_such_folder" / "y.npz"

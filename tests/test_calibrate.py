@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from pipeline.calibration import tables
+from pipeline.precision.calibration import tables
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def _dequantized_readers(model: onnx.ModelProto) -> set:
 def test_only_conv_and_gemm_inputs_are_quantized(int8_run, tmp_path):
     """The placement (precision.quantize_ops): ORT gets Q/DQ at Conv/Gemm inputs and outputs
     (its int8 kernels need both), OpenVINO at their inputs only; MaxPool and Flatten run in float."""
-    from pipeline.quantize import QdqSettings, build_qdq
+    from pipeline.precision.quantize import QdqSettings, build_qdq
 
     _, run_dir, _ = int8_run
     ort_model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))

@@ -11,9 +11,9 @@ import warnings
 import numpy as np
 import pytest
 
-from pipeline.calibration import tables
-from pipeline.calibration.histogram import AbsHistogram
-from pipeline.calibration.thresholds import (
+from pipeline.precision.calibration import tables
+from pipeline.precision.calibration.histogram import AbsHistogram
+from pipeline.precision.calibration.thresholds import (
     METHODS,
     MIN_THRESHOLD,
     compute,
@@ -405,8 +405,8 @@ def test_mixed_or_mse_tables_are_labelled_minmax_for_ort():
 
 
 def test_kl_max_clipped_skips_candidates_that_clip_too_much():
-    from pipeline.calibration.histogram import AbsHistogram
-    from pipeline.calibration.thresholds import kl_threshold
+    from pipeline.precision.calibration.histogram import AbsHistogram
+    from pipeline.precision.calibration.thresholds import kl_threshold
 
     rng = np.random.default_rng(7)
     values = np.concatenate([rng.normal(0, 1, 200_000), rng.normal(0, 1, 20_000) * 30])  # heavy shoulder

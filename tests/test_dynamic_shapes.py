@@ -19,7 +19,7 @@ from conftest import read_report, run_cli, run_dirs, single_bundle
 from textlines import FONTS, NEEDS_FONTS_SKIPPED, WORDS, render
 
 from pipeline import shapes
-from pipeline.config import PreprocessConfig
+from pipeline.config.schemas import PreprocessConfig
 from pipeline.data import TensorSpec, image_size
 from pipeline.errors import ConfigError, ExitCode
 

@@ -26,8 +26,8 @@ from filelock import FileLock
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import TEST_PRECISION, run_cli
-from pipeline.archive import safe_extract
-from pipeline.bundle import MANIFEST, content_sha256
+from pipeline.release.archive import safe_extract
+from pipeline.release.bundle import MANIFEST, content_sha256
 from pipeline.errors import InputError
 
 TRACEBACK = "Traceback (most recent call last)"

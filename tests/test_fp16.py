@@ -1,4 +1,4 @@
-"""fp16 building blocks (pipeline/fp16.py) on real models in ONNX Runtime and in ONNX's
+"""fp16 building blocks (pipeline/precision/fp16.py) on real models in ONNX Runtime and in ONNX's
 reference evaluator, which computes fp16 tensors in fp16: ONNX Runtime's CPU provider
 has no fp16 kernels for these ops and runs them in float32, so in it an fp16 overflow
 only shows in a tensor it must hand back as fp16."""
@@ -15,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from overflow_model import build, sample
-from pipeline import fp16
-from pipeline.calibration.histogram import AbsHistogram
+from pipeline.precision import fp16
+from pipeline.precision.calibration.histogram import AbsHistogram
 
 needs_converter = pytest.mark.skipif(importlib.util.find_spec("onnxconverter_common") is None,
                                      reason="onnxconverter-common is not installed")

@@ -19,9 +19,9 @@ from onnx import numpy_helper
 
 from conftest import run_cli, run_dirs, single_bundle
 
-from pipeline import compile_cache
+from pipeline.release import compile_cache
 from pipeline.artifacts import hash_tree, write_json
-from pipeline.bundle import MANIFEST, compile_cache_entry, content_sha256
+from pipeline.release.bundle import MANIFEST, compile_cache_entry, content_sha256
 
 DIGITS = Path(__file__).resolve().parents[1] / "pipeline" / "assets" / "digits_cnn.onnx"
 
@@ -150,7 +150,7 @@ def test_openssl_verifies_the_signature_too(bundles, tmp_path):
     """The signature is plain Ed25519 over the manifest's bytes: OpenSSL checks it."""
     if shutil.which("openssl") is None and not os.environ.get("CI"):  # .ci/run installs it: there it must run
         pytest.skip("needs the openssl command (apt-get install openssl)")
-    from pipeline import signing
+    from pipeline.release import signing
 
     good, _ = bundles
     key, public = signing.generate(tmp_path / "k")

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_report, run_cli, run_dirs
 
-from pipeline import float32
+from pipeline.precision import float32
 
 
 def half_model(path):

@@ -1,6 +1,6 @@
 """Integer and boolean outputs (class ids from ArgMax, TopK indices, masks) are compared
 exactly, never by cosine: agreement, changed count and the first mismatching samples
-(pipeline/metrics.py). int8 builds of such a model calibrate, build and verify (exit 0 or
+(pipeline/verification/metrics.py). int8 builds of such a model calibrate, build and verify (exit 0 or
 3, never 1)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_report, run_cli, run_dirs
 
-from pipeline.config import OutputThresholds
-from pipeline.metrics import OutputStats, failures
+from pipeline.config.schemas import OutputThresholds
+from pipeline.verification.metrics import OutputStats, failures
 
 
 def classifier_with_ids(path, features=16, hidden=32, classes=6, near_tie=False):
@@ -105,7 +105,7 @@ def test_a_changed_id_fails_the_verdict_whatever_the_cosine(tmp_path):
 
 def test_ops_producing_ids_stay_float_even_when_their_type_is_quantized(tmp_path):
     """precision.quantize_ops naming ArgMax and Greater: the build still keeps them float."""
-    from pipeline.quantize import QdqSettings, build_qdq, decision_ops
+    from pipeline.precision.quantize import QdqSettings, build_qdq, decision_ops
 
     model = onnx.load(str(classifier_with_ids(tmp_path / "ids.onnx")))
     model = onnx.shape_inference.infer_shapes(model)

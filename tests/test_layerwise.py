@@ -14,10 +14,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import overflow_model
-from pipeline import fp16, layerwise
+from pipeline.precision import fp16
+from pipeline.verification import layerwise
 from pipeline.backends import onnxruntime as ort_backend
 from pipeline.backends import openvino as ov_backend
-from pipeline.recommend import recommend
+from pipeline.verification.recommend import recommend
 from pipeline.tensor_names import onnx_name
 
 SHAPE = (1, 4, 16, 16)

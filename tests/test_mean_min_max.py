@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from pipeline.calibration import statistics, tables, thresholds
+from pipeline.precision.calibration import statistics, tables, thresholds
 from pipeline.data import Sample
 
 

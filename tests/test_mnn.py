@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from pipeline.config import Backend, MemoryMode, MnnOptions, MnnPrecision, MnnTarget, Tuning
+from pipeline.config.schemas import Backend, MemoryMode, MnnOptions, MnnPrecision, MnnTarget, Tuning
 
 mnn = pytest.importorskip("pipeline.backends.mnn")
 # skipped without the extra locally; in CI (which installs it) the tests run and fail
@@ -322,7 +322,7 @@ def test_ppocr_classifier_converts_and_agrees_with_onnxruntime(tmp_path, ppocr_c
     assert cosine([session.run(f)[output] for f in feeds], [e[output] for e in expected]) > 0.9999
     assert session.effective()["precision"] == "fp32"
     # every intermediate tensor the session exposes is the ONNX tensor of that name
-    from pipeline.layerwise import Graph
+    from pipeline.verification.layerwise import Graph
 
     names = [t.name for t in Graph(onnx.load(str(ppocr_classifier))).tensors]
     exposed = session.probe(names)["exposed"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from pipeline.config import Backend, MnnTarget
+from pipeline.config.schemas import Backend, MnnTarget
 from pipeline.errors import ConfigError
 
 mnn = pytest.importorskip("pipeline.backends.mnn")

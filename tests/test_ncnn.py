@@ -18,7 +18,7 @@ from ncnn_helpers import (DIGITS_MODEL, cls_model, cosine, digits_inputs, refere
                           unsupported_model)
 from pipeline import backends
 from pipeline.backends import ncnn as backend
-from pipeline.layerwise import Graph
+from pipeline.verification.layerwise import Graph
 
 import onnx
 

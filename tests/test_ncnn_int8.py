@@ -16,7 +16,7 @@ from ncnn_helpers import CLS_SHAPE, cosine, digits_inputs, reference, require_vu
 from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 from pipeline.backends import ncnn as backend
 from pipeline.backends.ncnn.int8 import INT8_TAG, vulkan_int8_problem
-from pipeline.quantize import ops_of_kinds
+from pipeline.precision.quantize import ops_of_kinds
 
 pytest.importorskip("ncnn")
 
@@ -101,7 +101,7 @@ def test_read_back_is_true_the_first_conv_computes_in_int8(int8_run):
 def classifier_int8_build(root, *overrides):
     """parity int8 of the PP-OCR classifier for ncnn_cpu, stages up to build, calibrated on
     16 rendered text lines: (the build folder, 8 validation inputs)."""
-    from pipeline.config import Color, PreprocessConfig
+    from pipeline.config.schemas import Color, PreprocessConfig
     from pipeline.data import TensorSpec, load_image
 
     data = write_ppocr_configs(root, calibration=16, validation=8)

@@ -12,7 +12,7 @@ import pytest
 from conftest import read_report, run_cli, run_dirs
 from ncnn_helpers import (NO_VULKAN, cosine, has_vulkan, modulated_conv_model, modulated_sample, reference,
                           target)
-from pipeline import feature_masks
+from pipeline.precision import feature_masks
 from pipeline.backends import ncnn as backend
 
 needs_vulkan = pytest.mark.skipif(not has_vulkan() and not os.environ.get("CI"), reason=NO_VULKAN)

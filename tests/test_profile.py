@@ -13,7 +13,7 @@ import pytest
 from conftest import read_report, run_cli, run_dirs, single_bundle
 from ncnn_helpers import require_vulkan
 from pipeline import environment
-from pipeline.sweep import recommend
+from pipeline.release.sweep import recommend
 
 # the embedded digits CNN: node -> op type (the ReLUs are fused into the layer before them)
 DIGITS = {"conv1": "Conv", "relu1": "Relu", "conv2": "Conv", "relu2": "Relu", "pool1": "MaxPool",

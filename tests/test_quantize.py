@@ -1,4 +1,4 @@
-"""Mixed QDQ models derived from the all-int8 model (pipeline.quantize.keep_in_float) are
+"""Mixed QDQ models derived from the all-int8 model (pipeline.precision.quantize.keep_in_float) are
 the models ONNX Runtime's quantizer builds with the same ops excluded: same Q/DQ pairs in
 the same places, bit-identical outputs."""
 
@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.quantize import MixedModels, QdqSettings, keep_in_float, quantize_static_qdq
+from pipeline.precision.quantize import MixedModels, QdqSettings, keep_in_float, quantize_static_qdq
 
 WEIGHTED = ("A", "B", "C", "D", "E")
 
@@ -117,7 +117,7 @@ def test_an_unknown_float_op_is_named():
 def test_ops_of_kinds_finds_the_depthwise_convolutions_only():
     """depthwise: a Conv with more than one group of one input channel each; a plain and a
     grouped convolution are not, and an op type that is not quantized is left out."""
-    from pipeline.quantize import ops_of_kinds
+    from pipeline.precision.quantize import ops_of_kinds
 
     def conv(name, source, weight_shape, group):
         weight = numpy_helper.from_array(np.ones(weight_shape, np.float32), f"{name}_w")

@@ -3,16 +3,15 @@ says the default job prints, and the config groups its `parity` commands use."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -35,25 +34,9 @@ def section(text: str, title: str) -> str:
     return match.group(1)
 
 
-def parity_env() -> dict:
-    """The environment a user's shell gives `parity`; this checkout first on the path, so
-    the test runs this tree's code even where an editable install points elsewhere."""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-def parity_script() -> str:
-    script = Path(sys.executable).parent / "parity"  # the console script pip installed
-    found = str(script) if script.exists() else shutil.which("parity")
-    assert found, "no `parity` console script: run `pip install -e .` first"
-    return found
-
-
 def run_parity(args, cwd, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([parity_script(), *args], cwd=cwd, env=parity_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    """`parity ARGS` as a user types it: no precision added (the README describes the default)."""
+    return run_cli(args, cwd, timeout=timeout, default_precision=None)
 
 
 # (a) length

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_report, run_cli, run_dirs
-from pipeline.quantize import QdqSettings, QuantizerFailed, build_qdq, gemm_bias_fixes, needs_reduce_range
+from pipeline.precision.quantize import QdqSettings, QuantizerFailed, build_qdq, gemm_bias_fixes, needs_reduce_range
 
 SINGLE_METHODS = ("max", "percentile", "kl", "mse")
 
@@ -72,7 +72,7 @@ def test_one_row_gemm_bias_quantizes_per_channel(tmp_path):
     table = {k: v for k, v in _ranges(model).items() if k in ("f", "h", "r", "y")}
     # the premise: ONNX Runtime's quantizer itself raises on the (1, N) biases
     from onnxruntime.quantization import QuantFormat, quantize_static
-    from pipeline.quantize import write_ort_cache
+    from pipeline.precision.quantize import write_ort_cache
     write_ort_cache(table, "uint8", tmp_path / "ranges.json")
     with pytest.raises(Exception):
         quantize_static(str(path), str(tmp_path / "raw.onnx"), None, calibration_cache_path=str(tmp_path / "ranges.json"),

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from pipeline.archive import safe_extract
+from pipeline.release.archive import safe_extract
 from pipeline.errors import InputError
-from pipeline.release import SUMMARY_FILES
+from pipeline.release.publish import SUMMARY_FILES
 
 # 1.0 fails every job: ONNX Runtime's optimized graph and OpenVINO round differently from the
 # unoptimized reference (cosine 0.99999999999998 on ort_cpu), and cosine is at most 1

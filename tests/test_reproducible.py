@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_cli, run_dirs, single_bundle
-from pipeline.archive import write_tar_gz
-from pipeline.bundle import REPORTS, content_sha256, is_cache
+from pipeline.release.archive import write_tar_gz
+from pipeline.release.bundle import REPORTS, content_sha256, is_cache
 
 CONFIGS = {"ort_cpu-fp32": [], "openvino_cpu-int8": ["target=openvino_cpu", "precision=int8"]}
 SKIPPED = set(REPORTS) | {"manifest.json"}

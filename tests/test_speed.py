@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from conftest import read_report, run_cli, run_dirs
-from pipeline import speed
+from pipeline.verification import speed
 from pipeline.worker import BackendWorker
 
 ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"

@@ -128,8 +128,8 @@ def test_ncnn_refuses_the_scalar_input_in_one_line(stateful):
 # --- what is fed and how samples batch ------------------------------------------------------------
 
 def test_scalars_stay_scalars_and_batches_follow_the_batch_axis(stateful, tmp_path):
-    from pipeline.calibration.statistics import BatchRunner, activation_names
-    from pipeline.config import DataConfig
+    from pipeline.precision.calibration.statistics import BatchRunner, activation_names
+    from pipeline.config.schemas import DataConfig
     from pipeline.data import open_dataset, pack, stack
     from pipeline.model import batch_axes, record_batch_axes, signature
 
@@ -163,7 +163,7 @@ def test_scalars_stay_scalars_and_batches_follow_the_batch_axis(stateful, tmp_pa
 def test_compile_cache_that_onnxruntime_cannot_write_is_left_out(tmp_path):
     """An If whose branches disagree on the output type: ONNX Runtime's type inference
     raises while compiling; the build goes on without a compile cache."""
-    from pipeline import compile_cache
+    from pipeline.release import compile_cache
     from pipeline.backends import onnxruntime as backend
 
     then = helper.make_graph([helper.make_node("Identity", ["x"], ["a"])], "then", [],

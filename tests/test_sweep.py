@@ -144,7 +144,7 @@ def test_a_crashed_job_outranks_a_failed_threshold_in_the_sweeps_exit_code(tmp_p
     """A threshold failure (3) must not hide a job where parity itself crashed (1) or one
     killed before it wrote job.json; a refused write (5) still ranks above all."""
     from pipeline.errors import worst_exit_code
-    from pipeline.sweep import summarize, write_job_record
+    from pipeline.release.sweep import summarize, write_job_record
 
     for name, code in (("a", 0), ("b", 3), ("c", 1)):
         (tmp_path / name).mkdir()

@@ -12,24 +12,25 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import run_cli
-from pipeline import backends, config
-from pipeline.cli import CONFIG_DIR
+from pipeline import backends
+from pipeline.config import resolvers, schemas, validation
+from pipeline.app.cli import CONFIG_DIR
 
 GROUPS = {"onnxruntime": None, "openvino": "openvino", "ncnn": "ncnn", "mnn": "mnn"}
 TARGETS = sorted(path.stem for path in (Path(CONFIG_DIR) / "target").glob("*.yaml"))
 
 
 def composed(*overrides):
-    config.register()
+    resolvers.register()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("name", TARGETS)
 def test_each_target_validates_to_its_backends_schema_with_only_its_group(name):
-    run = config.validate(composed(f"target={name}", "precision=fp32"))
+    run = validation.validate(composed(f"target={name}", "precision=fp32"))
     backend = run.target.backend
-    assert type(run.target) is config.TARGET_SCHEMAS[backend]
+    assert type(run.target) is schemas.TARGET_SCHEMAS[backend]
     groups = {key for key in vars(run.target) if key in {"ncnn", "mnn", "openvino"}}
     assert groups == ({GROUPS[backend.value]} if GROUPS[backend.value] else set())
 
@@ -48,20 +49,20 @@ def test_cfg_job_shows_only_the_options_that_apply(tmp_path):
 
 
 def test_the_memory_mode_is_the_mnn_groups_and_auto_elsewhere():
-    mnn = config.validate(composed("target=mnn_opencl", "precision=fp32", "target.mnn.memory_mode=image"))
-    ort = config.validate(composed("target=ort_cpu", "precision=fp32"))
+    mnn = validation.validate(composed("target=mnn_opencl", "precision=fp32", "target.mnn.memory_mode=image"))
+    ort = validation.validate(composed("target=ort_cpu", "precision=fp32"))
     assert (mnn.target.memory_mode, ort.target.memory_mode) == ("image", "auto")
     assert backends.spec("mnn").session_options(mnn.target, "fp32")["memory_mode"] == "image"
 
 
 def test_ncnn_switches_reach_the_runtime_options():
-    run = config.validate(composed("target=ncnn_vulkan", "precision=fp16", "target.ncnn.fp16_arithmetic=false",
+    run = validation.validate(composed("target=ncnn_vulkan", "precision=fp16", "target.ncnn.fp16_arithmetic=false",
                                    "target.ncnn.device_index=1", "target.ncnn.auto_masks=false"))
     options = backends.spec("ncnn").runtime_options(run.target, "fp16")
     assert options["use_fp16_storage"] and not options["use_fp16_arithmetic"] and options["device_index"] == 1
     assert run.target.auto_masks is False
-    assert config.validate(composed("target=ncnn_cpu", "precision=fp16")).target.auto_masks is True
-    assert config.validate(composed("target=ort_cpu", "precision=fp32")).target.auto_masks is False
+    assert validation.validate(composed("target=ncnn_cpu", "precision=fp16")).target.auto_masks is True
+    assert validation.validate(composed("target=ort_cpu", "precision=fp32")).target.auto_masks is False
 
 
 def test_openvino_hints_are_compiled_into_the_model(tmp_path):
@@ -77,7 +78,7 @@ def test_openvino_hints_are_compiled_into_the_model(tmp_path):
 
 
 def test_openvino_default_leaves_the_hints_to_openvino():
-    run = config.validate(composed("target=openvino_cpu", "precision=fp32"))
+    run = validation.validate(composed("target=openvino_cpu", "precision=fp32"))
     assert run.target.openvino.performance_hint is None and run.target.openvino.num_streams is None
     assert OmegaConf.to_container(OmegaConf.structured(run.target))["openvino"] == {
         "performance_hint": None, "num_streams": None}

@@ -1,7 +1,7 @@
 """Task-first verdicts (docs/verify.md, "Task-first verdicts"): with a task metric scored,
 the metric's drop gates and the task output's cosine is only a floor
 (validation.task_min_cosine); every drop comes with a paired bootstrap interval
-(pipeline/confidence.py), and a drop that passes while its interval reaches past the
+(pipeline/verification/confidence.py), and a drop that passes while its interval reaches past the
 limit is a warning, or a failure with validation.require_confidence."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 
 from conftest import read_report, run_cli, run_dirs
 
-from pipeline import confidence, verdict
-from pipeline.config import ValidationConfig
+from pipeline.verification import confidence, verdict
+from pipeline.config.schemas import ValidationConfig
 from pipeline.errors import ExitCode
-from pipeline.task_metrics import TaskScorer, load_metric
+from pipeline.verification.task_metrics import TaskScorer, load_metric
 
 
 def test_the_paired_interval_is_about_the_difference_and_reproducible():
@@ -44,7 +44,7 @@ def test_the_paired_interval_is_about_the_difference_and_reproducible():
 
 def _scored(reference: np.ndarray, target: np.ndarray) -> TaskScorer:
     """A TaskScorer (top1 with labels) fed one-hot outputs: class 1 where the score is 1."""
-    scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.Top1", "needs_labels": True}), "y")
+    scorer = TaskScorer(load_metric({"_target_": "pipeline.verification.task_metrics.Top1", "needs_labels": True}), "y")
     for ref, out in zip(reference, target):
         scorer.active(1)
         scorer.add("reference", np.eye(2, dtype=np.float32)[int(ref)], np.eye(2, dtype=np.float32)[int(ref)], 1)

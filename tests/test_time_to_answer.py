@@ -12,9 +12,9 @@ import pytest
 from onnx import numpy_helper
 
 from conftest import read_report, run_cli, run_dirs
-from pipeline import trials
-from pipeline.calibration import fake_quant, tables
-from pipeline.quantize import QdqSettings, quantize_static_qdq
+from pipeline.verification import trials
+from pipeline.precision.calibration import fake_quant, tables
+from pipeline.precision.quantize import QdqSettings, quantize_static_qdq
 
 STAGES = "pipeline.stages=[convert,calibrate,sensitivity,build,verify]"
 
@@ -153,7 +153,7 @@ def _table(prepared: onnx.ModelProto, samples) -> dict:
     import tempfile
     from pathlib import Path
 
-    from pipeline.calibration import statistics
+    from pipeline.precision.calibration import statistics
     from pipeline.data import Sample
 
     with tempfile.TemporaryDirectory() as scratch:

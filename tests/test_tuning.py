@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from pipeline import compile_cache, tuning
-from pipeline.config import asset_path
+from pipeline import tuning
+from pipeline.release import compile_cache
+from pipeline.config.resolvers import asset_path
 
 TUNE_SAMPLES = 16  # conf/tuning/*.yaml verify_samples
 

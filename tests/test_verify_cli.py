@@ -174,7 +174,7 @@ def test_openvino_without_a_precision_hint_is_caught_when_it_falls_back(tmp_path
 
     from pipeline.backends import openvino as ov_backend
     from pipeline.worker import BackendWorker
-    from pipeline.verdict import judge
+    from pipeline.verification.verdict import judge
 
     model = REPO / "pipeline" / "assets" / "digits_cnn.onnx"
     ov_backend.convert(model, tmp_path)
@@ -196,7 +196,7 @@ def test_openvino_without_a_precision_hint_is_caught_when_it_falls_back(tmp_path
     ([], [], 0, ["no validation samples were compared", "no outputs were compared"]),
 ])
 def test_a_verdict_never_passes_on_nothing(outputs, missing, samples, expected):
-    from pipeline.verdict import judge
+    from pipeline.verification.verdict import judge
 
     requested = {"device": "CPU", "precision": "fp32", "accepted_precisions": ["fp32"]}
     _, reasons, code = judge(outputs, missing, None, requested, {"device": "CPU", "precision": "fp32"}, samples, None)

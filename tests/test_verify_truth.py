@@ -221,7 +221,7 @@ def test_cdist_reference_far_from_float64_truth(tmp_path):
 
 
 def test_float64_truth_names_the_closer_side():
-    from pipeline import truth
+    from pipeline.verification import truth
 
     assert truth.judge(0.98, 0.99, 4, "x")["verdict"].startswith("the target is closer to the float64 truth")
     assert truth.judge(0.98, 0.975, 4, "x")["target_as_close"]
@@ -232,7 +232,7 @@ def test_float64_truth_names_the_closer_side():
 
 def test_float64_copy_runs_where_onnx_runtime_has_no_float64_kernel(tmp_path):
     """Conv has no float64 kernel in ONNX Runtime: the reference evaluator runs the copy."""
-    from pipeline import truth
+    from pipeline.verification import truth
 
     model = onnx.load(str(deconv_model(tmp_path / "deconv.onnx")))
     feeds = {"x": np.random.default_rng(0).uniform(0, 1, (1, 3, 16, 16)).astype(np.float32)}

@@ -1,4 +1,4 @@
-"""Weight rounding (pipeline/calibration/weight_rounding.py): int8 weights rounded against
+"""Weight rounding (pipeline/precision/calibration/weight_rounding.py): int8 weights rounded against
 the calibration inputs, on by default in int8 builds, switched off by
 precision.weight_rounding=false, and each op's output error on its calibration inputs
 smaller than round-to-nearest's on a real model."""
@@ -14,7 +14,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from conftest import model_copy, run_cli, run_dirs, run_with_outputs
-from pipeline.calibration import bias_correction, weight_rounding
+from pipeline.precision.calibration import bias_correction, weight_rounding
 
 STAGES = "pipeline.stages=[convert,calibrate,build]"
 

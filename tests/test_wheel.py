@@ -22,7 +22,7 @@ def test_wheel_installs_and_runs_default_job_outside_checkout(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("parity-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in ("conf/config.yaml", "conf/target/ort_cpu.yaml", "conf/hydra/job_logging/parity.yaml",
-                    "pipeline/assets/digits_cnn.onnx", "pipeline/assets/digits.npz", "stages/verify.py",
+                    "pipeline/assets/digits_cnn.onnx", "pipeline/assets/digits.npz", "stages/verify/__init__.py",
                     "pipeline/report/templates/report.html.j2", "pipeline/report/templates/report.md.j2",
                     "pipeline/report/templates/charts.svg.j2", "pipeline/report/templates/report.css"):
         assert shipped in names

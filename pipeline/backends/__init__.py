@@ -14,7 +14,7 @@ validation stays fast and a missing optional runtime is reported, not crashed on
 A Session has ``inputs`` / ``outputs`` (names), ``run(feeds) -> {name: array}`` and
 ``effective() -> {"device": ..., "precision": ...}``: what really ran; and, for the
 layerwise comparison, ``probe(names) -> {"exposed": [...], "tensors": [...]}`` and
-``run_probe(feeds) -> {onnx name: float32 array}`` (see pipeline/layerwise.py). The
+``run_probe(feeds) -> {onnx name: float32 array}`` (see pipeline/verification/layerwise.py). The
 functions a capability promises (``build_int8``, ``write_compile_cache``, ``tuning_space``,
 ``Session.profile``, ...) are listed in ``protocol.PROMISED_FUNCTIONS``.
 ``settings`` are runtime.yaml's: backend-specific values live under ``options``.
@@ -46,18 +46,9 @@ def capabilities(name: str) -> Capabilities:
 
 
 def float_op_kinds(backend: ModuleType, target) -> list:
-    """Kinds of quantized op (pipeline.quantize.OP_KINDS) the backend's int8 builds keep in
+    """Kinds of quantized op (pipeline.precision.quantize.OP_KINDS) the backend's int8 builds keep in
     float for this target; none unless it declares ``float_op_kinds``."""
     return list(backend.float_op_kinds(target)) if backend.CAPABILITIES.float_op_kinds else []
-
-
-def float_ops(backend: ModuleType, target, model, quantize_ops) -> list:
-    """The model's quantized ops (of ``quantize_ops`` types) that the backend's int8 builds
-    keep in float for this target, in graph order: what build, sensitivity and verify's
-    int8 baseline all keep float."""
-    from pipeline.quantize import ops_of_kinds
-
-    return ops_of_kinds(model, float_op_kinds(backend, target), quantize_ops)
 
 
 def own_quantizer(backend: ModuleType, precision: str) -> bool:

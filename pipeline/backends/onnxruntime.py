@@ -319,7 +319,7 @@ def map_tensors(graph, names: List[str]):
     the executed graph's activations map to."""
     from onnx import numpy_helper
 
-    from pipeline.layerwise import dynamic_outputs
+    from pipeline.verification.layerwise import dynamic_outputs
     from pipeline.tensor_names import onnx_name
 
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
@@ -369,7 +369,7 @@ def _output_qparams(tensor: str, producers, constants, depth: int = 0):
 
 
 def load(artifact_dir: Path, settings: dict) -> Session:
-    from pipeline import compile_cache
+    from pipeline.release import compile_cache
 
     options = settings.get("options", {})
     folder, status = compile_cache.usable(artifact_dir, settings, NAME, versions())

@@ -312,7 +312,7 @@ def _pick_name(names, preferred: List[str]) -> str:
 
 
 def load(artifact_dir: Path, settings: dict) -> Session:
-    from pipeline import compile_cache
+    from pipeline.release import compile_cache
 
     outputs = [o["name"] for o in settings.get("outputs", [])]
     folder, status = compile_cache.usable(artifact_dir, settings, NAME, versions())

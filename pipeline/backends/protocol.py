@@ -51,7 +51,7 @@ class Capabilities:
     ir: bool = False
     # the runtime's converter makes fp16 from the prepared fp32 graph itself (named here,
     # recorded in build's summary; parity's fp16 block list is recorded, not applied);
-    # None: parity's fp16 conversion (pipeline/fp16.py) unless fp16 is a runtime precision
+    # None: parity's fp16 conversion (pipeline/precision/fp16.py) unless fp16 is a runtime precision
     fp16_converter: Optional[str] = None
     # per-layer feature masks, searched by build for fp16 when the plain build fails
     # [layer_map, layer_consumers, apply_masks]
@@ -63,14 +63,14 @@ class Capabilities:
     # an option that is more than a key of runtime.yaml's options [with_options(settings, changes)]
     option_mapping: bool = False
     # kinds of quantized op its int8 builds keep in float, where its int8 kernel for them is
-    # slower than its float one [float_op_kinds(target) -> kinds of pipeline.quantize.OP_KINDS]
+    # slower than its float one [float_op_kinds(target) -> kinds of pipeline.precision.quantize.OP_KINDS]
     float_op_kinds: bool = False
     # per-layer times by ONNX node [Session.profile(feeds, runs, warmup, nodes, max_seconds)]
     profiler: bool = False
     # concurrent requests for throughput [Session.parallel_runners() -> [run, ...]]
     parallel_runners: bool = False
     # precision=auto's default candidates: the precisions that can be faster than fp32 on
-    # this runtime (bf16 on a CPU device only where the CPU computes bf16: pipeline/auto.py)
+    # this runtime (bf16 on a CPU device only where the CPU computes bf16: pipeline/app/auto.py)
     auto_candidates: Tuple[str, ...] = ("fp32",)
 
     def __post_init__(self):
@@ -113,7 +113,7 @@ class Session(Protocol):
         """What really ran: {"device": ..., "precision": ..., ...}."""
 
     def probe(self, names: List[str]) -> dict:
-        """Layerwise comparison (pipeline/layerwise.py): {"exposed": [...], "tensors": [...]}."""
+        """Layerwise comparison (pipeline/verification/layerwise.py): {"exposed": [...], "tensors": [...]}."""
 
     def run_probe(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         """{ONNX tensor name: float32 array} for the names ``probe`` exposed."""

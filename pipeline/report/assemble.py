@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import pipeline
 from pipeline import environment
-from pipeline.config import RunConfig
+from pipeline.config.schemas import RunConfig
 
 
 SCHEMA_VERSION = 1  # report.json layout: docs/report.md, docs/report.schema.json

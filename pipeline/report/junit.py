@@ -17,7 +17,7 @@ root. Test cases, in this order:
 - "backend <name> <kind>" with an ``<error>`` when ``verify["crash"]`` is set.
 
 Threshold cases are judged from the metrics with the same rules as the verify
-stage (``pipeline.metrics.failures``: NaN never passes, identical outputs have an
+stage (``pipeline.verification.metrics.failures``: NaN never passes, identical outputs have an
 infinite SQNR). Should the stage say an output failed for a reason none of those
 cases catches, one more failing "<output>: passed" case keeps the XML and the
 verdict in agreement. Output is deterministic and only uses characters XML 1.0

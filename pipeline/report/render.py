@@ -5,7 +5,7 @@ The report dict is read once, into one context (pipeline/report/context.py: the 
 title and a flat list of blocks); ``report.md.j2`` and ``report.html.j2`` render that
 same context, one macro per block kind (``blocks.md.j2``, ``blocks.html.j2``), and the
 HTML's charts are SVG written by the macros of ``charts.svg.j2`` from the layouts of
-pipeline/report/charts.py. The sweep summary (pipeline/sweep.py) is rendered by the
+pipeline/report/charts.py. The sweep summary (pipeline/release/sweep.py) is rendered by the
 same templates from its own blocks.
 
 The HTML page has inline CSS and inline SVG, no JavaScript and no external resources.

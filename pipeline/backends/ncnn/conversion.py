@@ -22,7 +22,7 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
 
     from pipeline.backends.ncnn import int8 as ncnn_int8
 
-    from pipeline import float32
+    from pipeline.precision import float32
 
     model = onnx.load(str(onnx_path))
     if float32.has_float16(model):  # pnnx reads float16 ops as unknown layers ("cannot convert op Conv")

@@ -15,7 +15,7 @@ from pipeline.backends.ncnn.param import Param
 
 
 def node_key(node, position: int) -> str:
-    """An ONNX node's name as parity's reports give it (pipeline.layerwise.Graph)."""
+    """An ONNX node's name as parity's reports give it (pipeline.verification.layerwise.Graph)."""
     return node.name or f"{node.op_type}_{position}"
 
 
@@ -101,7 +101,7 @@ def _onnx_fingerprints(model, runs: List[Dict[str, np.ndarray]],
     import onnxruntime as ort
 
     from pipeline.backends.onnxruntime import untimed_options
-    from pipeline.layerwise import dynamic_outputs, element_counts
+    from pipeline.verification.layerwise import dynamic_outputs, element_counts
 
     initializers = {t.name for t in model.graph.initializer}
     inputs = [i.name for i in model.graph.input if i.name not in initializers]

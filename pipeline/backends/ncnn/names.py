@@ -228,7 +228,7 @@ def _mapping_main() -> None:
 
 
 def _topological(model, names) -> List[str]:
-    from pipeline.layerwise import dynamic_outputs
+    from pipeline.verification.layerwise import dynamic_outputs
 
     initializers = {t.name for t in model.graph.initializer}
     inputs = [i.name for i in model.graph.input if i.name not in initializers]

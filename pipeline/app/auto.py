@@ -1,0 +1,279 @@
+"""``precision=auto``: build and verify every precision the target can build, time the
+builds side by side, and ship the fastest one that passes.
+
+Each candidate is an ordinary run of the configured stages up to verify, in
+``candidates/<precision>/`` of the run folder, with that precision's own defaults and
+thresholds (``conf/precision/<name>.yaml``; ``precision.*`` overrides given with auto apply
+to every candidate that has the key). The stage cache makes the shared work happen once:
+convert for all, calibrate for int8 and mixed. The passing builds and the fp32 build are
+then timed interleaved in rounds (pipeline/verification/speed.py, the target's own threads); the winner
+is the fastest by median latency, and among the builds within its spread (as fast as it
+in at least a quarter of the rounds), the smaller artifact, then the higher precision.
+The winner's configuration then runs the whole pipeline in the run folder (its stages up
+to verify served from the cache), so the bundle, report and exit code are the winner's,
+with the candidate table added (``report.json`` ``auto``). When nothing passes, the
+candidate closest to passing (highest output cosine) runs instead, and its failing verdict,
+reasons and recommendations are the run's.
+
+auto decides, then explains once: candidates are verified for their verdict alone (no
+layerwise, no advice trials); the shipped run's verify reuses that measurement (stored by
+the build's files, not by the run's diagnosis settings) and diagnoses only when it fails.
+A candidate that cannot win is not built: mixed only when plain int8 fails (with int8
+passing, the search keeps nothing in float and mixed is the int8 build).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+import conf
+from pipeline import backends
+from pipeline.config.schemas import Layerwise
+from pipeline.config.validation import validate
+from pipeline.verification import speed
+from pipeline.errors import BackendCrashed, ConfigError, ParityError, first_line
+from pipeline.app.runner import RunOutcome, run_pipeline
+
+log = logging.getLogger("parity")
+PRECISION_FILES = Path(conf.__file__).parent / "precision"
+# higher first: on a tie in speed and size the build closer to the model's own numbers wins
+FIDELITY = ("fp32", "bf16", "fp16", "mixed", "int8")
+NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
+# bf16 on a CPU is a candidate only where the CPU computes it (elsewhere it is emulated)
+NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
+
+
+def candidates(run_cfg) -> List[str]:
+    """precision.candidates, or the backend's declared auto_candidates (those it builds on
+    this CPU)."""
+    backend = backends.spec(run_cfg.target.backend.value)
+    if run_cfg.precision.candidates:
+        wanted = list(run_cfg.precision.candidates)
+        unknown = [p for p in wanted if p not in backend.CAPABILITIES.precisions]
+        if unknown:
+            raise ConfigError(f"precision.candidates: target {run_cfg.target.name} cannot build {unknown[0]!r}; "
+                              f"allowed: {', '.join(backend.CAPABILITIES.precisions)}")
+        return wanted
+    from pipeline.environment import cpu
+
+    wanted = list(backend.CAPABILITIES.auto_candidates)
+    if "bf16" in wanted and run_cfg.target.device.upper() == "CPU" and not NATIVE_BF16 & set(cpu()["flags"]):
+        wanted.remove("bf16")
+    return wanted
+
+
+def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
+    """The user's composed config with the precision group replaced by ``precision``'s
+    file, keeping the precision.* values the user changed from auto's defaults."""
+    auto_defaults = OmegaConf.load(PRECISION_FILES / "auto.yaml")
+    chosen = OmegaConf.load(PRECISION_FILES / f"{precision}.yaml")
+    for key, value in cfg.precision.items():
+        if key not in ("name", "candidates") and (key not in auto_defaults or auto_defaults[key] != value):
+            chosen[key] = value
+    candidate = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    candidate.precision = chosen
+    return candidate
+
+
+def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, dict]:
+    """(the shipped run's outcome, its validated config, the ``auto`` report section)."""
+    if "verify" not in run_cfg.pipeline.stages:
+        raise ConfigError("precision=auto needs the verify stage in pipeline.stages: it ships what passes verify")
+    tried: Dict[str, dict] = {}
+    configs: Dict[str, Tuple[DictConfig, object]] = {}
+    outcomes: Dict[str, RunOutcome] = {}
+    requested = candidates(run_cfg)
+    for precision in _in_order(_with_reference(requested)):
+        raw = candidate_config(cfg, precision)
+        try:
+            checked = validate(raw)
+        except ConfigError as err:  # e.g. the backend's check_config: this target cannot build it
+            tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [str(err)]}
+            continue
+        configs[precision] = (raw, checked)
+        if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
+            tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
+                                "verdict": "same build as int8",
+                                "not_built": "int8 passes: the mixed search would keep nothing in float"}
+            continue
+        log.info("precision=auto: candidate %s", precision)
+        folder = run_dir / "candidates" / precision
+        try:
+            built = run_pipeline(_until_build(checked), folder)
+            twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
+            if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
+                tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
+                                    "same_as": twin, "run_folder": str(folder)}
+                continue
+            outcomes[precision] = run_pipeline(_candidate_stages(checked), folder)
+        except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
+            tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
+                                "reasons": [str(err)]}
+            continue
+        tried[precision] = _row(precision, outcomes[precision])
+    _time(outcomes, run_cfg, tried)
+    winner, why = choose({p: row for p, row in tried.items() if p in requested})
+    if winner is None:
+        raise ConfigError(f"precision=auto: no candidate could be built for target {run_cfg.target.name}: "
+                          + "; ".join(f"{p}: {first_line(' '.join(r['reasons']))}" for p, r in tried.items()))
+    raw, checked = configs[winner]
+    outcome = run_pipeline(checked, run_dir)
+    section = {"requested": "auto", "candidates": [tried[p] for p in tried], "chosen": winner, "why": why,
+               "reference_only": [p for p in tried if p not in requested]}
+    return outcome, checked, section
+
+
+def _candidate_stages(checked):
+    """The candidate's stages up to verify, verified for the verdict alone: the diagnosis
+    (layerwise, advice trials) is the shipped run's, and only when it fails."""
+    staged = OmegaConf.to_object(OmegaConf.structured(checked))
+    staged.pipeline.stages = [s for s in checked.pipeline.stages if s not in NOT_CANDIDATE_STAGES]
+    staged.validation.layerwise = Layerwise.off
+    staged.validation.advice_trials = 0
+    return staged
+
+
+def _until_build(checked):
+    staged = _candidate_stages(checked)
+    if "build" in staged.pipeline.stages:
+        staged.pipeline.stages = staged.pipeline.stages[:staged.pipeline.stages.index("build") + 1]
+    return staged
+
+
+def _artifact(outcome: RunOutcome) -> Optional[dict]:
+    """What runs: the build's files by content and the runtime options it loads them with
+    (OpenVINO's fp32 and bf16 share their files and differ by the precision hint)."""
+    from pipeline.artifacts import sha256_file
+
+    build = outcome.results.get("build")
+    if build is None:
+        return None
+    runtime = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
+    return {"files": {name: sha256_file(build.out_dir / name) for name in build.summary["files"]},
+            "options": runtime.get("options"), "device": runtime.get("device")}
+
+
+def _in_order(wanted: List[str]) -> List[str]:
+    """mixed after int8: it is built only when int8 fails."""
+    if "mixed" in wanted and "int8" in wanted and wanted.index("mixed") < wanted.index("int8"):
+        wanted = [p for p in wanted if p != "mixed"]
+        wanted.insert(wanted.index("int8") + 1, "mixed")
+    return wanted
+
+
+def _with_reference(wanted: List[str]) -> List[str]:
+    """fp32 is always built: the speed-ups are against it (not shipped unless a candidate)."""
+    return wanted if "fp32" in wanted else ["fp32", *wanted]
+
+
+def _row(precision: str, outcome: RunOutcome) -> dict:
+    verify = outcome.verify or {}
+    outputs = verify.get("outputs") or []
+    task = verify.get("task") or {}
+    build = outcome.results.get("build")
+    return {"precision": precision, "verdict": verify.get("verdict", "unverified"),
+            "exit_code": int(verify.get("exit_code", 0)), "reasons": list(verify.get("reasons") or []),
+            "cosine": min((o["metrics"]["cosine"] for o in outputs), default=None),
+            "metric": task.get("metric"), "metric_value": task.get("target"), "metric_drop": task.get("drop"),
+            "bytes": build.summary.get("bytes") if build else None,
+            "run_folder": str(outcome.run_dir)}
+
+
+def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> None:
+    """Every passing build and fp32, timed interleaved on one validation sample; speed-ups
+    vs fp32 into the rows."""
+    timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == "fp32")]
+    if "fp32" not in timed or len(timed) < 2:
+        return
+    from pipeline.data import TensorSpec, open_dataset
+    from pipeline.worker import BackendWorker
+
+    validation = run_cfg.validation
+    with contextlib.ExitStack() as stack:
+        workers = {}
+        for precision in timed:
+            build = outcomes[precision].results["build"]
+            settings = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
+            worker = BackendWorker(backends.spec(settings["backend"]).__name__, build.out_dir, settings,
+                                   label=f"{settings['backend']} {precision}", timeout_s=validation.worker_timeout_s,
+                                   memory_mb=validation.worker_memory_mb)
+            stack.callback(worker.close)
+            worker.launch()
+            workers[precision] = worker
+        try:
+            for worker in workers.values():
+                worker.wait_loaded()
+            inputs = [TensorSpec(**spec) for spec in outcomes["fp32"].results["convert"].summary["inputs"]]
+            feeds = next(iter(open_dataset(run_cfg.data, inputs).validation)).feeds
+            timings = speed.interleaved(workers, feeds, validation.timing_rounds, validation.timing_runs,
+                                        validation.timing_max_seconds)
+        except BackendCrashed as err:
+            log.warning("precision=auto: timing stopped: %s", first_line(err))
+            return
+    ups = speed.speedups(timings)
+    for precision in timed:
+        tried[precision]["latency"] = timings[precision]
+        if precision in ups:
+            tried[precision]["speedup"] = ups[precision]
+
+
+def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
+    """(the precision to ship, one line saying why)."""
+    passing = [p for p, r in rows.items() if r["verdict"] == "pass" and "median_ms" in (r.get("latency") or {})]
+    if not passing:
+        built = [p for p, r in rows.items() if r.get("cosine") is not None]
+        if not built:
+            return None, "no candidate was built"
+        best = max(built, key=lambda p: rows[p]["cosine"])
+        if len([p for p, r in rows.items() if r["verdict"] == "pass"]) == 1:  # one passing build, nothing timed
+            only = next(p for p, r in rows.items() if r["verdict"] == "pass")
+            return only, f"{only} is the only candidate that passes"
+        return best, (f"no candidate passes: {best} comes closest (output cosine {rows[best]['cosine']:.6f}); "
+                      "its reasons and recommendations follow")
+    latency = {p: rows[p]["latency"] for p in passing}
+    fastest = min(passing, key=lambda p: latency[p]["median_ms"])
+    tied = [p for p in passing if _as_fast(latency[p], latency[fastest])]
+    winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
+    others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
+    if winner == fastest:
+        why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
+        if len(tied) > 1:
+            why += f", and {_tie_edge(winner, tied, rows)}"
+    else:
+        why = (f"{winner}: as fast as {fastest} within the timing spread ({_ratio(rows[winner])} against "
+               f"{_ratio(rows[fastest])}), and {_tie_edge(winner, tied, rows)}")
+    failed = [p for p, r in rows.items() if r["verdict"] != "pass" and not r.get("same_as")]
+    return winner, why + (f"; other passing: {others}" if others else "") + (
+        f"; failed: {', '.join(failed)}" if failed else "")
+
+
+def _as_fast(candidate: dict, fastest: dict) -> bool:
+    """Within the timing spread of the fastest build: as fast in at least a quarter of the
+    rounds (its per-round latency ratio to the fastest's, lower quartile <= 1), so a build
+    slower in three rounds of four never wins on size."""
+    rounds = list(zip(candidate.get("round_medians_ms") or [], fastest.get("round_medians_ms") or []))
+    if not rounds:
+        return candidate["median_ms"] <= fastest["p75_ms"]
+    return float(np.percentile([mine / best for mine, best in rounds], 25, method="lower")) <= 1.0
+
+
+def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:
+    """What decided against each build of the same speed: size, else precision."""
+    size = rows[winner].get("bytes") or 0
+    larger = [p for p in tied if p != winner and (rows[p].get("bytes") or 0) > size]
+    same = [p for p in tied if p != winner and p not in larger]
+    parts = ([f"smaller than {', '.join(larger)}"] if larger else []) + (
+        [f"closer to the model's numbers than {', '.join(same)}"] if same else [])
+    return " and ".join(parts)
+
+
+def _ratio(row: dict) -> str:
+    up = row.get("speedup")
+    return f"{up['speedup']:.2f}x fp32" if up else "the reference"

@@ -1,0 +1,344 @@
+"""``parity``: the Hydra application. One run composes the config, validates it, runs
+the configured stages and exits with the verdict's code (see pipeline.errors.ExitCode).
+
+Errors meant for users are one line on stderr; tracebacks go to the run's log file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+from rich.markup import escape
+from rich.table import Table
+
+import conf
+from pipeline.config import resolvers, validation
+from pipeline.app import auto
+from pipeline.console import set_plain_progress, stderr_console, stdout_console
+from pipeline.environment import cores, share_cores
+from pipeline.errors import (EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault,
+                             worst_exit_code, writing)
+from pipeline.report import write_junit, write_reports
+from pipeline.report.assemble import assemble
+from pipeline.app.runner import RunOutcome, run_pipeline
+from pipeline.release.sweep import claim_run_folder, packaged_bundles, worst_exit_codes, write_job_record
+
+CONFIG_DIR = str(Path(conf.__file__).parent)
+log = logging.getLogger("parity")
+_exit_codes: list = []  # one per job of this process (several in a sequential multirun)
+
+
+def main() -> None:
+    # Hydra prints its own multi-line errors and exits 1 unless told to re-raise.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    resolvers.register()
+    try:
+        _hydra_app()
+    except SystemExit:
+        raise
+    except BrokenPipeError:  # `parity --help | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(int(ExitCode.OK))
+    except (HydraException, OmegaConfBaseException) as err:
+        _fail(f"config error: {_describe_composition_error(err)}", ExitCode.USAGE)
+    except ParityError as err:
+        _fail(str(err), err.exit_code)
+    except (FileExistsError, NotADirectoryError) as err:  # Hydra makes the run folder where a file is
+        _fail(f"config error: the run folder {err.filename} cannot be made, a file is in its way ({err.strerror}): "
+              "move the file or set hydra.run.dir (hydra.sweep.dir) to a folder", ExitCode.USAGE)
+    except Exception as err:  # noqa: BLE001 - the last line of defence
+        fault = environment_fault(err)  # e.g. Hydra cannot create a read-only run folder
+        _fail(str(fault), fault.exit_code) if fault else _fail(f"internal error: {type(err).__name__}: {err}",
+                                                                  ExitCode.INTERNAL)
+    sys.exit(worst_exit_code([*_exit_codes, *worst_exit_codes]))
+
+
+def _fail(message: str, code: int) -> None:
+    stderr_console().print(f"[bold red]parity:[/] {escape(message)}", soft_wrap=True)
+    sys.exit(int(code))
+
+
+def _describe_composition_error(err: BaseException) -> str:
+    if isinstance(err, MissingConfigException) and err.options is not None:
+        group = (err.missing_cfg_file or "").rsplit("/", 1)[0]
+        wanted = (err.missing_cfg_file or "").rsplit("/", 1)[-1]
+        return f"{group}={wanted}: no such config; allowed: {', '.join(sorted(err.options))}"
+    return validation.describe_config_error(err)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def _hydra_app(cfg: DictConfig) -> int:
+    code = execute(cfg, Path(HydraConfig.get().runtime.output_dir))
+    _exit_codes.append(int(code))
+    return int(code)
+
+
+def execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
+    """One job, holding its run folder's lock: a second run into the same folder stops at
+    once with one line (exit 2) and leaves the first one's files alone."""
+    try:
+        with claim_run_folder(run_dir):
+            return _execute(cfg, run_dir)
+    except (RunFolderBusy, EnvironmentFault) as err:
+        stderr_console().print(f"[bold red]parity:[/] {escape(str(err))}", soft_wrap=True)
+        return err.exit_code
+
+
+def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
+    hydra_cfg = HydraConfig.get()
+    log_file = run_dir / f"{hydra_cfg.job.name}.log"
+    if hydra_cfg.mode == RunMode.MULTIRUN and "BasicLauncher" not in str(hydra_cfg.launcher.get("_target_")):
+        set_plain_progress()  # jobs run side by side: log lines, not live bars fighting over one terminal
+        share_cores(_jobs_side_by_side(hydra_cfg.launcher))
+    code, error, outcome = ExitCode.INTERNAL, None, None
+    try:
+        run_cfg = validation.validate(cfg)
+        chosen = None
+        if run_cfg.precision.kind == "auto":
+            outcome, run_cfg, chosen = auto.run(cfg, run_cfg, run_dir)
+        else:
+            outcome = run_pipeline(run_cfg, run_dir)
+        report = assemble(run_cfg, outcome.records, outcome.results)
+        if chosen:
+            report["auto"] = chosen
+        _write_run_report(run_dir, report)
+        _print_summary(outcome, report)
+        code = outcome.exit_code
+    except ParityError as err:
+        log.debug("stopped by %s", type(err).__name__, exc_info=True)
+        stderr_console().print(f"[bold red]parity:[/] {escape(str(err))}", soft_wrap=True)
+        code, error = err.exit_code, str(err)
+        if getattr(err, "partial", None):  # a valid model a tool could not handle: the report says how far it got
+            _write_run_report(run_dir, {**assemble(run_cfg, *err.partial), "exit_code": int(code), "reasons": [error]})
+    except Exception as err:  # noqa: BLE001 - reported, with the traceback in the log
+        log.debug("internal error", exc_info=True)
+        fault = environment_fault(err)  # a read-only or full disk: exit 5, one line
+        error = str(fault) if fault else f"internal error: {type(err).__name__}: {err} (traceback in {log_file})"
+        code = fault.exit_code if fault else ExitCode.INTERNAL
+        stderr_console().print(f"[bold red]parity:[/] {escape(error)}", soft_wrap=True)
+    try:
+        with writing(run_dir):
+            write_job_record(run_dir, code, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), error,
+                             packaged_bundles(outcome))
+    except EnvironmentFault as err:  # said once: the disk that stopped the run refuses job.json too
+        if code != err.exit_code:
+            stderr_console().print(f"[bold red]parity:[/] {escape(str(err))}", soft_wrap=True)
+        code = err.exit_code
+    return code
+
+
+def _jobs_side_by_side(launcher) -> int:
+    """How many jobs of a parallel sweep share this machine's cores: joblib's n_jobs (-1:
+    one per core). A submitit job counts as one: on SLURM its allocation is its affinity
+    mask already."""
+    jobs = launcher.get("n_jobs")
+    if jobs is None:
+        return 1
+    return cores() if int(jobs) < 0 else int(jobs)
+
+
+def _write_run_report(run_dir: Path, report: dict) -> None:
+    write_reports(report, run_dir)
+    write_junit(report, run_dir / "junit.xml")
+
+
+def _print_summary(outcome: RunOutcome, report: dict) -> None:
+    console = stdout_console()
+    stages = Table(title="stages", title_justify="left")
+    for column in ("stage", "status", "seconds"):
+        stages.add_column(column)
+    for record in outcome.records:
+        stages.add_row(record["stage"], record["status"], f"{record['seconds']:.2f}")
+    console.print(stages)
+    verify = outcome.verify
+    if verify:
+        console.print(_verify_table(report, verify))
+        if verify.get("crash"):
+            for line in verify["crash"].get("stderr_tail", [])[-5:]:
+                console.print(f"  [dim]{escape(line)}[/]")
+        layers = verify.get("layerwise") or {}
+        if layers.get("ran"):
+            stopped = layers.get("stopped")
+            console.print(f"layerwise: {layers['compared']} tensors compared on {layers['samples']} samples, "
+                          f"{len(layers['not_exposed'])} not exposed by the target, {layers['seconds']:.1f} s"
+                          + (f" (checkpoints, then {escape(' .. '.join(stopped['bracket']))}; "
+                             "validation.layerwise=always compares every tensor)" if stopped else ""))
+            for key, title in (("first_divergence", "first divergence"), ("nan_origin", "first NaN/Inf")):
+                found = layers.get(key)
+                if found:
+                    console.print(f"  {title}: op {escape(found['op'])} ({escape(found['op_type'])}), "
+                                  f"tensor {escape(found['tensor'])}")
+        for advice in verify.get("recommendations", []):
+            console.print(f"[cyan]recommendation:[/] {escape(advice['text'])}")
+        _diagnosis_lines(console, verify.get("diagnosis") or {})
+    if verify and (verify.get("speed") or {}).get("speedups"):
+        console.print(_speed_line(verify))
+    if verify and verify.get("shapes"):
+        console.print(_shape_line(verify))
+    profile = outcome.results.get("profile")
+    if profile:
+        console.print(_profile_line(profile.summary))
+    if report.get("auto"):
+        console.print(_auto_table(report["auto"]))
+        console.print(f"precision=auto shipped {escape(report['auto']['why'])}")
+    for warning in report["warnings"]:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    colour = {"pass": "green", "fail": "red"}.get(report["verdict"], "yellow")
+    console.print(f"verdict: [bold {colour}]{report['verdict'].upper()}[/] (exit {report['exit_code']})"
+                  + _first_reasons(report))
+    package = outcome.results.get("package")
+    if package:
+        console.print(f"bundle: {escape(package.summary['bundle'])}")
+    console.print(f"run folder: {escape(str(outcome.run_dir))}")
+    console.print(f"reports: {escape(', '.join(REPORT_FILES))} in the run folder")
+
+
+def _auto_table(section: dict) -> Table:
+    """precision=auto's candidates: what each reached, how fast, how big."""
+    table = Table(title="precision=auto candidates", title_justify="left")
+    for column in ("precision", "cosine", "task metric", "speed-up vs fp32", "size", "verdict"):
+        table.add_column(column)
+    for row in section["candidates"]:
+        up = row.get("speedup")
+        speedup = (f"{up['speedup']:.2f}x ({up['speedup_p25']:.2f}-{up['speedup_p75']:.2f})" if up
+                   else "1.00x (reference)" if row["precision"] == "fp32" and row.get("latency") else "-")
+        metric = f"{row['metric']} {row['metric_value']:.4f}" if row.get("metric_value") is not None else "-"
+        verdict = row["verdict"] + (f" (exit {row['exit_code']})" if row.get("exit_code") else "") + (
+            " (shipped)" if row["precision"] == section["chosen"] else "") + (
+            " (reference only)" if row["precision"] in section.get("reference_only", []) else "")
+        size = f"{row['bytes'] / 1e6:.2f} MB" if row.get("bytes") else "-"
+        table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-", metric,
+                      speedup, size, escape(verdict))
+    return table
+
+
+def _diagnosis_lines(console, diagnosis: dict) -> None:
+    """What the failing verdict's diagnosis spent of its budget, and what the budget cut."""
+    if not diagnosis.get("ran"):
+        return
+    console.print(f"diagnosis: {diagnosis['seconds']:.1f} s of a {diagnosis['budget_seconds']:.1f} s budget "
+                  f"(validation.diagnosis_budget); the check itself was {diagnosis['measurement']}")
+    for cut in diagnosis.get("cut") or []:
+        console.print(f"  [dim]cut by the budget: {escape(cut)}[/]")
+
+
+def _speed_line(verify: dict) -> str:
+    """Each build's speed-up over fp32 on this backend, timed interleaved (pipeline.verification.speed)."""
+    parts = []
+    for name, found in verify["speed"]["speedups"].items():
+        mark = "" if found["faster"] else " [yellow](not faster)[/]"
+        parts.append(f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f}){mark}")
+    rounds = (verify["comparison"].get("fp32") or {}).get("latency") or {}
+    return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds): " + ", ".join(parts)
+
+
+def _shape_line(verify: dict) -> str:
+    """A dynamic model: how many shapes ran, the lowest cosine of any, and the latency curve."""
+    groups = verify["shapes"]
+    worst = min((o["cosine"] for g in groups for o in g["outputs"].values() if o.get("cosine") is not None),
+                default=None)
+    line = f"shapes: {len(groups)} input shapes verified" + (f", lowest cosine {worst:.6f}" if worst is not None else "")
+    curve = (verify.get("speed") or {}).get("by_shape") or {}
+    shipped = verify["requested"]["precision"]
+    times = [f"{which} {found['shape']} {found['median_ms'].get(shipped):.3f} ms" for which, found in curve.items()
+             if found["median_ms"].get(shipped) is not None]
+    return line + ("; latency " + ", ".join(times) if times else "")
+
+
+SHOWN_REASONS = 2  # on the verdict line; report.json, report.md and junit.xml carry every reason
+
+
+def _first_reasons(report: dict) -> str:
+    """": first; second (+N more in report.md)" after a failing verdict, in pipeline/verification/verdict.py's order."""
+    reasons = report["reasons"] if report["verdict"] != "pass" else []
+    if not reasons:
+        return ""
+    more = len(reasons) - SHOWN_REASONS
+    return ": " + escape("; ".join(reasons[:SHOWN_REASONS]) + (f" (+{more} more in report.md)" if more > 0 else ""))
+
+
+def _profile_line(profile: dict) -> str:
+    if not profile.get("ran"):
+        return f"profile: not profiled ({escape(str(profile.get('reason')))})"
+    line = (f"profile: {profile['layers']} layers ({profile['mapped']} with an ONNX node), "
+            f"{profile['total_ms']:.4f} ms per run in all")
+    top = profile["top"][0] if profile["top"] else None
+    if top:
+        line += (f"; slowest: {escape(str(top['onnx_node'] or top['name']))} ({escape(str(top['onnx_op_type'] or top['type']))}) "
+                 f"{top['share'] * 100:.0f}%")
+    return line
+
+
+REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
+
+
+def _task_cells(task: dict) -> tuple:
+    """(check, value with its interval, threshold) of the task metric's drop."""
+    scale, unit = (100, " pts") if task["metric"] == "top1" else (1, "")
+    check = "top-1 drop" if task["metric"] == "top1" else f"{escape(task['metric'])} drop"
+    value = f"{task['drop'] * scale:.4g}{unit}"
+    if task.get("interval"):
+        low, high = (bound * scale for bound in task["interval"])
+        value += f" ({task['confidence'] * 100:.0f} % CI {low:.4g} to {high:.4g})"
+    return check, value, f"<= {task['max_drop'] * scale:.4g}{unit}"
+
+
+def _verify_table(report: dict, verify: dict) -> Table:
+    """Target, precision, each metric against its threshold, and the result."""
+    table = Table(title=f"verify: {report['target']['name']} {report['precision']} vs ONNX Runtime fp32 "
+                        f"({verify['samples']} samples)", title_justify="left")
+    for column in ("target", "precision", "output", "check", "value", "threshold"):
+        table.add_column(column, overflow="fold")
+    table.add_column("result", no_wrap=True)
+    target, precision = report["target"]["name"], report["precision"]
+
+    def row(output, check, value, threshold, passed):
+        result = {True: "[green]pass[/]", False: "[red]fail[/]", None: "[yellow]pass, uncertain[/]"}[passed]
+        table.add_row(escape(target), precision, escape(output), check, value, threshold, result)
+
+    for output in verify["outputs"]:
+        m, limits, failed = output["metrics"], output["thresholds"], " ".join(output["failures"])
+        if m.get("exact"):  # an integer or boolean output: compared exactly
+            agreement = "n/a" if m["agreement"] is None else f"{m['agreement']:.4f} ({m['changed']} values changed)"
+            row(output["name"], "exact match", agreement, f">= {limits.get('min_agreement') or 1.0}", not failed)
+            continue
+        gate = f">= {limits['min_cosine']}" if limits["min_cosine"] is not None else "not gated"
+        if output.get("cosine_gate") == "task_min_cosine":
+            gate += " (floor: the task metric gates)"
+        row(output["name"], "cosine", f"{m['cosine']:.6f}", gate, "cosine" not in failed)
+        if limits.get("max_abs_error") is not None:
+            row(output["name"], "max abs", f"{m['max_abs']:.3g}", f"<= {limits['max_abs_error']}",
+                "max abs" not in failed)
+        if limits.get("max_mean_abs_error") is not None:
+            row(output["name"], "mean abs", f"{m['mean_abs'] or 0:.3g}", f"<= {limits['max_mean_abs_error']}",
+                "mean abs" not in failed)
+        sqnr = "inf" if m["sqnr_db"] is None else f"{m['sqnr_db']:.1f} dB"
+        if limits.get("min_sqnr_db") is not None:
+            row(output["name"], "SQNR", sqnr, f">= {limits['min_sqnr_db']} dB", "SQNR" not in failed)
+        row(output["name"], "NaN/Inf", f"{m['nan']}/{m['inf']}", "0/0", not (m["nan"] or m["inf"]))
+    task = verify.get("task")
+    if task:
+        passed = task["passed"] and not (task.get("uncertain") and task.get("require_confidence"))
+        passed = None if passed and task.get("uncertain") else passed
+        row(task["output"], *_task_cells(task), passed)
+        agreement = f", agreement {task['agreement']:.4f}" if task.get("agreement") is not None else ""
+        table.caption = (f"{'top-1' if task['metric'] == 'top1' else escape(task['metric'])}: reference "
+                         f"{task['reference']:.4f}, target {task['target']:.4f}{agreement}")
+    if verify.get("crash"):
+        row("-", "backend", verify["crash"]["kind"], "runs to the end", False)
+        return table
+    requested, effective = verify["requested"], verify.get("effective") or {}
+    for key in ("device", "precision"):
+        ran = str(effective.get(key, "n/a"))
+        detail = f"{ran} (layers: {effective['layers']})" if key == "precision" and effective.get("layers") else ran
+        row("-", f"{key} ran", escape(detail), requested[key],
+            not any(reason.startswith(f"requested {key}") for reason in verify["reasons"]))
+    return table

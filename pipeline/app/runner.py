@@ -1,0 +1,160 @@
+"""Runs the configured stages in order, each one computed or served from the cache.
+
+The cache key of a stage is a hash of: the stage's name and version, the parity and
+runtime versions, the config the stage declares it depends on, the files every earlier
+stage produced, and the external files it reads (model, data). A hit copies the cached
+output folder into the run; a miss runs the stage and stores its output atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+
+import stages
+from pipeline import environment
+from pipeline.artifacts import (atomic_directory, cache_lock, hash_files, hash_tree, read_json, remove_stale_temps,
+                                sha256_json, write_json)
+from pipeline.config.schemas import RunConfig, plain
+from pipeline.errors import ExitCode, writing
+from stages import StageContext, StageResult
+
+log = logging.getLogger("parity")
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    results: Dict[str, StageResult] = field(default_factory=dict)
+    records: List[dict] = field(default_factory=list)
+
+    @property
+    def verify(self) -> Optional[dict]:
+        result = self.results.get("verify")
+        return result.summary if result else None
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode(self.verify["exit_code"]) if self.verify else ExitCode.OK
+
+
+def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
+    outcome = RunOutcome(Path(run_dir))
+    cache_root = Path(cfg.pipeline.cache_dir).expanduser() if cfg.pipeline.cache else None
+    output_hashes: Dict[str, dict] = {}  # each finished stage's files, hashed once
+    for name in cfg.pipeline.stages:
+        stage = stages.load(name)
+        out_dir = outcome.run_dir / "stages" / name
+        ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records, cache_root, output_hashes)
+        started = time.perf_counter()
+        key = _stage_key(stage, ctx, _inputs_of(stage, outcome.results, output_hashes)) \
+            if cache_root and stage.CACHEABLE else None
+        # Jobs of a sweep share the cache: the first to take an entry's lock computes it,
+        # the others wait and are served from it.
+        with _locked_entry(cache_root, name, key):
+            cached = _from_cache(cache_root / name / key, out_dir) if key else None
+            if cached is not None:
+                result, computed_seconds = cached
+                status = "cached"
+            else:
+                result, computed_seconds = _compute(stage, ctx, out_dir, started)
+                if key and result.cache:
+                    _to_cache(out_dir, cache_root / name / key)
+                status = "cached" if result.reused else "computed"
+        seconds = time.perf_counter() - started
+        log.info("stage %s: %s in %.2f s", name, status, seconds)
+        outcome.results[name] = result
+        if cache_root:
+            output_hashes[name] = {path: digest for path, digest in hash_tree(out_dir).items() if path != "result.json"}
+        outcome.records.append({"stage": name, "status": status, "seconds": round(seconds, 4),
+                                "computed_seconds": round(computed_seconds, 4), "key": key})
+    return outcome
+
+
+@contextlib.contextmanager
+def _locked_entry(cache_root: Optional[Path], name: str, key: Optional[str]):
+    """The cache entry's lock (none without a key); a cache folder that cannot be written
+    (read-only, full) is an environment error, exit 5."""
+    with contextlib.ExitStack() as stack:
+        if key:
+            with writing(cache_root):
+                stack.enter_context(cache_lock(cache_root, name, key))
+        yield
+
+
+def _compute(stage, ctx: StageContext, out_dir: Path, started: float):
+    log.info("stage %s: running", stage.NAME)
+    with writing(out_dir):
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
+        result = stage.run(ctx)
+        computed_seconds = time.perf_counter() - started
+        write_json(out_dir / "result.json", {**result.to_json(), "computed_seconds": computed_seconds})
+    return result, computed_seconds
+
+
+def _inputs_of(stage, results: Dict[str, StageResult], output_hashes: Dict[str, dict]) -> Dict[str, dict]:
+    """Hashes of the earlier outputs the stage reads: all of them unless the stage
+    declares ``READS = {stage: [roles]}`` (None: every file of that stage). Declaring
+    lets e.g. calibration be shared by targets whose convert output differs only by an
+    OpenVINO IR that calibration never reads."""
+    reads = getattr(stage, "READS", None)
+    if reads is None:
+        return output_hashes
+    chosen = {}
+    for earlier, roles in reads.items():
+        if earlier not in output_hashes:
+            continue
+        hashes = output_hashes[earlier]
+        if roles is not None:
+            names = {results[earlier].files[role] for role in roles if role in results[earlier].files}
+            hashes = {path: digest for path, digest in hashes.items() if path in names}
+        chosen[earlier] = hashes
+    return chosen
+
+
+def _stage_key(stage, ctx: StageContext, earlier: Dict[str, dict]) -> str:
+    material = {
+        "stage": stage.NAME,
+        "version": stage.VERSION,
+        "runtimes": environment.versions(),
+        "config": plain(stage.key_config(ctx.cfg)),
+        "earlier": earlier,
+        "external": list(hash_files(stage.external_files(ctx)).values()),
+    }
+    return sha256_json(material)[:32]
+
+
+def _from_cache(entry: Path, out_dir: Path):
+    """The cached result, or None on a miss. An unreadable entry is a miss, never an error."""
+    if not (entry / "result.json").is_file():
+        return None
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    try:
+        shutil.copytree(entry, out_dir)
+        saved = read_json(out_dir / "result.json")
+        result = StageResult(out_dir, saved["files"], saved["summary"])
+        missing = [f for f in result.files.values() if not (out_dir / f).exists() and not f.startswith("..")]
+        if missing:
+            raise OSError(f"missing {missing[0]}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("ignoring broken stage cache entry %s: %s", entry, err)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.rmtree(entry, ignore_errors=True)  # the recomputed output takes its place
+        return None
+    return result, saved.get("computed_seconds", 0.0)
+
+
+def _to_cache(out_dir: Path, entry: Path) -> None:
+    with writing(entry):  # a full or read-only cache: exit 5, naming the path
+        remove_stale_temps(entry)  # of writers killed mid-way; the entry's lock is held
+        with atomic_directory(entry) as temp:
+            shutil.copytree(out_dir, temp, dirs_exist_ok=True)

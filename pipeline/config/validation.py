@@ -1,0 +1,242 @@
+"""``validate``: the composed config turned into typed objects (pipeline/config/schemas.py)
+and checked for what a schema cannot say (missing values, a precision the target's backend
+cannot run, ranges, stage names), and one-line descriptions of Hydra/OmegaConf errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import fields
+from typing import List, Optional, get_type_hints
+
+from hydra.errors import OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from pipeline import shapes
+from pipeline.config.schemas import (MOVED_TARGET_KEYS, STAGE_NAMES, TARGET_SCHEMAS, Backend, DataConfig, DataKind,
+                                     PreprocessConfig, RunConfig, TargetConfig, TuningConfig)
+from pipeline.errors import ConfigError
+
+
+def validate(cfg: DictConfig) -> RunConfig:
+    """Typed config, or a ConfigError naming the key and what is allowed."""
+    try:
+        # Re-merging onto the schema also rejects keys added with Hydra's '+key=value'.
+        schema = OmegaConf.structured(RunConfig)
+        schema.target = OmegaConf.structured(_target_schema(cfg))
+        checked = OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=False))
+        run: RunConfig = OmegaConf.to_object(checked)
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"{err.full_key}: a value is required (set {err.full_key}=...)") from err
+    except OmegaConfBaseException as err:
+        raise ConfigError(describe_config_error(err)) from err
+    _check_combinations(run)
+    return run
+
+
+def _target_schema(cfg: DictConfig) -> type:
+    """The target schema of the backend the config names (the base one for an unknown
+    backend, whose value the merge then rejects)."""
+    named = OmegaConf.select(cfg, "target.backend", default=None)
+    named = named.value if isinstance(named, Backend) else named
+    return next((schema for backend, schema in TARGET_SCHEMAS.items() if backend.value == named), TargetConfig)
+
+
+def _check_combinations(run: RunConfig) -> None:
+    from pipeline import backends
+
+    backend = backends.spec(run.target.backend.value)
+    can = backend.CAPABILITIES
+    if run.precision.kind not in (*can.precisions, "auto"):
+        raise ConfigError(
+            f"precision={run.precision.kind} is not supported by target {run.target.name} "
+            f"(backend {backend.NAME}); allowed: {', '.join(can.precisions)}")
+    if run.target.memory_mode not in can.memory_modes:
+        raise ConfigError(
+            f"target.memory_mode={run.target.memory_mode}: backend {backend.NAME} has no "
+            f"such memory mode; allowed: {', '.join(can.memory_modes)}")
+    if run.target.device.upper() not in can.devices:
+        raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
+                          f"{', '.join(can.devices)}")
+    problem = (backend.check_config(run.target, run.precision.kind)
+               if run.precision.kind != "auto" else None)
+    if problem:
+        raise ConfigError(problem)
+    unknown = [s for s in run.pipeline.stages if s not in STAGE_NAMES]
+    if unknown:
+        raise ConfigError(f"pipeline.stages: unknown stage {unknown[0]!r}; allowed: {', '.join(STAGE_NAMES)}")
+    if run.data.kind is not DataKind.random and not run.data.path:
+        raise ConfigError(f"data.path: a value is required for data.kind={run.data.kind.value} "
+                          "(or use data.kind=random)")
+    if run.validation.layerwise_samples < 1 or run.validation.worker_timeout_s <= 0:
+        raise ConfigError("validation.layerwise_samples must be >= 1 and validation.worker_timeout_s > 0")
+    _check_data(run.data)
+    cal = run.calibration
+    if not 0 < cal.percentile <= 100:
+        raise ConfigError(f"calibration.percentile={cal.percentile}: must be in (0, 100]")
+    if cal.bins < cal.quantized_levels or cal.quantized_levels < 2 or cal.batch_size < 1:
+        raise ConfigError("calibration: need bins >= quantized_levels >= 2 and batch_size >= 1")
+    unknown_methods = sorted(set(run.sensitivity.methods) - {"kl", "max", "percentile", "mse", "mean_min_max"})
+    if unknown_methods or not run.sensitivity.methods:
+        raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; "
+                          "allowed: kl, max, percentile, mse, mean_min_max")
+    profile = run.profile
+    if profile.runs < 1 or profile.warmup < 0 or profile.top < 1 or profile.worker_timeout_s <= 0 \
+            or profile.max_seconds <= 0 or profile.startup_rounds < 0:
+        raise ConfigError("profile: need runs >= 1, warmup >= 0, top >= 1, max_seconds > 0, startup_rounds >= 0 "
+                          "and worker_timeout_s > 0")
+    if run.precision.int8_where_faster and run.precision.kind in can.own_int8:
+        raise ConfigError(f"precision.int8_where_faster: {backend.NAME} builds {run.precision.kind} with its own "
+                          "quantizer, not from parity's Q/DQ model whose ops it times; set it to false")
+    if run.precision.kind in ("int8", "mixed") and not run.precision.quantize_ops:
+        raise ConfigError("precision.quantize_ops: name at least one op type (default: Conv, ConvTranspose, Gemm, MatMul)")
+    if run.target.threads < 0:
+        raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
+    _check_tuning(run.tuning, backend)
+    check_ranges(run)
+    _check_metric(run)
+
+
+COSINE = (-1.0, 1.0)
+DROP = (-1.0, 1.0)  # a task metric's drop, as a fraction; negative: the target must beat the reference
+# Thresholds and counts with a range (lowest, highest; None: unbounded). SQNR thresholds
+# take any real number (dB); a value that is None in the config is not checked.
+RANGES = {
+    "precision.min_cosine": COSINE, "precision.layer_min_cosine": COSINE, "precision.max_metric_drop": DROP,
+    "validation.min_cosine": COSINE, "validation.layer_min_cosine": COSINE,
+    "precision.task_min_cosine": COSINE, "validation.task_min_cosine": COSINE,
+    "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),
+    "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
+    "validation.diagnosis_budget": (0.0, None), "validation.diagnosis_min_seconds": (0.0, None),
+    "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
+    "calibration.kl_max_clipped": (0.0, 1.0),
+    "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None),
+    "sensitivity.top_n": (0, None), "sensitivity.screen": (0, None), "sensitivity.max_float_ops": (0, None),
+    "tuning.verify_samples": (1, None),
+}
+OUTPUT_RANGES = {"min_cosine": COSINE, "max_abs_error": (0.0, None), "max_mean_abs_error": (0.0, None),
+                 "min_agreement": (0.0, 1.0)}
+
+
+def check_ranges(run: RunConfig) -> None:
+    """Every threshold and count of RANGES (and each validation.outputs override) in its
+    range, else a ConfigError naming the key, the value and the range; no NaN anywhere."""
+    values = [(key, functools.reduce(getattr, key.split("."), run), allowed) for key, allowed in RANGES.items()]
+    for output, override in run.validation.outputs.items():
+        values += [(f"validation.outputs.{output}.{name}", getattr(override, name), allowed)
+                   for name, allowed in OUTPUT_RANGES.items()]
+    values += [(f"validation.outputs.{output}.min_sqnr_db", o.min_sqnr_db, (None, None))
+               for output, o in run.validation.outputs.items()]
+    values.append(("validation.min_sqnr_db", run.validation.min_sqnr_db, (None, None)))
+    shapes.parse_all(run.model.input_shapes)  # dims >= 1, min <= opt <= max
+    for key, value, (low, high) in values:
+        if value is None:
+            continue
+        if value != value or (low is not None and value < low) or (high is not None and value > high):
+            raise ConfigError(f"{key}={value} is out of range: {_describe_range(low, high)}")
+
+
+def _describe_range(low, high) -> str:
+    if low is None and high is None:
+        return "a number (not NaN)"
+    if high is None:
+        return f"must be >= {low}"
+    return f"must be in [{low}, {high}]"
+
+
+RESIZE_POLICIES = ("fixed", "limit_side", "height")
+
+
+def _check_resize(pre: PreprocessConfig) -> None:
+    resize = pre.resize
+    fixed = isinstance(resize, list) and len(resize) == 2 and all(isinstance(d, int) and d >= 1 for d in resize)
+    if not (resize is None or fixed or resize in RESIZE_POLICIES):
+        raise ConfigError(f"data.preprocess.resize={resize!r}: give [height, width] or one of "
+                          f"{', '.join(RESIZE_POLICIES)} (null: the model input's size)")
+    if pre.multiple_of < 1 or (pre.side is not None and pre.side < 1):
+        raise ConfigError("data.preprocess.multiple_of and data.preprocess.side must be >= 1")
+
+
+def _check_data(data: DataConfig) -> None:
+    _check_resize(data.preprocess)
+    if (data.calibration_size is not None and data.calibration_size < 0) or \
+            (data.validation_size is not None and data.validation_size < 1):
+        raise ConfigError("data.validation_size must be >= 1 and data.calibration_size >= 0 (null: every sample found)")
+    if data.calibration_cap < 0 or data.validation_cap < 1:
+        raise ConfigError("data.validation_cap must be >= 1 and data.calibration_cap >= 0")
+    if (data.kind is DataKind.custom) != bool(data.preprocess._target_):
+        raise ConfigError("data.kind=custom reads files with data.preprocess._target_ (module.callable taking a "
+                          "file path): set both, or neither")
+
+
+def _check_metric(run: RunConfig) -> None:
+    """Instantiating the metric at start: a wrong _target_, path or argument is a one-line
+    error before any work (a metric's import loads no model)."""
+    from pipeline.verification.task_metrics import load_metric
+
+    load_metric(run.metric)
+
+
+def _check_tuning(tuning: TuningConfig, backend) -> None:
+    if (tuning.warmup is not None and tuning.warmup < 0) or (tuning.repeats is not None and tuning.repeats < 3):
+        raise ConfigError("tuning: warmup must be >= 0 and repeats >= 3")
+    if not 0 <= tuning.noise < 1 or tuning.verify_samples < 1:
+        raise ConfigError("tuning: noise must be in [0, 1) and verify_samples >= 1")
+    other = [d for d in tuning.devices if d.upper() not in backend.CAPABILITIES.devices]
+    if other:
+        raise ConfigError(f"tuning.devices: backend {backend.NAME} has no device {other[0]!r}; "
+                          f"allowed: {', '.join(backend.CAPABILITIES.devices)}")
+
+
+def describe_config_error(err: BaseException) -> str:
+    """One line from a Hydra/OmegaConf error chain: the key and the complaint."""
+    chain = []
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for item in chain:
+        if isinstance(item, OverrideParseException):
+            return _unparsable_override(item)
+        if isinstance(item, OmegaConfBaseException) and getattr(item, "full_key", None):
+            msg = str(getattr(item, "msg", "") or item).splitlines()[0]
+            allowed = _allowed_keys(item) if isinstance(item, (ConfigKeyError, ConfigAttributeError)) else None
+            return f"{item.full_key}: {msg}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "") \
+                + _key_hint(item.full_key, msg)
+    first = str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__]
+    return first[0]
+
+
+def _unparsable_override(err) -> str:
+    """Hydra's grammar takes unquoted values of ASCII letters, digits and a few symbols: a
+    path with a space or a non-ASCII letter must be quoted."""
+    override = str(err.override)
+    key, _, value = override.partition("=")
+    odd = sorted({c for c in value if not c.isascii() or c.isspace()})
+    why = f"{', '.join(repr(c) for c in odd)} cannot stand unquoted" if odd else "Hydra cannot parse it"
+    return (f"override {override!r}: {why}; quote the value: \"{key}='{value}'\" "
+            "(https://hydra.cc/docs/advanced/override_grammar/basic)")
+
+
+def _key_hint(full_key: str, msg: str) -> str:
+    parent, _, key = full_key.rpartition(".")
+    if parent == "target" and key in MOVED_TARGET_KEYS:
+        moved = MOVED_TARGET_KEYS[key]
+        return f"; it moved to {moved} ({moved.split('.')[1]} targets only)"
+    if parent == "target" and key in {backend.value for backend in TARGET_SCHEMAS}:
+        return (f"; target.{key}.* applies to targets of backend {key} only (a target config of your own "
+                f"starts with defaults: [/schema/target/{key}@_here_, _self_])")
+    return f"; to add a key use +{full_key}=..." if "not in struct" in msg else ""
+
+
+def _allowed_keys(err: OmegaConfBaseException) -> Optional[List[str]]:
+    """The schema's field names where the unknown key was set (None if not a schema node)."""
+    if dataclasses.is_dataclass(getattr(err, "object_type", None)):
+        return [f.name for f in dataclasses.fields(err.object_type)]
+    node = RunConfig
+    for part in err.full_key.split(".")[:-1]:
+        hints = get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        node = hints.get(part)
+        if node is None:
+            return None
+    return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else None

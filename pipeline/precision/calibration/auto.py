@@ -1,0 +1,104 @@
+"""calibration.method=auto, in two steps.
+
+1. ``choose``: per tensor, the threshold method whose quantization gives the lowest error
+   at the output of the op that consumes the tensor, on a few kept calibration samples.
+   Weighted consumers (Conv, Gemm, MatMul) are run as single-node ONNX Runtime models on
+   the fake-quantized tensor; for any other consumer the tensor's own quantization error
+   is what propagates, so that is measured instead.
+2. ``choose_table``: that per-tensor table and every single method's table are each
+   measured at the network outputs of the int8 model (one fake-quantized model whose
+   ranges are inputs, pipeline/precision/calibration/fake_quant.py); the lowest loss wins. The
+   single methods are candidates, so auto is never worse than the best of them on this
+   measurement (a local criterion alone can clip what a few samples need)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from pipeline.precision.calibration.single_node import node_session
+
+from pipeline.precision.quantize import scale_and_zero_point
+
+WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
+CRITERION = "lowest (1 - cosine) + (1 - worst sample's cosine) at the outputs, calibration set"
+
+
+def choose_table(measure: Callable[[Dict[str, dict]], dict], tables: Dict[str, Dict[str, dict]]
+                 ) -> Tuple[str, Dict[str, dict]]:
+    """(name of the best table, every table's measurement). ``measure(table)`` gives
+    measure.OutputJudge's figures for the int8 model of that table; the loss adds the worst
+    sample's 1 - cosine to the whole set's, so one sample wrecked by clipping counts as much
+    as the average. Ties go to the earlier table."""
+    scores = {}
+    for name, table in tables.items():
+        result = measure(table)
+        scores[name] = {**result, "loss": (1.0 - result["cosine"]) + (1.0 - result["worst_sample_cosine"])}
+    return min(scores, key=lambda name: scores[name]["loss"]), scores
+
+
+def fake_quantize(values: np.ndarray, entry: dict, activations: str) -> np.ndarray:
+    """Quantize-dequantize over the range the int8 build will use for this tensor."""
+    qmin, qmax = (-128, 127) if activations == "int8" else (0, 255)
+    scale, zero = scale_and_zero_point(entry, activations)  # exactly the build's
+    quantized = np.clip(np.round(values / scale) + zero, qmin, qmax)
+    return ((quantized - zero) * scale).astype(values.dtype)
+
+
+def choose(model: onnx.ModelProto, kept: Dict[str, np.ndarray], candidates: Dict[str, Dict[str, dict]],
+           activations: str) -> Dict[str, dict]:
+    """{tensor: {"method": best, "errors": {method: mse}}} for every tensor with kept samples."""
+    consumers = _weighted_consumers(model)
+    sessions: Dict[str, tuple] = {}
+    chosen = {}
+    for name, entries in candidates.items():
+        values = kept.get(name)
+        if values is None:
+            continue
+        errors = {method: 0.0 for method in entries}
+        measured = False
+        for node in consumers.get(name, []):
+            if node.name not in sessions:
+                feeds = _node_feeds(model, node, kept)
+                sessions[node.name] = (node_session(model, node) if feeds is not None else None, feeds)
+            session, feeds = sessions[node.name]
+            if session is None:
+                continue
+            measured = True
+            reference = session.run(None, feeds)[0]
+            for method, entry in entries.items():
+                output = session.run(None, {**feeds, name: fake_quantize(values, entry, activations)})[0]
+                errors[method] += float(np.mean((output - reference) ** 2))
+        if not measured:
+            errors = {m: float(np.mean((fake_quantize(values, e, activations) - values) ** 2))
+                      for m, e in entries.items()}
+        chosen[name] = {"method": min(errors, key=errors.get), "errors": errors}
+    return chosen
+
+
+def _weighted_consumers(model: onnx.ModelProto) -> Dict[str, List[onnx.NodeProto]]:
+    found: Dict[str, List[onnx.NodeProto]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type in WEIGHTED_OPS:
+            if not node.name:
+                node.name = f"{node.op_type}_{index}"
+            for name in node.input[:1] if node.op_type != "MatMul" else node.input[:2]:
+                found.setdefault(name, []).append(node)
+    return found
+
+
+def _node_feeds(model: onnx.ModelProto, node: onnx.NodeProto, kept: Dict[str, np.ndarray]) -> Optional[dict]:
+    """Float inputs of ``node`` (weights from the initializers), or None when one was not kept."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    feeds = {}
+    for name in (n for n in node.input if n):
+        if name in initializers:
+            feeds[name] = numpy_helper.to_array(initializers[name])
+        elif name in kept:
+            feeds[name] = kept[name]
+        else:
+            return None
+    return feeds

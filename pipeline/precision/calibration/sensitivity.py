@@ -1,0 +1,228 @@
+"""Per-layer int8 sensitivity (the TPU-MLIR method, made fast).
+
+For every quantizable op and every threshold method, only that op is quantized and the
+loss is 1 - cosine of the network outputs (per sample, averaged over samples and outputs).
+Nothing is rebuilt or re-run whole per trial:
+
+- the float activations are computed once, in chunks of ops (bounded memory): for each op
+  its inputs, its output and the tensors still alive after it;
+- the op alone is run as a single-node model on its fake-quantized inputs and weights,
+  and its output is fake-quantized: that is the op in int8;
+- a screen keeps the methods with the best SQNR at the op's own output, and only those
+  are measured in full, by running just the part of the graph downstream of the op (a
+  suffix model fed the alive tensors) on all samples in one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from pipeline.precision.calibration.auto import fake_quantize
+from pipeline.precision.calibration.measure import output_agreement
+from pipeline.precision.calibration.single_node import elem_type, node_session, session
+from pipeline.precision.calibration.statistics import BatchRunner, free_reshape_batch
+from pipeline.data import unpack
+from pipeline.environment import own_threads
+from pipeline.precision.quantize import WEIGHTED_OPS, QdqSettings
+
+WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": 1}
+CHUNK_OPS = 16  # ops whose float activations are fetched together
+MAX_WORKERS = 4  # ops searched at once (threads; ONNX Runtime releases the GIL while it runs)
+
+
+@dataclass
+class Trial:
+    op: str
+    op_type: str
+    method: str
+    op_sqnr_db: Optional[float]  # at the op's own output: the screen
+    loss: Optional[float] = None  # 1 - cosine of the network outputs; None: screened out
+    sqnr_db: Optional[float] = None  # of the network outputs
+    metric_drop: Optional[float] = None  # the task metric's drop (``score``), when one is given
+
+
+def output_loss(reference: Sequence[np.ndarray], actual: Sequence[np.ndarray]) -> tuple:
+    """(1 - cosine averaged over samples and outputs, SQNR in dB over everything)."""
+    agreement = output_agreement(reference, actual)
+    return agreement["loss"], agreement["sqnr_db"]
+
+
+def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_types=WEIGHTED_OPS) -> List[int]:
+    """Indices of the nodes the int8 build quantizes and that have thresholds for their inputs."""
+    initializers = {t.name for t in model.graph.initializer}
+    found = []
+    for index, node in enumerate(model.graph.node):
+        activations = [i for i in node.input if i and i not in initializers]
+        if node.op_type in op_types and activations and all(i in candidates for i in activations):
+            found.append(index)
+    return found
+
+
+def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], feeds: Dict[str, np.ndarray],
+              count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
+              screen: int = 2, progress: Optional[Callable[[int], None]] = None,
+              scorer_for: Optional[Callable[[List[np.ndarray]], Optional[Callable]]] = None) -> List[Trial]:
+    """Every (op, method) trial; screen = methods measured in full per op (0: all);
+    ``scorer_for(reference)``: given the float outputs (in graph order), a ``score(outputs)``
+    giving the task metric's drop, or None without a metric."""
+    nodes = list(model.graph.node)
+    outputs = [o.name for o in model.graph.output]
+    reference = BatchRunner(model, outputs, count).run(feeds, count)
+    reference = [reference[name] for name in outputs]
+    score = scorer_for(reference) if scorer_for else None
+    ops = quantizable_ops(model, candidates, settings.quantize_ops)
+    trials: List[Trial] = []
+    # One op per core at a time, each in single-threaded sessions: the op's trials are small
+    # graphs on a small batch, where ORT's intra-op threads cost more than they give.
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        for start in range(0, len(ops), CHUNK_OPS):
+            chunk = ops[start:start + CHUNK_OPS]
+            needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
+            runner = BatchRunner(model, needed, count)
+            floats = runner.run(feeds, count)
+            # the model takes no plain batch (a batch of 1 baked in, a batch axis other than 0): nor do its suffixes
+            one_by_one = not runner.batch_on_axis0
+            jobs = [pool.submit(_trials_for_op, model, nodes[index], index, candidates, floats, reference, methods,
+                                settings, screen, count, one_by_one, runner.shapes, score) for index in chunk]
+            for job in jobs:
+                trials += job.result()
+                if progress:
+                    progress(1)
+    return trials
+
+
+def workers() -> int:
+    return min(MAX_WORKERS, own_threads())
+
+
+def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
+                   screen, count, one_by_one: bool, input_shapes: Dict[str, List[int]], score=None) -> List[Trial]:
+    initializers = {t.name: t for t in model.graph.initializer}
+    graph_outputs = {o.name for o in model.graph.output}
+    single = node_session(model, node)
+    float_feeds = {name: floats[name] if name in floats else numpy_helper.to_array(initializers[name])
+                   for name in _node_inputs(node)}
+    expected = floats[node.output[0]]
+    trials = []
+    for method in methods:
+        quantized_feeds = dict(float_feeds)
+        for name in node.input:
+            if name in candidates:
+                quantized_feeds[name] = fake_quantize(floats[name], candidates[name][method], settings.activations)
+            elif name in initializers and _is_weight(node, name):
+                quantized_feeds[name] = fake_quantize_weight(float_feeds[name], node, settings)
+        output = single.run(None, quantized_feeds)[0]
+        if settings.quantize_outputs and node.output[0] in candidates and node.output[0] not in graph_outputs:
+            output = fake_quantize(output, candidates[node.output[0]][method], settings.activations)
+        trials.append((Trial(node.name, node.op_type, method, _sqnr(expected, output)), output))
+    ranked = sorted(trials, key=lambda t: -(t[0].op_sqnr_db if t[0].op_sqnr_db is not None else math.inf))
+    measured = ranked if screen <= 0 else ranked[:screen]
+    suffix = _suffix_session(model, index, one_by_one)
+    for trial, output in measured:
+        alive = {name: floats[name] for name in _alive_after(model, index)}
+        alive[node.output[0]] = output
+        produced = _run_batched(suffix, {i.name: alive[i.name] for i in suffix.get_inputs()}, count, one_by_one,
+                                input_shapes) if suffix else []
+        by_name = dict(zip([o.name for o in suffix.get_outputs()], produced)) if suffix else {}
+        actual = [by_name.get(name, alive.get(name)) for name in [o.name for o in model.graph.output]]
+        trial.loss, trial.sqnr_db = output_loss(reference, actual)
+        trial.metric_drop = score(actual) if score else None
+    return [trial for trial, _ in trials]
+
+
+def _run_batched(suffix, feeds: Dict[str, np.ndarray], count: int, one_by_one: bool = False,
+                 input_shapes: Optional[Dict[str, List[int]]] = None) -> List[np.ndarray]:
+    """All samples in one run, or one at a time when the graph has a batch of 1 baked in.
+    One at a time, the feeds are the samples' tensors concatenated (BatchRunner): sample i
+    is the i-th of ``count`` equal slices of axis 0, which is not always a batch axis (a
+    transformer's [tokens, channels] tensor); graph inputs get back their own shape
+    (``input_shapes``: a scalar stays a scalar)."""
+    if not one_by_one:
+        try:
+            values = suffix.run(None, feeds)
+            if all(v.ndim and v.shape[0] == count for v in values):
+                return values
+        except Exception:  # noqa: BLE001 - e.g. a Reshape to a fixed batch of 1
+            pass
+    rows = [suffix.run(None, unpack(feeds, i, count, input_shapes or {})) for i in range(count)]
+    return [np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j in range(len(rows[0]))]
+
+
+def fake_quantize_weight(weight: np.ndarray, node: onnx.NodeProto, settings: QdqSettings) -> np.ndarray:
+    """Symmetric int8 per output channel or per tensor (7-bit with reduce_range), dequantized."""
+    axis = WEIGHT_AXIS.get(node.op_type, 0)
+    if node.op_type == "Gemm":
+        axis = 0 if any(a.name == "transB" and a.i for a in node.attribute) else 1
+    limit = 63 if settings.reduce_range else 127
+    reduce_axes = tuple(a for a in range(weight.ndim) if a != axis or not settings.per_channel)
+    scale = np.max(np.abs(weight), axis=reduce_axes, keepdims=True) / limit
+    scale = np.where(scale > 0, scale, 1.0)
+    return (np.clip(np.round(weight / scale), -limit, limit) * scale).astype(weight.dtype)
+
+
+def _is_weight(node: onnx.NodeProto, name: str) -> bool:
+    return node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and list(node.input).index(name) == 1
+
+
+def _node_inputs(node: onnx.NodeProto) -> List[str]:
+    return [i for i in node.input if i]
+
+
+def _op_tensors(model: onnx.ModelProto, index: int) -> set:
+    initializers = {t.name for t in model.graph.initializer}
+    node = model.graph.node[index]
+    return {i for i in node.input if i and i not in initializers} | {node.output[0]}
+
+
+def _alive_after(model: onnx.ModelProto, index: int) -> set:
+    """Tensors computed up to node ``index`` (or graph inputs) that later nodes or the
+    graph outputs still need."""
+    initializers = {t.name for t in model.graph.initializer}
+    produced = {i.name for i in model.graph.input if i.name not in initializers}
+    for node in model.graph.node[:index + 1]:
+        produced.update(o for o in node.output if o)
+    later = {i for node in model.graph.node[index + 1:] for i in node.input if i}
+    later |= {o.name for o in model.graph.output}
+    return produced & later
+
+
+def _sqnr(expected: np.ndarray, actual: np.ndarray) -> Optional[float]:
+    noise = float(np.sum((expected.astype(np.float64) - actual) ** 2))
+    signal = float(np.sum(expected.astype(np.float64) ** 2))
+    return 10 * math.log10(signal / noise) if noise and signal else None
+
+
+def _suffix_session(model: onnx.ModelProto, index: int, one_by_one: bool):
+    """The graph after node ``index``, fed the tensors alive at that point (None when the
+    node is the last one); unless ``one_by_one``, with Reshapes freed to take a batch."""
+    later = list(model.graph.node[index + 1:])
+    if not later:
+        return None
+    alive = sorted(_alive_after(model, index))
+    used = {i for node in later for i in node.input}
+    inputs = [onnx.helper.make_tensor_value_info(name, elem_type(model, name), None) for name in alive
+              if name in used]
+    produced = {o for node in later for o in node.output}
+    outputs = [o for o in model.graph.output if o.name in produced]
+    weights = [t for t in model.graph.initializer if t.name in used]
+    suffix = onnx.helper.make_model(onnx.helper.make_graph(later, "suffix", inputs, outputs, initializer=weights),
+                                    opset_imports=list(model.opset_import))
+    suffix.ir_version = model.ir_version
+    for value in suffix.graph.input:
+        value.type.tensor_type.ClearField("shape")
+    if one_by_one:
+        return session(suffix, tiny=True)
+    batched = onnx.ModelProto()
+    batched.CopyFrom(suffix)
+    free_reshape_batch(batched)
+    try:
+        return session(batched, tiny=True)
+    except Exception:  # noqa: BLE001 - a Reshape whose leading 1 is not the batch (PP-OCRv4 rec)
+        return session(suffix, tiny=True)  # _run_batched then runs the samples one at a time

@@ -1,0 +1,323 @@
+"""One streaming pass over the calibration set: for every float activation the int8
+build may quantize, min, max and a histogram of |x|. Nothing grows with the number of
+samples except the few samples kept (``keep``) for comparing methods."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+import numpy as np
+import onnx
+
+from pipeline.precision.calibration.histogram import AbsHistogram
+from pipeline.data import Sample, pack, stack, unpack
+from pipeline.environment import own_threads
+from pipeline.errors import InputError
+from pipeline.model import signature
+from pipeline.shapes import shape_key
+
+ACTIVATION_BUDGET = 256 << 20  # bytes of activations held per group of samples
+
+
+@dataclass
+class Statistics:
+    histograms: Dict[str, AbsHistogram]
+    kept: Dict[str, np.ndarray] = field(default_factory=dict)  # tensor -> first samples, stacked
+    samples: int = 0
+    batch_size: int = 1
+    batch_note: str = ""  # why samples ran one at a time, when they did
+    # tensor -> [mean over samples of the sample's min, ... of its max] (range estimator mean_min_max)
+    sample_ranges: Dict[str, List[float]] = field(default_factory=dict)
+
+    def save(self, folder: Path) -> None:
+        meta = {"samples": self.samples, "batch_size": self.batch_size, "batch_note": self.batch_note,
+                "sample_ranges": self.sample_ranges, "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
+        (folder / "statistics.json").write_text(json.dumps(meta))
+        np.savez(folder / "kept.npz", **self.kept)
+
+    @classmethod
+    def load(cls, folder: Path) -> "Statistics":
+        meta = json.loads((folder / "statistics.json").read_text())
+        with np.load(folder / "kept.npz") as kept:
+            arrays = {key: kept[key] for key in kept.files}
+        return cls({n: AbsHistogram.from_json(h) for n, h in meta["histograms"].items()},
+                   arrays, meta["samples"], meta["batch_size"], meta.get("batch_note", ""),
+                   meta.get("sample_ranges", {}))
+
+
+def activation_names(model: onnx.ModelProto, around: Optional[Iterable[str]] = None) -> List[str]:
+    """Float tensors that depend on the graph inputs (weights and constant subgraphs are
+    not activations), in topological order; ``around``: only the inputs and outputs of
+    these op types and the outputs of the ops that read theirs (what an int8 build can
+    quantize: ONNX Runtime's quantizer also asks for the range of a Relu it fuses into the
+    Q/DQ of the op before it)."""
+    if around is not None:
+        kinds = set(around)
+        made = {o for node in model.graph.node if node.op_type in kinds for o in node.output}
+        touching = {t for node in model.graph.node if node.op_type in kinds for t in [*node.input, *node.output]}
+        touching.update(o for node in model.graph.node if made & set(node.input) for o in node.output)
+        return [n for n in activation_names(model) if n in touching]
+    initializers = {t.name for t in model.graph.initializer}
+    types = element_types(model)
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    reachable = set(names)
+    for node in model.graph.node:
+        if any(i in reachable for i in node.input):
+            outputs = [o for o in node.output if o]
+            reachable.update(outputs)
+            names += outputs
+    return [n for n in dict.fromkeys(names) if types.get(n) == onnx.TensorProto.FLOAT]
+
+
+def element_types(model: onnx.ModelProto) -> Dict[str, int]:
+    """The ONNX element type of every tensor the graph declares (inputs, value_info as the
+    convert stage inferred it, outputs)."""
+    return {v.name: v.type.tensor_type.elem_type
+            for v in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
+
+
+def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int = 2048,
+            batch_size: int = 16, keep: int = 4, progress=None, around: Optional[Iterable[str]] = None) -> Statistics:
+    """``around``: the op types whose tensors are measured (activation_names); None: all."""
+    model = onnx.load(str(model_path))
+    names = activation_names(model, around)
+    histograms = {name: AbsHistogram(bins) for name in names}
+    kept = _Kept(names, keep)
+    extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
+    runner = BatchRunner(model, names, batch_size)
+    batch: List[Sample] = []
+    pending: Dict[str, List[Sample]] = {}  # shape -> samples waiting: a batch stacks samples of one shape
+    seen = 0
+    group = 1  # the first sample alone measures how much memory a sample's activations take
+
+    def update(item):
+        name, value = item
+        per_sample = value.reshape(len(batch), -1) if value.size % len(batch) == 0 else value.reshape(1, -1)
+        lows, highs = (per_sample.min(axis=1), per_sample.max(axis=1)) if per_sample.size else (None, None)
+        try:
+            # the per-sample extremes give the range: one pass less over the values
+            histograms[name].update(value, None if lows is None else (float(lows.min()), float(highs.max())))
+        except ValueError as err:  # NaN/Inf inside the network, not in the data
+            raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples "
+                             f"{batch[0].name}..{batch[-1].name} ({err})") from err
+        if per_sample.size:
+            extremes[name] += (lows.sum() * len(batch) / len(per_sample), highs.sum() * len(batch) / len(per_sample))
+        kept.add(name, value)
+
+    def flush():
+        nonlocal seen, group
+        feeds = pack([s.feeds for s in batch])
+        values = runner.run(feeds, len(batch))
+        per_sample = sum(v.nbytes for v in values.values()) / len(batch)
+        # one sample at a time when the model takes no batch: grouping would only copy them together
+        group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
+        kept.start(batch)
+        # numpy releases the GIL in its loops: histograms of different tensors fill in parallel
+        list(pool.map(update, values.items()))
+        del values
+        seen += len(batch)
+        if progress:
+            progress(len(batch))
+        batch.clear()
+
+    with ThreadPoolExecutor(max_workers=own_threads()) as pool:
+        for sample in samples:
+            waiting = pending.setdefault(shape_key(sample.feeds), [])
+            waiting.append(sample)
+            if len(waiting) >= group:  # histograms update once per group, whatever the runner's batch
+                batch.extend(waiting)
+                waiting.clear()
+                flush()
+        for waiting in [samples for samples in pending.values() if samples]:
+            batch.extend(waiting)
+            flush()
+    stacked = {name: np.concatenate(parts) for name, parts in kept.values.items() if parts}
+    ranges = {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)] for name, (low, high) in extremes.items()}
+    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges)
+
+
+class _Kept:
+    """The values of every tensor for the first ``keep`` samples of one input shape, the
+    smallest seen: what auto compares methods on (each tensor's kept values must come from
+    the same samples, and the smallest shape is the cheapest to compare on)."""
+
+    def __init__(self, names: List[str], keep: int):
+        self.keep, self.names = keep, names
+        self.values: Dict[str, List[np.ndarray]] = {name: [] for name in names}
+        self.shape: Optional[str] = None
+        self.shape_feeds: Dict[str, np.ndarray] = {}
+        self.taking = False
+
+    def start(self, batch: List[Sample]) -> None:
+        """Before a batch's values: keep them when its shape is the kept one, or smaller."""
+        key = shape_key(batch[0].feeds)
+        if self.shape is None or _elements(batch[0].feeds) < _elements(self.shape_feeds):
+            self.values = {name: [] for name in self.names}
+            self.shape, self.shape_feeds = key, batch[0].feeds
+        self.taking = key == self.shape
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        room = self.keep - sum(len(part) for part in self.values[name])
+        if self.taking and room > 0:
+            self.values[name].append(value[:room])
+
+
+def _elements(feeds: Dict[str, np.ndarray]) -> int:
+    return sum(int(np.size(value)) for value in feeds.values())
+
+
+class BatchRunner:
+    """ONNX Runtime on the model with the named tensors as outputs (graph inputs among them
+    come straight from the feeds). Feeds and results are packed (pipeline.data.pack):
+    sample i is the i-th of equal slices of axis 0. Samples run as one batch, stacked on
+    each input's batch axis, when the model takes it: the first batch is checked against
+    its first sample run alone. Otherwise they run one at a time (batch_size 1, ``note``)."""
+
+    def __init__(self, model: onnx.ModelProto, names: List[str], batch_size: int):
+        self.model = model
+        self.specs = signature(model)
+        self.shapes = {spec.name: spec.shape for spec in self.specs}
+        self.names = [n for n in names if n not in self.shapes]  # what ORT computes
+        self.fed = [n for n in names if n in self.shapes]  # graph inputs asked for
+        self.batch_size = batch_size
+        self.note = ""
+        self._axes: Optional[Dict[str, int]] = None  # output -> the axis its batch came out on, once checked
+        self._session = self._open(batched=True) if batch_size > 1 and self.names else None
+        if self._session is None and self.names:
+            self._use_single("the model does not take a free batch dimension")
+
+    @property
+    def batch_on_axis0(self) -> bool:
+        """Batches are plain: every input and every output carries its batch on axis 0."""
+        return self.batch_size > 1 and all(s.batch_axis == 0 for s in self.specs) and \
+            all(axis == 0 for axis in (self._axes or {}).values())
+
+    def _use_single(self, why: str) -> None:
+        if self.batch_size > 1:
+            self.note = f"calibration runs one sample at a time: {why}"
+        self.batch_size = 1
+        self._session = self._open(batched=False)
+
+    def _open(self, batched: bool):
+        import onnxruntime as ort
+        from pipeline.backends.onnxruntime import untimed_options
+
+        augmented = onnx.ModelProto()
+        augmented.CopyFrom(self.model)
+        del augmented.graph.value_info[:]
+        del augmented.graph.output[:]
+        types = element_types(self.model)
+        for name in self.names:
+            augmented.graph.output.append(onnx.helper.make_tensor_value_info(
+                name, types.get(name, onnx.TensorProto.FLOAT), None))
+        if batched:
+            axes = {spec.name: spec.batch_axis for spec in self.specs}
+            for value in augmented.graph.input:
+                dims = value.type.tensor_type.shape.dim
+                if axes.get(value.name) is not None and axes[value.name] < len(dims):
+                    dims[axes[value.name]].Clear()
+                    dims[axes[value.name]].dim_param = "batch"
+            free_reshape_batch(augmented)
+            _forget_subgraph_shapes(augmented.graph)
+        options = untimed_options()
+        options.log_severity_level = 4
+        try:
+            return ort.InferenceSession(augmented.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - a model that cannot take a free batch axis
+            if batched:
+                return None
+            raise
+
+    def run(self, feeds: Dict[str, np.ndarray], count: int) -> Dict[str, np.ndarray]:
+        samples = [unpack(feeds, i, count, self.shapes) for i in range(count)] if self.names else []
+        values = self._run_batch(samples) if self.batch_size > 1 and samples else None
+        if values is None:
+            rows = [self._session.run(self.names, sample) for sample in samples]
+            values = {name: np.atleast_1d(rows[0][j]) if len(rows) == 1 else
+                      np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j, name in enumerate(self.names)}
+        values.update({name: np.atleast_1d(feeds[name]) for name in self.fed})
+        return values
+
+    def _run_batch(self, samples: List[Dict[str, np.ndarray]]) -> Optional[Dict[str, np.ndarray]]:
+        """The batch's values packed, or None (and one at a time from now on) when the
+        model does not batch these samples correctly."""
+        feeds = stack(samples, self.specs)
+        if feeds is None:
+            self.note = self.note or ("some samples ran one at a time: an input without a batch axis differs "
+                                      "between them")
+            return None
+        try:
+            batched = dict(zip(self.names, self._session.run(self.names, feeds)))
+            if len(samples) == 1:
+                return {name: np.atleast_1d(value) for name, value in batched.items()}
+            if self._axes is None:
+                alone = dict(zip(self.names, self._session.run(self.names, samples[0])))
+                self._axes = _batch_axes(batched, alone, len(samples))
+            packed = _packed(batched, self._axes, len(samples))
+        except Exception:  # noqa: BLE001 - e.g. a Reshape with a batch of 1 baked in
+            packed = None
+        if packed is None:
+            self._use_single("a batch of samples does not give each sample's own values (a batch of 1 baked "
+                             "into the graph, or ops that mix samples)")
+        return packed
+
+
+def _forget_subgraph_shapes(graph: onnx.GraphProto) -> None:
+    """Drop the shapes inside If/Loop/Scan bodies: inferred for batch 1, they would pin it."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                del body.value_info[:]
+                for output in body.output:
+                    output.type.tensor_type.ClearField("shape")
+                _forget_subgraph_shapes(body)
+
+
+def _batch_axes(batched: Dict[str, np.ndarray], alone: Dict[str, np.ndarray], count: int) -> Optional[Dict[str, int]]:
+    """For each output, the axis the batch came out on: the one axis where the batch's shape
+    is ``count`` times the first sample's, and the first slice there equals that sample.
+    None when an output has no such axis."""
+    axes = {}
+    for name, value in batched.items():
+        single = alone[name]
+        found = [a for a in range(single.ndim) if value.shape[a] == count * single.shape[a]
+                 and value.shape[:a] + value.shape[a + 1:] == single.shape[:a] + single.shape[a + 1:]]
+        if value.ndim != single.ndim or not found:
+            return None
+        first = np.take(value, range(single.shape[found[0]]), axis=found[0])
+        scale = float(np.max(np.abs(single))) if single.size and single.dtype.kind == "f" else 1.0
+        # batched kernels differ a little from single-sample ones; mixed-up samples differ a lot
+        if not np.allclose(first, single, rtol=1e-3, atol=1e-3 * max(scale, 1e-6), equal_nan=True):
+            return None
+        axes[name] = found[0]
+    return axes
+
+
+def _packed(batched: Dict[str, np.ndarray], axes: Optional[Dict[str, int]],
+            count: int) -> Optional[Dict[str, np.ndarray]]:
+    """Batch values in the packed form: each sample's slice on its batch axis, on axis 0."""
+    if axes is None or any(batched[n].shape[axes[n]] % count for n in batched):
+        return None
+    return {name: value if axes[name] == 0 else np.concatenate(np.split(value, count, axis=axes[name]))
+            for name, value in batched.items()}
+
+
+def free_reshape_batch(model: onnx.ModelProto) -> None:
+    """Reshape targets exported for batch 1 ([1, ...]) copy the batch dim instead (0 means
+    "copy this dim" in ONNX Reshape): the same result for one sample, and a batch can
+    flow through. A model where this is wrong fails the batch check and runs one by one."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for index, node in enumerate(model.graph.node):
+        shape = initializers.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
+        if shape is None or any(a.name == "allowzero" and a.i for a in node.attribute):
+            continue
+        target = onnx.numpy_helper.to_array(shape).copy()
+        if target.ndim == 1 and target.size and target[0] == 1:
+            target[0] = 0
+            name = f"{shape.name}__batch_free_{index}"
+            model.graph.initializer.append(onnx.numpy_helper.from_array(target, name))
+            node.input[1] = name

@@ -1,0 +1,504 @@
+"""INT8 QDQ models from parity's calibration table, through ONNX Runtime's quantizer
+(fed parity's ranges via its calibration-cache file, so ORT computes no ranges itself)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from pipeline import backends
+from pipeline.errors import InputError, first_line
+
+RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
+
+
+def activation_range(entry: dict, activations: str) -> Tuple[float, float]:
+    """The [low, high] an activation is quantized over: symmetric +-threshold for int8;
+    for uint8 the observed [min, max] clipped to +-threshold, always containing 0."""
+    threshold = max(float(entry["threshold"]), RANGE_FLOOR)
+    if activations == "int8":
+        return -threshold, threshold
+    low = min(max(float(entry["min"]), -threshold), 0.0)
+    high = max(min(float(entry["max"]), threshold), 0.0)
+    if high - low < RANGE_FLOOR:
+        high = low + RANGE_FLOOR
+    return low, high
+
+
+def scale_and_zero_point(entry: dict, activations: str) -> Tuple[np.float32, int]:
+    """The scale and zero point ONNX Runtime's quantizer writes for an activation with this
+    table entry (its compute_scale_zp: float32 range ends that include 0, a float64 scale,
+    the zero point rounded half to even; symmetric for int8). Every fake quantization
+    (calibration=auto, the mixed search) uses these: a zero point of 128 where the build
+    has 127 (float64 arithmetic on a symmetric range) moved PP-OCRv4 rec's cosine by 0.03."""
+    qmin, qmax = (-127, 127) if activations == "int8" else (0, 255)  # symmetric int8: the restricted range
+    low, high = (np.float32(v) for v in activation_range(entry, activations))
+    low, high = min(low, np.float32(0)), max(high, np.float32(0))
+    if activations == "int8":
+        low, high = -max(-low, high), max(-low, high)
+    scale = (np.float64(high) - np.float64(low)) / np.float64(qmax - qmin)
+    zero = 0 if activations == "int8" else int(np.round(qmin - low / scale))
+    return np.float32(scale), zero
+
+
+def ort_tensors_data(table: Dict[str, dict], activations: str):
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+
+    ranges = {}
+    for name, entry in table.items():
+        low, high = activation_range(entry, activations)
+        ranges[name] = TensorData(lowest=np.float32(low), highest=np.float32(high))
+    return TensorsData(CalibrationMethod.MinMax, ranges)
+
+
+def write_ort_cache(table: Dict[str, dict], activations: str, path: Path) -> None:
+    """ONNX Runtime's own calibration-cache JSON (quantize_static(calibration_cache_path=...))."""
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    save_tensors_data(ort_tensors_data(table, activations), path)
+
+
+def needs_reduce_range() -> bool:
+    """u8 x s8 int8 kernels use VPMADDUBSW on x86 CPUs without VNNI, whose 16-bit
+    intermediate sums saturate (ONNX Runtime's quantization docs); 7-bit weights avoid it.
+    Measured here for ONNX Runtime and OpenVINO alike (docs/calibration.md)."""
+    from pipeline.environment import cpu
+
+    info = cpu()
+    vnni = {"avx512_vnni", "avx_vnni", "amx_int8"} & set(info["flags"])
+    return info["machine"] in ("x86_64", "AMD64") and not vnni
+
+
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+@dataclass(frozen=True)
+class QdqSettings:
+    """How the QDQ model is quantized: activation type, weight granularity, 7-bit weights,
+    which op types get quantized inputs, and whether their outputs are quantized too."""
+
+    activations: str = "uint8"
+    per_channel: bool = True
+    reduce_range: bool = False
+    quantize_ops: Tuple[str, ...] = WEIGHTED_OPS
+    quantize_outputs: bool = True
+
+    @classmethod
+    def resolve(cls, precision, backend: str) -> "QdqSettings":
+        """From a PrecisionConfig; nulls resolved for this machine and this backend: outputs
+        quantized unless the backend's ``qdq_placement`` is "inputs" (its int8 comes from
+        quantized op inputs alone, OpenVINO's low-precision transformations; ONNX Runtime
+        fuses DequantizeLinear -> op -> QuantizeLinear into its int8 kernels and runs the op
+        in float when the output Q is missing)."""
+        reduce_range = needs_reduce_range() if precision.reduce_range is None else precision.reduce_range
+        outputs = precision.quantize_outputs
+        if outputs is None:
+            outputs = backends.capabilities(backend).qdq_placement != "inputs"
+        return cls(precision.activations.value, precision.per_channel, reduce_range,
+                   tuple(precision.quantize_ops), outputs)
+
+    def describe(self) -> dict:
+        return {"weights": "int8 symmetric, " + ("per channel" if self.per_channel else "per tensor"),
+                "activations": self.activations + (" symmetric" if self.activations == "int8" else " asymmetric")
+                + ", per tensor", "bias": "int32", "reduce_range": self.reduce_range,
+                "quantized_ops": list(self.quantize_ops),
+                "quantized": "inputs and outputs" if self.quantize_outputs else "inputs"}
+
+
+def _is_depthwise(node, weights: Dict[str, tuple]) -> bool:
+    """A Conv whose every group has one input channel (weight shape [C_out, 1, ...]) and
+    more than one group."""
+    group = next((attr.i for attr in node.attribute if attr.name == "group"), 1)
+    shape = weights.get(node.input[1]) if len(node.input) > 1 else None
+    return node.op_type == "Conv" and group > 1 and shape is not None and len(shape) > 1 and shape[1] == 1
+
+
+# op kinds a backend may keep in float in its int8 builds (Capabilities.float_op_kinds)
+OP_KINDS = {"depthwise": _is_depthwise}
+
+
+def backend_float_ops(backend, target, model, quantize_ops) -> list:
+    """The model's quantized ops (of ``quantize_ops`` types) that the backend's int8 builds
+    keep in float for this target (backends.float_op_kinds), in graph order: what build,
+    sensitivity and verify's int8 baseline all keep float."""
+    return ops_of_kinds(model, backends.float_op_kinds(backend, target), quantize_ops)
+
+
+def ops_of_kinds(model, kinds: Iterable[str], op_types: Iterable[str]) -> List[str]:
+    """Names of the model's ops of these kinds (OP_KINDS) among ``op_types`` (the quantized
+    op types), in graph order."""
+    weights = {init.name: tuple(init.dims) for init in model.graph.initializer}
+    tests, op_types = [OP_KINDS[kind] for kind in kinds], set(op_types)
+    return [node.name for node in model.graph.node
+            if node.op_type in op_types and any(test(node, weights) for test in tests)]
+
+
+def int8_op_count(model) -> int:
+    """Ops of WEIGHTED_OPS that read a dequantized input: how many ops a QDQ model runs int8."""
+    dequantized = {out for node in model.graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    return sum(node.op_type in WEIGHTED_OPS and any(name in dequantized for name in node.input)
+               for node in model.graph.node)
+
+
+class QuantizerFailed(InputError):
+    """ONNX Runtime's quantizer raised on a valid model; the message names the op and the
+    setting that avoids it. The run still writes its report (``partial``: the finished
+    stages' records and results, set by the stage that ran the quantizer)."""
+
+    label = "cannot quantize"
+    partial = None
+
+    def with_run(self, ctx) -> "QuantizerFailed":
+        self.partial = (ctx.records, ctx.results)
+        return self
+
+
+def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings: QdqSettings = QdqSettings(),
+              keep_float: Iterable[str] = ()) -> List[dict]:
+    """Weights symmetric int8 (per channel by default), activations per tensor, bias int32,
+    only at the op types of ``settings.quantize_ops``; nodes named in keep_float stay in
+    float. The model's outputs stay float. Returns the Gemm biases reshaped for the
+    quantizer (gemm_bias_fixes)."""
+    import onnx
+
+    prepared = onnx.load(str(model_path))
+    keep_float = list(keep_float)
+    onnx.save(MixedModels(prepared, table, settings, always_float=keep_float).build(keep_float), str(out_path))
+    return [{"op": node, "bias_from": list(old), "bias_to": [size]}
+            for node, _, old, size in gemm_bias_fixes(prepared)] if settings.per_channel else []
+
+
+def gemm_bias_fixes(model) -> List[tuple]:
+    """Gemm ops whose bias C is an initializer of shape (1, N), (1, 1), (1,) or () with the
+    weight an initializer: (op name, bias name, old shape, N). C is broadcast to (M, N), so
+    a C with one row is the same as the (N,) vector, the one shape ONNX Runtime's
+    quantizer handles with per-channel weights (it raises on the others, ORT 1.31)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    found = []
+    for node in model.graph.node:
+        if node.op_type != "Gemm" or len(node.input) < 3 or node.input[1] not in initializers \
+                or node.input[2] not in initializers:
+            continue
+        dims = list(initializers[node.input[2]].dims)
+        transposed = any(a.name == "transB" and a.i for a in node.attribute)
+        weight = list(initializers[node.input[1]].dims)
+        columns = weight[0] if transposed else weight[-1]
+        one_row = (len(dims) == 2 and dims[0] == 1 and dims[1] in (1, columns)) or dims in ([], [1])
+        if one_row and len(weight) == 2 and dims != [columns]:
+            found.append((node.name, node.input[2], dims, columns))
+    return found
+
+
+def flatten_gemm_bias(model) -> None:
+    """Rewrite the biases gemm_bias_fixes finds as (N,) vectors, in place (a bias another
+    node also reads gets a copy of its own)."""
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in model.graph.initializer}
+    readers: Dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    nodes = {node.name: node for node in model.graph.node}
+    for op, bias, _, columns in gemm_bias_fixes(model):
+        values = numpy_helper.to_array(initializers[bias]).reshape(-1)
+        name = bias if readers[bias] == 1 else f"{bias}_{op}_vector"
+        flat = numpy_helper.from_array(np.broadcast_to(values, (columns,)).copy(), name)
+        if name == bias:
+            initializers[bias].CopyFrom(flat)
+        else:
+            model.graph.initializer.append(flat)
+        nodes[op].input[2] = name
+
+
+FLOAT_TYPES = (1, 10, 11, 16)  # ONNX FLOAT, FLOAT16, DOUBLE, BFLOAT16
+
+
+def decision_ops(model, quantize_ops: Iterable[str]) -> List[str]:
+    """Ops of the quantized types that produce an integer or boolean output (ArgMax, TopK
+    indices, comparisons, casts to int): kept float, an int8 input would change decisions
+    (ties, near ties) that verify compares exactly."""
+    from pipeline.precision.calibration.statistics import element_types
+
+    types, kinds = element_types(model), set(quantize_ops)
+    return [node.name for node in model.graph.node if node.op_type in kinds
+            and any(types.get(o, 1) not in FLOAT_TYPES for o in node.output if o)]
+
+
+class MixedModels:
+    """QDQ models of one prepared model and one table with different ops kept in float.
+    ONNX Runtime's quantizer runs once, for the all-int8 model; each mixed model is derived
+    from it (keep_in_float), identical to what the quantizer builds with those ops
+    excluded. Where the quantized op types include ops the quantizer rewrites beyond
+    adding Q/DQ pairs (it fuses a quantized Relu into its QuantizeLinear), the quantizer
+    builds every mixed model itself."""
+
+    def __init__(self, prepared, table: Dict[str, dict], settings: QdqSettings, always_float: Iterable[str] = ()):
+        """always_float: ops float in every model (precision.keep_float), left out of the
+        quantizer's own run too (names the prepared graph lacks are ignored)."""
+        self.prepared, self.table, self.settings = prepared, table, settings
+        names = {node.name for node in prepared.graph.node}
+        self.always_float = sorted((set(always_float) | set(decision_ops(prepared, settings.quantize_ops))) & names)
+        self._all_int8 = None
+
+    def build(self, keep_float: Iterable[str] = ()):
+        keep_float = sorted(set(keep_float) | set(self.always_float))
+        if keep_float and not set(self.settings.quantize_ops) <= set(WEIGHTED_OPS):
+            return quantize_static_qdq(self.prepared, self.table, self.settings, keep_float)
+        if self._all_int8 is None:
+            self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings, self.always_float)
+        return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings)
+
+
+def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings, keep_float: Iterable[str] = ()):
+    """ONNX Runtime's quantizer fed parity's ranges; output Q/DQ pairs that only round what
+    the user reads are removed. With per-channel weights, one-row Gemm biases are given as
+    vectors first (flatten_gemm_bias). A quantizer failure is a QuantizerFailed naming the
+    op and the setting that avoids it."""
+    import onnx
+
+    source = onnx.ModelProto()
+    source.CopyFrom(prepared)
+    if settings.per_channel:
+        flatten_gemm_bias(source)
+    keep_float = list(keep_float)
+    try:
+        model = _run_quantizer(source, table, settings, keep_float)
+    except Exception as err:  # noqa: BLE001 - ORT's quantizer raises bare numpy/Python errors
+        raise _explain_failure(source, table, settings, keep_float, err) from err
+    strip_output_qdq(model)
+    return model
+
+
+def _run_quantizer(source, table: Dict[str, dict], settings: QdqSettings, keep_float: Sequence[str]):
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    symmetric = settings.activations == "int8"
+    options = {"WeightSymmetric": True, "ActivationSymmetric": symmetric}
+    if not settings.quantize_outputs:
+        options["OpTypesToExcludeOutputQuantization"] = list(settings.quantize_ops)
+    with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
+        cache, model_in, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
+        write_ort_cache(table, settings.activations, cache)
+        onnx.save(source, str(model_in))
+        quiet = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)  # ORT logs advice on the root logger
+        try:
+            quantize_static(
+                str(model_in), str(out), None,
+                calibration_cache_path=str(cache),
+                calibrate_method=CalibrationMethod.MinMax,
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=list(settings.quantize_ops),
+                per_channel=settings.per_channel,
+                reduce_range=settings.reduce_range,
+                activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=list(keep_float),
+                extra_options=options,
+            )
+        finally:
+            logging.getLogger().setLevel(quiet)
+        return onnx.load(str(out))
+
+
+def _explain_failure(source, table, settings: QdqSettings, keep_float: Sequence[str], err) -> QuantizerFailed:
+    """The op whose quantization alone fails (ONNX Runtime's errors name none), and whether
+    per-tensor weights avoid it."""
+    from dataclasses import replace
+
+    ops = [n.name for n in source.graph.node if n.op_type in settings.quantize_ops and n.name not in keep_float]
+
+    def fails(subset: Sequence[str], settings: QdqSettings = settings) -> bool:
+        try:
+            _run_quantizer(source, table, settings, [*keep_float, *(op for op in ops if op not in subset)])
+        except Exception:  # noqa: BLE001 - the same failure, or another one of that op
+            return True
+        return False
+
+    culprit = _first_failing(ops, fails)
+    said = first_line(err)
+    if culprit is None:
+        return QuantizerFailed(f"ONNX Runtime's quantizer fails on this model ({type(err).__name__}: {said}) and on "
+                               "no single op alone; try precision.per_channel=false, or precision=fp32")
+    op_type = next(n.op_type for n in source.graph.node if n.name == culprit)
+    per_tensor = settings.per_channel and not fails([culprit], replace(settings, per_channel=False))
+    fix = (f"precision.per_channel=false or 'precision.keep_float=[{culprit}]' avoids it" if per_tensor
+           else f"'precision.keep_float=[{culprit}]' avoids it")
+    return QuantizerFailed(f"ONNX Runtime's quantizer fails on op {culprit!r} ({op_type}): "
+                           f"{type(err).__name__}: {said}; {fix}")
+
+
+def _first_failing(ops: List[str], fails: Callable[[Sequence[str]], bool]) -> Optional[str]:
+    """The op that fails when quantized alone, halving the candidates at each step (a
+    failure is taken to come from one op); None when the one found does not fail alone."""
+    while len(ops) > 1:
+        half = ops[:len(ops) // 2]
+        ops = half if fails(half) else ops[len(ops) // 2:]
+    return ops[0] if ops and fails(ops) else None
+
+
+def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSettings):
+    """A copy of ``quantized`` (every op of WEIGHTED_OPS in int8) with the ops named in
+    ``float_ops`` back in float: their weights and biases are the prepared model's, and an
+    activation keeps its Q/DQ pair only while an op still in int8 produces (with output
+    quantization) or reads it, which is where ONNX Runtime's quantizer puts pairs for
+    ``nodes_to_exclude=float_ops`` (checked graph for graph in tests/test_quantize.py).
+    Deriving a mixed model costs milliseconds where re-running the quantizer costs a third
+    of a second on PP-OCR, and the selection in stages/sensitivity.py measures dozens."""
+    import onnx
+
+    float_ops = set(float_ops)
+    model = onnx.ModelProto()
+    model.CopyFrom(quantized)
+    if not float_ops:
+        return model
+    graph = model.graph
+    nodes = {node.name: node for node in graph.node}
+    original = {node.name: node for node in prepared.graph.node}
+    absent = sorted(float_ops - nodes.keys())
+    if absent:
+        raise KeyError(f"no op named {absent[0]!r} in the quantized model")
+    weights = {init.name: init for init in prepared.graph.initializer}
+    in_int8 = {node.name for node in graph.node
+               if node.op_type in settings.quantize_ops and node.name not in float_ops}
+    producer = {out: node for node in graph.node for out in node.output}
+
+    restored = []  # (node, input index, float initializer name): set once their DQ is gone
+    for name in float_ops:
+        node = nodes[name]
+        for index, was in enumerate(original[name].input):
+            now = producer.get(node.input[index])
+            if was in weights and now is not None and now.op_type == "DequantizeLinear":
+                restored.append((node, index, was))
+                node.input[index] = ""
+    _drop_unneeded_pairs(graph, in_int8, settings.quantize_outputs)
+    _remove_dead_qdq(graph)
+    taken = {out for node in graph.node for out in node.output} | {i.name for i in graph.initializer} | \
+        {i.name for i in graph.input}
+    added: Dict[str, str] = {}
+    for node, index, was in restored:
+        if was not in added:
+            added[was] = was if was not in taken else _fresh_name(f"{was}_float", taken)
+            taken.add(added[was])
+            copy = graph.initializer.add()
+            copy.CopyFrom(weights[was])
+            copy.name = added[was]
+        node.input[index] = added[was]
+    return model
+
+
+def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool) -> None:
+    """Remove each activation's Q -> DQ pair unless an int8 op produces the activation (and
+    outputs are quantized) or reads the pair's result; its readers get the float tensor."""
+    from collections import defaultdict
+
+    producer = {out: node for node in graph.node for out in node.output}
+    readers = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    outputs = {o.name for o in graph.output}
+    for quantize in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
+        source = quantize.input[0]
+        made_by = producer.get(source)
+        if quantize_outputs and made_by is not None and made_by.name in in_int8:
+            continue
+        dequantized = [dq.output[0] for dq in readers[quantize.output[0]] if dq.op_type == "DequantizeLinear"]
+        if any(name in outputs for name in dequantized) or \
+                any(reader.name in in_int8 for name in dequantized for reader in readers[name]):
+            continue
+        for name in dequantized:
+            for reader in readers[name]:
+                for index, value in enumerate(reader.input):
+                    if value == name:
+                        reader.input[index] = source
+
+
+def _remove_dead_qdq(graph) -> None:
+    """Q/DQ nodes whose results nobody reads, and the initializers only they read."""
+    outputs = {o.name for o in graph.output}
+    before = {name for node in graph.node for name in node.input}
+    while True:
+        read = {name for node in graph.node for name in node.input} | outputs
+        dead = [node for node in graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and not any(out in read for out in node.output)]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    _drop_unread_initializers(graph, before)
+
+
+def _drop_unread_initializers(graph, before: set) -> None:
+    """Initializers that were read (names in ``before``) and no longer are."""
+    read = {name for node in graph.node for name in node.input}
+    for init in [i for i in graph.initializer if i.name in before and i.name not in read]:
+        graph.initializer.remove(init)
+
+
+def _fresh_name(base: str, taken: set) -> str:
+    name, number = base, 1
+    while name in taken:
+        number += 1
+        name = f"{base}_{number}"
+    return name
+
+
+def strip_output_qdq(model) -> int:
+    """Remove QuantizeLinear -> DequantizeLinear pairs whose result is a graph output: they
+    save no compute and only round what the user reads. Returns how many were removed."""
+    outputs = {o.name for o in model.graph.output}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    read = {name for node in model.graph.node for name in node.input}
+    removed = 0
+    for name in outputs:
+        dequantize = producer.get(name)
+        quantize = producer.get(dequantize.input[0]) if dequantize is not None and dequantize.op_type == "DequantizeLinear" else None
+        if quantize is None or quantize.op_type != "QuantizeLinear":
+            continue
+        source = quantize.input[0]
+        if any(source in n.input for n in model.graph.node if n is not quantize) or source in outputs:
+            continue  # the float tensor is used elsewhere too: leave the graph as it is
+        producer[source].output[list(producer[source].output).index(source)] = name
+        model.graph.node.remove(quantize)
+        model.graph.node.remove(dequantize)
+        removed += 1
+    if removed:
+        _drop_unread_initializers(model.graph, before=read)
+    return removed
+
+
+def prepare(model_path: Path, out_path: Path) -> None:
+    """The graph that gets calibrated and quantized: ONNX Runtime's quantization
+    pre-processing at its basic level (constant folding, BatchNorm folded into Conv),
+    which keeps standard ONNX ops only. Symbolic shape inference is skipped: it fails on
+    some exported models (shared/findings.md) and convert already inferred shapes. A
+    float16 model is widened to float32 first, its float16 inputs and outputs kept by
+    casts (pipeline/precision/float32.py): the quantizer cannot type its own casts otherwise."""
+    import onnx
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from pipeline.precision import float32
+
+    original = onnx.load(str(model_path))
+    if float32.has_float16(original):
+        onnx.save(float32.widened(original), str(out_path))
+        model_path = out_path
+    quant_pre_process(str(model_path), str(out_path), skip_symbolic_shape=True)
+    from pipeline.precision.fp16 import name_nodes
+
+    model = onnx.load(str(out_path))
+    name_nodes(model)
+    used = {node.domain or "" for node in model.graph.node}
+    kept = [o for o in model.opset_import if (o.domain or "") in used | {""}]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    onnx.save(model, str(out_path))
+

@@ -1,0 +1,2 @@
+"""What leaves the run folder: bundles and their manifests, signatures, archives, compile
+caches, sweeps and releases."""

@@ -1,0 +1,248 @@
+"""Output agreement metrics, accumulated one sample at a time (memory does not grow
+with the number of samples), and their comparison with thresholds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List
+
+import numpy as np
+
+from pipeline.config.schemas import OutputThresholds
+
+FIRST_MISMATCHES = 5  # sample indices listed for an integer output that changed
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    norm = math.sqrt(float(a @ a) * float(b @ b))
+    if norm == 0.0:
+        return 1.0 if not a.any() and not b.any() else 0.0
+    return float(a @ b) / norm
+
+
+@dataclass
+class OutputStats:
+    """Streaming agreement between a reference output and a target output."""
+
+    dot: float = 0.0
+    ref_sq: float = 0.0
+    out_sq: float = 0.0
+    err_sq: float = 0.0
+    err_abs: float = 0.0
+    max_abs: float = 0.0
+    elements: int = 0
+    nan: int = 0
+    inf: int = 0
+    reference_nan: int = 0
+    reference_inf: int = 0
+    reference_max_abs: float = 0.0
+    max_rel: float = 0.0  # max |target - reference| / |reference|; inf where the reference is 0
+    sample_cosine: List[float] = field(default_factory=list)
+    sample_max_abs: List[float] = field(default_factory=list)
+    # integer and boolean outputs (class ids, masks, counts) are compared exactly
+    exact: bool = False
+    changed: int = 0  # elements that differ
+    mismatched: List[int] = field(default_factory=list)  # indices of the samples with a change
+
+    def update(self, reference: np.ndarray, output: np.ndarray) -> None:
+        if np.asarray(reference).dtype.kind in "biu":
+            self._count_changes(np.asarray(reference), np.asarray(output))
+        ref = np.asarray(reference, dtype=np.float64).ravel()
+        out = np.asarray(output, dtype=np.float64).ravel()
+        if ref.shape != out.shape:
+            raise ValueError(f"shape {np.shape(output)} differs from the reference's {np.shape(reference)}")
+        finite_ref, finite_out = np.isfinite(ref), np.isfinite(out)
+        if not (finite_ref.all() and finite_out.all()):
+            if finite_ref.any():  # the reference's own peak, also where the target overflowed
+                self.reference_max_abs = max(self.reference_max_abs, float(np.abs(ref[finite_ref]).max()))
+            self.nan += int(np.isnan(out).sum())
+            self.inf += int(np.isinf(out).sum())
+            self.reference_nan += int(np.isnan(ref).sum())
+            self.reference_inf += int(np.isinf(ref).sum())
+            finite = finite_ref & finite_out
+            ref, out = ref[finite], out[finite]
+        self.elements += int(finite_ref.size)
+        if not ref.size:
+            self.sample_cosine.append(0.0)
+            self.sample_max_abs.append(0.0)
+            return
+        diff = np.abs(out - ref)
+        ref_abs = np.abs(ref)
+        dot, ref_sq, out_sq = float(ref @ out), float(ref @ ref), float(out @ out)
+        self.dot += dot
+        self.ref_sq += ref_sq
+        self.out_sq += out_sq
+        self.err_sq += float(diff @ diff)
+        self.err_abs += float(diff.sum())
+        sample_max = float(diff.max())
+        self.max_abs = max(self.max_abs, sample_max)
+        self.reference_max_abs = max(self.reference_max_abs, float(ref_abs.max()))
+        zero = ref_abs == 0
+        relative = np.divide(diff, ref_abs, out=np.zeros_like(diff), where=~zero)
+        self.max_rel = max(self.max_rel, float(relative.max()))
+        if (diff[zero] > 0).any():  # no relative tolerance covers an error on a zero
+            self.max_rel = math.inf
+        norm = math.sqrt(ref_sq * out_sq)
+        self.sample_cosine.append(dot / norm if norm else (1.0 if ref_sq == out_sq == 0 else 0.0))
+        self.sample_max_abs.append(sample_max)
+
+    def _count_changes(self, reference: np.ndarray, output: np.ndarray) -> None:
+        self.exact = True
+        if reference.shape != output.shape:
+            return  # update() raises with both shapes
+        changed = int(np.count_nonzero(reference != output))
+        if changed:
+            self.changed += changed
+            self.mismatched.append(len(self.sample_cosine))
+
+    def result(self) -> dict:
+        found = self._float_result()
+        if self.exact:
+            samples = len(self.sample_cosine)
+            found.update({"exact": True, "changed": self.changed, "mismatched_samples": len(self.mismatched),
+                          "agreement": 1.0 - len(self.mismatched) / samples if samples else None,
+                          "first_mismatches": self.mismatched[:FIRST_MISMATCHES]})
+        return found
+
+    def _float_result(self) -> dict:
+        norm = math.sqrt(self.ref_sq * self.out_sq)
+        total_cos = self.dot / norm if norm else (1.0 if self.ref_sq == self.out_sq == 0 else 0.0)
+        return {
+            "cosine": total_cos,
+            "min_sample_cosine": min(self.sample_cosine) if self.sample_cosine else None,
+            "max_abs": self.max_abs,
+            "mean_abs": self.err_abs / self.elements if self.elements else None,
+            "rel_l2": math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq else (0.0 if self.err_sq == 0 else None),
+            # None: infinite, the outputs are identical
+            "sqnr_db": 10 * math.log10(self.ref_sq / self.err_sq) if self.err_sq and self.ref_sq else None,
+            "nan": self.nan, "inf": self.inf,
+            "reference_nan": self.reference_nan, "reference_inf": self.reference_inf,
+            "elements": self.elements,
+        }
+
+
+def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
+    """Which thresholds the metrics miss; NaN/Inf never pass. An integer or boolean output
+    is judged by its agreement alone (samples whose values all equal the reference's; every
+    sample by default, ``min_agreement``), never by cosine or errors."""
+    if metrics.get("exact"):
+        return _exact_failures(metrics, limits)
+    failed = []
+    if metrics["nan"] or metrics["inf"]:
+        failed.append(f"{metrics['nan']} NaN and {metrics['inf']} Inf values in the output")
+    if limits.min_cosine is not None and not metrics["cosine"] >= limits.min_cosine:
+        failed.append(f"cosine {metrics['cosine']:.6f} < {limits.min_cosine}")
+    if limits.max_abs_error is not None and not metrics["max_abs"] <= limits.max_abs_error:
+        failed.append(f"max abs error {metrics['max_abs']:.3g} > {limits.max_abs_error}")
+    if limits.max_mean_abs_error is not None and not (metrics["mean_abs"] or 0.0) <= limits.max_mean_abs_error:
+        failed.append(f"mean abs error {metrics['mean_abs']:.3g} > {limits.max_mean_abs_error}")
+    sqnr = metrics["sqnr_db"]
+    if limits.min_sqnr_db is not None and sqnr is not None and not sqnr >= limits.min_sqnr_db:
+        failed.append(f"SQNR {sqnr:.1f} dB < {limits.min_sqnr_db} dB")
+    return failed
+
+
+def _exact_failures(metrics: dict, limits: OutputThresholds) -> List[str]:
+    needed = 1.0 if limits.min_agreement is None else limits.min_agreement
+    agreement = metrics["agreement"]
+    if agreement is None or agreement >= needed:
+        return []
+    where = ", ".join(str(i) for i in metrics["first_mismatches"])
+    more = metrics["mismatched_samples"] - len(metrics["first_mismatches"])
+    return [f"{metrics['changed']} values changed in {metrics['mismatched_samples']} samples (agreement "
+            f"{agreement:.4f} < {needed}; samples {where}{f', +{more} more' if more > 0 else ''})"]
+
+
+def output_failures(run, samples, expected, thresholds_for) -> List[str]:
+    """Each sample through ``run`` (feeds -> outputs), its outputs compared with the
+    ``expected`` ones: one line per failed threshold ("output NAME: what failed"), a line
+    for an output the run did not produce, and one when nothing was compared."""
+    stats = {}
+    missing = set()
+    for feeds, reference in zip(samples, expected):
+        actual = run(feeds)
+        for name, value in reference.items():
+            if name in actual:
+                stats.setdefault(name, OutputStats()).update(value, actual[name])
+            else:
+                missing.add(name)
+    if not stats:
+        return ["no output was compared"]
+    return [f"output {name} was not produced" for name in sorted(missing)] + [
+        f"output {name}: {failure}" for name, output in stats.items()
+        for failure in failures(output.result(), thresholds_for(name))]
+
+
+def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
+    """Median and spread of repeated single-sample runs, after warm-up runs."""
+    import time
+
+    for _ in range(warmup):
+        run(feeds)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run(feeds)
+        times.append((time.perf_counter() - started) * 1000)
+    p25, median, p75 = (float(v) for v in np.percentile(times, [25, 50, 75]))
+    return {"median_ms": median, "min_ms": min(times), "max_ms": max(times), "p25_ms": p25, "p75_ms": p75,
+            "runs": repeats}
+
+
+def throughput(runners, feeds, warmup: int = 3, repeats: int = 20, rounds: int = 5, min_round_s: float = 0.05) -> dict:
+    """Inferences per second with the session's concurrent requests (``runners``: the
+    session's ``parallel_runners()``, one per request the runtime runs best with, where its
+    backend declares them; else ``[session.run]``), each request in its own thread;
+    a round lasts until every request ran ``repeats`` inferences and ``min_round_s`` passed
+    (tiny models would otherwise time thread start-up). Median and quartiles over rounds."""
+    import threading
+    import time
+
+    for runner in runners:
+        for _ in range(warmup):
+            runner(feeds)
+
+    def loop(runner, counts, index, deadline):
+        while counts[index] < repeats or time.perf_counter() < deadline:
+            runner(feeds)
+            counts[index] += 1
+
+    rates, total = [], 0
+    for _ in range(rounds):
+        counts = [0] * len(runners)
+        started = time.perf_counter()
+        threads = [threading.Thread(target=loop, args=(runner, counts, i, started + min_round_s))
+                   for i, runner in enumerate(runners)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        rates.append(sum(counts) / (time.perf_counter() - started))
+        total += sum(counts)
+    p25, median, p75 = (float(v) for v in np.percentile(rates, [25, 50, 75]))
+    return {"throughput": median, "p25_throughput": p25, "p75_throughput": p75, "requests": len(runners),
+            "runs": total}
+
+
+def startup(load, variants: dict, feeds, rounds: int = 3) -> dict:
+    """Seconds from loading a session to the end of its first inference, for each named
+    settings variant (e.g. with and without a compile cache), median over ``rounds``
+    alternating rounds in one process whose runtime is already imported and initialised;
+    and the compile-cache status each variant's session reported."""
+    import statistics
+    import time
+
+    times = {name: [] for name in variants}
+    status = {}
+    for _ in range(rounds):
+        for name, settings in variants.items():
+            started = time.perf_counter()
+            session = load(settings)
+            session.run(feeds)
+            times[name].append(time.perf_counter() - started)
+            status[name] = session.effective().get("compile_cache")
+            del session
+    return {"seconds": {name: statistics.median(values) for name, values in times.items()},
+            "compile_cache": status, "rounds": rounds}

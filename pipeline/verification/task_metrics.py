@@ -1,0 +1,518 @@
+"""Task metrics: what a user's model is for (top-1, text, masks, numbers), measured on the
+validation set for the fp32 reference and every build, as a Hydra ``metric`` config group.
+
+The interface (docs/metrics.md), the same for the built-ins and for user code::
+
+    metric(outputs, reference, labels) -> per-sample scores, shape [N]
+
+``outputs`` and ``reference`` are one model output (``metric.output``, default the first)
+for a batch of N validation samples, stacked on a new axis 0 (shape [N, *output shape]);
+``labels`` is the list of the N samples' labels from labels.csv (an int, a str or a
+float each), or None when the split has none. parity aggregates the scores (their mean,
+or the metric's ``aggregate``) for the reference (``metric(reference, reference, labels)``)
+and for each build, and gates on the drop. A metric declares ``higher_is_better``
+(default True) and ``needs_labels`` (default False); it may define ``decode(output)`` (one
+sample's output as text: ``parity-bundle run`` prints it), ``agreement(outputs,
+reference)`` (per-sample 0/1: the build's prediction equals the reference's) and
+``extras(outputs, reference, labels)`` (named secondary per-sample scores, reported).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from pipeline.verification import confidence
+from pipeline.errors import ConfigError
+
+PARITY_KEYS = ("output", "path", "higher_is_better", "needs_labels", "name")  # read by parity, not the metric
+CHARSET_FILE = "charset.txt"  # in a bundle
+BATCH = 16  # samples per metric call during verify: bounded memory for large outputs
+
+
+class MetricError(ConfigError):
+    label = "metric error"
+
+
+# --- built-in metrics ---------------------------------------------------------------
+
+class Top1:
+    """Top-1 accuracy: the argmax of each sample's output against its class label."""
+
+    needs_labels = True
+
+    def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        classes = np.asarray([_class_index(label) for label in labels])
+        return (_argmax(outputs) == classes).astype(np.float64)
+
+    def agreement(self, outputs: np.ndarray, reference: np.ndarray) -> np.ndarray:
+        return (_argmax(outputs) == _argmax(reference)).astype(np.float64)
+
+    def decode(self, output: np.ndarray) -> str:
+        return f"class {int(np.argmax(np.asarray(output).reshape(-1)))}"
+
+
+def _argmax(batch: np.ndarray) -> np.ndarray:
+    return np.argmax(batch.reshape(len(batch), -1), axis=1)
+
+
+LABEL_HINT = "top1 needs class indices in labels.csv (texts: metric=ctc, numbers: metric=regression, none: metric=none)"
+
+
+def _class_index(label) -> int:
+    try:
+        number = float(label)
+    except (TypeError, ValueError):
+        raise MetricError(f"label {label!r} is not a class index; {LABEL_HINT}") from None
+    if not number.is_integer():
+        raise MetricError(f"label {label!r} is not a class index; {LABEL_HINT}")
+    return int(number)
+
+
+class MapIoU:
+    """Segmentation / text detection: IoU of the output map binarized at ``threshold``
+    with the reference's map binarized the same way (both empty: 1). Needs no labels.
+    Per page (default): the mean of the pages' IoUs, every page counts the same; ``pooled``:
+    all intersections over all unions, a page counts by its area (the union-weighted mean
+    of the pages' IoUs: ``weights``)."""
+
+    def __init__(self, threshold: float = 0.3, pooled: bool = False):
+        self.threshold, self.pooled = float(threshold), bool(pooled)
+
+    def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        both, union = self._areas(outputs, reference)
+        return np.where(union > 0, both / np.maximum(union, 1), 1.0)
+
+    def weights(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> Optional[np.ndarray]:
+        """Each page's union when pooled (None: every page weighs the same)."""
+        return self._areas(outputs, reference)[1].astype(np.float64) if self.pooled else None
+
+    def _areas(self, outputs: np.ndarray, reference: np.ndarray) -> tuple:
+        mine = outputs.reshape(len(outputs), -1) > self.threshold
+        theirs = reference.reshape(len(reference), -1) > self.threshold
+        return (mine & theirs).sum(axis=1), (mine | theirs).sum(axis=1)
+
+
+class CTC:
+    """Text recognition: greedy CTC decoding (argmax per step, repeats merged, blanks
+    dropped), then character accuracy = 1 - edit distance / max(len(label), len(text))
+    per sample; ``exact_match`` is reported next to it. Without labels, the reference's
+    decoded text is the label. ``charset``: a file with one symbol per line, or a list;
+    class ``blank`` is the CTC blank, the other classes map to the charset in order.
+    ``strip``: surrounding whitespace dropped from texts and labels (PaddleOCR's
+    post-processing: its recognizer emits leading spaces on some lines); ``casefold``:
+    compared case-insensitively; ``ignore_space``: every space dropped (PaddleOCR's
+    training metric, RecMetric, does this by default)."""
+
+    def __init__(self, charset: Any, blank: int = 0, root: Optional[str] = None, strip: bool = True,
+                 casefold: bool = False, ignore_space: bool = False):
+        self.symbols = read_charset(charset, root)
+        self.blank = int(blank)
+        self.strip, self.casefold, self.ignore_space = bool(strip), bool(casefold), bool(ignore_space)
+        self._recent: List[tuple] = []  # (batch, texts): score, extras and agreement decode the same batches
+
+    def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        texts, truth = self.decode_batch(outputs), self._truth(reference, labels)
+        return np.asarray([char_accuracy(text, label) for text, label in zip(texts, truth)])
+
+    def extras(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> Dict[str, np.ndarray]:
+        texts, truth = self.decode_batch(outputs), self._truth(reference, labels)
+        return {"exact_match": np.asarray([float(a == b) for a, b in zip(texts, truth)])}
+
+    def _truth(self, reference: np.ndarray, labels: Optional[Sequence]) -> List[str]:
+        """The labels, normalized as the decoded texts are; without labels the reference's texts."""
+        return [self._normal(str(label)) for label in labels] if labels is not None else self.decode_batch(reference)
+
+    def _normal(self, text: str) -> str:
+        text = text.replace(" ", "") if self.ignore_space else text
+        text = text.strip() if self.strip else text
+        return text.casefold() if self.casefold else text
+
+    def agreement(self, outputs: np.ndarray, reference: np.ndarray) -> np.ndarray:
+        return np.asarray([float(a == b) for a, b in zip(self.decode_batch(outputs), self.decode_batch(reference))])
+
+    def decode(self, output: np.ndarray) -> str:
+        return self.decode_batch(np.asarray(output)[np.newaxis])[0]
+
+    def decode_batch(self, outputs: np.ndarray) -> List[str]:
+        """Each sample's [steps, classes] scores (leading 1-axes dropped) as text."""
+        for batch, texts in self._recent:
+            if batch is outputs:
+                return texts
+        texts = self._decode(outputs)
+        self._recent = [(outputs, texts), *self._recent[:1]]
+        return texts
+
+    def _decode(self, outputs: np.ndarray) -> List[str]:
+        steps = np.argmax(outputs.reshape(len(outputs), -1, outputs.shape[-1]), axis=2)
+        if outputs.shape[-1] != len(self.symbols) + 1:
+            raise MetricError(f"the output has {outputs.shape[-1]} classes but the charset has "
+                              f"{len(self.symbols)} symbols plus the blank; check metric.charset")
+        texts = []
+        for row in steps:
+            keep = np.ones(len(row), dtype=bool)
+            keep[1:] = row[1:] != row[:-1]
+            keep &= row != self.blank
+            texts.append(self._normal("".join(self.symbols[c - (c > self.blank)] for c in row[keep])))
+        return texts
+
+
+def read_charset(charset: Any, root: Optional[str] = None) -> List[str]:
+    """A list of symbols, or a file of one symbol per line (a line holding one space is
+    the space symbol; only the line break is stripped)."""
+    if isinstance(charset, (list, tuple)):
+        return [str(symbol) for symbol in charset]
+    if not isinstance(charset, str) or not charset:
+        raise MetricError("metric.charset must be a file (one symbol per line) or a list of symbols")
+    path = Path(charset).expanduser()
+    if not path.is_absolute() and root:
+        path = Path(root) / path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise MetricError(f"metric.charset {path} cannot be read ({err})") from err
+    symbols = text.split("\n")
+    if symbols and symbols[-1] == "":
+        symbols.pop()  # the file's final line break
+    return [symbol.rstrip("\r") for symbol in symbols]
+
+
+def char_accuracy(text: str, label: str) -> float:
+    longest = max(len(text), len(label))
+    return 1.0 - edit_distance(text, label) / longest if longest else 1.0
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    if a == b:  # most predictions: no table to fill
+        return 0
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, start=1):
+        current = [i]
+        for j, char_b in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+class Regression:
+    """Numbers: per-sample mean absolute error (``statistic: mae``) or mean squared error
+    aggregated as its root (``statistic: rmse``), against the label (a number) or, without
+    labels, against the reference's output. Lower is better."""
+
+    higher_is_better = False
+
+    def __init__(self, statistic: str = "mae"):
+        if statistic not in ("mae", "rmse"):
+            raise MetricError(f"metric.statistic={statistic!r}; allowed: mae, rmse")
+        self.statistic = statistic
+
+    def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        values = outputs.reshape(len(outputs), -1).astype(np.float64)
+        if labels is not None:
+            truth = np.asarray([_number(label) for label in labels])[:, np.newaxis]
+        else:
+            truth = reference.reshape(len(reference), -1).astype(np.float64)
+        error = values - truth
+        return np.mean(np.abs(error) if self.statistic == "mae" else error * error, axis=1)
+
+    def aggregate(self, scores: np.ndarray) -> float:
+        return float(np.mean(scores)) if self.statistic == "mae" else math.sqrt(float(np.mean(scores)))
+
+
+def _number(label) -> float:
+    try:
+        return float(label)
+    except (TypeError, ValueError):
+        raise MetricError(f"label {label!r} is not a number") from None
+
+
+# --- loading a metric from its config ---------------------------------------------------
+
+@dataclass
+class TaskMetric:
+    """A metric as parity uses it: the user's callable and what it declares."""
+
+    name: str
+    score: Callable[..., Any]
+    output: Optional[str] = None
+    higher_is_better: bool = True
+    needs_labels: bool = False
+    config: Dict[str, Any] = field(default_factory=dict)
+
+    def aggregate(self, scores: np.ndarray) -> float:
+        own = getattr(self.score, "aggregate", None)
+        return float(own(scores)) if own else float(np.mean(scores))
+
+    def hook(self, name: str) -> Optional[Callable]:
+        """The metric's optional ``decode``, ``agreement`` or ``extras``."""
+        return getattr(self.score, name, None)
+
+    def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        """Per-sample scores, checked: one finite number per sample, or a MetricError
+        naming the metric (exit 2)."""
+        return check_scores(self.name, self.call(self.score, outputs, reference, labels), len(outputs))
+
+    def call(self, function: Callable, *args):
+        """``function(*args)``: an exception in the metric's code becomes one line naming it."""
+        try:
+            return function(*args)
+        except MetricError as err:
+            raise MetricError(f"metric {self.name}: {err.args[0] if err.args else err}") from err
+        except Exception as err:  # noqa: BLE001 - the user's code: one line, not a traceback
+            text = str(err).strip().splitlines()
+            raise MetricError(f"metric {self.name} raised {type(err).__name__}: {text[0] if text else ''}") from err
+
+
+def check_scores(name: str, scores, count: int, what: str = "scores") -> np.ndarray:
+    try:
+        values = np.asarray(scores, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise MetricError(f"metric {name}: returned {type(scores).__name__}, not numbers; "
+                          f"a metric returns one score per sample (shape ({count},))") from None
+    if values.shape != (count,):
+        raise MetricError(f"metric {name}: returned {what} of shape {tuple(values.shape)} for a batch of {count} "
+                          f"samples; a metric returns one score per sample (shape ({count},))")
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise MetricError(f"metric {name}: returned {values[bad[0]]} for sample {int(bad[0])} of the batch; "
+                          "scores must be finite numbers")
+    return values
+
+
+def load_metric(config: Optional[Dict[str, Any]], root: Optional[str] = None) -> Optional[TaskMetric]:
+    """The configured metric (``metric`` group) through ``hydra.utils.instantiate``, or
+    None for ``metric=none``. A class is instantiated with the config's other keys; a
+    function is the metric itself (its keys bound as keyword arguments). ``root``:
+    the folder relative files (a charset) are read from, for bundles. Imports the
+    metric's code only: no model is loaded."""
+    config = dict(config or {})
+    target = config.get("_target_")
+    if not target:
+        return None
+    name = config.get("name") or _short_name(str(target))
+    if config.get("path"):
+        folder = str(Path(config["path"]).expanduser().resolve())
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    arguments = {key: value for key, value in config.items() if key not in PARITY_KEYS}
+    if target == f"{__name__}.CTC" and root:
+        arguments.setdefault("root", root)
+    target, score = _instantiate(name, arguments)
+
+    def declared(key: str, default: bool) -> bool:  # the config, else the metric (instance, then class/function)
+        value = config.get(key)
+        return bool(getattr(score, key, getattr(target, key, default)) if value is None else value)
+
+    return TaskMetric(name=name, score=score, output=config.get("output"),
+                      higher_is_better=declared("higher_is_better", True),
+                      needs_labels=declared("needs_labels", False), config=config)
+
+
+def _instantiate(name: str, arguments: Dict[str, Any]):
+    from hydra.errors import InstantiationException
+    from hydra.utils import get_object, instantiate
+
+    try:
+        target = get_object(arguments["_target_"])
+    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError...: the user's path
+        raise MetricError(f"metric {name}: cannot import {arguments['_target_']!r} ({_cause(err)}); "
+                          "set metric._target_ to module.callable and metric.path to the folder holding "
+                          "the module") from None
+    plain = {**arguments, "_convert_": "all"}  # lists and dicts as Python's, not OmegaConf's
+    try:
+        if isinstance(target, type):
+            return target, instantiate(plain)
+        if not callable(target):
+            raise MetricError(f"metric {name}: {arguments['_target_']!r} is not callable")
+        return target, instantiate({**plain, "_partial_": True}) if len(arguments) > 1 else target
+    except InstantiationException as err:
+        own = _metric_error(err)  # the metric's own account (a charset it cannot read)
+        raise MetricError(f"metric {name}: {own.args[0] if own else _cause(err)}") from None
+
+
+def _metric_error(err: Optional[BaseException]) -> Optional[MetricError]:
+    while err is not None and not isinstance(err, MetricError):
+        err = err.__cause__ or err.__context__
+    return err
+
+
+def _cause(err: BaseException) -> str:
+    while err.__cause__ is not None:
+        err = err.__cause__
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _short_name(target: str) -> str:
+    builtin = {f"{__name__}.{cls}": short for cls, short in
+               (("Top1", "top1"), ("MapIoU", "map_iou"), ("CTC", "ctc"), ("Regression", "regression"))}
+    return builtin.get(target, target.rsplit(".", 1)[-1])
+
+
+def files(config: Optional[Dict[str, Any]]) -> List[Path]:
+    """Files a metric's results depend on, for cache keys: a charset file and the
+    source file of a custom metric's module."""
+    config = config or {}
+    found = []
+    charset = config.get("charset")
+    if isinstance(charset, str) and Path(charset).expanduser().is_file():
+        found.append(Path(charset).expanduser())
+    target = str(config.get("_target_") or "")
+    if config.get("path") and "." in target:
+        module = Path(config["path"]).expanduser() / (target.rsplit(".", 1)[0].replace(".", "/") + ".py")
+        if module.is_file():
+            found.append(module)
+    return found
+
+
+def bundle_record(config: Optional[Dict[str, Any]], folder: Path) -> Optional[Dict[str, Any]]:
+    """The metric as a bundle's runtime.yaml records it (``parity-bundle run`` decodes
+    outputs with it): a charset file is copied into the bundle as CHARSET_FILE."""
+    if not config or not config.get("_target_"):
+        return None
+    record = dict(config)
+    charset = record.get("charset")
+    if isinstance(charset, str) and charset:
+        (Path(folder) / CHARSET_FILE).write_text("\n".join(read_charset(charset)) + "\n", encoding="utf-8")
+        record["charset"] = CHARSET_FILE
+    if record.get("path"):
+        record["path"] = str(Path(record["path"]).expanduser().resolve())
+    return record
+
+
+def weighted_mean(scores: np.ndarray, weights: np.ndarray) -> float:
+    """A pooled metric's value: the weighted mean (the plain mean where nothing weighs)."""
+    total = float(weights.sum())
+    return float((scores * weights).sum() / total) if total > 0 else float(np.mean(scores))
+
+
+def per_sample(batched: np.ndarray, count: int) -> np.ndarray:
+    """Outputs of ``count`` samples concatenated on axis 0 (a batched run) as the
+    interface's [N, *output shape] stack."""
+    return batched.reshape(count, batched.shape[0] // count, *batched.shape[1:])
+
+
+# --- scoring builds during verify -----------------------------------------------------------
+
+class TaskScorer:
+    """Per-sample scores of the reference and of each build, from outputs added one
+    sample at a time and scored in batches of BATCH."""
+
+    def __init__(self, metric: TaskMetric, output: str):
+        self.metric, self.output = metric, output
+        self.pending: Dict[str, list] = {}
+        self.scores: Dict[str, List[np.ndarray]] = {}
+        self.extras: Dict[str, Dict[str, List[np.ndarray]]] = {}
+        self.agreement: Dict[str, List[np.ndarray]] = {}
+        self.weights: Dict[str, List[np.ndarray]] = {}  # per-sample weights of a pooled metric
+        self.labeled: Optional[bool] = None
+        self._stacks: List[tuple] = []  # the last two batches stacked (the reference's, a build's)
+
+    def active(self, label) -> bool:
+        """Whether samples with this label can be scored (a metric that needs labels gets none)."""
+        self.labeled = label is not None if self.labeled is None else self.labeled and label is not None
+        return not self.metric.needs_labels or self.labeled
+
+    def add(self, build: str, output: np.ndarray, reference: np.ndarray, label) -> None:
+        pending = self.pending.setdefault(build, [])
+        pending.append((output, reference, label))
+        if len(pending) >= BATCH:
+            self._flush(build)
+
+    def finish(self) -> None:
+        for build in list(self.pending):
+            self._flush(build)
+
+    def _flush(self, build: str) -> None:
+        pending, self.pending[build] = self.pending[build], []
+        if not pending:
+            return
+        reference = self._stacked([p[1] for p in pending])  # one copy per batch, shared by the builds
+        outputs = self._stacked([p[0] for p in pending])
+        labels = [p[2] for p in pending] if self.labeled else None
+        self.scores.setdefault(build, []).append(self.metric(outputs, reference, labels))
+        name, count = self.metric.name, len(outputs)
+        weights = self.metric.hook("weights")
+        found = self.metric.call(weights, outputs, reference, labels) if weights else None
+        if found is not None:  # a pooled metric: the samples weigh differently (map_iou pooled: by area)
+            self.weights.setdefault(build, []).append(check_scores(name, found, count, "weights"))
+        extras = self.metric.hook("extras")
+        for key, values in (self.metric.call(extras, outputs, reference, labels) if extras else {}).items():
+            values = check_scores(name, values, count, f"extras[{key!r}]")
+            self.extras.setdefault(build, {}).setdefault(key, []).append(values)
+        agreement = self.metric.hook("agreement")
+        if agreement and build != "reference":
+            values = check_scores(name, self.metric.call(agreement, outputs, reference), count, "agreement")
+            self.agreement.setdefault(build, []).append(values)
+
+    def _stacked(self, arrays: List[np.ndarray]) -> np.ndarray:
+        key = tuple(id(array) for array in arrays)
+        for known, _, stacked in self._stacks:
+            if known == key:
+                return stacked
+        stacked = np.stack(arrays)
+        self._stacks = [(key, arrays, stacked), *self._stacks[:1]]  # the arrays kept: their ids stay theirs
+        return stacked
+
+    def value(self, build: str) -> Optional[float]:
+        parts = self.scores.get(build)
+        if not parts:
+            return None
+        if build in self.weights:
+            return weighted_mean(np.concatenate(parts), np.concatenate(self.weights[build]))
+        return self.metric.aggregate(np.concatenate(parts))
+
+    def result(self, build: str, max_drop: float, require_confidence: bool = False) -> Optional[dict]:
+        """The task-metric verdict of ``build`` against the reference (None when nothing was
+        scored), with the drop's paired bootstrap interval (pipeline/verification/confidence.py): a drop
+        that passes while its interval reaches past ``max_drop`` is ``uncertain``, a
+        failure with ``require_confidence``."""
+        reference, target = self.value("reference"), self.value(build)
+        if reference is None or target is None:
+            return None
+        drop = reference - target if self.metric.higher_is_better else target - reference
+        agreement = self.agreement.get(build)
+        task = self._verdict(build, max_drop, drop, reference, target, agreement)
+        task.update(self._confidence(build, task, require_confidence))
+        return task
+
+    def _verdict(self, build: str, max_drop: float, drop: float, reference: float, target: float,
+                 agreement: Optional[List[np.ndarray]]) -> dict:
+        extras = {key: {"reference": float(np.mean(np.concatenate(self.extras["reference"][key]))),
+                        "target": float(np.mean(np.concatenate(values)))}
+                  for key, values in self.extras.get(build, {}).items()}
+        task = {"metric": self.metric.name, "output": self.output,
+                "samples": int(sum(len(p) for p in self.scores[build])), "reference": reference, "target": target,
+                "drop": drop, "agreement": float(np.mean(np.concatenate(agreement))) if agreement else None,
+                "max_drop": max_drop, "passed": drop <= max_drop + 1e-12,
+                "higher_is_better": self.metric.higher_is_better, "labeled": bool(self.labeled), "extras": extras}
+        if not task["passed"] and self.metric.name != "top1":  # top-1 keeps its points wording (pipeline/verification/verdict.py)
+            worse = "dropped" if self.metric.higher_is_better else "rose"
+            task["reason"] = (f"task metric {self.metric.name} {worse} by {abs(drop):.4g} ({reference:.4f} -> "
+                              f"{target:.4f}), allowed {max_drop:.4g} (validation.max_metric_drop)")
+        return task
+
+    def _confidence(self, build: str, task: dict, require: bool) -> dict:
+        """The drop's interval, the agreement's, and whether a passing drop is resolved."""
+        own = getattr(self.metric.score, "aggregate", None)
+        weights = ((np.concatenate(self.weights["reference"]), np.concatenate(self.weights[build]))
+                   if build in self.weights and "reference" in self.weights else None)
+        interval = confidence.drop_interval(np.concatenate(self.scores["reference"]),
+                                            np.concatenate(self.scores[build]), self.metric.higher_is_better,
+                                            (lambda scores: float(own(scores))) if own else None, weights)
+        agreement = self.agreement.get(build)
+        found = {"interval": interval, "confidence": confidence.LEVEL, "resamples": confidence.RESAMPLES,
+                 "agreement_interval": confidence.rate_interval(np.concatenate(agreement)) if agreement else None,
+                 "uncertain": False, "require_confidence": bool(require)}
+        if interval and task["passed"] and interval[1] > task["max_drop"] + 1e-12:
+            found["uncertain"] = True
+            found["samples_to_resolve"] = confidence.samples_to_resolve(task["samples"], task["drop"], interval[1],
+                                                                        task["max_drop"])
+        return found
+

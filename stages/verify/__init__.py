@@ -1,0 +1,481 @@
+"""verify: run the built artifact on its real backend and the fp32 ONNX Runtime
+reference on the validation set, compare every output against the thresholds, check
+the task metric when labels exist, read back what the backend really ran, and, when
+asked or when the verdict fails, compare every intermediate tensor (layerwise) to name
+where the target diverges and why.
+
+Every backend runs in a worker process (pipeline.worker): a crash, an abort or a hang
+becomes the verdict "backend crashed/hung" with exit code 4, never the end of the run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import onnx
+import yaml
+
+from pipeline import backends, environment, shapes
+from pipeline.verification import diagnosis, speed, verdict
+from pipeline.artifacts import hash_files, read_json, write_json, write_npz
+from pipeline.config.schemas import plain
+from pipeline.console import progress_bar
+from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
+from pipeline.data import TensorSpec
+from pipeline.verification.metrics import OutputStats
+from pipeline.verification.shape_checks import ShapeAccuracy
+from pipeline.verification.task_metrics import TaskScorer, files as metric_files, load_metric
+from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qdq
+from stages import StageContext, StageResult, deployable
+from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
+                                  truth_wanted)
+from stages.verify.shared import Live, built_worker, judge, judged_with, loaded
+
+
+NAME = "verify"
+VERSION = 11  # 10: the task metric (metric group) in task and comparison; 11: OpenVINO's effective
+# precision is the compiled model's execution precision (not weight storage), with a note
+VERSION += 1  # ncnn's CPU layers report fp16 only where ncnn casts activations to fp16 (not on x86)
+VERSION += 1  # MNN mixed: its INT8 baseline and advice trials through MNN's own quantizer
+VERSION += 1  # advice trials rounded like the build (precision.weight_rounding)
+VERSION += 1  # a mixed build left with no int8 op fails on that (exit 3), not as a precision mismatch
+VERSION += 1  # an int8 build keeping the backend's float op kinds is accepted as mixed
+VERSION += 1  # the measurement stored apart from the diagnosis; diagnosis within a budget; no failing trial as advice
+VERSION += 1  # task-first verdicts (task_min_cosine), bootstrap intervals, integer outputs compared exactly
+VERSION += 1  # a dynamic model: accuracy per input shape, latency at min/opt/max (issue 29)
+CACHEABLE = True
+REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
+log = logging.getLogger("parity")
+
+
+def key_config(cfg):
+    return {"validation": cfg.validation, "data": cfg.data, "target": cfg.target, "precision": cfg.precision,
+            "metric": cfg.metric}
+
+
+def external_files(ctx: StageContext) -> List[Path]:
+    return ctx.dataset().files + metric_files(ctx.cfg.metric)  # a charset, a custom metric's module
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg = ctx.cfg
+    dataset = ctx.dataset()
+    deployed = _target(ctx)
+    output_names = [o["name"] for o in ctx.results["convert"].summary["outputs"]]
+    metric, task_output = _task_output(cfg, output_names)
+    limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
+    files = {"reproduce": "reproduce.npz"}
+    requested = {"device": str(deployed[2].get("device", cfg.target.device)).upper(),
+                 "precision": cfg.precision.kind,
+                 "accepted_precisions": _accepted_precisions(cfg.precision, _build_float_ops(ctx)),
+                 **_nothing_int8(ctx)}
+    layers = None
+    with contextlib.ExitStack() as stack, progress_bar() as progress:
+        live = Live(ctx, deployed, (stack, limits))
+        found = _measurement(ctx, live, dataset, (output_names, task_output, metric), requested, progress)
+        if found["folder"] not in (None, ctx.out_dir):  # none when the target crashed before the last sample
+            shutil.copyfile(found["folder"] / files["reproduce"], ctx.out_dir / files["reproduce"])
+        measured = found["measured"]
+        outputs, task, crash = measured["outputs"], measured["task"], measured["crash"]
+        checks, reasons, exit_code = _verdict(ctx, outputs, measured["missing"], task, requested,
+                                              measured["effective"], measured["samples"], crash)
+        if crash is None and (measured["timing"] or {}).get("failure"):  # min_speedup: after every accuracy reason
+            reasons.append(measured["timing"]["failure"])
+            exit_code = exit_code if exit_code != ExitCode.OK else ExitCode.THRESHOLD
+        budget = diagnosis.Budget.of(cfg.validation, measured["seconds"])
+        if crash is None and layerwise_wanted(cfg.validation.layerwise, exit_code):
+            layers = run_layerwise(ctx, live, dataset, progress, budget)
+            if layers.get("side_file"):
+                files["layerwise"] = layers["side_file"]
+        advice, tried = advice_for(ctx, deployed[0], live if crash is None else None, (requested, measured["effective"],
+                                checks), layers, measured["truth"], outputs, task, budget)
+    write_json(ctx.out_dir / "recommendations.json", advice)
+    files["recommendations"] = "recommendations.json"
+    summary = _summary(ctx, measured, {
+        "requested": requested, "verdict": "pass" if exit_code == ExitCode.OK else "fail",
+        "exit_code": int(exit_code), "reasons": reasons, "checks": checks, "layerwise": layers,
+        "recommendations": advice, "advice_tried": tried, "reproduce_file": files["reproduce"],
+        "diagnosis": budget.summary(exit_code != ExitCode.OK and crash is None, found["reused"])})
+    files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
+    # a crash, a hang or a device fallback depends on the machine (drivers, load), not on
+    # the inputs the cache key covers: such a verdict is measured again next time
+    return StageResult(ctx.out_dir, files, summary, cache=exit_code != ExitCode.BACKEND,
+                       reused=found["reused"] and not summary["diagnosis"]["ran"])
+
+
+class _NotStored(Exception):
+    """A measurement that depends on the machine's state, not on what the key covers (the
+    target crashed or hung, the device fell back): the verdict's, never stored."""
+
+    def __init__(self, measured: dict, folder: Optional[Path]):
+        super().__init__("not stored")
+        self.measured, self.folder = measured, folder
+
+
+def _measurement(ctx: StageContext, live: Live, dataset, task_of, requested: dict, progress) -> dict:
+    """The reference, the target and the baselines on the validation set, judged against the
+    thresholds ({"measured", "folder" holding reproduce.npz, "reused"}). Stored by what it
+    depends on (the artifact's files, the reference, data, thresholds, runtimes, machine), not
+    by the run's diagnosis settings: the same build verified again (precision=auto's shipped
+    candidate, a later run) is served from the cache, and only its diagnosis runs."""
+    def produce(folder: Path) -> None:
+        measured = _measure(ctx, live, dataset, task_of, requested, progress, folder / "reproduce.npz")
+        _, _, exit_code = _verdict(ctx, measured["outputs"], measured["missing"], measured["task"], requested,
+                                   measured["effective"], measured["samples"], measured["crash"])
+        if measured["crash"] is not None or exit_code == ExitCode.BACKEND:
+            kept = ctx.out_dir / "reproduce.npz"
+            if (folder / "reproduce.npz").is_file():  # the folder is dropped with the exception
+                shutil.copyfile(folder / "reproduce.npz", kept)
+            raise _NotStored(measured, ctx.out_dir if kept.is_file() else None)
+        write_json(folder / "measured.json", measured)
+
+    try:
+        folder, reused = ctx.memo("verify-measurement", _measurement_material(ctx), produce)
+    except _NotStored as unstored:
+        return {"measured": unstored.measured, "folder": unstored.folder, "reused": False}
+    if reused:
+        log.info("verify: the measurement of this build is served from the cache (same artifact, data, thresholds)")
+    return {"measured": read_json(folder / "measured.json"), "folder": folder, "reused": reused}
+
+
+def _measurement_material(ctx: StageContext) -> dict:
+    """What the measurement depends on: the files that run (the artifact, build's or tune's;
+    the reference and the baselines' sources, convert's and calibrate's), hashed once by the
+    runner, the settings they run with, the validation data and thresholds."""
+    validation = ctx.cfg.validation.judged()
+    files = {name: ctx.output_hashes[name] for name in ("convert", "calibrate", "build", "tune")
+             if name in ctx.output_hashes}
+    return {"version": VERSION, "runtimes": environment.versions(), "machine": environment.fingerprint(),
+            "files": files,
+            "config": plain({"validation": validation, "data": ctx.cfg.data, "target": ctx.cfg.target,
+                             "precision": ctx.cfg.precision, "metric": ctx.cfg.metric}),
+            "build": (ctx.results["build"].summary.get("quantization") or {}).get("float_ops"),
+            "tuned": (ctx.results["tune"].summary.get("chosen") if "tune" in ctx.results else None),
+            "external": list(hash_files(external_files(ctx)).values())}
+
+
+def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, progress, reproduce: Path) -> dict:
+    """One measurement (see _measurement) with its seconds: what the diagnosis budget scales."""
+    started = time.perf_counter()
+    cfg, (output_names, task_output, metric) = ctx.cfg, task_of
+    check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
+                   cfg.precision.kind, _inputs(ctx))
+    ran = _compare(ctx, live, check, dataset, progress, reproduce)
+    task = check.task_result(cfg.validation.max_metric_drop, cfg.validation.require_confidence)
+    outputs = [judge(name, check.stats[name], cfg.validation, task) for name in output_names
+               if name not in check.missing and check.stats[name].elements]
+    if metric and task is None and check.samples and ran.crash is None:
+        dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
+                                "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
+    check.add_task_values(ran.comparison)
+    truth = None
+    if ran.crash is None:
+        checks, _, _ = _verdict(ctx, outputs, check.missing, task, requested, ran.effective, check.samples, None)
+        if truth_wanted(cfg.precision.kind, checks):
+            truth = truth_check(ctx, live.reference, live.target, dataset, outputs)
+    return {"samples": check.samples, "missing": check.missing, "outputs": outputs, "task": task,
+            "effective": ran.effective, "comparison": ran.comparison, "timing": ran.timing, "crash": ran.crash,
+            "shapes": check.by_shape.result(),
+            "data": dataset.summary(), "truth": truth, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _target(ctx: StageContext):
+    """(backend module, the deployable artifact's result, its runtime.yaml settings)."""
+    artifact = deployable(ctx.results)
+    settings = yaml.safe_load(artifact.path("runtime").read_text())
+    backend = backends.spec(settings["backend"])
+    ok, reason = backend.available()
+    if not ok:
+        raise BackendUnavailable(f"target {ctx.cfg.target.name}: {reason}")
+    return backend, artifact, settings
+
+
+def _task_output(cfg, output_names: List[str]):
+    """(the task metric or None, the output it scores), checked against the model's outputs."""
+    _check_output_names(cfg.validation, output_names)
+    metric = load_metric(cfg.metric)
+    task_output = (metric and metric.output) or cfg.validation.task_output or output_names[0]
+    if task_output not in output_names:
+        raise ConfigError(f"metric.output: the model has no output {task_output!r}; outputs: {', '.join(output_names)}")
+    return metric, task_output
+
+
+@dataclass
+class _Ran:
+    """What the side-by-side run of the reference, the target and the baselines gave."""
+
+    effective: dict = field(default_factory=dict)
+    comparison: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+    crash: Optional[dict] = None
+
+
+def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, reproduce: Path) -> _Ran:
+    """The reference and the target, and the fp32 and plain int8 baselines, on the
+    validation set; a backend crash is recorded in ``crash``, not raised."""
+    cfg, ran = ctx.cfg, _Ran()
+    backend, build = live.deployed[0], ctx.results["build"]
+    try:
+        live.launch()
+        baselines = _baselines(ctx, backend, live.stack, live.limits)  # fp32 (and plain int8 for mixed) side by side
+        reference, target = live.workers()
+        for row in baselines.values():
+            row.wait_loaded()
+        check.run(reference, target, baselines, dataset, progress, reproduce, f"verify {cfg.target.name}")
+        ran.effective = target.effective()
+        rows = {**baselines, cfg.precision.kind: _Row(target, build.summary.get("bytes"), check.stats)}
+        curve = check.by_shape.curve_feeds()
+        ran.comparison, ran.timing = _side_by_side(rows, curve.get("opt", check.last), cfg.precision.kind,
+                                                   backend.NAME, cfg.validation)
+        if curve:
+            ran.timing["by_shape"] = _latency_curve(rows, curve, ran, cfg.validation)
+    except BackendCrashed as err:
+        ran.crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
+                     "stderr_tail": err.stderr_tail}
+        log.warning("%s", err)
+    return ran
+
+
+def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
+    """verify's summary (report.json's verify section), in its order."""
+    crash = measured["crash"]
+    return {
+        "samples": measured["samples"],
+        "requested": judged["requested"],
+        "effective": measured["effective"],
+        "outputs": measured["outputs"],
+        "missing_outputs": measured["missing"],
+        "task": measured["task"],
+        "comparison": measured["comparison"],
+        "speed": measured["timing"],
+        "shapes": measured.get("shapes"),  # a dynamic model: accuracy per input shape
+        "data": measured["data"],
+        "verdict": judged["verdict"],
+        "exit_code": judged["exit_code"],
+        "reasons": judged["reasons"],
+        "checks": judged["checks"],  # every check that did not pass, warnings too (pipeline/verification/verdict.py)
+        "judged_with": judged_with(ctx),  # what parity-bundle check needs to judge alike
+        "truth": measured["truth"],
+        "crash": crash,
+        "layerwise": judged["layerwise"] if judged["layerwise"] is not None
+        else layerwise_skipped(ctx.cfg.validation.layerwise, crash),
+        "recommendations": judged["recommendations"],
+        "advice_tried": judged["advice_tried"],
+        "diagnosis": judged["diagnosis"],  # what the failing verdict's diagnosis ran and what its budget cut
+        "measured_seconds": measured["seconds"],
+        "reproduce": {"file": judged["reproduce_file"], "samples": min(measured["samples"], REPRODUCE_SAMPLES)},
+    }
+
+
+def _inputs(ctx) -> list:
+    return [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
+
+
+def _latency_curve(rows: dict, curve: Dict[str, dict], ran: _Ran, validation) -> Dict[str, dict]:
+    """A dynamic model's latency at its min, opt and max shapes, every build interleaved as
+    the main table is (opt's timing is that table's)."""
+    workers = {name: row.worker for name, row in rows.items() if not row.error}
+    found = {}
+    for which, feeds in curve.items():
+        if which == "opt":
+            medians = {name: (row.get("latency") or {}).get("median_ms") for name, row in ran.comparison.items()}
+            speedups = ran.timing.get("speedups", {})
+        else:
+            timings = speed.interleaved(workers, feeds, validation.timing_rounds, validation.timing_runs,
+                                        validation.timing_max_seconds)
+            medians, speedups = {name: t.get("median_ms") for name, t in timings.items()}, speed.speedups(timings)
+        found[which] = {"shape": shapes.shape_key(feeds), "median_ms": medians, "speedups": speedups}
+    return found
+
+
+def _nothing_int8(ctx) -> dict:
+    """A build left with no int8 op runs fp32 as built: not a runtime's fallback but no int8
+    build meeting the thresholds (mixed: the search kept every op float) or none faster than
+    fp32 here (precision.int8_where_faster); pipeline.verification.verdict fails it with this line."""
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    if ctx.cfg.precision.kind not in ("int8", "mixed") or quantization.get("int8_ops") != 0:
+        return {}
+    count, kind = len(quantization.get("float_ops") or []), ctx.cfg.precision.kind
+    if (quantization.get("slower_in_int8") or {}).get("ops"):
+        why = (f"no quantized op is faster in int8 than in fp32 on this machine (precision.int8_where_faster "
+               f"kept all {count} in float) and the build runs fp32: ship fp32 (precision=auto chooses it)")
+    elif kind == "mixed":
+        why = (f"the sensitivity search kept all {count} quantized ops in float and the build runs fp32: no int8 "
+               "build meets the thresholds (sensitivity.max_float_ops, validation.min_cosine)")
+    else:
+        why = f"precision.keep_float and the backend keep all {count} quantized ops in float: the build runs fp32"
+    return {"accepted_precisions": ["fp32"], "nothing_int8": f"precision {kind}: {why}"}
+
+
+def _build_float_ops(ctx) -> List[str]:
+    """The quantized ops the build kept in float (precision.keep_float, the backend's own)."""
+    build = ctx.results.get("build")
+    return list(((build.summary.get("quantization") or {}) if build else {}).get("float_ops") or [])
+
+
+def _accepted_precisions(precision, float_ops: List[str]) -> List[str]:
+    """What the backend may report for this request: mixed with an empty qtable (plain
+    int8 met the target) runs int8 everywhere; an int8 build that keeps ops in float
+    (precision.keep_float, or the backend's own float kinds) is mixed."""
+    name = precision.kind
+    if name == "mixed" or (name == "int8" and (precision.keep_float or float_ops)):
+        return ["int8", "mixed"]
+    return [name]
+
+
+class _Check:
+    """Reference vs target on every validation sample, with the side-by-side baselines."""
+
+    def __init__(self, output_names: List[str], task_output: str, scorer: Optional[TaskScorer], shipped: str,
+                 inputs: Sequence = ()):
+        self.stats = {name: OutputStats() for name in output_names}
+        self.by_shape = ShapeAccuracy(inputs)  # a dynamic model: accuracy per input shape
+        self.task_output = task_output
+        self.scorer, self.shipped = scorer, shipped  # the task metric, of the reference and every build
+        self.missing: List[str] = []
+        self.samples = 0
+        self.last: Optional[dict] = None
+
+    def run(self, reference, target, baselines, dataset, progress, reproduce: Path, title: str) -> None:
+        self.missing = [name for name in self.stats if name not in target.outputs]
+        recorded = {}
+        task = progress.add_task(title, total=len(dataset.validation))
+        for index, sample in enumerate(dataset.validation):
+            expected = reference.run(sample.feeds)
+            actual = target.run(sample.feeds)
+            for name, stats in self.stats.items():
+                if name in actual:
+                    stats.update(expected[name], actual[name])
+            self.by_shape.update(sample.feeds, expected, actual)
+            self._score("reference", expected, expected, sample.label)
+            self._score(self.shipped, expected, actual, sample.label)
+            for name, baseline in baselines.items():
+                self._score(name, expected, baseline.update(expected, sample), sample.label)
+            if index < REPRODUCE_SAMPLES:
+                recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
+                recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
+                recorded.update({f"target/{index}/{k}": v for k, v in actual.items()})  # check: reproduced?
+            self.samples += 1
+            self.last = sample.feeds
+            progress.advance(task)
+        write_npz(reproduce, recorded)  # fixed zip entry times: the same inputs give the same bytes
+
+    def _score(self, build: str, expected: dict, actual: Optional[dict], label) -> None:
+        if self.scorer and actual is not None and self.task_output in actual and self.scorer.active(label):
+            self.scorer.add(build, actual[self.task_output], expected[self.task_output], label)
+
+    def task_result(self, max_drop: float, require_confidence: bool) -> Optional[dict]:
+        if self.scorer is None:
+            return None
+        self.scorer.finish()
+        return self.scorer.result(self.shipped, max_drop, require_confidence)
+
+    def add_task_values(self, comparison: dict) -> None:
+        """The task metric of every build in the side-by-side table (``top1`` too, for top-1)."""
+        for name, row in comparison.items():
+            if self.scorer is not None and "error" not in row:
+                row["task_metric"] = self.scorer.value(name)
+                if self.scorer.metric.name == "top1":
+                    row["top1"] = row["task_metric"]
+
+
+class _Row:
+    """One build in the side-by-side table: output agreement, top-1, latency, size."""
+
+    def __init__(self, worker, size, stats=None):
+        self.worker, self.size = worker, size
+        self.stats = stats if stats is not None else {}
+        self.error: Optional[str] = None
+
+    def wait_loaded(self) -> None:
+        try:
+            loaded(self.worker)
+        except (BackendCrashed, BackendUnavailable) as err:  # a side-by-side build is information only
+            self.error = str(err)
+
+    def update(self, expected, sample) -> Optional[dict]:
+        """This build's outputs for the sample (None once it failed), compared with the reference's."""
+        if self.error:
+            return None
+        try:
+            actual = self.worker.run(sample.feeds)
+        except BackendCrashed as err:  # a side-by-side build is information, not the verdict
+            self.error = str(err)
+            return None
+        for name in expected:
+            self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
+        return actual
+
+    def result(self, timing: Optional[dict]) -> dict:
+        if self.error or (timing or {}).get("error"):
+            return {"error": self.error or timing["error"], "bytes": self.size}
+        first = next(iter(self.stats.values()), None)
+        return {"latency": timing, "bytes": self.size, "top1": None,
+                "cosine": first.result()["cosine"] if first and first.elements else None}
+
+
+def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name: str, validation):
+    """Every build of the table timed interleaved in rounds (pipeline.verification.speed), its
+    speed-up over fp32, and the warning or failing check a build not faster than fp32 gets."""
+    workers = {name: row.worker for name, row in rows.items() if not row.error}
+    timings = {} if sample is None else speed.interleaved(
+        workers, sample, validation.timing_rounds, validation.timing_runs, validation.timing_max_seconds)
+    comparison = {name: row.result(timings.get(name)) for name, row in rows.items()}
+    speedups = speed.speedups(timings)
+    for name, found in speedups.items():
+        comparison[name]["speedup"] = found
+    fp32_ms = (timings.get("fp32") or {}).get("median_ms")
+    summary = {"method": f"interleaved rounds, order rotated, {validation.timing_runs} runs of one sample a round; "
+                         "median of round medians; speed-up: median of per-round ratios",
+               "speedups": speedups, "shipped": shipped,
+               "warning": speed.slow_build_warning(shipped, speedups.get(shipped), backend_name,
+                                                   environment.cpu()["flags"], fp32_ms),
+               "failure": speed.min_speedup_failure(shipped, speedups.get(shipped), validation.min_speedup)}
+    return comparison, summary
+
+
+def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
+    """fp32 on the same backend for every other precision; plain int8 too for mixed
+    (TPU-MLIR's FLOAT / INT8 / MIX table)."""
+    precision = ctx.cfg.precision.kind
+    convert = ctx.results["convert"]
+    builds = {}
+    if precision != "fp32":
+        builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None, None)
+    if precision == "mixed" and backends.own_quantizer(backend, precision):
+        builds["int8"] = (None, None, [])  # the runtime's own quantizer, no op kept float
+    elif precision == "mixed":
+        int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
+        calibrate = ctx.results["calibrate"]
+        prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
+        by_backend = backend_float_ops(backend, ctx.cfg.target, prepared,
+                                       ctx.cfg.precision.quantize_ops)  # as the target's int8 build keeps them
+        build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
+                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
+                  keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
+        builds["int8"] = (int8, None, None)  # uncorrected, as the sensitivity search measures plain int8
+    return {name: _Row(*built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}",
+                                      float_ops))
+            for name, (onnx_path, ir_dir, float_ops) in builds.items()}
+
+
+def _check_output_names(validation, outputs: List[str]) -> None:
+    named = list(validation.outputs) + ([validation.task_output] if validation.task_output else [])
+    for name in named:
+        if name not in outputs:
+            raise ConfigError(f"validation: the model has no output {name!r}; outputs: {', '.join(outputs)}")
+
+
+def _verdict(ctx, outputs, missing, task, requested, effective, samples, crash):
+    """(checks, reasons, exit code) through pipeline.verification.verdict, which parity-bundle check shares."""
+    judged = judged_with(ctx)
+    return verdict.judge(outputs, missing, task, requested, effective, samples, crash,
+                         judged["fail_on_float_fallback"], tuple(judged["intended_float"]))
+
+

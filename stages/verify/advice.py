@@ -1,0 +1,278 @@
+"""What verify does after its verdict: layerwise probes, the float64 check of the
+reference, and advice (keep-in-float candidates screened on the reference and confirmed
+on the target within the diagnosis budget)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import onnx
+
+from pipeline import backends
+from pipeline.verification import layerwise, trials, truth as float64, verdict
+from pipeline.artifacts import read_json
+from pipeline.config.schemas import Layerwise
+from pipeline.errors import BackendCrashed, ExitCode, first_line
+from pipeline.verification.task_metrics import TaskScorer, load_metric
+from pipeline.precision.calibration import bias_correction, weight_rounding
+from pipeline.precision.quantize import QdqSettings, build_qdq
+from pipeline.verification.recommend import QuantizedGraph, recommend
+from pipeline.worker import BackendWorker
+from stages import REFERENCE_MODULE, reference_settings
+from stages.verify.shared import Live, built_worker, judged_with, loaded
+
+
+def layerwise_wanted(mode: Layerwise, exit_code: ExitCode) -> bool:
+    return mode == Layerwise.always or (mode == Layerwise.on_fail and exit_code != ExitCode.OK)
+
+
+def layerwise_skipped(mode: Layerwise, crash) -> dict:
+    reason = ("the target crashed" if crash else "validation.layerwise=off" if mode == Layerwise.off
+              else "the verdict passed (validation.layerwise=on_fail)")
+    return {"mode": mode.value, "ran": False, "reason": reason}
+
+
+def run_layerwise(ctx, live: Live, dataset, progress, budget: "diagnosis.Budget") -> dict:
+    """Every intermediate tensor on the first layerwise_samples samples, within the
+    diagnosis budget; a crash of the probing session is reported here and leaves the
+    verdict as it was."""
+    validation = ctx.cfg.validation
+    mode = validation.layerwise.value
+    reason = "always (validation.layerwise=always)" if mode == "always" else "the verdict failed"
+    graph = layerwise.Graph(onnx.load(str(ctx.results["convert"].path("model"))))
+    samples = [sample.feeds for _, sample in zip(range(validation.layerwise_samples), dataset.validation)]
+    always = mode == "always"  # every tensor, whatever the budget (the user asked for the whole table)
+    try:
+        reference, target = live.workers()
+        result = layerwise.compare(reference, target, graph, samples, validation.layer_min_cosine,
+                                   progress=progress, stop_at_divergence=not always,
+                                   deadline=None if always else budget.deadline)
+    except BackendCrashed as err:
+        return {"mode": mode, "ran": False, "reason": f"layerwise probing failed: {err}"}
+    budget.spent("layerwise", result.seconds, cut=result.cut)
+    side_file = "layerwise.json.gz"
+    result.write_side_file(ctx.out_dir / side_file)
+    return result.summary(mode, reason, side_file)
+
+
+ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
+
+
+def advice_for(ctx, backend, live: Optional[Live], judged, layers, truth, outputs, task,
+            budget: "diagnosis.Budget") -> tuple:
+    """(recommendations, trials): named from the evidence (pipeline/verification/recommend.py), and for
+    an int8/mixed build failing on accuracy, keep-in-float candidates tried within the
+    diagnosis budget first (``live``: None when the target crashed)."""
+    (requested, effective, checks), precision = judged, ctx.cfg.precision.kind
+    graph = _quantized_graph(ctx)
+    calibrate = ctx.results.get("calibrate")
+    table = read_json(calibrate.path("table")) if calibrate and "table" in calibrate.files else None
+    advice = recommend(precision, backend.NAME, requested, effective, layers, table, graph, truth)
+    if live is None or not _accuracy_failed(checks) or graph is None or ctx.cfg.validation.advice_trials <= 0:
+        return advice, []
+    if budget.exhausted():
+        budget.skipped("advice trials")
+        return advice, []
+    return _tried_advice(ctx, backend, live, advice, layers, graph, outputs, task, budget)
+
+
+def _accuracy_failed(checks: List[dict]) -> bool:
+    return any(c["severity"] == "fail" and c["check"] in ACCURACY_CHECKS for c in checks)
+
+
+def truth_wanted(precision: str, checks: List[dict]) -> bool:
+    """The float64 check of the reference (a few samples): on fp32 targets, where a
+    reference far from the truth hides behind a pass, and on float targets whose accuracy
+    fails, before a kernel is blamed. int8/mixed: quantization error dwarfs float32
+    rounding, and their advice is about quantized ops, which this check cannot change."""
+    return precision == "fp32" or (precision in ("fp16", "bf16") and _accuracy_failed(checks))
+
+
+def truth_check(ctx, reference, target, dataset, outputs: List[dict]) -> dict:
+    """Reference and target against a float64 run of the reference model on a few samples
+    (pipeline/verification/truth.py); each compared output gets a ``truth`` entry."""
+    samples = [sample.feeds for _, sample in zip(range(float64.SAMPLES), dataset.validation)]
+    try:
+        exact, engine = float64.run_float64(onnx.load(str(ctx.results["convert"].path("model"))), samples)
+        expected = [reference.run(feeds) for feeds in samples[:len(exact)]]
+        actual = [target.run(feeds) for feeds in samples[:len(exact)]]
+    except Exception as err:  # noqa: BLE001 - a check of the reference: information, never the verdict
+        return {"ran": False, "reason": f"the float64 run failed: {first_line(err)}"}
+    found = float64.compare(exact, expected, actual, [o["name"] for o in outputs], engine)
+    for output in outputs:
+        if output["name"] in found:
+            output["truth"] = found[output["name"]]
+    warnings = [float64.reference_warning(o["name"], found[o["name"]], o["thresholds"]["min_cosine"])
+                for o in outputs if o["passed"] and o["name"] in found]
+    return {"ran": True, "engine": engine, "samples": len(exact), "outputs": found,
+            "warnings": [w for w in warnings if w]}
+
+
+def _quantized_graph(ctx) -> Optional[QuantizedGraph]:
+    """The converted model with the ops this build quantizes (int8/mixed through parity's
+    QDQ builds; None for the runtime's own int8 tooling, which takes no keep_float)."""
+    precision = ctx.cfg.precision
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    calibrate = ctx.results.get("calibrate")
+    if precision.kind not in ("int8", "mixed") or "float_ops" not in quantization or calibrate is None:
+        return None
+    prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
+    model = onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False)
+    return QuantizedGraph(model, precision.quantize_ops, quantization["float_ops"],
+                          present={node.name for node in prepared.graph.node})
+
+
+def _tried_advice(ctx, backend, live: Live, advice: List[dict], layers, graph: QuantizedGraph,
+                  outputs: List[dict], task, budget: "diagnosis.Budget") -> tuple:
+    """Keep-in-float candidates ranked by their gain on the reference runtime (a few samples,
+    pipeline/verification/trials.py), then confirmed on the target best first, built, measured and judged
+    like the build, while the budget lasts: (the advice to print, every trial)."""
+    cfg, (reference, target) = ctx.cfg, live.workers()
+    dataset = ctx.dataset()
+    metric = load_metric(cfg.metric)
+    task_output = (metric and metric.output) or cfg.validation.task_output or outputs[0]["name"]
+    found = trials.candidates(advice, layers, graph, [graph.op_of(o["name"]) for o in outputs],
+                              cfg.validation.advice_trials)
+    if not found:  # nothing this build could keep in float (no quantized op upstream of the evidence)
+        return advice, []
+    already = judged_with(ctx)["intended_float"]
+    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.kind,
+                 "accepted_precisions": ["int8", "mixed"]}  # as a run with precision.keep_float accepts
+
+    def judge(stats, build, effective):
+        measured_task = (scorer.result(build, cfg.validation.max_metric_drop, cfg.validation.require_confidence)
+                         if scorer else None)
+        judged = [judge(name, found_stats, cfg.validation, measured_task) for name, found_stats in stats.items()]
+        _, reasons, _ = verdict.judge(judged, [], measured_task, requested, effective, len(dataset.validation),
+                                      None, cfg.validation.fail_on_float_fallback, (*already, *build.split(",")))
+        return reasons, min(o["metrics"]["cosine"] for o in judged), measured_task
+
+    qdq = None if backends.own_quantizer(backend, cfg.precision.kind) else _qdq_maker(ctx, backend, live.stack)
+    ranked = _screened(ctx, live, qdq, found, (outputs, dataset), budget)
+    launch, tried = _trial_launcher(ctx, backend, qdq, live), list(ranked["failed"])
+    expected = budget.check_seconds + _refinement_seconds(ctx)
+    for keep in ranked["order"]:
+        if not budget.fits(expected):
+            budget.skipped(f"confirming keep_float=[{','.join(keep)}] on the target", expected)
+            continue
+        started = time.perf_counter()
+        scorer = TaskScorer(metric, task_output) if metric else None
+        confirmed = trials.run([keep], launch, reference, target, dataset, judge, scorer)
+        for trial in confirmed:
+            trial["screen_cosine"] = ranked["cosine"].get(",".join(keep))
+        tried += confirmed
+        budget.spent(f"trial keep_float=[{','.join(keep)}]", time.perf_counter() - started)
+        if any(t["passed"] for t in confirmed):
+            break  # the best-ranked candidate that passes is the advice; the rest cannot beat it on speed
+    untouched = [a for a in advice if not a["action"].get("keep_float")]
+    if not any("cosine" in t for t in tried):  # the budget ran out before any confirmation
+        return untouched + [_unconfirmed(ranked, budget)], tried
+    base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
+    found_advice = trials.advice(tried, base, list(cfg.precision.keep_float))
+    if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.kind == "int8":
+        found_advice[0]["text"] += "; precision=mixed searches further (docs/sensitivity.md)"
+    return untouched + found_advice, tried
+
+
+def _refinement_seconds(ctx) -> float:
+    """What the build's weight rounding and bias correction took: a trial built like the
+    build repeats them."""
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    return sum(float((quantization.get(step) or {}).get("seconds") or 0.0)
+               for step in ("weight_rounding", "bias_correction"))
+
+
+def _unconfirmed(ranked: dict, budget: "diagnosis.Budget") -> dict:
+    """The advice when the budget ran out before a candidate was confirmed on the target:
+    which one would be next, with nothing to apply (it is not measured on the target)."""
+    text = (f"the diagnosis budget ({budget.seconds:.1f} s, validation.diagnosis_budget) left no time to "
+            "confirm a keep-in-float candidate on the target")
+    if ranked["order"]:
+        first = ranked["order"][0]
+        text += (f"; the best ranked on the reference runtime, keep_float=[{','.join(first)}] (cosine "
+                 f"{ranked['cosine'][','.join(first)]:.6f} there), is confirmed with a larger budget")
+    return {"kind": "diagnosis_cut", "text": text, "tried": False, "action": {"validation.diagnosis_budget":
+                                                                            "a larger multiple"}}
+
+
+def _screened(ctx, live: Live, qdq, found: List[List[str]], judged: tuple, budget: "diagnosis.Budget") -> dict:
+    """The candidates ranked by output cosine of their plain Q/DQ models on the reference
+    runtime over trials.SCREEN_SAMPLES validation samples ({"order", "cosine", "failed"}); a
+    runtime with its own quantizer (MNN) builds no Q/DQ model: the order stays as found."""
+    if qdq is None or len(found) < 2:
+        return {"order": found, "cosine": {}, "failed": []}
+    started = time.perf_counter()
+    outputs, dataset = judged  # the build's judged outputs (their thresholds), the run's data
+    feeds = [sample.feeds for _, sample in zip(range(trials.SCREEN_SAMPLES), dataset.validation)]
+
+    def worker(keep: List[str]) -> BackendWorker:
+        path = qdq(keep)
+        return loaded(launch(live.stack, REFERENCE_MODULE, path.parent, {**reference_settings(ctx.results["convert"]),
+                                                                            "model": path.name},
+                               f"screen keep_float=[{','.join(keep)}]", live.limits))
+
+    needed = [o["thresholds"]["min_cosine"] for o in outputs if o["thresholds"].get("min_cosine") is not None]
+    ranked = trials.screen(found, worker, live.workers()[0], feeds, max(needed) if needed else None)
+    budget.spent(f"screening {len(found)} candidates on the reference runtime ({len(feeds)} samples)",
+                 time.perf_counter() - started)
+    budget.screened = [{"keep_float": keep, "cosine": ranked["cosine"][",".join(keep)]} for keep in ranked["order"]]
+    return ranked
+
+
+def _trial_launcher(ctx, backend, qdq, live: Live):
+    """keep_float -> a loaded worker running the build with those ops (and the build's own
+    float ops) in float, made as the build stage makes it: the same quantizer, table,
+    settings and bias correction (a rerun with precision.keep_float gets this model)."""
+    precision, stack, limits = ctx.cfg.precision, live.stack, live.limits
+    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
+
+    def launch(keep: List[str]):
+        label = f"advice keep_float=[{','.join(keep)}]"
+        if qdq is None:  # as the build: the runtime's quantizer
+            worker, _ = built_worker(ctx, backend, stack, limits, None, None, precision.kind, label,
+                                      [*float_ops, *keep])
+            return loaded(worker)
+        path = qdq(keep)
+        path = shutil.copyfile(path, path.with_name(f"refined-{path.name}"))  # the screened model stays as it was
+        _correct_like_the_build(ctx, path)
+        worker, _ = built_worker(ctx, backend, stack, limits, path, None, precision.kind, label)
+        return loaded(worker)
+
+    return launch
+
+
+def _qdq_maker(ctx, backend, stack):
+    """keep_float -> the path of the build's plain Q/DQ model (its table, settings and own
+    float ops) with those ops float too, made once per keep_float (screening ranks it,
+    confirming refines a copy of it), in a scratch folder the stack removes."""
+    calibrate = ctx.results["calibrate"]
+    source = ctx.results["sensitivity"] if ctx.cfg.precision.kind == "mixed" else calibrate
+    table = read_json(source.path("table"))["tensors"]
+    settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
+    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
+    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
+    made: Dict[tuple, Path] = {}
+
+    def make(keep: List[str]) -> Path:
+        if tuple(keep) not in made:
+            made[tuple(keep)] = scratch / f"model{len(made)}.onnx"
+            build_qdq(calibrate.path("prepared"), table, made[tuple(keep)], settings, keep_float=[*float_ops, *keep])
+        return made[tuple(keep)]
+
+    return make
+
+
+def _correct_like_the_build(ctx, quantized: Path) -> None:
+    """Weight rounding and bias correction on a QDQ model made here, where the build stage
+    applied them to the shipped one."""
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    prepared = ctx.results["calibrate"].path("prepared")
+    for summary, refine in ((quantization.get("weight_rounding"), weight_rounding.round_file),
+                            (quantization.get("bias_correction"), bias_correction.correct_file)):
+        if (summary or {}).get("enabled") and not summary.get("error"):
+            refine(quantized, prepared, (sample.feeds for sample in ctx.dataset().calibration))
+

@@ -1,0 +1,106 @@
+"""What verify's measurement and its diagnosis share: the backend workers verify runs: the reference and the target (launched once, when first
+needed), builds made on the side (baselines, advice trials), and an output's judgement."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from pipeline import tuning
+from pipeline.errors import BackendCrashed, BackendUnavailable
+from pipeline.verification.metrics import OutputStats, failures
+from pipeline.worker import BackendWorker
+from stages import REFERENCE_MODULE, StageContext, reference_settings
+
+
+class Live:
+    """The reference and target workers of this verify, launched when first needed: by the
+    measurement, or by the diagnosis of a measurement served from the cache."""
+
+    def __init__(self, ctx: StageContext, deployed, launching):
+        self.ctx, self.deployed, (self.stack, self.limits) = ctx, deployed, launching
+        self.reference: Optional[BackendWorker] = None
+        self.target: Optional[BackendWorker] = None
+        self.loaded = False
+
+    def launch(self) -> None:
+        if self.reference is not None:
+            return
+        cfg, (backend, artifact, settings) = self.ctx.cfg, self.deployed
+        convert = self.ctx.results["convert"]
+        self.reference = launch(self.stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
+                                 "reference (onnxruntime fp32)", self.limits)
+        self.target = launch(self.stack, backend.__name__, artifact.out_dir, settings,
+                              f"{cfg.target.name} ({backend.NAME} {cfg.precision.kind})", self.limits)
+
+    def workers(self) -> tuple:
+        """(reference, target), both loaded (waited for once)."""
+        self.launch()
+        if not self.loaded:
+            loaded(self.reference)
+            loaded(self.target)
+            self.loaded = True
+        return self.reference, self.target
+
+
+def launch(stack, module: str, folder: Path, settings: dict, label: str, limits: dict) -> BackendWorker:
+    """A worker process started (closed with the stack); its load is awaited by loaded,
+    so that the workers of one verify start side by side."""
+    worker = BackendWorker(module, folder, settings, label=label, timeout_s=limits["timeout_s"],
+                           memory_mb=limits["memory_mb"])
+    stack.callback(worker.close)
+    worker.launch()
+    return worker
+
+
+def loaded(worker: BackendWorker) -> BackendWorker:
+    try:
+        worker.wait_loaded()
+    except BackendCrashed as err:
+        if err.kind == "error":  # the runtime refused the artifact: a clear error, not a crash
+            raise BackendUnavailable(f"{worker.label} failed to load the artifact: {err.detail}") from err
+        raise
+    return worker
+
+
+def built_worker(ctx, backend, stack, limits: dict, onnx_path: Optional[Path], ir_dir, precision: str, label: str,
+                  own_float_ops: Optional[List[str]] = None):
+    """(worker, bytes) of a build made here on the target's backend with the run's tuned settings;
+    ``own_float_ops``: made by the runtime's own quantizer (build_int8) with these ops float."""
+    tune = ctx.results.get("tune")
+    tuned = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}  # same settings
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{precision}-")))
+    if own_float_ops is None:
+        files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, precision)
+    else:
+        samples = [sample.feeds for sample in ctx.dataset().calibration]
+        files, settings = backend.build_int8(ctx.results["convert"].path("model"), folder, ctx.cfg.target, samples,
+                                             ctx.cfg.calibration.method.value, float_ops=own_float_ops)
+    settings = tuning.apply(backend, {**settings, "device": ctx.cfg.target.device.upper(), "precision": precision,
+                                      "outputs": ctx.results["convert"].summary["outputs"]}, tuned)
+    size = sum((folder / f).stat().st_size for f in files)
+    return launch(stack, backend.__name__, folder, settings, label, limits), size
+
+
+def judge(name: str, stats: OutputStats, validation, task: Optional[dict]) -> dict:
+    """One output's checks; with a task metric scored (``task``), its output's cosine is
+    gated at validation.task_min_cosine (docs/verify.md, "Task-first verdicts")."""
+    metrics = stats.result()
+    limits = validation.thresholds_for(name, task["output"] if task else None)
+    failed = failures(metrics, limits)
+    task_gated = task is not None and task["output"] == name and validation.cosine_gate(True) != validation.min_cosine
+    return {"name": name, "passed": not failed, "failures": failed, "thresholds": vars(limits),
+            "cosine_gate": "task_min_cosine" if task_gated else "min_cosine",
+            "metrics": metrics,
+            # Polygraphy-style: either tolerance alone would pass every element (rel: null, none would)
+            "min_tolerances": {"abs": stats.max_abs, "rel": stats.max_rel if np.isfinite(stats.max_rel) else None},
+            "per_sample": {"cosine": stats.sample_cosine[:1000], "max_abs": stats.sample_max_abs[:1000]}}
+
+
+def judged_with(ctx) -> dict:
+    quantization = ctx.results["build"].summary.get("quantization") or {}
+    return {"fail_on_float_fallback": ctx.cfg.validation.fail_on_float_fallback,
+            "intended_float": list(quantization.get("float_ops") or [])}
