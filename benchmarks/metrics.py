@@ -85,7 +85,7 @@ def time_scoring(run: Path, folder: Path, keys: Path, builds: int) -> float:
 
     from pipeline.config.schemas import Color, PreprocessConfig
     from pipeline.data import TensorSpec, load_image
-    from pipeline.verification.task_metrics import TaskScorer, load_metric
+    from pipeline.task_metrics import TaskScorer, load_metric
 
     session = ort.InferenceSession(str(run / "stages" / "convert" / "model.onnx"), providers=["CPUExecutionProvider"])
     spec = TensorSpec("x", [1, 3, 48, 320], "float32")
@@ -93,7 +93,7 @@ def time_scoring(run: Path, folder: Path, keys: Path, builds: int) -> float:
     labels = dict(line.split(",", 1) for line in (folder / "labels.csv").read_text().splitlines()[1:])
     outputs = [(session.run(None, {"x": load_image(path, spec, pre)})[0], labels[path.name])
                for path in sorted(folder.glob("*.png"))]
-    metric = load_metric({"_target_": "pipeline.verification.task_metrics.CTC", "charset": str(keys)})
+    metric = load_metric({"_target_": "pipeline.task_metrics.CTC", "charset": str(keys)})
     started = time.perf_counter()
     scorer = TaskScorer(metric, "y")
     for output, label in outputs:
@@ -109,7 +109,7 @@ def time_scoring(run: Path, folder: Path, keys: Path, builds: int) -> float:
 def instantiation(work: Path) -> None:
     (work / "user").mkdir()
     (work / "user" / "usermetrics.py").write_text(CUSTOM)
-    code = ("import sys, time; from pipeline.verification.task_metrics import load_metric; t = time.perf_counter(); "
+    code = ("import sys, time; from pipeline.task_metrics import load_metric; t = time.perf_counter(); "
             f"load_metric({{'_target_': 'usermetrics.Distance', 'path': {str(work / 'user')!r}}}); "
             "print(time.perf_counter() - t, [m for m in ('onnxruntime', 'openvino', 'ncnn', 'MNN', 'onnx') "
             "if m in sys.modules])")

@@ -69,7 +69,7 @@ def paddle_agreement(validation: np.ndarray, truth: list, report: dict) -> str:
     import onnxruntime as ort
     from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 
-    from pipeline.verification.task_metrics import char_accuracy
+    from pipeline.task_metrics import char_accuracy
 
     session = ort.InferenceSession(str(MODELS / FILES["rec"]), providers=["CPUExecutionProvider"])
     decode = CTCLabelDecode(character=charset()[1:-1])

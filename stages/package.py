@@ -23,7 +23,7 @@ from pipeline.errors import writing
 from pipeline.report import write_reports
 from pipeline.report.assemble import assemble, model_name
 from pipeline.data import preprocess_record
-from pipeline.verification.task_metrics import bundle_record
+from pipeline.task_metrics import bundle_record
 from stages import StageContext, StageResult, deployable
 
 NAME = "package"

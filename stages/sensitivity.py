@@ -23,7 +23,7 @@ from pipeline.precision.calibration.measure import float_outputs, output_agreeme
 from pipeline.data import pack
 from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
-from pipeline.verification.task_metrics import files as metric_files, load_metric, per_sample
+from pipeline.task_metrics import files as metric_files, load_metric, per_sample
 from pipeline.precision.quantize import MixedModels, QdqSettings, QuantizerFailed, backend_float_ops
 from stages import StageContext, StageResult
 

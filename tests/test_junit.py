@@ -8,7 +8,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from pipeline.report import junit_xml, write_junit
-from tests.test_report_render import crash_report, full_report
+from tests.test_report_render import full_report
+from tests.test_report_render_diagnosis import crash_report
 
 SUITE = "parity.ort_cpu.fp32"
 

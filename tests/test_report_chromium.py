@@ -22,7 +22,8 @@ import pytest
 from PIL import Image
 
 from pipeline.report import render_html
-from tests.test_report_render import crash_report, full_report, layerwise_report
+from tests.test_report_render import full_report
+from tests.test_report_render_diagnosis import crash_report, layerwise_report
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = (1280, 2000)

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.report import render_html, render_markdown
 from pipeline.report.render import svg_line_chart
-from test_report_render import check_table_columns, failing_report, full_report, parse
+from tests.test_report_render import check_table_columns, failing_report, full_report, parse
 
 
 def layerwise_data(points: int = 71, not_exposed: int = 14, unmappable: int = 3) -> dict:

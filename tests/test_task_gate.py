@@ -18,7 +18,7 @@ from conftest import read_report, run_cli, run_dirs
 from pipeline.verification import confidence, verdict
 from pipeline.config.schemas import ValidationConfig
 from pipeline.errors import ExitCode
-from pipeline.verification.task_metrics import TaskScorer, load_metric
+from pipeline.task_metrics import TaskScorer, load_metric
 
 
 def test_the_paired_interval_is_about_the_difference_and_reproducible():
@@ -44,7 +44,7 @@ def test_the_paired_interval_is_about_the_difference_and_reproducible():
 
 def _scored(reference: np.ndarray, target: np.ndarray) -> TaskScorer:
     """A TaskScorer (top1 with labels) fed one-hot outputs: class 1 where the score is 1."""
-    scorer = TaskScorer(load_metric({"_target_": "pipeline.verification.task_metrics.Top1", "needs_labels": True}), "y")
+    scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.Top1", "needs_labels": True}), "y")
     for ref, out in zip(reference, target):
         scorer.active(1)
         scorer.add("reference", np.eye(2, dtype=np.float32)[int(ref)], np.eye(2, dtype=np.float32)[int(ref)], 1)

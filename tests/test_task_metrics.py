@@ -1,4 +1,4 @@
-"""Task metrics (pipeline/verification/task_metrics.py, conf/metric): the built-ins on their own, a
+"""Task metrics (pipeline/task_metrics.py, conf/metric): the built-ins on their own, a
 custom metric from a file outside the package, the metric gating real models (the
 PP-OCRv4 recognizer with metric=ctc on rendered text lines, the PP-OCRv4 detector with
 metric=map_iou), `parity-bundle run` on a PNG, and data sizes that follow the data."""
@@ -19,7 +19,7 @@ from textlines import FONTS, NEEDS_FONTS_SKIPPED, render, write_dataset
 
 from pipeline.config.schemas import DataConfig, DataKind
 from pipeline.data import TensorSpec, open_dataset
-from pipeline.verification.task_metrics import CTC, MapIoU, MetricError, Regression, TaskScorer, char_accuracy, load_metric
+from pipeline.task_metrics import CTC, MapIoU, MetricError, Regression, TaskScorer, char_accuracy, load_metric
 
 MODELS = importlib.resources.files("rapidocr_onnxruntime") / "models"
 REC = MODELS / "ch_PP-OCRv4_rec_infer.onnx"
@@ -62,7 +62,7 @@ def test_ctc_strips_surrounding_spaces_by_default_and_can_fold_case():
     assert CTC(symbols, casefold=True)(batch, batch, labels).tolist() == [1.0, 1.0]
     assert CTC(symbols, casefold=True).extras(batch, batch, labels)["exact_match"].tolist() == [1.0, 1.0]
     assert CTC(symbols, ignore_space=True)(one_hot([1, 3, 2])[np.newaxis], None, ["a b "]).tolist() == [1.0]
-    metric = load_metric({"_target_": "pipeline.verification.task_metrics.CTC", "charset": symbols, "strip": False})
+    metric = load_metric({"_target_": "pipeline.task_metrics.CTC", "charset": symbols, "strip": False})
     assert metric.score.strip is False
 
 
@@ -119,7 +119,7 @@ def test_map_iou_per_page_or_pooled():
     assert per_page(out, ref, None).tolist() == [1.0, 0.0] and per_page.weights(out, ref, None) is None
     assert pooled.weights(out, ref, None).tolist() == [100.0, 2.0]
     for metric, expected in ((per_page, 0.5), (pooled, 100 / 102)):
-        scorer = TaskScorer(load_metric({"_target_": "pipeline.verification.task_metrics.MapIoU", "pooled": metric.pooled}), "y")
+        scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.MapIoU", "pooled": metric.pooled}), "y")
         for index in range(2):
             scorer.add("reference", ref[index], ref[index], None)
             scorer.add("build", out[index], ref[index], None)
@@ -130,7 +130,7 @@ def test_map_iou_per_page_or_pooled():
 
 
 def test_a_lower_is_better_metric_drops_when_it_rises():
-    scorer = TaskScorer(load_metric({"_target_": "pipeline.verification.task_metrics.Regression"}), "y")
+    scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.Regression"}), "y")
     for label, value in ((1.0, 1.5), (2.0, 2.0)):
         scorer.active(label)
         scorer.add("reference", np.array([label]), np.array([label]), label)
@@ -200,7 +200,7 @@ def test_custom_function_and_class_load_through_hydra(custom_metrics):
 
 def test_loading_a_custom_metric_loads_no_model(custom_metrics):
     """What instantiating costs: the user's module and numpy, not a runtime or a model."""
-    code = (f"import sys; from pipeline.verification.task_metrics import load_metric; "
+    code = (f"import sys; from pipeline.task_metrics import load_metric; "
             f"load_metric({{'_target_': 'usermetrics.Distance', 'path': {str(custom_metrics)!r}}}); "
             "print(sorted(m for m in ('onnxruntime', 'openvino', 'ncnn', 'MNN', 'onnx') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -222,7 +222,7 @@ def test_a_metric_that_cannot_be_imported_is_a_config_error():
     with pytest.raises(MetricError, match="cannot import 'nowhere.metric'.*metric.path"):
         load_metric({"_target_": "nowhere.metric"})
     with pytest.raises(MetricError, match="unexpected keyword argument 'treshold'"):
-        load_metric({"_target_": "pipeline.verification.task_metrics.MapIoU", "treshold": 0.5})
+        load_metric({"_target_": "pipeline.task_metrics.MapIoU", "treshold": 0.5})
 
 
 def test_custom_metric_on_the_cli(custom_metrics, tmp_path):

@@ -13,7 +13,7 @@ from pipeline.config.schemas import Color, DataConfig, DataKind, PreprocessConfi
 from pipeline.data import TensorSpec, load_image, open_dataset
 from pipeline.errors import InputError
 from pipeline.verification.metrics import OutputStats, cosine, failures
-from pipeline.verification.task_metrics import TaskScorer, load_metric
+from pipeline.task_metrics import TaskScorer, load_metric
 
 SPEC = TensorSpec("x", [1, 2, 3], "float32")
 
@@ -53,7 +53,7 @@ def test_per_output_thresholds_override_the_defaults():
 
 
 def test_top1_drop_and_agreement():
-    scorer = TaskScorer(load_metric({"_target_": "pipeline.verification.task_metrics.Top1"}), "y")
+    scorer = TaskScorer(load_metric({"_target_": "pipeline.task_metrics.Top1"}), "y")
     for reference, output, label in (([0.1, 0.9], [0.9, 0.1], 1), ([0.9, 0.1], [0.9, 0.1], 0)):
         assert scorer.active(label)
         scorer.add("reference", np.array(reference), np.array(reference), label)

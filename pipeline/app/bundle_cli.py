@@ -23,7 +23,7 @@ from pipeline.release.bundle import MANIFEST, check_integrity, open_session, rea
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, InputError, ParityError, environment_fault
 from pipeline.release.publish import RELEASE_MANIFEST, check_release, is_release
-from pipeline.verification.task_metrics import load_metric
+from pipeline.task_metrics import load_metric
 
 
 def main(argv=None) -> None:

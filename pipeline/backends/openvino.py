@@ -235,6 +235,8 @@ class Session:
                  "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
                  "compile_cache": self._cache_status,
                  "runtime_options": {name: _option_text(compiled.get_property(name)) for name in _READ_BACK}}
+        if self._at_opt is not None:  # a dynamic model: the static copy compiled at the range's opt
+            found["static_copy_at"] = {name: "x".join(map(str, shape)) for name, shape in self._at_opt[0].items()}
         note = self._hint_note(read_back, precision, found["layers"])
         return {**found, "note": note} if note else found
 

@@ -173,7 +173,7 @@ def _check_data(data: DataConfig) -> None:
 def _check_metric(run: RunConfig) -> None:
     """Instantiating the metric at start: a wrong _target_, path or argument is a one-line
     error before any work (a metric's import loads no model)."""
-    from pipeline.verification.task_metrics import load_metric
+    from pipeline.task_metrics import load_metric
 
     load_metric(run.metric)
 

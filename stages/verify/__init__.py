@@ -30,7 +30,7 @@ from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, Exi
 from pipeline.data import TensorSpec
 from pipeline.verification.metrics import OutputStats
 from pipeline.verification.shape_checks import ShapeAccuracy
-from pipeline.verification.task_metrics import TaskScorer, files as metric_files, load_metric
+from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
 from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qdq
 from stages import StageContext, StageResult, deployable
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,

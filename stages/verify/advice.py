@@ -17,7 +17,7 @@ from pipeline.verification import layerwise, trials, truth as float64, verdict
 from pipeline.artifacts import read_json
 from pipeline.config.schemas import Layerwise
 from pipeline.errors import BackendCrashed, ExitCode, first_line
-from pipeline.verification.task_metrics import TaskScorer, load_metric
+from pipeline.task_metrics import TaskScorer, load_metric
 from pipeline.precision.calibration import bias_correction, weight_rounding
 from pipeline.precision.quantize import QdqSettings, build_qdq
 from pipeline.verification.recommend import QuantizedGraph, recommend
