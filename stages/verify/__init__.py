@@ -35,7 +35,7 @@ from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qd
 from stages import StageContext, StageResult, deployable
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
-from stages.verify.shared import Live, built_worker, judge, judged_with, loaded
+from stages.verify.shared import Live, built_worker, judge_output, judged_with, loaded
 
 
 NAME = "verify"
@@ -168,7 +168,7 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
                    cfg.precision.kind, _inputs(ctx))
     ran = _compare(ctx, live, check, dataset, progress, reproduce)
     task = check.task_result(cfg.validation.max_metric_drop, cfg.validation.require_confidence)
-    outputs = [judge(name, check.stats[name], cfg.validation, task) for name in output_names
+    outputs = [judge_output(name, check.stats[name], cfg.validation, task) for name in output_names
                if name not in check.missing and check.stats[name].elements]
     if metric and task is None and check.samples and ran.crash is None:
         dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "

@@ -23,7 +23,7 @@ from pipeline.precision.quantize import QdqSettings, build_qdq
 from pipeline.verification.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, reference_settings
-from stages.verify.shared import Live, built_worker, judged_with, loaded
+from stages.verify.shared import Live, built_worker, judge_output, judged_with, launch_worker, loaded
 
 
 def layerwise_wanted(mode: Layerwise, exit_code: ExitCode) -> bool:
@@ -146,7 +146,7 @@ def _tried_advice(ctx, backend, live: Live, advice: List[dict], layers, graph: Q
     def judge(stats, build, effective):
         measured_task = (scorer.result(build, cfg.validation.max_metric_drop, cfg.validation.require_confidence)
                          if scorer else None)
-        judged = [judge(name, found_stats, cfg.validation, measured_task) for name, found_stats in stats.items()]
+        judged = [judge_output(name, found_stats, cfg.validation, measured_task) for name, found_stats in stats.items()]
         _, reasons, _ = verdict.judge(judged, [], measured_task, requested, effective, len(dataset.validation),
                                       None, cfg.validation.fail_on_float_fallback, (*already, *build.split(",")))
         return reasons, min(o["metrics"]["cosine"] for o in judged), measured_task
@@ -211,9 +211,9 @@ def _screened(ctx, live: Live, qdq, found: List[List[str]], judged: tuple, budge
 
     def worker(keep: List[str]) -> BackendWorker:
         path = qdq(keep)
-        return loaded(launch(live.stack, REFERENCE_MODULE, path.parent, {**reference_settings(ctx.results["convert"]),
-                                                                            "model": path.name},
-                               f"screen keep_float=[{','.join(keep)}]", live.limits))
+        settings = {**reference_settings(ctx.results["convert"]), "model": path.name}
+        return loaded(launch_worker(live.stack, REFERENCE_MODULE, path.parent, settings,
+                                    f"screen keep_float=[{','.join(keep)}]", live.limits))
 
     needed = [o["thresholds"]["min_cosine"] for o in outputs if o["thresholds"].get("min_cosine") is not None]
     ranked = trials.screen(found, worker, live.workers()[0], feeds, max(needed) if needed else None)

@@ -1,5 +1,6 @@
-"""What verify's measurement and its diagnosis share: the backend workers verify runs: the reference and the target (launched once, when first
-needed), builds made on the side (baselines, advice trials), and an output's judgement."""
+"""What verify's measurement and its diagnosis share: the backend workers verify runs (the
+reference and the target, launched once, when first needed; builds made on the side for
+the baselines and the advice trials) and an output's judgement."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ class Live:
             return
         cfg, (backend, artifact, settings) = self.ctx.cfg, self.deployed
         convert = self.ctx.results["convert"]
-        self.reference = launch(self.stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
+        self.reference = launch_worker(self.stack, REFERENCE_MODULE, convert.out_dir, reference_settings(convert),
                                  "reference (onnxruntime fp32)", self.limits)
-        self.target = launch(self.stack, backend.__name__, artifact.out_dir, settings,
+        self.target = launch_worker(self.stack, backend.__name__, artifact.out_dir, settings,
                               f"{cfg.target.name} ({backend.NAME} {cfg.precision.kind})", self.limits)
 
     def workers(self) -> tuple:
@@ -46,7 +47,7 @@ class Live:
         return self.reference, self.target
 
 
-def launch(stack, module: str, folder: Path, settings: dict, label: str, limits: dict) -> BackendWorker:
+def launch_worker(stack, module: str, folder: Path, settings: dict, label: str, limits: dict) -> BackendWorker:
     """A worker process started (closed with the stack); its load is awaited by loaded,
     so that the workers of one verify start side by side."""
     worker = BackendWorker(module, folder, settings, label=label, timeout_s=limits["timeout_s"],
@@ -82,10 +83,10 @@ def built_worker(ctx, backend, stack, limits: dict, onnx_path: Optional[Path], i
     settings = tuning.apply(backend, {**settings, "device": ctx.cfg.target.device.upper(), "precision": precision,
                                       "outputs": ctx.results["convert"].summary["outputs"]}, tuned)
     size = sum((folder / f).stat().st_size for f in files)
-    return launch(stack, backend.__name__, folder, settings, label, limits), size
+    return launch_worker(stack, backend.__name__, folder, settings, label, limits), size
 
 
-def judge(name: str, stats: OutputStats, validation, task: Optional[dict]) -> dict:
+def judge_output(name: str, stats: OutputStats, validation, task: Optional[dict]) -> dict:
     """One output's checks; with a task metric scored (``task``), its output's cosine is
     gated at validation.task_min_cosine (docs/verify.md, "Task-first verdicts")."""
     metrics = stats.result()
