@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import FILES, FONTS, MODELS, noisy, normalized, render_line, text_line  # noqa: E402
 
-from pipeline import backends
-from pipeline.verification import speed
+from pipeline import backends  # noqa: E402
+from pipeline.verification import speed  # noqa: E402
 from pipeline.environment import cpu  # noqa: E402
 from pipeline.worker import BackendWorker  # noqa: E402
 
@@ -131,8 +131,8 @@ def calibrate_cost(report: dict, kind: str, dynamic: bool):
     samples = PER_SHAPE["calibration"] * 3
     pixels = PER_SHAPE["calibration"] * (sum(h * w for h, w in SHAPES[kind].values()) if dynamic
                                          else 3 * SHAPES[kind]["opt"][0] * SHAPES[kind]["opt"][1])
-    if not stage or not stage.get("computed_seconds"):
-        return None
+    if not stage or not stage.get("computed_seconds") or report["precision"] not in ("int8", "mixed"):
+        return None  # a float build shipped (auto): nothing calibrated
     seconds = stage["computed_seconds"]
     return seconds, seconds / samples, seconds / (pixels / 1e6)
 

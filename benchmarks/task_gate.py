@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import FILES, MODELS, charset, rec_samples  # noqa: E402
 
-from pipeline.verification import confidence
+from pipeline.verification import confidence  # noqa: E402
 from pipeline.environment import cpu  # noqa: E402
 
 
