@@ -18,6 +18,9 @@ Figures, side by side in one run:
   same method as verify) at the opt shape (goal: dynamic within 10 % of fixed);
 - calibration cost: the calibrate stage's seconds per sample and per megapixel, mixed shapes
   against the opt shape (goal: no more per sample).
+With --same-calibration, a third run per row: the dynamic bundle calibrated on the fixed
+run's opt-shaped samples, so that its cosine gap to the fixed build is the dynamic dims'
+alone, not the calibration data's.
 Validation thresholds are lowered (validation.min_cosine=0): this measures, it does not gate.
 Prints the CPU flags; absolute seconds are this machine's.
 """
@@ -28,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,6 +93,12 @@ def write_data(kind: str, root: Path) -> None:
         for index in range(count, 3 * count if split == "calibration" else count):
             _save(root / "fixed" / split, f"opt_{index}", page(height, width, rng, noise) if kind == "det"
                   else line(width, rng, noise))
+
+
+def same_calibration_data(root: Path) -> None:
+    """root/dynamic_optcal/: the fixed run's calibration samples, the dynamic run's validation."""
+    shutil.copytree(root / "fixed" / "calibration", root / "dynamic_optcal" / "calibration")
+    shutil.copytree(root / "dynamic" / "validation", root / "dynamic_optcal" / "validation")
 
 
 def _save(folder: Path, name: str, sample: np.ndarray) -> None:
@@ -160,7 +170,7 @@ def bundle_of(run_dir: Path) -> Path:
     return next(p for p in (run_dir / "bundle").iterdir() if p.is_dir())
 
 
-def one(kind: str, target: str, precision: str, root: Path) -> dict:
+def one(kind: str, target: str, precision: str, root: Path, same_calibration: bool = False) -> dict:
     model = MODELS / FILES[kind]
     common = [f"model.path={model}", "data.kind=tensors", "metric=none", f"target={target}", "target.threads=2",
               f"precision={precision}", "validation.min_cosine=0", "validation.task_min_cosine=null",
@@ -174,7 +184,12 @@ def one(kind: str, target: str, precision: str, root: Path) -> dict:
         found[name] = {"seconds": seconds, "exit": code, "cosine": opt_cosine(report, kind, dynamic),
                        "shipped": report["precision"], "calibrate": calibrate_cost(report, kind, dynamic),
                        "bundle": bundle_of(run_dir)}
-    timing = interleaved_latency({n: found[n]["bundle"] for n in found}, kind)
+    if same_calibration:  # the dynamic bundle calibrated on the fixed run's opt-shaped samples
+        data = root / "data" / kind / "dynamic_optcal"
+        _, _, report, _ = parity([*common, shape_args(kind, True), f"data.path={data}"],
+                                 root / "runs" / f"{kind}-{target}-{precision}-dynamic_optcal")
+        found["same_calibration_cosine"] = opt_cosine(report, kind, True)
+    timing = interleaved_latency({n: found[n]["bundle"] for n in ("dynamic", "fixed")}, kind)
     ratios = [d / f for d, f in zip(timing["dynamic"]["round_medians_ms"], timing["fixed"]["round_medians_ms"])]
     found["latency"] = {n: timing[n]["median_ms"] for n in ("dynamic", "fixed")}
     found["latency_ratio"] = float(np.median(ratios))
@@ -186,6 +201,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["det", "rec"], choices=["det", "rec"])
     parser.add_argument("--targets", nargs="+", default=["openvino_cpu", "ort_cpu"])
     parser.add_argument("--precisions", nargs="+", default=["int8", "auto"])
+    parser.add_argument("--same-calibration", action="store_true",
+                        help="a third run: the dynamic bundle calibrated on the fixed run's samples, so that the "
+                             "cosine gap is the dynamic dims' alone")
     args = parser.parse_args()
     info = cpu()
     print(f"CPU: {info.get('model')}; flags: {', '.join(info.get('flags', []))}; 2 threads")
@@ -193,13 +211,15 @@ def main() -> None:
         root = Path(scratch)
         for kind in args.models:
             write_data(kind, root / "data" / kind)
+            same_calibration_data(root / "data" / kind)
             print(f"\n{kind}: shapes {SHAPES[kind]} ({PER_SHAPE} samples per shape)")
             print(f"{'target':<13} {'prec':<5} {'shipped d/f':<12} {'cos@opt dyn':>11} {'fixed':>9} {'gap':>7} "
                   f"{'ms@opt dyn':>10} {'fixed':>8} {'ratio':>6} {'calib s/sample dyn':>18} {'fixed':>6} "
                   f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}")
             for target in args.targets:
                 for precision in args.precisions:
-                    print(_row(target, precision, one(kind, target, precision, root)), flush=True)
+                    print(_row(target, precision, one(kind, target, precision, root, args.same_calibration)),
+                          flush=True)
     print(f"\ngoals: cosine gap <= {GOALS['cosine_gap']}, latency ratio <= {GOALS['latency_ratio']:.2f}, "
           "calibration s/sample dynamic <= fixed (per megapixel shown because the shapes differ in size)")
 
@@ -212,7 +232,10 @@ def _row(target: str, precision: str, found: dict) -> str:
     return (f"{target:<13} {precision:<5} {dyn['shipped'] + '/' + fix['shipped']:<12} {dyn['cosine']:>11.6f} "
             f"{fix['cosine']:>9.6f} {gap:>7.4f} {found['latency']['dynamic']:>10.3f} {found['latency']['fixed']:>8.3f} "
             f"{found['latency_ratio']:>6.3f} {cal[0]:>18.3f} {cal[1]:>6.3f} {per_mp[0]:>9.3f} {per_mp[1]:>6.3f} "
-            f"{dyn['seconds']:>9.1f} {fix['seconds']:>6.1f}")
+            f"{dyn['seconds']:>9.1f} {fix['seconds']:>6.1f}"
+            + (f"  same calibration: cos@opt {found['same_calibration_cosine']:.6f}, gap "
+               f"{abs(found['same_calibration_cosine'] - fix['cosine']):.4f}" if "same_calibration_cosine" in found
+               else ""))
 
 
 if __name__ == "__main__":

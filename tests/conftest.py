@@ -102,6 +102,14 @@ def default_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def auto_default_run(tmp_path_factory):
+    """`parity` with no arguments, as a user types it (precision=auto, the embedded digits
+    model on ort_cpu), run once for the session: (cwd, completed process)."""
+    cwd = tmp_path_factory.mktemp("auto")
+    return cwd, run_cli([], cwd, default_precision=None)
+
+
+@pytest.fixture(scope="session")
 def classifier_qdq(tmp_path_factory):
     """The PP-OCR text-direction classifier prepared, 16 rendered text lines and its QDQ
     model (max thresholds, quantized inputs only): the real model of the bias-correction

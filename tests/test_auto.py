@@ -3,23 +3,13 @@ fastest passing one shipped (pipeline/app/auto.py)."""
 
 from __future__ import annotations
 
-import pytest
-
 from conftest import read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import read_json
 from pipeline.app.auto import choose
 
 
-@pytest.fixture(scope="module")
-def auto_run(tmp_path_factory):
-    """`parity` with no arguments: the embedded digits model on ort_cpu, precision=auto."""
-    cwd = tmp_path_factory.mktemp("auto")
-    result = run_cli([], cwd, default_precision=None)
-    return cwd, result
-
-
-def test_the_default_ships_the_fastest_passing_candidate(auto_run):
-    cwd, result = auto_run
+def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
+    cwd, result = auto_default_run
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(cwd)[-1]
     report = read_report(run_dir)

@@ -121,7 +121,8 @@ def test_int8_bundle_keeps_the_range_and_is_verified_per_shape(tmp_path, small, 
 
         shape = ov.Core().read_model(str(bundle / "model.xml")).inputs[0].get_partial_shape()
         assert str(shape) == "[1,3,16..64,16..64]"
-    _bundle_takes_the_range(tmp_path, bundle)
+    if target == "ort_cpu":  # the range check is parity-bundle's own, whatever the runtime
+        _bundle_takes_the_range(tmp_path, bundle)
 
 
 def _bundle_takes_the_range(tmp_path, bundle: Path) -> None:
@@ -178,7 +179,7 @@ def test_ppocr_det_with_no_input_shapes_takes_the_pages_as_they_are(tmp_path):
     openvino_cpu keeps the dynamic dims, accuracy grouped by the data's own shapes (int8's
     Q/DQ model keeping the dims: the small model's tests above)."""
     _pages(tmp_path / "pages" / "calibration", 4, 1)
-    _pages(tmp_path / "pages" / "validation", 6, 2)
+    _pages(tmp_path / "pages" / "validation", 4, 2)
     result = run_cli([f"model.path={MODELS / 'ch_PP-OCRv4_det_infer.onnx'}", "data.kind=images",
                       f"data.path={tmp_path / 'pages'}", "data.preprocess.resize=limit_side",
                       "data.preprocess.side=160", "data.preprocess.multiple_of=32",
@@ -190,7 +191,7 @@ def test_ppocr_det_with_no_input_shapes_takes_the_pages_as_they_are(tmp_path):
     assert report["convert"]["dynamic_shapes"] == {"x": "data"}
     groups = report["verify"]["shapes"]
     assert [g["shape"] for g in groups] == ["x=1x3x96x160", "x=1x3x128x128"]
-    assert all(g["buckets"] == ["data"] for g in groups) and sum(g["samples"] for g in groups) == 6
+    assert all(g["buckets"] == ["data"] for g in groups) and sum(g["samples"] for g in groups) == 4
     import openvino as ov
 
     bundle = single_bundle(run_dirs(tmp_path)[-1])

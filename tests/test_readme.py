@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-
-from conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -32,11 +29,6 @@ def section(text: str, title: str) -> str:
     match = re.search(rf"^## {re.escape(title)}[ \t]*\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     assert match, f"README.md has no '## {title}' section"
     return match.group(1)
-
-
-def run_parity(args, cwd, timeout=300) -> subprocess.CompletedProcess:
-    """`parity ARGS` as a user types it: no precision added (the README describes the default)."""
-    return run_cli(args, cwd, timeout=timeout, default_precision=None)
 
 
 # (a) length
@@ -120,9 +112,9 @@ def default_job_description() -> str:
 
 
 @pytest.fixture(scope="module")
-def default_job(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("readme-default")
-    result = run_parity([], cwd)
+def default_job(auto_default_run):
+    """The default job (conftest: run once for the session, shared with test_auto.py)."""
+    _, result = auto_default_run
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -206,9 +198,9 @@ def test_readme_parity_commands_use_existing_groups_and_options():
     assert not wrong, "\n".join(wrong)
 
 
-def test_readme_parity_commands_compose(tmp_path):
-    """Each command's config composes (`parity ... --cfg job`): keys, values and
-    combinations are checked before any work. A sweep is checked with its first values."""
+def test_readme_parity_commands_compose():
+    """Each command's config composes and validates: keys, values and combinations are
+    checked before any work. A sweep is checked with its first values."""
     checked = 0
     for args in readme_parity_commands():
         if "--config-dir" in args:  # the user's own folder, not in this repository
@@ -221,7 +213,21 @@ def test_readme_parity_commands_compose(tmp_path):
             if eq and "," in value and not value.startswith(("[", "{")):
                 arg = f"{key}={value.split(',')[0]}"
             single.append(arg)
-        result = run_parity([*single, "--cfg", "job"], tmp_path, timeout=120)
-        assert result.returncode == 0, f"parity {' '.join(args)}: {result.stdout}{result.stderr}"
+        try:
+            composed(single)
+        except Exception as err:  # noqa: BLE001 - the command's error, named in the failure
+            pytest.fail(f"parity {' '.join(args)}: {type(err).__name__}: {err}")
         checked += 1
     assert checked >= 4
+
+
+def composed(overrides):
+    """The config `parity OVERRIDES` composes and validates, in this process (what `parity
+    ... --cfg job` checks before any work, without a process per command)."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import resolvers, validation
+
+    resolvers.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return validation.validate(compose(config_name="config", overrides=list(overrides)))
