@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -460,8 +461,6 @@ def image_size(image_height: int, image_width: int, spec: TensorSpec, pre: Prepr
 
 def _multiple(value: float, multiple: int, up: bool = False) -> int:
     """``value`` rounded (up) to a multiple of ``multiple``, at least one multiple."""
-    import math
-
     steps = math.ceil(value / multiple) if up else round(value / multiple)
     return int(max(1, steps) * multiple)
 

@@ -5,6 +5,7 @@ verify groups samples by. docs/targets.md, "Dynamic shapes"."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -114,21 +115,37 @@ def check_in_range(name: str, shape: Sequence[int], found: Optional[ShapeRange],
 
 # --- shape buckets -------------------------------------------------------------------------
 
+def shape_text(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
 def shape_key(feeds: Dict[str, object]) -> str:
     """A sample's shapes as one text: "x=1x3x320x320" (inputs joined by ";")."""
-    return ";".join(f"{name}={'x'.join(str(d) for d in getattr(value, 'shape', ()))}" for name, value in feeds.items())
+    return ";".join(f"{name}={shape_text(getattr(value, 'shape', ()))}" for name, value in feeds.items())
 
 
-def bucket_names(key: str, ranges: Dict[str, Optional[ShapeRange]]) -> List[str]:
-    """Which of min, opt and max a sample's shape key is (none: the data's own shape)."""
+def elements(feeds: Dict[str, object]) -> int:
+    """A sample's input size: every input's element count, summed."""
+    return sum(int(getattr(value, "size", 1)) for value in feeds.values())
+
+
+def bucket_names(feeds: Dict[str, object], ranges: Dict[str, Optional[ShapeRange]]) -> List[str]:
+    """Which of min, opt and max a sample's ranged inputs are at (none: the data's own
+    shape, or an input without a range)."""
     if not ranges or any(r is None for r in ranges.values()):
         return []
-    names = []
-    for which in RANGE_KEYS:
-        wanted = ";".join(f"{n}={'x'.join(str(d) for d in getattr(r, which))}" for n, r in sorted(ranges.items()))
-        if ";".join(sorted(key.split(";"))) == wanted:
-            names.append(which)
-    return names
+    return [which for which in RANGE_KEYS
+            if all(tuple(feeds[name].shape) == getattr(found, which) for name, found in ranges.items())]
+
+
+def opt_shapes(inputs: Sequence[dict]) -> Dict[str, Tuple[int, ...]]:
+    """runtime.yaml's inputs with a range: {input: its opt shape} (what a backend compiles its
+    static copy for)."""
+    return {spec["name"]: tuple(int(d) for d in spec["range"]["opt"]) for spec in inputs if spec.get("range")}
+
+
+def at_shapes(feeds: Dict[str, object], wanted: Dict[str, Tuple[int, ...]]) -> bool:
+    return all(tuple(getattr(feeds.get(name), "shape", ())) == shape for name, shape in wanted.items())
 
 
 def uniform_groups(items: Iterable, size: int, feeds_of=lambda item: item) -> Iterable[list]:
@@ -152,10 +169,5 @@ def one_shape(items: Sequence, feeds_of=lambda item: item) -> list:
     measurements that compare samples as equal slices (the mixed search, auto's table
     choice) run on when the data's shapes differ."""
     keys = [shape_key(feeds_of(item)) for item in items]
-    if len(set(keys)) <= 1:
-        return list(items)
-    counts: Dict[str, int] = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    best = max(counts, key=lambda key: (counts[key], -keys.index(key)))
+    best = Counter(keys).most_common(1)[0][0] if keys else None  # ties: the first counted
     return [item for item, key in zip(items, keys) if key == best]

@@ -55,12 +55,18 @@ class StageContext:
     # hashed them for the cache keys; empty without a cache
     output_hashes: Dict[str, dict] = field(default_factory=dict)
 
+    def inputs(self) -> list:
+        """The converted model's inputs (TensorSpec: shape, dtype, batch axis, range)."""
+        from pipeline.data import TensorSpec
+
+        return [TensorSpec(**spec) for spec in self.results["convert"].summary["inputs"]]
+
     def dataset(self):
         """The run's calibration and validation data, checked against the converted model's inputs."""
         from pipeline import memory
-        from pipeline.data import TensorSpec, open_dataset
+        from pipeline.data import open_dataset
 
-        inputs = [TensorSpec(**spec) for spec in self.results["convert"].summary["inputs"]]
+        inputs = self.inputs()
         memory.check(self.cfg.data, inputs)  # before a byte is loaded (pipeline/memory.py)
         return open_dataset(self.cfg.data, inputs)
 

@@ -36,6 +36,19 @@ def run_cli(args, cwd, program="parity", timeout=300, env=None,
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def composed(*overrides):
+    """The config `parity OVERRIDES` composes to, in this process (what `parity ... --cfg
+    job` prints, without a process per config)."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.app.cli import CONFIG_DIR
+    from pipeline.config import resolvers
+
+    resolvers.register()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 def run_dirs(cwd: Path):
     return sorted((Path(cwd) / "outputs").glob("*/*_*"))
 

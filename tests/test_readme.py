@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import composed
+from pipeline.config import validation
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 CONF = REPO / "conf"
@@ -214,20 +217,9 @@ def test_readme_parity_commands_compose():
                 arg = f"{key}={value.split(',')[0]}"
             single.append(arg)
         try:
-            composed(single)
+            validation.validate(composed(*single))
         except Exception as err:  # noqa: BLE001 - the command's error, named in the failure
             pytest.fail(f"parity {' '.join(args)}: {type(err).__name__}: {err}")
         checked += 1
     assert checked >= 4
 
-
-def composed(overrides):
-    """The config `parity OVERRIDES` composes and validates, in this process (what `parity
-    ... --cfg job` checks before any work, without a process per command)."""
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.config import resolvers, validation
-
-    resolvers.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return validation.validate(compose(config_name="config", overrides=list(overrides)))

@@ -8,22 +8,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import run_cli
+from conftest import composed, run_cli
 from pipeline import backends
-from pipeline.config import resolvers, schemas, validation
+from pipeline.config import schemas, validation
 from pipeline.app.cli import CONFIG_DIR
 
 GROUPS = {"onnxruntime": None, "openvino": "openvino", "ncnn": "ncnn", "mnn": "mnn"}
 TARGETS = sorted(path.stem for path in (Path(CONFIG_DIR) / "target").glob("*.yaml"))
-
-
-def composed(*overrides):
-    resolvers.register()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("name", TARGETS)

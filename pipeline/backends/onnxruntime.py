@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from pipeline import shapes
 from pipeline.backends.protocol import Capabilities, importable
 
 NAME = "onnxruntime"
@@ -112,7 +113,7 @@ class Session:
     def __init__(self, model_path: Path, device: str = "CPU", precision: str = "fp32",
                  graph_optimization_level: str = "all", intra_op_num_threads: int = 0, *,
                  options: Optional[dict] = None, cached_model: Optional[Path] = None, cache_status: str = "none",
-                 opt_shapes: Optional[Dict[str, List[int]]] = None):
+                 opt_shapes: Optional[Dict[str, Tuple[int, ...]]] = None):
         import onnxruntime as ort
 
         options = {**(options or {}), "graph_optimization_level": graph_optimization_level,
@@ -131,11 +132,25 @@ class Session:
         self._probe = None
         self.inputs = [i.name for i in self._session.get_inputs()]
         self.outputs = [o.name for o in self._session.get_outputs()]
-        self._at_opt = _static_at_opt(model_path, options, opt_shapes) if opt_shapes else None
+        self._at_opt = (opt_shapes, self._static_at_opt(options, opt_shapes)) if opt_shapes else None
+
+    def _static_at_opt(self, options: dict, opt_shapes: Dict[str, Tuple[int, ...]]):
+        """A dynamic model's second session with its inputs' free dims fixed at the range's
+        opt shape (ONNX Runtime's free dimension overrides, by the dims' names): with static
+        shapes it plans memory once and folds the shape arithmetic. Rec int8 at opt ran 0.90x
+        fp32 with dynamic dims (benchmarks/dynamic.py)."""
+        import onnxruntime as ort
+
+        fixed = session_options(options)
+        for value in self._session.get_inputs():
+            for dim, size in zip(value.shape, opt_shapes.get(value.name, ())):
+                if isinstance(dim, str):
+                    fixed.add_free_dimension_override_by_name(dim, int(size))
+        return ort.InferenceSession(str(self._model_path), fixed, providers=["CPUExecutionProvider"])
 
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         session = self._session
-        if self._at_opt is not None and all(tuple(np.shape(feeds.get(n))) == s for n, s in self._at_opt[0].items()):
+        if self._at_opt is not None and shapes.at_shapes(feeds, self._at_opt[0]):
             session = self._at_opt[1]
         return dict(zip(self.outputs, session.run(self.outputs, feeds)))
 
@@ -230,7 +245,7 @@ class Session:
         found = {"device": device, "precision": precision, "layers": layers, "float_ops": float_ops,
                  "compile_cache": self._cache_status, "runtime_options": self._read_back()}
         if self._at_opt is not None:  # a dynamic model: the static copy at the range's opt
-            found["static_copy_at"] = {name: "x".join(map(str, shape)) for name, shape in self._at_opt[0].items()}
+            found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._at_opt[0].items()}
         return found
 
     def _read_back(self) -> dict:
@@ -374,24 +389,6 @@ def _output_qparams(tensor: str, producers, constants, depth: int = 0):
     return None
 
 
-def _static_at_opt(model_path: Path, options: dict, opt_shapes: Dict[str, List[int]]):
-    """A dynamic model's second session with every input fixed at its range's opt shape:
-    (the shapes, the session). With static shapes ONNX Runtime plans memory once and folds
-    the shape arithmetic; rec int8 at opt ran 0.90x fp32 dynamic (benchmarks/dynamic.py)."""
-    import onnx
-    import onnxruntime as ort
-
-    model = onnx.load(str(model_path))
-    for value in model.graph.input:
-        if value.name in opt_shapes:
-            for dim, size in zip(value.type.tensor_type.shape.dim, opt_shapes[value.name]):
-                dim.Clear()
-                dim.dim_value = int(size)
-    shapes = {name: tuple(int(d) for d in dims) for name, dims in opt_shapes.items()}
-    return shapes, ort.InferenceSession(model.SerializeToString(), session_options(options),
-                                        providers=["CPUExecutionProvider"])
-
-
 def load(artifact_dir: Path, settings: dict) -> Session:
     from pipeline.release import compile_cache
 
@@ -400,8 +397,7 @@ def load(artifact_dir: Path, settings: dict) -> Session:
     return Session(Path(artifact_dir) / settings["model"], settings.get("device", "CPU"), settings["precision"],
                    options.get("graph_optimization_level", "all"), options.get("intra_op_num_threads", 0),
                    options=options, cached_model=folder / CACHED_MODEL if folder else None, cache_status=status,
-                   opt_shapes={spec["name"]: spec["range"]["opt"] for spec in settings.get("inputs", [])
-                               if spec.get("range")})
+                   opt_shapes=shapes.opt_shapes(settings.get("inputs", [])))
 
 
 def tuning_space(settings: dict, level: str, objective: str, devices: List[str]) -> List[Tuple[str, list]]:

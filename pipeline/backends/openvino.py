@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from pipeline import shapes
 from pipeline.backends.protocol import Capabilities, importable
 from pipeline.errors import first_line
 
@@ -55,8 +56,6 @@ def _bound_dynamic_dims(model, onnx_path: Path) -> None:
     OpenVINO plans memory for bounded dims; dims the data decides stay unbounded."""
     import onnx
     import openvino as ov
-
-    from pipeline import shapes
 
     ranges = {name: found for name, found in
               shapes.recorded(onnx.load(str(onnx_path), load_external_data=False)).items() if found}
@@ -118,12 +117,12 @@ def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> Non
 class Session:
     def __init__(self, model_path: Path, device: str, options: dict, output_names: List[str],
                  cache_dir: Optional[Path] = None, cache_status: str = "none",
-                 opt_shapes: Optional[Dict[str, List[int]]] = None):
+                 opt_shapes: Optional[Dict[str, Tuple[int, ...]]] = None):
         import openvino as ov
 
         core = ov.Core()
         self._core, self._model_path, self._device, self._options = core, Path(model_path), device, dict(options)
-        self._compiled = None
+        self._compiled, model = None, None
         if cache_dir is not None:
             try:
                 with open(cache_dir / BLOB, "rb") as blob:
@@ -131,29 +130,28 @@ class Session:
             except Exception as err:  # noqa: BLE001 - a blob this runtime rejects: compile instead
                 cache_status = f"miss: OpenVINO rejected the cached blob ({first_line(err)})"
         if self._compiled is None:
-            self._compiled = core.compile_model(core.read_model(str(model_path)), device, dict(options))
+            model = core.read_model(str(model_path))
+            self._compiled = core.compile_model(model, device, dict(options))
         self._cache_status = cache_status
         self._probe = None
         self._request = self._compiled.create_infer_request()
-        self._at_opt = self._static_at_opt(opt_shapes or {})
+        self._at_opt = self._static_at_opt(opt_shapes, model) if opt_shapes else None
         self.inputs = [_pick_name(i.get_names(), []) for i in self._compiled.inputs]
         self.outputs = [_pick_name(o.get_names(), output_names) for o in self._compiled.outputs]
 
-    def _static_at_opt(self, opt_shapes: Dict[str, List[int]]):
+    def _static_at_opt(self, opt_shapes: Dict[str, Tuple[int, ...]], model=None):
         """A dynamic model's second compiled copy with every input fixed at its range's opt
-        shape: (the shapes, the request, its output ports), or None. The CPU plugin's
-        dynamic-shape kernels cost ~15 % at a given shape (benchmarks/dynamic.py); inputs at
-        opt, the shape the range names as the common one, run the static copy."""
-        if not opt_shapes:
-            return None
-        model = self._core.read_model(str(self._model_path))
+        shape: (the shapes, the request, its output ports). The CPU plugin's dynamic-shape
+        kernels cost ~15 % at a given shape (benchmarks/dynamic.py); inputs at opt, the shape
+        the range names as the common one, run the static copy. ``model``: the one read for
+        the dynamic compile, if any (reshaped in a clone, not read again)."""
+        model = model.clone() if model is not None else self._core.read_model(str(self._model_path))
         model.reshape({name: list(shape) for name, shape in opt_shapes.items()})
         compiled = self._core.compile_model(model, self._device, dict(self._options))
-        shapes = {name: tuple(shape) for name, shape in opt_shapes.items()}
-        return shapes, compiled.create_infer_request(), list(compiled.outputs)
+        return opt_shapes, compiled.create_infer_request(), list(compiled.outputs)
 
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        if self._at_opt is not None and all(tuple(np.shape(feeds.get(n))) == s for n, s in self._at_opt[0].items()):
+        if self._at_opt is not None and shapes.at_shapes(feeds, self._at_opt[0]):
             result = self._at_opt[1].infer(feeds)
             return {name: np.array(result[port]) for name, port in zip(self.outputs, self._at_opt[2])}
         result = self._request.infer(feeds)
@@ -236,7 +234,7 @@ class Session:
                  "compile_cache": self._cache_status,
                  "runtime_options": {name: _option_text(compiled.get_property(name)) for name in _READ_BACK}}
         if self._at_opt is not None:  # a dynamic model: the static copy compiled at the range's opt
-            found["static_copy_at"] = {name: "x".join(map(str, shape)) for name, shape in self._at_opt[0].items()}
+            found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._at_opt[0].items()}
         note = self._hint_note(read_back, precision, found["layers"])
         return {**found, "note": note} if note else found
 
@@ -318,9 +316,9 @@ def load(artifact_dir: Path, settings: dict) -> Session:
 
     outputs = [o["name"] for o in settings.get("outputs", [])]
     folder, status = compile_cache.usable(artifact_dir, settings, NAME, versions())
-    opt_shapes = {spec["name"]: spec["range"]["opt"] for spec in settings.get("inputs", []) if spec.get("range")}
     return Session(Path(artifact_dir) / settings["model"], settings.get("device", "CPU"),
-                   settings.get("options", {}), outputs, cache_dir=folder, cache_status=status, opt_shapes=opt_shapes)
+                   settings.get("options", {}), outputs, cache_dir=folder, cache_status=status,
+                   opt_shapes=shapes.opt_shapes(settings.get("inputs", [])))
 
 
 def tuning_space(settings: dict, level: str, objective: str, devices: List[str]) -> List[Tuple[str, list]]:
@@ -363,11 +361,11 @@ def run_model(model, feeds: Dict[str, np.ndarray], count: int, outputs: List[str
     ports = {name: _output_port(compiled, name) for name in outputs}
     from pipeline.data import unpack
 
-    shapes = {port.get_any_name(): list(port.get_shape()) for port in compiled.inputs  # a scalar stays 0-d
-              if port.get_partial_shape().is_static}
+    fixed = {port.get_any_name(): list(port.get_shape()) for port in compiled.inputs  # a scalar stays 0-d
+             if port.get_partial_shape().is_static}
     rows = []
     for index in range(count):
-        result = request.infer(unpack(feeds, index, count, shapes))
+        result = request.infer(unpack(feeds, index, count, fixed))
         rows.append({name: np.atleast_1d(np.array(result[port])) for name, port in ports.items()})
     return {name: np.concatenate([row[name] for row in rows]) for name in outputs}
 

@@ -4,7 +4,7 @@ data's own shape), and the shapes the latency curve is timed at."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -15,8 +15,9 @@ CURVE = ("min", "opt", "max")
 
 
 class ShapeAccuracy:
-    """Per-shape OutputStats of the shipped build against the reference, and one sample's
-    feeds per shape (what the latency curve is timed on)."""
+    """Per-shape OutputStats of the shipped build against the reference, and per shape the
+    index of its first sample (what the latency curve re-reads and is timed on: holding a
+    sample per shape would grow with data of many sizes)."""
 
     def __init__(self, inputs: Sequence):
         self.inputs = list(inputs)
@@ -25,14 +26,18 @@ class ShapeAccuracy:
                        for spec in self.inputs if spec.dynamic}
         self.groups: Dict[str, Dict[str, OutputStats]] = {}
         self.counts: Dict[str, int] = {}
-        self.feeds: Dict[str, dict] = {}
+        self.first: Dict[str, int] = {}  # shape -> index of its first sample
+        self.sizes: Dict[str, int] = {}  # shape -> elements of a sample
+        self.buckets: Dict[str, List[str]] = {}
 
-    def update(self, feeds: dict, expected: dict, actual: dict) -> None:
+    def update(self, index: int, feeds: dict, expected: dict, actual: dict) -> None:
         if not self.active:
             return
         key = shapes.shape_key(feeds)
+        if key not in self.first:
+            self.first[key], self.sizes[key] = index, shapes.elements(feeds)
+            self.buckets[key] = shapes.bucket_names(feeds, self.ranges) or ["data"]
         self.counts[key] = self.counts.get(key, 0) + 1
-        self.feeds.setdefault(key, feeds)
         stats = self.groups.setdefault(key, {})
         for name, value in actual.items():
             if name in expected:
@@ -44,41 +49,29 @@ class ShapeAccuracy:
         if not self.active:
             return None
         rows = []
-        for key in sorted(self.groups, key=_elements):
+        for key in sorted(self.groups, key=self.sizes.get):
             found = {name: stats.result() for name, stats in self.groups[key].items()}
-            rows.append({"shape": key, "buckets": shapes.bucket_names(key, self.ranges) or ["data"],
-                         "samples": self.counts[key],
+            rows.append({"shape": key, "buckets": self.buckets[key], "samples": self.counts[key],
                          "outputs": {name: {"cosine": r["cosine"], "max_abs": r["max_abs"]}
                                      for name, r in found.items()}})
         return rows
 
-    def curve_feeds(self, seed: int = 0) -> Dict[str, dict]:
+    def curve_feeds(self, read: Callable[[int], dict], seed: int = 0) -> Dict[str, dict]:
         """{min, opt, max: feeds} to time: the range's shapes (a sample of that shape where the
-        data has one, else seeded uniform values), or without a range the data's smallest,
-        median and largest shapes. Empty for a static model."""
-        if not self.active:
+        data has one, re-read with ``read(index)``, else seeded uniform values), or without a
+        range the data's smallest, median and largest shapes. Empty for a static model."""
+        if not self.active or not self.first:
             return {}
-        if self.ranges and all(found is not None for found in self.ranges.values()):
-            return {which: self._at(which, seed) for which in CURVE}
-        seen = sorted(self.feeds, key=_elements)
-        if not seen:
-            return {}
+        if all(found is not None for found in self.ranges.values()):
+            return {which: self._at(which, read, seed) for which in CURVE}
+        seen = sorted(self.first, key=self.sizes.get)
         picks = {"min": seen[0], "opt": seen[len(seen) // 2], "max": seen[-1]}
-        return {which: self.feeds[key] for which, key in picks.items()}
+        return {which: read(self.first[key]) for which, key in picks.items()}
 
-    def _at(self, which: str, seed: int) -> dict:
-        wanted = {spec.name: list(getattr(self.ranges[spec.name], which)) if spec.name in self.ranges else spec.shape
-                  for spec in self.inputs}
-        for feeds in self.feeds.values():
-            if all(list(feeds[name].shape) == shape for name, shape in wanted.items()):
-                return feeds
+    def _at(self, which: str, read: Callable[[int], dict], seed: int) -> dict:
+        held = next((key for key, names in self.buckets.items() if which in names), None)
+        if held is not None:
+            return read(self.first[held])
         rng = np.random.default_rng(seed)
-        return {spec.name: rng.uniform(0.0, 1.0, wanted[spec.name]).astype(spec.dtype) for spec in self.inputs}
-
-
-def _elements(key: str) -> int:
-    total = 0
-    for part in key.split(";"):
-        dims = part.split("=", 1)[1]
-        total += int(np.prod([int(d) for d in dims.split("x")])) if dims else 1
-    return total
+        return {spec.name: rng.uniform(0.0, 1.0, getattr(self.ranges[spec.name], which) if spec.name in self.ranges
+                                       else spec.shape).astype(spec.dtype) for spec in self.inputs}

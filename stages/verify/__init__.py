@@ -27,7 +27,6 @@ from pipeline.artifacts import hash_files, read_json, write_json, write_npz
 from pipeline.config.schemas import plain
 from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
-from pipeline.data import TensorSpec
 from pipeline.verification.metrics import OutputStats
 from pipeline.verification.shape_checks import ShapeAccuracy
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
@@ -165,7 +164,7 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
     started = time.perf_counter()
     cfg, (output_names, task_output, metric) = ctx.cfg, task_of
     check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
-                   cfg.precision.kind, _inputs(ctx))
+                   cfg.precision.kind, ctx.inputs())
     ran = _compare(ctx, live, check, dataset, progress, reproduce)
     task = check.task_result(cfg.validation.max_metric_drop, cfg.validation.require_confidence)
     outputs = [judge_output(name, check.stats[name], cfg.validation, task) for name in output_names
@@ -230,7 +229,7 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
         check.run(reference, target, baselines, dataset, progress, reproduce, f"verify {cfg.target.name}")
         ran.effective = target.effective()
         rows = {**baselines, cfg.precision.kind: _Row(target, build.summary.get("bytes"), check.stats)}
-        curve = check.by_shape.curve_feeds()
+        curve = check.by_shape.curve_feeds(dataset.validation.read)
         ran.comparison, ran.timing = _side_by_side(rows, curve.get("opt", check.last), cfg.precision.kind,
                                                    backend.NAME, cfg.validation)
         if curve:
@@ -271,10 +270,6 @@ def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
         "measured_seconds": measured["seconds"],
         "reproduce": {"file": judged["reproduce_file"], "samples": min(measured["samples"], REPRODUCE_SAMPLES)},
     }
-
-
-def _inputs(ctx) -> list:
-    return [TensorSpec(**spec) for spec in ctx.results["convert"].summary["inputs"]]
 
 
 def _latency_curve(rows: dict, curve: Dict[str, dict], ran: _Ran, validation) -> Dict[str, dict]:
@@ -352,7 +347,7 @@ class _Check:
             for name, stats in self.stats.items():
                 if name in actual:
                     stats.update(expected[name], actual[name])
-            self.by_shape.update(sample.feeds, expected, actual)
+            self.by_shape.update(index, sample.feeds, expected, actual)
             self._score("reference", expected, expected, sample.label)
             self._score(self.shipped, expected, actual, sample.label)
             for name, baseline in baselines.items():

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from pipeline import shapes
 from pipeline.backends.protocol import Capabilities
 
 
@@ -160,8 +161,6 @@ def runtime_options(target, precision: str) -> dict:
 def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
     from onnx import helper
 
-    from pipeline import shapes
-
     initializers = {t.name for t in model.graph.initializer}
     ranges = shapes.recorded(model)
     found = []
@@ -193,12 +192,10 @@ def _opt_dims(name: str, dims: List[int], found) -> List[int]:
     return list(found.opt)
 
 
-def dynamic_max_shapes(model) -> Optional[List[List[int]]]:
-    """Every input's range max (its fixed shape where it has none) for pnnx's inputshape2,
-    or None when no input is dynamic."""
-    from pipeline import shapes
-
+def dynamic_max_shapes(model, inputs) -> Optional[List[List[int]]]:
+    """Every input's range max (``inputs``: _graph_inputs, whose dims stand where an input
+    has no range) for pnnx's inputshape2, or None when no input is dynamic."""
     ranges = {name: found for name, found in shapes.recorded(model).items() if found}
     if not ranges:
         return None
-    return [list(ranges[name].max) if name in ranges else dims for name, dims, _ in _graph_inputs(model)]
+    return [list(ranges[name].max) if name in ranges else dims for name, dims, _ in inputs]

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from pipeline.backends.ncnn.common import (
-    BIN_FILE, INSTALL_HINT, dynamic_max_shapes, PARAM_FILE, PNNX_TIMEOUT_S, QUANTIZED_PRECISIONS, _PNNX_TYPES, _graph_inputs,
+    BIN_FILE, INSTALL_HINT, PARAM_FILE, PNNX_TIMEOUT_S, QUANTIZED_PRECISIONS, _PNNX_TYPES, _graph_inputs,
+    dynamic_max_shapes,
     pnnx_executable, runtime_options)
 from pipeline.backends.ncnn.names import _map_isolated
 from pipeline.backends.ncnn.param import Param, ParamLayer
@@ -58,7 +59,7 @@ def _convert(source: Path, inputs, model) -> Tuple[Path, Path]:
 
     command = [str(executable), source.name, f"inputshape={written([dims for _, dims, _ in inputs])}", "fp16=0",
                "device=cpu", "optlevel=2"]
-    largest = dynamic_max_shapes(model)
+    largest = dynamic_max_shapes(model, inputs)
     if largest:  # a second shape: pnnx keeps the dims that differ dynamic instead of folding them
         command.append(f"inputshape2={written(largest)}")
     try:

@@ -18,7 +18,7 @@ from pipeline.data import Sample, pack, stack, unpack
 from pipeline.environment import own_threads
 from pipeline.errors import InputError
 from pipeline.model import signature
-from pipeline.shapes import shape_key
+from pipeline.shapes import elements, shape_key
 
 ACTIVATION_BUDGET = 256 << 20  # bytes of activations held per group of samples
 
@@ -149,25 +149,21 @@ class _Kept:
         self.keep, self.names = keep, names
         self.values: Dict[str, List[np.ndarray]] = {name: [] for name in names}
         self.shape: Optional[str] = None
-        self.shape_feeds: Dict[str, np.ndarray] = {}
+        self.size = 0  # elements of a sample of the kept shape
         self.taking = False
 
     def start(self, batch: List[Sample]) -> None:
         """Before a batch's values: keep them when its shape is the kept one, or smaller."""
-        key = shape_key(batch[0].feeds)
-        if self.shape is None or _elements(batch[0].feeds) < _elements(self.shape_feeds):
+        key, size = shape_key(batch[0].feeds), elements(batch[0].feeds)
+        if self.shape is None or size < self.size:
             self.values = {name: [] for name in self.names}
-            self.shape, self.shape_feeds = key, batch[0].feeds
+            self.shape, self.size = key, size
         self.taking = key == self.shape
 
     def add(self, name: str, value: np.ndarray) -> None:
         room = self.keep - sum(len(part) for part in self.values[name])
         if self.taking and room > 0:
             self.values[name].append(value[:room])
-
-
-def _elements(feeds: Dict[str, np.ndarray]) -> int:
-    return sum(int(np.size(value)) for value in feeds.values())
 
 
 class BatchRunner:
