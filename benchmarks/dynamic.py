@@ -201,14 +201,19 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["det", "rec"], choices=["det", "rec"])
     parser.add_argument("--targets", nargs="+", default=["openvino_cpu", "ort_cpu"])
     parser.add_argument("--precisions", nargs="+", default=["int8", "auto"])
+    parser.add_argument("--per-shape", nargs=2, type=int, metavar=("CALIBRATION", "VALIDATION"),
+                        default=[PER_SHAPE["calibration"], PER_SHAPE["validation"]],
+                        help="samples per shape bucket (default 4 4); the fixed run calibrates on 3x CALIBRATION")
+    parser.add_argument("--keep", type=Path, help="write data and runs here and keep them (default: a temporary folder)")
     parser.add_argument("--same-calibration", action="store_true",
                         help="a third run: the dynamic bundle calibrated on the fixed run's samples, so that the "
                              "cosine gap is the dynamic dims' alone")
     args = parser.parse_args()
+    PER_SHAPE.update(calibration=args.per_shape[0], validation=args.per_shape[1])
     info = cpu()
     print(f"CPU: {info.get('model')}; flags: {', '.join(info.get('flags', []))}; 2 threads")
     with tempfile.TemporaryDirectory(prefix="parity-dynamic-") as scratch:
-        root = Path(scratch)
+        root = args.keep or Path(scratch)
         for kind in args.models:
             write_data(kind, root / "data" / kind)
             same_calibration_data(root / "data" / kind)
