@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import FILES, FONTS, MODELS, noisy, normalized, render_line, text_line  # noqa: E402
 
 from pipeline import backends  # noqa: E402
-from pipeline.verification import speed  # noqa: E402
+from pipeline.verification import confidence, speed  # noqa: E402
 from pipeline.environment import cpu  # noqa: E402
 from pipeline.worker import BackendWorker  # noqa: E402
 
@@ -135,6 +135,20 @@ def opt_cosine(report: dict, kind: str, dynamic: bool):
     return next(iter(opt["outputs"].values()))["cosine"]
 
 
+def opt_sample_cosines(report: dict, dynamic: bool) -> np.ndarray:
+    """Per-sample cosines on the opt-shaped samples, in file order. The files sort as
+    max_*, min_*, opt_* (the fixed run has only opt_*), so the opt block is the last third."""
+    found = np.asarray(report["verify"]["outputs"][0]["per_sample"]["cosine"])
+    return found[-PER_SHAPE["validation"]:] if dynamic else found
+
+
+def paired_gap(dynamic: np.ndarray, fixed: np.ndarray) -> tuple:
+    """(mean per-sample cosine gap dynamic - fixed on the same opt samples, its 95 % paired
+    bootstrap interval): verify's method (pipeline.verification.confidence)."""
+    low, high = confidence.drop_interval(fixed, dynamic, higher_is_better=True) or (float("nan"),) * 2
+    return float(np.mean(dynamic) - np.mean(fixed)), [-high, -low]
+
+
 def calibrate_cost(report: dict, kind: str, dynamic: bool):
     """(seconds, per sample, per megapixel) of the calibrate stage, or None when it did not run."""
     stage = next((s for s in report["stages"] if s["stage"] == "calibrate"), None)
@@ -182,6 +196,7 @@ def one(kind: str, target: str, precision: str, root: Path, same_calibration: bo
         seconds, code, report, run_dir = parity([*common, shape_args(kind, dynamic), f"data.path={data}"],
                                                 root / "runs" / f"{kind}-{target}-{precision}-{name}")
         found[name] = {"seconds": seconds, "exit": code, "cosine": opt_cosine(report, kind, dynamic),
+                       "per_sample": opt_sample_cosines(report, dynamic),
                        "shipped": report["precision"], "calibrate": calibrate_cost(report, kind, dynamic),
                        "bundle": bundle_of(run_dir)}
     if same_calibration:  # the dynamic bundle calibrated on the fixed run's opt-shaped samples
@@ -189,6 +204,8 @@ def one(kind: str, target: str, precision: str, root: Path, same_calibration: bo
         _, _, report, _ = parity([*common, shape_args(kind, True), f"data.path={data}"],
                                  root / "runs" / f"{kind}-{target}-{precision}-dynamic_optcal")
         found["same_calibration_cosine"] = opt_cosine(report, kind, True)
+        found["same_calibration_gap"] = paired_gap(opt_sample_cosines(report, True), found["fixed"]["per_sample"])
+    found["paired_gap"] = paired_gap(found["dynamic"]["per_sample"], found["fixed"]["per_sample"])
     timing = interleaved_latency({n: found[n]["bundle"] for n in ("dynamic", "fixed")}, kind)
     ratios = [d / f for d, f in zip(timing["dynamic"]["round_medians_ms"], timing["fixed"]["round_medians_ms"])]
     found["latency"] = {n: timing[n]["median_ms"] for n in ("dynamic", "fixed")}
@@ -220,7 +237,7 @@ def main() -> None:
             print(f"\n{kind}: shapes {SHAPES[kind]} ({PER_SHAPE} samples per shape)")
             print(f"{'target':<13} {'prec':<5} {'shipped d/f':<12} {'cos@opt dyn':>11} {'fixed':>9} {'gap':>7} "
                   f"{'ms@opt dyn':>10} {'fixed':>8} {'ratio':>6} {'calib s/sample dyn':>18} {'fixed':>6} "
-                  f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}")
+                  f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}  per-sample gap dyn-fixed [95 %]")
             for target in args.targets:
                 for precision in args.precisions:
                     print(_row(target, precision, one(kind, target, precision, root, args.same_calibration)),
@@ -237,10 +254,15 @@ def _row(target: str, precision: str, found: dict) -> str:
     return (f"{target:<13} {precision:<5} {dyn['shipped'] + '/' + fix['shipped']:<12} {dyn['cosine']:>11.6f} "
             f"{fix['cosine']:>9.6f} {gap:>7.4f} {found['latency']['dynamic']:>10.3f} {found['latency']['fixed']:>8.3f} "
             f"{found['latency_ratio']:>6.3f} {cal[0]:>18.3f} {cal[1]:>6.3f} {per_mp[0]:>9.3f} {per_mp[1]:>6.3f} "
-            f"{dyn['seconds']:>9.1f} {fix['seconds']:>6.1f}"
+            f"{dyn['seconds']:>9.1f} {fix['seconds']:>6.1f}  {_gap_text(found['paired_gap'])}"
             + (f"  same calibration: cos@opt {found['same_calibration_cosine']:.6f}, gap "
-               f"{abs(found['same_calibration_cosine'] - fix['cosine']):.4f}" if "same_calibration_cosine" in found
-               else ""))
+               f"{abs(found['same_calibration_cosine'] - fix['cosine']):.4f}, per sample "
+               f"{_gap_text(found['same_calibration_gap'])}" if "same_calibration_cosine" in found else ""))
+
+
+def _gap_text(gap: tuple) -> str:
+    mean, (low, high) = gap
+    return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
 
 
 if __name__ == "__main__":
