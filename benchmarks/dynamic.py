@@ -3,7 +3,8 @@ recognizer from the rapidocr wheel, unchanged (dynamic HxW; dynamic width).
 
     pip install -e .[test,bench]
     python benchmarks/dynamic.py [--models det rec] [--targets openvino_cpu ort_cpu]
-                                 [--precisions int8 auto]
+                                 [--precisions int8 auto] [--per-shape 4 4] [--isa native|AVX2]
+                                 [--same-calibration] [--control] [--keep DIR]
 
 Per model, target and precision, two `parity` runs in fresh folders (cold cache):
 - dynamic: every sample at its own shape (det pages 480x640 / 640x960 / 960x960 after
@@ -13,11 +14,14 @@ Per model, target and precision, two `parity` runs in fresh folders (cold cache)
   calibration samples as the dynamic run, all of the opt shape.
 Figures, side by side in one run:
 - accuracy at opt: the dynamic bundle's cosine on the opt-shaped samples (verify's per-shape
-  group) against the fixed build's on the same samples (goal: within 0.002);
+  group) against the fixed build's on the same samples (goal: within 0.002), and the mean
+  per-sample gap with its 95 % paired bootstrap interval (verify's confidence method);
 - latency at opt: both bundles loaded in workers and timed interleaved (pipeline.verification.speed, the
   same method as verify) at the opt shape (goal: dynamic within 10 % of fixed);
 - calibration cost: the calibrate stage's seconds per sample and per megapixel, mixed shapes
   against the opt shape (goal: no more per sample).
+With --control, one more: a second fixed build calibrated on other opt-shaped samples (another
+seed), so that the gap the choice of calibration samples alone makes sits next to the others.
 With --same-calibration, a third run per row: the dynamic bundle calibrated on the fixed
 run's opt-shaped samples, so that its cosine gap to the fixed build is the dynamic dims'
 alone, not the calibration data's.
@@ -99,6 +103,18 @@ def same_calibration_data(root: Path) -> None:
     """root/dynamic_optcal/: the fixed run's calibration samples, the dynamic run's validation."""
     shutil.copytree(root / "fixed" / "calibration", root / "dynamic_optcal" / "calibration")
     shutil.copytree(root / "dynamic" / "validation", root / "dynamic_optcal" / "validation")
+
+
+def control_data(kind: str, root: Path) -> None:
+    """root/fixed_control/: as many opt-shaped calibration samples as the fixed run's, drawn
+    with another seed, and the fixed run's validation: two fixed builds whose only
+    difference is which calibration samples they drew."""
+    rng, noise = random.Random(f"{kind}control"), np.random.default_rng(7)
+    height, width = SHAPES[kind]["opt"]
+    for index in range(3 * PER_SHAPE["calibration"]):
+        _save(root / "fixed_control" / "calibration", f"opt_{index}",
+              page(height, width, rng, noise) if kind == "det" else line(width, rng, noise))
+    shutil.copytree(root / "fixed" / "validation", root / "fixed_control" / "validation")
 
 
 def _save(folder: Path, name: str, sample: np.ndarray) -> None:
@@ -184,7 +200,8 @@ def bundle_of(run_dir: Path) -> Path:
     return next(p for p in (run_dir / "bundle").iterdir() if p.is_dir())
 
 
-def one(kind: str, target: str, precision: str, root: Path, same_calibration: bool = False) -> dict:
+def one(kind: str, target: str, precision: str, root: Path, same_calibration: bool = False,
+        control: bool = False) -> dict:
     model = MODELS / FILES[kind]
     common = [f"model.path={model}", "data.kind=tensors", "metric=none", f"target={target}", "target.threads=2",
               f"precision={precision}", "validation.min_cosine=0", "validation.task_min_cosine=null",
@@ -205,6 +222,11 @@ def one(kind: str, target: str, precision: str, root: Path, same_calibration: bo
                                  root / "runs" / f"{kind}-{target}-{precision}-dynamic_optcal")
         found["same_calibration_cosine"] = opt_cosine(report, kind, True)
         found["same_calibration_gap"] = paired_gap(opt_sample_cosines(report, True), found["fixed"]["per_sample"])
+    if control:  # a second fixed build on other opt samples: the gap calibration samples alone make
+        _, _, report, _ = parity([*common, shape_args(kind, False), f"data.path={root / 'data' / kind / 'fixed_control'}"],
+                                 root / "runs" / f"{kind}-{target}-{precision}-fixed_control")
+        found["control_cosine"] = opt_cosine(report, kind, False)
+        found["control_gap"] = paired_gap(opt_sample_cosines(report, False), found["fixed"]["per_sample"])
     found["paired_gap"] = paired_gap(found["dynamic"]["per_sample"], found["fixed"]["per_sample"])
     timing = interleaved_latency({n: found[n]["bundle"] for n in ("dynamic", "fixed")}, kind)
     ratios = [d / f for d, f in zip(timing["dynamic"]["round_medians_ms"], timing["fixed"]["round_medians_ms"])]
@@ -221,26 +243,35 @@ def main() -> None:
     parser.add_argument("--per-shape", nargs=2, type=int, metavar=("CALIBRATION", "VALIDATION"),
                         default=[PER_SHAPE["calibration"], PER_SHAPE["validation"]],
                         help="samples per shape bucket (default 4 4); the fixed run calibrates on 3x CALIBRATION")
+    parser.add_argument("--control", action="store_true",
+                        help="one more run: a second fixed build calibrated on other opt samples, the gap that the "
+                             "choice of calibration samples alone makes")
+    parser.add_argument("--isa", choices=["native", "AVX2"], default="native",
+                        help="AVX2: oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA, OV_CPU_MAX_ISA) for every run and "
+                             "timing; it caps OpenVINO only, ONNX Runtime's kernels have no such switch")
     parser.add_argument("--keep", type=Path, help="write data and runs here and keep them (default: a temporary folder)")
     parser.add_argument("--same-calibration", action="store_true",
                         help="a third run: the dynamic bundle calibrated on the fixed run's samples, so that the "
                              "cosine gap is the dynamic dims' alone")
     args = parser.parse_args()
     PER_SHAPE.update(calibration=args.per_shape[0], validation=args.per_shape[1])
+    if args.isa != "native":  # inherited by the parity runs and the timing workers
+        os.environ.update(ONEDNN_MAX_CPU_ISA=args.isa, OV_CPU_MAX_ISA=args.isa)
     info = cpu()
-    print(f"CPU: {info.get('model')}; flags: {', '.join(info.get('flags', []))}; 2 threads")
+    print(f"CPU: {info.get('model')}; flags: {', '.join(info.get('flags', []))}; 2 threads; ISA {args.isa}")
     with tempfile.TemporaryDirectory(prefix="parity-dynamic-") as scratch:
         root = args.keep or Path(scratch)
         for kind in args.models:
             write_data(kind, root / "data" / kind)
             same_calibration_data(root / "data" / kind)
+            control_data(kind, root / "data" / kind)
             print(f"\n{kind}: shapes {SHAPES[kind]} ({PER_SHAPE} samples per shape)")
             print(f"{'target':<13} {'prec':<5} {'shipped d/f':<12} {'cos@opt dyn':>11} {'fixed':>9} {'gap':>7} "
                   f"{'ms@opt dyn':>10} {'fixed':>8} {'ratio':>6} {'calib s/sample dyn':>18} {'fixed':>6} "
                   f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}  per-sample gap dyn-fixed [95 %]")
             for target in args.targets:
                 for precision in args.precisions:
-                    print(_row(target, precision, one(kind, target, precision, root, args.same_calibration)),
+                    print(_row(target, precision, one(kind, target, precision, root, args.same_calibration, args.control)),
                           flush=True)
     print(f"\ngoals: cosine gap <= {GOALS['cosine_gap']}, latency ratio <= {GOALS['latency_ratio']:.2f}, "
           "calibration s/sample dynamic <= fixed (per megapixel shown because the shapes differ in size)")
@@ -257,7 +288,10 @@ def _row(target: str, precision: str, found: dict) -> str:
             f"{dyn['seconds']:>9.1f} {fix['seconds']:>6.1f}  {_gap_text(found['paired_gap'])}"
             + (f"  same calibration: cos@opt {found['same_calibration_cosine']:.6f}, gap "
                f"{abs(found['same_calibration_cosine'] - fix['cosine']):.4f}, per sample "
-               f"{_gap_text(found['same_calibration_gap'])}" if "same_calibration_cosine" in found else ""))
+               f"{_gap_text(found['same_calibration_gap'])}" if "same_calibration_cosine" in found else "")
+            + (f"  control (fixed, other calibration samples): cos@opt {found['control_cosine']:.6f}, gap "
+               f"{abs(found['control_cosine'] - fix['cosine']):.4f}, per sample {_gap_text(found['control_gap'])}"
+               if "control_cosine" in found else ""))
 
 
 def _gap_text(gap: tuple) -> str:
