@@ -4,7 +4,7 @@ recognizer from the rapidocr wheel, unchanged (dynamic HxW; dynamic width).
     pip install -e .[test,bench]
     python benchmarks/dynamic.py [--models det rec] [--targets openvino_cpu ort_cpu]
                                  [--precisions int8 auto] [--per-shape 4 4] [--isa native|AVX2]
-                                 [--same-calibration] [--control] [--keep DIR]
+                                 [--same-calibration] [--control] [--nncf] [--keep DIR]
 
 Per model, target and precision, two `parity` runs in fresh folders (cold cache):
 - dynamic: every sample at its own shape (det pages 480x640 / 640x960 / 960x960 after
@@ -22,6 +22,9 @@ Figures, side by side in one run:
   against the opt shape (goal: no more per sample).
 With --control, one more: a second fixed build calibrated on other opt-shaped samples (another
 seed), so that the gap the choice of calibration samples alone makes sits next to the others.
+With --nncf (openvino_cpu rows), the peer: NNCF quantize (MIXED preset) on each run's converted
+model and calibration samples, cold in a fresh process, its seconds next to parity's and its
+own dynamic-vs-fixed gap at opt.
 With --same-calibration, a third run per row: the dynamic bundle calibrated on the fixed
 run's opt-shaped samples, so that its cosine gap to the fixed build is the dynamic dims'
 alone, not the calibration data's.
@@ -177,6 +180,45 @@ def calibrate_cost(report: dict, kind: str, dynamic: bool):
     return seconds, seconds / samples, seconds / (pixels / 1e6)
 
 
+NNCF_RUN = """
+import json, sys, time
+from pathlib import Path
+import numpy as np
+started = time.perf_counter()
+import nncf, openvino as ov
+fp32, calibration, validation, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+core = ov.Core()
+model = core.read_model(str(fp32))
+samples = [np.load(f) for f in sorted(calibration.glob("*.npy"))]
+quantized = nncf.quantize(model, nncf.Dataset(samples), preset=nncf.QuantizationPreset.MIXED, subset_size=len(samples))
+ov.save_model(quantized, str(out), compress_to_fp16=False)
+seconds = time.perf_counter() - started
+hint = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 2}
+reference, built = (core.compile_model(m, "CPU", hint) for m in (model, core.read_model(str(out))))
+cosines = []
+for f in sorted(validation.glob("opt_*.npy")):
+    x = np.load(f)
+    a, b = (np.asarray(c({0: x})[0], np.float64).ravel() for c in (reference, built))
+    cosines.append(float(a @ b / np.sqrt((a @ a) * (b @ b))))
+print(json.dumps({"seconds": seconds, "version": nncf.__version__, "cosines": cosines}))
+"""
+
+
+def nncf_peer(run_dir: Path, data: Path, work: Path) -> dict:
+    """NNCF (the peer, OpenVINO) on the run's converted fp32 model and calibration samples,
+    in a fresh process (cold, as the parity runs are): its seconds from import to the saved
+    IR, and its per-sample cosines on the opt-shaped validation samples."""
+    work.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-c", NNCF_RUN, str(run_dir / "stages" / "convert" / "model.onnx"),
+                           str(data / "calibration"), str(data / "validation"), str(work / "nncf.xml")],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"NNCF failed:\n{done.stderr[-2000:]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found["cosines"] = np.asarray(found["cosines"])
+    return found
+
+
 def interleaved_latency(bundles: dict, kind: str) -> dict:
     """Both bundles in workers, timed interleaved at the opt shape (verify's method)."""
     height, width = SHAPES[kind]["opt"]
@@ -201,7 +243,7 @@ def bundle_of(run_dir: Path) -> Path:
 
 
 def one(kind: str, target: str, precision: str, root: Path, same_calibration: bool = False,
-        control: bool = False) -> dict:
+        control: bool = False, peer: bool = False) -> dict:
     model = MODELS / FILES[kind]
     common = [f"model.path={model}", "data.kind=tensors", "metric=none", f"target={target}", "target.threads=2",
               f"precision={precision}", "validation.min_cosine=0", "validation.task_min_cosine=null",
@@ -216,6 +258,8 @@ def one(kind: str, target: str, precision: str, root: Path, same_calibration: bo
                        "per_sample": opt_sample_cosines(report, dynamic),
                        "shipped": report["precision"], "calibrate": calibrate_cost(report, kind, dynamic),
                        "bundle": bundle_of(run_dir)}
+        if peer and target == "openvino_cpu":
+            found[name]["nncf"] = nncf_peer(run_dir, data, root / "nncf" / f"{kind}-{name}")
     if same_calibration:  # the dynamic bundle calibrated on the fixed run's opt-shaped samples
         data = root / "data" / kind / "dynamic_optcal"
         _, _, report, _ = parity([*common, shape_args(kind, True), f"data.path={data}"],
@@ -246,6 +290,9 @@ def main() -> None:
     parser.add_argument("--control", action="store_true",
                         help="one more run: a second fixed build calibrated on other opt samples, the gap that the "
                              "choice of calibration samples alone makes")
+    parser.add_argument("--nncf", action="store_true",
+                        help="openvino_cpu rows: NNCF (pip install -e .[bench]) on each run's converted model and "
+                             "calibration samples, its seconds and its own dynamic-vs-fixed gap at opt")
     parser.add_argument("--isa", choices=["native", "AVX2"], default="native",
                         help="AVX2: oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA, OV_CPU_MAX_ISA) for every run and "
                              "timing; it caps OpenVINO only, ONNX Runtime's kernels have no such switch")
@@ -271,7 +318,8 @@ def main() -> None:
                   f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}  per-sample gap dyn-fixed [95 %]")
             for target in args.targets:
                 for precision in args.precisions:
-                    print(_row(target, precision, one(kind, target, precision, root, args.same_calibration, args.control)),
+                    print(_row(target, precision, one(kind, target, precision, root, args.same_calibration, args.control,
+                                                       args.nncf)),
                           flush=True)
     print(f"\ngoals: cosine gap <= {GOALS['cosine_gap']}, latency ratio <= {GOALS['latency_ratio']:.2f}, "
           "calibration s/sample dynamic <= fixed (per megapixel shown because the shapes differ in size)")
@@ -291,7 +339,11 @@ def _row(target: str, precision: str, found: dict) -> str:
                f"{_gap_text(found['same_calibration_gap'])}" if "same_calibration_cosine" in found else "")
             + (f"  control (fixed, other calibration samples): cos@opt {found['control_cosine']:.6f}, gap "
                f"{abs(found['control_cosine'] - fix['cosine']):.4f}, per sample {_gap_text(found['control_gap'])}"
-               if "control_cosine" in found else ""))
+               if "control_cosine" in found else "")
+            + (f"  NNCF {dyn['nncf']['version']}: quantize s dyn {dyn['nncf']['seconds']:.1f} fixed "
+               f"{fix['nncf']['seconds']:.1f}, mean cos@opt dyn {dyn['nncf']['cosines'].mean():.6f} fixed "
+               f"{fix['nncf']['cosines'].mean():.6f}, per-sample gap "
+               f"{_gap_text(paired_gap(dyn['nncf']['cosines'], fix['nncf']['cosines']))}" if "nncf" in dyn else ""))
 
 
 def _gap_text(gap: tuple) -> str:
