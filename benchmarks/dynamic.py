@@ -341,8 +341,9 @@ def _row(target: str, precision: str, found: dict) -> str:
                f"{abs(found['control_cosine'] - fix['cosine']):.4f}, per sample {_gap_text(found['control_gap'])}"
                if "control_cosine" in found else "")
             + (f"  NNCF {dyn['nncf']['version']}: quantize s dyn {dyn['nncf']['seconds']:.1f} fixed "
-               f"{fix['nncf']['seconds']:.1f}, mean cos@opt dyn {dyn['nncf']['cosines'].mean():.6f} fixed "
-               f"{fix['nncf']['cosines'].mean():.6f}, per-sample gap "
+               f"{fix['nncf']['seconds']:.1f}, mean per-sample cos@opt dyn {dyn['nncf']['cosines'].mean():.6f} "
+               f"fixed {fix['nncf']['cosines'].mean():.6f} (parity's: {dyn['per_sample'].mean():.6f}, "
+               f"{fix['per_sample'].mean():.6f}), NNCF's per-sample gap "
                f"{_gap_text(paired_gap(dyn['nncf']['cosines'], fix['nncf']['cosines']))}" if "nncf" in dyn else ""))
 
 
