@@ -52,6 +52,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import FILES, FONTS, MODELS, noisy, normalized, render_line, text_line  # noqa: E402
+from time_to_bundle import kernels  # noqa: E402
 
 from pipeline import backends  # noqa: E402
 from pipeline.verification import confidence, speed  # noqa: E402
@@ -257,7 +258,7 @@ def one(kind: str, target: str, precision: str, root: Path, same_calibration: bo
         found[name] = {"seconds": seconds, "exit": code, "cosine": opt_cosine(report, kind, dynamic),
                        "per_sample": opt_sample_cosines(report, dynamic),
                        "shipped": report["precision"], "calibrate": calibrate_cost(report, kind, dynamic),
-                       "bundle": bundle_of(run_dir)}
+                       "bundle": bundle_of(run_dir), "run": run_dir}
         if peer and target == "openvino_cpu":
             found[name]["nncf"] = nncf_peer(run_dir, data, root / "nncf" / f"{kind}-{name}")
     if same_calibration:  # the dynamic bundle calibrated on the fixed run's opt-shaped samples
@@ -318,9 +319,10 @@ def main() -> None:
                   f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}  per-sample gap dyn-fixed [95 %]")
             for target in args.targets:
                 for precision in args.precisions:
-                    print(_row(target, precision, one(kind, target, precision, root, args.same_calibration, args.control,
-                                                       args.nncf)),
-                          flush=True)
+                    found = one(kind, target, precision, root, args.same_calibration, args.control, args.nncf)
+                    print(_row(target, precision, found), flush=True)
+                    if args.isa != "native" and target == "openvino_cpu":  # what really dispatched
+                        print(f"  kernels (fixed build): {kernels(found['fixed']['run'], dict(os.environ))}")
     print(f"\ngoals: cosine gap <= {GOALS['cosine_gap']}, latency ratio <= {GOALS['latency_ratio']:.2f}, "
           "calibration s/sample dynamic <= fixed (per megapixel shown because the shapes differ in size)")
 
