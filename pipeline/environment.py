@@ -12,6 +12,7 @@ from pathlib import Path
 import pipeline
 
 PACKAGES = ("numpy", "onnx", "onnxruntime", "openvino", "hydra-core", "omegaconf", "rich", "Pillow", "ncnn", "pnnx", "MNN")
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "OV_CPU_MAX_ISA")  # the most oneDNN (OpenVINO's CPU plugin) dispatches
 CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "fphp", "asimdhp")
 
@@ -40,7 +41,11 @@ def cpu() -> dict:
                 flags = set(value.split())
     # platform.processor() runs `uname -p` in a subprocess on Linux: only when cpuinfo names no model
     model = model or platform.processor() or platform.machine()
-    return {"model": model, "machine": platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
+    found = {"model": model, "machine": platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
+    caps = {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name, "").strip()}
+    if caps:  # kernels capped below what the flags offer: timings and int8 choices are the cap's
+        found["isa_cap"] = caps
+    return found
 
 
 @lru_cache(maxsize=1)

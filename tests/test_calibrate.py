@@ -99,6 +99,40 @@ def test_int8_on_openvino_runs_int8_convolutions(tmp_path):
     assert "int8" in verify["effective"]["layers"]
 
 
+def test_an_isa_cap_below_vnni_gives_openvino_7_bit_weights(tmp_path):
+    """oneDNN capped to AVX2 runs OpenVINO's int8 without VNNI on any CPU, where 8-bit
+    weights saturate VPMADDUBSW's 16-bit sums: the build quantizes weights to 7 bits, and
+    the report records the cap next to the CPU flags."""
+    result = run_cli(["precision=int8", "target=openvino_cpu", "calibration=max"], tmp_path,
+                     env={"ONEDNN_MAX_CPU_ISA": "AVX2", "OV_CPU_MAX_ISA": "AVX2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = run_dirs(tmp_path)[-1]
+    summary = json.loads((run / "stages" / "build" / "result.json").read_text())["summary"]["quantization"]
+    assert summary["reduce_range"] is True
+    assert read_report(run)["environment"]["cpu"]["isa_cap"] == {"ONEDNN_MAX_CPU_ISA": "AVX2", "OV_CPU_MAX_ISA": "AVX2"}
+
+
+@pytest.mark.parametrize("cap, below", [("AVX2", True), ("avx512_core", True), ("SSE41", True),
+                                        ("AVX2_VNNI", False), ("AVX512_CORE_VNNI", False),
+                                        ("AVX512_CORE_BF16", False), ("AVX512_CORE_AMX", False), ("ALL", False)])
+def test_isa_caps_below_vnni_are_told_apart(monkeypatch, cap, below):
+    from pipeline import environment
+    from pipeline.precision.quantize import needs_reduce_range
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    environment.cpu.cache_clear()
+    try:
+        found = environment.cpu()
+        assert found["isa_cap"] == {"ONEDNN_MAX_CPU_ISA": cap}
+        x86 = found["machine"] in ("x86_64", "AMD64")
+        unmarked = x86 and not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(found["flags"])
+        assert needs_reduce_range("openvino") == (x86 and below or unmarked)
+        assert needs_reduce_range("onnxruntime") == unmarked  # ONNX Runtime's kernels ignore the cap
+    finally:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        environment.cpu.cache_clear()
+
+
 def test_too_few_samples_warn(tmp_path):
     result = run_cli(["precision=int8", "data.calibration_size=4"], tmp_path)
     assert "only 4 calibration samples" in result.stdout

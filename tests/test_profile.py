@@ -171,3 +171,17 @@ def test_recommendation_notes_ties_and_never_ships_a_failing_job():
     assert note["kind"] == "slower" and note["cpu_job"] == "target=a" and "3.000 ms, 6.0x the 0.500 ms" in note["text"]
     assert "OPENCL on Mali (integrated GPU)" in note["text"] and "dispatch and copy overhead" in note["text"]
     assert recommend([job("a", "fail", 0.5)])["ship"] is None
+
+
+def test_shares_stay_within_one_when_times_round():
+    """Times summed after rounding can exceed the rounded total (a tiny model on ncnn gave
+    one op type a share of 1.000015, which the report schema refuses)."""
+    from pipeline import profiling
+
+    layers = [{"name": f"conv{i}", "type": "Convolution", "kernel": None, "ms": 0.0000026, "onnx_node": f"conv{i}",
+               "onnx_nodes": [f"conv{i}"], "onnx_op_type": "Conv"} for i in range(2)]
+    profile = profiling.result("test", 1, 0, layers, None, {})
+    assert all(0 <= layer["share"] <= 1 for layer in profile["layers"])
+    summary = profiling.summarize(profile, top=5)
+    assert summary["by_op_type"][0]["op_type"] == "Conv"
+    assert 0 < summary["by_op_type"][0]["share"] <= 1
