@@ -8,11 +8,13 @@ import sys
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 import pipeline
 
 PACKAGES = ("numpy", "onnx", "onnxruntime", "openvino", "hydra-core", "omegaconf", "rich", "Pillow", "ncnn", "pnnx", "MNN")
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "OV_CPU_MAX_ISA")  # the most oneDNN (OpenVINO's CPU plugin) dispatches
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})  # int8 dot products without 16-bit saturation
 CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "fphp", "asimdhp")
 
@@ -49,6 +51,22 @@ def cpu() -> dict:
 
 
 @lru_cache(maxsize=1)
+def int8_vnni(backend: Optional[str] = None) -> bool:
+    """Whether ``backend``'s int8 kernels have VNNI here: the CPU has it and, for OpenVINO,
+    no ISA cap holds its oneDNN below it (ONNX Runtime's kernels ignore the cap)."""
+    info = cpu()
+    if backend == "openvino" and any(_below_vnni(cap) for cap in info.get("isa_cap", {}).values()):
+        return False
+    return bool(VNNI_FLAGS & set(info["flags"]))
+
+
+def _below_vnni(cap: str) -> bool:
+    """oneDNN's ISA names: SSE41, AVX, AVX2, AVX2_VNNI, AVX512_CORE, AVX512_CORE_VNNI,
+    AVX512_CORE_BF16, AVX512_CORE_FP16, AVX512_CORE_AMX...; every one from BF16 up has VNNI."""
+    cap = cap.strip().upper()
+    return cap not in ("ALL", "DEFAULT") and not any(mark in cap for mark in ("VNNI", "BF16", "FP16", "AMX"))
+
+
 def fingerprint() -> str:
     """A short hash of what makes timings and compiled kernels machine-specific: the CPU
     model, its architecture and its instruction-set flags (the ones parity records)."""

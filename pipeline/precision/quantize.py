@@ -66,24 +66,11 @@ def write_ort_cache(table: Dict[str, dict], activations: str, path: Path) -> Non
 def needs_reduce_range(backend: Optional[str] = None) -> bool:
     """u8 x s8 int8 kernels use VPMADDUBSW on x86 CPUs without VNNI, whose 16-bit
     intermediate sums saturate (ONNX Runtime's quantization docs); 7-bit weights avoid it.
-    Measured here for ONNX Runtime and OpenVINO alike (docs/calibration.md). For OpenVINO,
-    an ISA cap below VNNI (environment.ISA_CAPS) counts as no VNNI: its kernels then run
-    without it on any CPU. ONNX Runtime's kernels ignore the cap."""
-    from pipeline.environment import cpu
+    Measured here for ONNX Runtime and OpenVINO alike (docs/calibration.md). An ISA cap
+    below VNNI counts as none for OpenVINO (environment.int8_vnni)."""
+    from pipeline.environment import cpu, int8_vnni
 
-    info = cpu()
-    if info["machine"] not in ("x86_64", "AMD64"):
-        return False
-    if backend == "openvino" and any(_below_vnni(cap) for cap in info.get("isa_cap", {}).values()):
-        return True
-    return not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(info["flags"])
-
-
-def _below_vnni(cap: str) -> bool:
-    """oneDNN's ISA names: SSE41, AVX, AVX2, AVX2_VNNI, AVX512_CORE, AVX512_CORE_VNNI,
-    AVX512_CORE_BF16, AVX512_CORE_FP16, AVX512_CORE_AMX...; every one from BF16 up has VNNI."""
-    cap = cap.strip().upper()
-    return cap not in ("ALL", "DEFAULT") and not any(mark in cap for mark in ("VNNI", "BF16", "FP16", "AMX"))
+    return cpu()["machine"] in ("x86_64", "AMD64") and not int8_vnni(backend)
 
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")

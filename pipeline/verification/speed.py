@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from pipeline.environment import VNNI_FLAGS
 from pipeline.errors import BackendCrashed
 
 WARMUP = 3
@@ -92,7 +93,7 @@ def slow_reason(precision: str, backend: str, cpu_flags: List[str], fp32_ms: Opt
     flags = set(cpu_flags)
     x86 = bool(flags & {"sse4_2", "avx", "avx2"})
     int8 = precision in ("int8", "mixed")
-    if int8 and x86 and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+    if int8 and x86 and not flags & VNNI_FLAGS:
         kernels = "ONNX Runtime's u8s8" if backend == "onnxruntime" else "the runtime's"
         return f"x86 without VNNI: {kernels} int8 kernels are slower than fp32 on this CPU"
     if precision == "fp16" and backend == "onnxruntime" and x86:
