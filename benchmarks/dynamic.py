@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import yaml
@@ -63,6 +64,8 @@ from pipeline.worker import BackendWorker  # noqa: E402
 SHAPES = {"det": {"min": (480, 640), "opt": (640, 960), "max": (960, 960)},
           "rec": {"min": (48, 160), "opt": (48, 320), "max": (48, 960)}}
 PER_SHAPE = {"calibration": 4, "validation": 4}
+# the extra runs a row can add: (data folder, dynamic?)
+EXTRAS = {"same_calibration": ("dynamic_optcal", True), "control": ("fixed_control", False)}
 GOALS = {"cosine_gap": 0.002, "latency_ratio": 1.10}
 
 
@@ -146,7 +149,7 @@ def parity(args, cwd: Path) -> tuple:
     return seconds, done.returncode, json.loads(reports[-1].read_text()), reports[-1].parent
 
 
-def opt_cosine(report: dict, kind: str, dynamic: bool):
+def opt_cosine(report: dict, dynamic: bool):
     """The shipped build's cosine on the opt-shaped samples."""
     verify = report["verify"]
     if not dynamic:
@@ -187,6 +190,7 @@ from pathlib import Path
 import numpy as np
 started = time.perf_counter()
 import nncf, openvino as ov
+from pipeline.verification.metrics import cosine
 fp32, calibration, validation, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
 core = ov.Core()
 model = core.read_model(str(fp32))
@@ -199,8 +203,7 @@ reference, built = (core.compile_model(m, "CPU", hint) for m in (model, core.rea
 cosines = []
 for f in sorted(validation.glob("opt_*.npy")):
     x = np.load(f)
-    a, b = (np.asarray(c({0: x})[0], np.float64).ravel() for c in (reference, built))
-    cosines.append(float(a @ b / np.sqrt((a @ a) * (b @ b))))
+    cosines.append(cosine(*(np.asarray(c({0: x})[0]) for c in (reference, built))))
 print(json.dumps({"seconds": seconds, "version": nncf.__version__, "cosines": cosines}))
 """
 
@@ -212,7 +215,7 @@ def nncf_peer(run_dir: Path, data: Path, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     done = subprocess.run([sys.executable, "-c", NNCF_RUN, str(run_dir / "stages" / "convert" / "model.onnx"),
                            str(data / "calibration"), str(data / "validation"), str(work / "nncf.xml")],
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
     if done.returncode != 0:
         raise SystemExit(f"NNCF failed:\n{done.stderr[-2000:]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
@@ -243,8 +246,8 @@ def bundle_of(run_dir: Path) -> Path:
     return next(p for p in (run_dir / "bundle").iterdir() if p.is_dir())
 
 
-def one(kind: str, target: str, precision: str, root: Path, same_calibration: bool = False,
-        control: bool = False, peer: bool = False) -> dict:
+def one(kind: str, target: str, precision: str, root: Path, extras: Sequence[str] = (), peer: bool = False) -> dict:
+    """``extras``: names in EXTRAS, one more parity run each."""
     model = MODELS / FILES[kind]
     common = [f"model.path={model}", "data.kind=tensors", "metric=none", f"target={target}", "target.threads=2",
               f"precision={precision}", "validation.min_cosine=0", "validation.task_min_cosine=null",
@@ -255,23 +258,18 @@ def one(kind: str, target: str, precision: str, root: Path, same_calibration: bo
         data = root / "data" / kind / name
         seconds, code, report, run_dir = parity([*common, shape_args(kind, dynamic), f"data.path={data}"],
                                                 root / "runs" / f"{kind}-{target}-{precision}-{name}")
-        found[name] = {"seconds": seconds, "exit": code, "cosine": opt_cosine(report, kind, dynamic),
+        found[name] = {"seconds": seconds, "exit": code, "cosine": opt_cosine(report, dynamic),
                        "per_sample": opt_sample_cosines(report, dynamic),
                        "shipped": report["precision"], "calibrate": calibrate_cost(report, kind, dynamic),
                        "bundle": bundle_of(run_dir), "run": run_dir}
         if peer and target == "openvino_cpu":
             found[name]["nncf"] = nncf_peer(run_dir, data, root / "nncf" / f"{kind}-{name}")
-    if same_calibration:  # the dynamic bundle calibrated on the fixed run's opt-shaped samples
-        data = root / "data" / kind / "dynamic_optcal"
-        _, _, report, _ = parity([*common, shape_args(kind, True), f"data.path={data}"],
-                                 root / "runs" / f"{kind}-{target}-{precision}-dynamic_optcal")
-        found["same_calibration_cosine"] = opt_cosine(report, kind, True)
-        found["same_calibration_gap"] = paired_gap(opt_sample_cosines(report, True), found["fixed"]["per_sample"])
-    if control:  # a second fixed build on other opt samples: the gap calibration samples alone make
-        _, _, report, _ = parity([*common, shape_args(kind, False), f"data.path={root / 'data' / kind / 'fixed_control'}"],
-                                 root / "runs" / f"{kind}-{target}-{precision}-fixed_control")
-        found["control_cosine"] = opt_cosine(report, kind, False)
-        found["control_gap"] = paired_gap(opt_sample_cosines(report, False), found["fixed"]["per_sample"])
+    for extra in extras:  # the dynamic bundle on the fixed run's samples; a fixed one on other samples
+        folder, dynamic = EXTRAS[extra]
+        _, _, report, _ = parity([*common, shape_args(kind, dynamic), f"data.path={root / 'data' / kind / folder}"],
+                                 root / "runs" / f"{kind}-{target}-{precision}-{folder}")
+        found[extra] = {"cosine": opt_cosine(report, dynamic),
+                        "gap": paired_gap(opt_sample_cosines(report, dynamic), found["fixed"]["per_sample"])}
     found["paired_gap"] = paired_gap(found["dynamic"]["per_sample"], found["fixed"]["per_sample"])
     timing = interleaved_latency({n: found[n]["bundle"] for n in ("dynamic", "fixed")}, kind)
     ratios = [d / f for d, f in zip(timing["dynamic"]["round_medians_ms"], timing["fixed"]["round_medians_ms"])]
@@ -303,6 +301,7 @@ def main() -> None:
                              "cosine gap is the dynamic dims' alone")
     args = parser.parse_args()
     PER_SHAPE.update(calibration=args.per_shape[0], validation=args.per_shape[1])
+    extras = [name for name in EXTRAS if getattr(args, name)]
     if args.isa != "native":  # inherited by the parity runs and the timing workers
         os.environ.update(ONEDNN_MAX_CPU_ISA=args.isa, OV_CPU_MAX_ISA=args.isa)
     info = cpu()
@@ -311,15 +310,17 @@ def main() -> None:
         root = args.keep or Path(scratch)
         for kind in args.models:
             write_data(kind, root / "data" / kind)
-            same_calibration_data(root / "data" / kind)
-            control_data(kind, root / "data" / kind)
+            if "same_calibration" in extras:
+                same_calibration_data(root / "data" / kind)
+            if "control" in extras:
+                control_data(kind, root / "data" / kind)
             print(f"\n{kind}: shapes {SHAPES[kind]} ({PER_SHAPE} samples per shape)")
             print(f"{'target':<13} {'prec':<5} {'shipped d/f':<12} {'cos@opt dyn':>11} {'fixed':>9} {'gap':>7} "
                   f"{'ms@opt dyn':>10} {'fixed':>8} {'ratio':>6} {'calib s/sample dyn':>18} {'fixed':>6} "
                   f"{'s/MP dyn':>9} {'fixed':>6} {'run s dyn':>9} {'fixed':>6}  per-sample gap dyn-fixed [95 %]")
             for target in args.targets:
                 for precision in args.precisions:
-                    found = one(kind, target, precision, root, args.same_calibration, args.control, args.nncf)
+                    found = one(kind, target, precision, root, extras, args.nncf)
                     print(_row(target, precision, found), flush=True)
                     if args.isa != "native" and target == "openvino_cpu":  # what really dispatched
                         print(f"  kernels (fixed build): {kernels(found['fixed']['run'], dict(os.environ))}")
@@ -336,12 +337,10 @@ def _row(target: str, precision: str, found: dict) -> str:
             f"{fix['cosine']:>9.6f} {gap:>7.4f} {found['latency']['dynamic']:>10.3f} {found['latency']['fixed']:>8.3f} "
             f"{found['latency_ratio']:>6.3f} {cal[0]:>18.3f} {cal[1]:>6.3f} {per_mp[0]:>9.3f} {per_mp[1]:>6.3f} "
             f"{dyn['seconds']:>9.1f} {fix['seconds']:>6.1f}  {_gap_text(found['paired_gap'])}"
-            + (f"  same calibration: cos@opt {found['same_calibration_cosine']:.6f}, gap "
-               f"{abs(found['same_calibration_cosine'] - fix['cosine']):.4f}, per sample "
-               f"{_gap_text(found['same_calibration_gap'])}" if "same_calibration_cosine" in found else "")
-            + (f"  control (fixed, other calibration samples): cos@opt {found['control_cosine']:.6f}, gap "
-               f"{abs(found['control_cosine'] - fix['cosine']):.4f}, per sample {_gap_text(found['control_gap'])}"
-               if "control_cosine" in found else "")
+            + "".join(f"  {label}: cos@opt {found[extra]['cosine']:.6f}, gap "
+                      f"{abs(found[extra]['cosine'] - fix['cosine']):.4f}, per sample {_gap_text(found[extra]['gap'])}"
+                      for extra, label in (("same_calibration", "same calibration"),
+                                           ("control", "control (fixed, other calibration samples)")) if extra in found)
             + (f"  NNCF {dyn['nncf']['version']}: quantize s dyn {dyn['nncf']['seconds']:.1f} fixed "
                f"{fix['nncf']['seconds']:.1f}, mean per-sample cos@opt dyn {dyn['nncf']['cosines'].mean():.6f} "
                f"fixed {fix['nncf']['cosines'].mean():.6f} (parity's: {dyn['per_sample'].mean():.6f}, "
