@@ -222,4 +222,3 @@ def test_readme_parity_commands_compose():
             pytest.fail(f"parity {' '.join(args)}: {type(err).__name__}: {err}")
         checked += 1
     assert checked >= 4
-
