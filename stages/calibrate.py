@@ -194,7 +194,7 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
     judge = OutputJudge(prepared, samples)
     model = FakeQuantModel(prepared, per_tensor, QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE),
                            ctx.cfg.precision.keep_float)
-    chosen, scores = auto.choose_table(lambda table: judge.score(model.run(table, samples)), tables_by_name)
+    chosen, scores = auto.choose_table(lambda table: judge.score(model.run(table, samples, judge.outputs)), tables_by_name)
     return tables_by_name[chosen], {"chosen": chosen, "samples": judge.count, "criterion": auto.CRITERION,
                                     "measured_on": "the fake-quantized model (calibration/fake_quant.py)",
                                     "candidates": scores}

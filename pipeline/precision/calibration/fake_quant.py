@@ -11,7 +11,7 @@ runtime's own fusions), so the tables are ranked as the builds would rank them."
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -36,9 +36,11 @@ class FakeQuantModel:
         self.model = model
         self._session = None
 
-    def run(self, table: Dict[str, dict], samples: Sequence[Dict[str, np.ndarray]]) -> List[List[np.ndarray]]:
-        """The outputs under ``table``'s ranges, sample by sample, as one chunk of
-        measure.OutputJudge's layout (each output's samples stacked on axis 0)."""
+    def run(self, table: Dict[str, dict], samples: Sequence[Dict[str, np.ndarray]],
+            outputs: Optional[Sequence[str]] = None) -> List[List[np.ndarray]]:
+        """The ``outputs`` (default: every graph output) under ``table``'s ranges, sample by
+        sample, as one chunk of measure.OutputJudge's layout (each output's samples stacked
+        on axis 0): pass the judge's outputs, which leave integer outputs out."""
         if self._session is None:
             import onnxruntime as ort
             from pipeline.backends.onnxruntime import untimed_options
@@ -51,9 +53,9 @@ class FakeQuantModel:
             options.add_session_config_entry("session.disable_quant_qdq", "1")
             self._session = ort.InferenceSession(self.model.SerializeToString(), options,
                                                  providers=["CPUExecutionProvider"])
-        ranges = self._ranges(table)
-        rows = [self._session.run(self.outputs, {**sample, **ranges}) for sample in samples]
-        return [[np.concatenate([np.atleast_1d(row[index]) for row in rows]) for index in range(len(self.outputs))]]
+        ranges, names = self._ranges(table), list(outputs or self.outputs)
+        rows = [self._session.run(names, {**sample, **ranges}) for sample in samples]
+        return [[np.concatenate([np.atleast_1d(row[index]) for row in rows]) for index in range(len(names))]]
 
     def _ranges(self, table: Dict[str, dict]) -> Dict[str, np.ndarray]:
         """Each quantized tensor's scale and zero point from its table entry, as ONNX
