@@ -47,6 +47,8 @@ from pipeline.errors import BackendCrashed, meaningful_line
 _LATENCY = "__latency__"
 _THROUGHPUT = "__throughput__"
 _STARTUP = "__startup__"
+_STREAM_LOAD = "__stream_load__"
+_STREAM = "__stream__"
 _JOIN_S = 5.0
 
 
@@ -124,6 +126,7 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
         _send(conn, _failure(err))
         return
     _send(conn, reply)
+    stream: list = []  # the samples of the stream timing, sent once (_STREAM_LOAD), run every round (_STREAM)
     while True:
         try:
             request = conn.recv()
@@ -142,6 +145,13 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
 
                 parallel = importlib.import_module(module).CAPABILITIES.parallel_runners
                 reply = ("ok", throughput(session.parallel_runners() if parallel else [session.run], *args))
+            elif method == _STREAM_LOAD:
+                stream = list(args[0])
+                reply = ("ok", len(stream))
+            elif method == _STREAM:
+                from pipeline.verification.metrics import stream_pass
+
+                reply = ("ok", stream_pass(session.run, stream))
             elif method == _STARTUP:  # new sessions of the same artifact, timed from load to first output
                 from pipeline.verification.metrics import startup
 
@@ -210,7 +220,8 @@ class BackendWorker:
             raise
 
     def call(self, method: str, *args, timeout_s: Optional[float] = None) -> Any:
-        what = {_LATENCY: "latency()", _THROUGHPUT: "throughput()", _STARTUP: "startup()"}.get(method, f"{method}()")
+        what = {_LATENCY: "latency()", _THROUGHPUT: "throughput()", _STARTUP: "startup()",
+                _STREAM_LOAD: "stream_load()", _STREAM: "stream()"}.get(method, f"{method}()")
         return self._request(what, (method, args), self.timeout_s if timeout_s is None else timeout_s)
 
     def run(self, feeds: dict) -> dict:
@@ -221,6 +232,15 @@ class BackendWorker:
 
     def latency(self, feeds: dict, warmup: int = 3, repeats: int = 20, *, timeout_s: Optional[float] = None) -> dict:
         return self.call(_LATENCY, feeds, warmup, repeats, timeout_s=timeout_s)
+
+    def stream_load(self, samples: list) -> int:
+        """Keep ``samples`` (feeds dicts, in the order a service would see them) in the child."""
+        return self.call(_STREAM_LOAD, samples)
+
+    def stream(self, *, timeout_s: Optional[float] = None) -> dict:
+        """One pass over the loaded samples, one call per sample at its own shape
+        (pipeline.verification.metrics.stream_pass)."""
+        return self.call(_STREAM, timeout_s=timeout_s)
 
     def throughput(self, feeds: dict, warmup: int = 3, repeats: int = 20, *, timeout_s: Optional[float] = None) -> dict:
         return self.call(_THROUGHPUT, feeds, warmup, repeats, timeout_s=timeout_s)

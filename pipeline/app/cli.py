@@ -181,6 +181,8 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
         _diagnosis_lines(console, verify.get("diagnosis") or {})
     if verify and (verify.get("speed") or {}).get("speedups"):
         console.print(_speed_line(verify))
+    if verify and ((verify.get("speed") or {}).get("stream") or {}).get("speedups") is not None:
+        console.print(_stream_line(verify["speed"]["stream"]))
     if verify and verify.get("shapes"):
         console.print(_shape_line(verify))
     profile = outcome.results.get("profile")
@@ -238,6 +240,14 @@ def _speed_line(verify: dict) -> str:
         parts.append(f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f}){mark}")
     rounds = (verify["comparison"].get("fp32") or {}).get("latency") or {}
     return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds): " + ", ".join(parts)
+
+
+def _stream_line(stream: dict) -> str:
+    """Speed as served: the validation samples in order, each at its own shape."""
+    parts = [f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f})"
+             + ("" if found["faster"] else " [yellow](not faster)[/]") for name, found in stream["speedups"].items()]
+    return (f"speed as served ({stream['samples']} samples in order, {stream['shapes']} shapes, "
+            f"{stream['rounds']} interleaved rounds): " + (", ".join(parts) or "not measured"))
 
 
 def _shape_line(verify: dict) -> str:

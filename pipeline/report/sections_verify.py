@@ -111,7 +111,22 @@ def verification_section(verify: dict) -> list:
         blocks += _comparison_blocks(verify["comparison"], as_dict(verify.get("task")).get("metric"))
     if verify.get("shapes"):
         blocks += _shape_blocks(as_list(verify.get("shapes")), as_dict(as_dict(verify.get("speed")).get("by_shape")))
+    if as_dict(as_dict(verify.get("speed")).get("stream")):
+        blocks += _stream_blocks(as_dict(as_dict(verify.get("speed")).get("stream")))
     return blocks
+
+
+def _stream_blocks(stream: dict) -> list:
+    """Speed as served: the validation samples in order, each at its own shape."""
+    medians, speedups = as_dict(stream.get("median_ms")), as_dict(stream.get("speedups"))
+    rows = [[str(build), fmt_number(ms, ".3f"),
+             fmt_speedup(as_dict(speedups.get(build))) if build in speedups else "1.00x (reference)"]
+            for build, ms in medians.items()]
+    return [Heading(3, "Speed as served"), Table(["build", "mean ms per call", "speed-up vs fp32"], rows),
+            Para(f"{stream.get('samples')} validation samples of {stream.get('shapes')} input shapes run in their "
+                 f"order, one call each, every build once a round ({stream.get('rounds')} rounds, order rotated): "
+                 "what a service fed requests of varying shape sees. The speed warning and validation.min_speedup "
+                 "judge this figure.")]
 
 
 def _shape_blocks(groups: list, curve: dict) -> list:

@@ -191,6 +191,18 @@ def latency(run, feeds, warmup: int = 3, repeats: int = 20) -> dict:
             "runs": repeats}
 
 
+def stream_pass(run, samples) -> dict:
+    """One pass over ``samples`` in their order, one call each: what a service answering
+    requests of varying shape spends. ``mean_ms``: the pass's time per call."""
+    import time
+
+    started = time.perf_counter()
+    for feeds in samples:
+        run(feeds)
+    total = (time.perf_counter() - started) * 1000
+    return {"total_ms": total, "mean_ms": total / max(len(samples), 1), "calls": len(samples)}
+
+
 def throughput(runners, feeds, warmup: int = 3, repeats: int = 20, rounds: int = 5, min_round_s: float = 0.05) -> dict:
     """Inferences per second with the session's concurrent requests (``runners``: the
     session's ``parallel_runners()``, one per request the runtime runs best with, where its

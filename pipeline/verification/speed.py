@@ -19,6 +19,7 @@ from pipeline.environment import VNNI_FLAGS
 from pipeline.errors import BackendCrashed
 
 WARMUP = 3
+STREAM_MAX_BYTES = 64 << 20  # input data of the stream timing, held by every build's worker
 CHANGES_PRECISION = ("int8", "mixed", "fp16", "bf16")  # builds that exist to be faster than fp32
 
 
@@ -40,6 +41,57 @@ def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int,
             if median is not None:
                 medians[name].append(median)
     return {name: ({"error": errors[name]} if name in errors else _summary(medians[name], runs)) for name in order}
+
+
+def stream_interleaved(workers: Dict[str, object], samples: List[dict], rounds: int, max_seconds: float
+                       ) -> Dict[str, dict]:
+    """Speed as served: each build runs ``samples`` in their order, one call per sample at
+    its own shape, once a round (after one warm-up pass that meets every shape once); the
+    round's figure is the pass's time per call. Rounds rotate the order as ``interleaved``
+    does, so ``speedups`` reads the result alike (``runs_per_round``: calls of a pass)."""
+    order = list(workers)
+    medians: Dict[str, List[float]] = {name: [] for name in order}
+    errors: Dict[str, str] = {}
+    for name in order:
+        try:
+            workers[name].stream_load(samples)
+        except BackendCrashed as err:
+            errors[name] = str(err)
+        _pass(workers, name, errors)
+    started = time.perf_counter()
+    for index in range(rounds):
+        if index >= 3 and time.perf_counter() - started > max_seconds:
+            break
+        shift = index % len(order)
+        for name in order[shift:] + order[:shift]:
+            mean = _pass(workers, name, errors)
+            if mean is not None:
+                medians[name].append(mean)
+    return {name: ({"error": errors[name]} if name in errors else _summary(medians[name], len(samples)))
+            for name in order}
+
+
+def _pass(workers, name, errors) -> Optional[float]:
+    if name in errors:
+        return None
+    try:
+        return workers[name].stream()["mean_ms"]
+    except BackendCrashed as err:
+        errors[name] = str(err)
+        return None
+
+
+def stream_samples(count: int, read, limit: int, max_bytes: int) -> List[dict]:
+    """The first validation samples in their order, at most ``limit`` of them and
+    ``max_bytes`` of input data (each worker holds them all)."""
+    samples, size = [], 0
+    for index in range(min(count, limit)):
+        feeds = read(index)
+        size += sum(np.asarray(value).nbytes for value in feeds.values())
+        if samples and size > max_bytes:
+            break
+        samples.append(feeds)
+    return samples
 
 
 def _time(workers, name, feeds, warmup, runs, errors) -> Optional[float]:

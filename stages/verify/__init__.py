@@ -234,6 +234,8 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
                                                    backend.NAME, cfg.validation)
         if curve:
             ran.timing["by_shape"] = _latency_curve(rows, curve, ran, cfg.validation)
+        if len(check.by_shape.first) > 1 and cfg.validation.timing_stream_samples > 0:
+            _add_stream(ran, rows, dataset.validation, cfg.validation, backend.NAME)
     except BackendCrashed as err:
         ran.crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
                      "stderr_tail": err.stderr_tail}
@@ -270,6 +272,28 @@ def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
         "measured_seconds": measured["seconds"],
         "reproduce": {"file": judged["reproduce_file"], "samples": min(measured["samples"], REPRODUCE_SAMPLES)},
     }
+
+
+def _add_stream(ran: _Ran, rows: dict, split, validation, backend_name: str) -> None:
+    """Speed as served (samples of several shapes): every build timed on the validation
+    samples in their order, one call per sample (speed.stream_interleaved). The shipped
+    build's speed warning and validation.min_speedup then judge this figure."""
+    workers = {name: row.worker for name, row in rows.items() if not row.error}
+    samples = speed.stream_samples(len(split), split.read, validation.timing_stream_samples, speed.STREAM_MAX_BYTES)
+    timings = speed.stream_interleaved(workers, samples, validation.timing_rounds, validation.timing_max_seconds)
+    speedups, shipped = speed.speedups(timings), ran.timing["shipped"]
+    ran.timing["stream"] = {
+        "method": f"the first {len(samples)} validation samples in order, one call each at its own shape, a pass "
+                  "per build and round, order rotated; median of per-round ratios",
+        "samples": len(samples), "shapes": len({shapes.shape_key(feeds) for feeds in samples}),
+        "median_ms": {name: t.get("median_ms") for name, t in timings.items()},
+        "rounds": max((t.get("rounds", 0) for t in timings.values()), default=0),
+        "speedups": speedups}
+    fp32_ms = (timings.get("fp32") or {}).get("median_ms")
+    ran.timing["warning"] = speed.slow_build_warning(shipped, speedups.get(shipped), backend_name,
+                                                     environment.cpu()["flags"], fp32_ms)
+    ran.timing["failure"] = speed.min_speedup_failure(shipped, speedups.get(shipped), validation.min_speedup)
+    ran.timing["judged_on"] = "stream"
 
 
 def _latency_curve(rows: dict, curve: Dict[str, dict], ran: _Ran, validation) -> Dict[str, dict]:

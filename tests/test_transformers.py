@@ -1,0 +1,85 @@
+"""A transformer sentence embedder end to end (issue 36): the tiny BERT of
+scripts/make_tiny_bert.py on real sentences at their natural lengths, integer inputs and
+outputs, four outputs of three ranks, dynamic batch and sequence, no model.input_shapes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import REPO, read_report, run_cli, run_dirs
+from sentences import split
+
+MODEL = REPO / "pipeline" / "assets" / "tiny_bert.onnx"
+TOKENIZER = REPO / "pipeline" / "assets" / "tiny_bert.tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def sentence_tensors(tmp_path_factory):
+    """Per-sample .npz files of tokenized sentences (what a user without data.kind=text writes)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    folder = tmp_path_factory.mktemp("sentences")
+    for name, texts in zip(("calibration", "validation"), split(12, 16, seed=1)):
+        (folder / name).mkdir()
+        for index, text in enumerate(texts):
+            encoding = tokenizer.encode(text)
+            np.savez(folder / name / f"{index:03d}.npz", input_ids=np.array([encoding.ids]),
+                     attention_mask=np.array([encoding.attention_mask]), token_type_ids=np.array([encoding.type_ids]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def auto_ort(sentence_tensors, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("auto_ort")
+    done = run_cli([f"model.path={MODEL}", f"data.path={sentence_tensors}", "metric=none"], cwd,
+                   default_precision=None)
+    return done, cwd
+
+
+def test_default_job_ships_a_verified_build(auto_ort):
+    done, cwd = auto_ort
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = read_report(run_dirs(cwd)[-1])
+    assert report["verdict"] == "pass"
+    names = {o["name"] for o in report["verify"]["outputs"]}
+    assert {"input_ids_out", "attention_mask_out", "token_embeddings", "sentence_embedding"} <= names
+
+
+def test_speed_as_served_is_timed_on_the_stream(auto_ort):
+    done, cwd = auto_ort
+    report = read_report(run_dirs(cwd)[-1])
+    stream = report["verify"]["speed"]["stream"]
+    assert stream["samples"] == 16 and stream["shapes"] > 1 and stream["rounds"] >= 3
+    shipped = report["verify"]["requested"]["precision"]
+    if shipped != "fp32":
+        up = stream["speedups"][shipped]
+        assert up["speedup_p25"] <= up["speedup"] <= up["speedup_p75"]
+        assert report["verify"]["speed"]["judged_on"] == "stream"
+        assert "speed as served (16 samples in order" in done.stdout
+    timed = [c for c in report["auto"]["candidates"] if c.get("latency")]
+    assert timed and all(c["timed_on"].startswith("stream of 16") for c in timed)
+    markdown = (run_dirs(cwd)[-1] / "report.md").read_text()
+    assert "Speed as served" in markdown
+
+
+@pytest.mark.parametrize("method", ["max", "percentile", "kl", "mse", "auto"])
+def test_every_calibration_method_takes_integer_inputs_and_outputs(sentence_tensors, tmp_path, method):
+    done = run_cli([f"model.path={MODEL}", f"data.path={sentence_tensors}", "metric=none", "precision=int8",
+                    f"calibration={method}", "pipeline.stages=[convert,calibrate]"], tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = json.loads(next(run_dirs(tmp_path)[-1].glob("stages/calibrate/calibration.json")).read_text())
+    assert table
+
+
+def test_openvino_int8_verifies_every_output(sentence_tensors, tmp_path):
+    done = run_cli([f"model.path={MODEL}", f"data.path={sentence_tensors}", "metric=none", "precision=int8",
+                    "target=openvino_cpu", "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path)
+    assert done.returncode in (0, 3), done.stdout[-3000:] + done.stderr[-3000:]
+    report = read_report(run_dirs(tmp_path)[-1])
+    assert report["verify"]["speed"]["stream"]["shapes"] > 1
+    exact = [o for o in report["verify"]["outputs"] if o["name"].endswith("_out")]
+    assert len(exact) == 2 and all(o["metrics"]["exact"] and o["metrics"]["changed"] == 0 for o in exact)
