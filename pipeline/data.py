@@ -1,6 +1,7 @@
 """Calibration and validation data: tensor files, images with declared preprocessing,
-or seeded random tensors. Samples are read lazily, one at a time, so memory does not
-grow with the size of a split; every sample is checked against the model's inputs.
+texts through a tokenizer (pipeline/text_data.py) or seeded random tensors. Samples are
+read lazily, one at a time, so memory does not grow with the size of a split; every
+sample is checked against the model's inputs.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def split_size(cfg: DataConfig, split: str, found: int, warnings: List[str]) -> 
 def open_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
     if cfg.kind is DataKind.random:
         return _random_dataset(cfg, inputs)
+    if cfg.kind is DataKind.text:
+        return _text_dataset(cfg, inputs)
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise InputError(f"data.path: {path} does not exist (set data.path=... to a data directory or .npz file)")
@@ -242,6 +245,26 @@ def _read_tensor_file(path: Path, inputs: Sequence[TensorSpec], where: str) -> D
     if missing:
         raise InputError(f"data: {where} has keys {sorted(arrays)} but the model needs {missing}")
     return {i.name: conform(arrays[i.name], i, where) for i in inputs}
+
+
+def _text_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
+    """data.kind=text (pipeline/text_data.py): each text tokenized on its own, batch 1."""
+    from pipeline import text_data
+
+    encode = text_data.Encoder(cfg.tokenizer, cfg.max_length, [(i.name, i.dtype) for i in inputs])
+    source = text_data.open_texts(cfg)
+    warnings, splits = list(source.warnings), {}
+    for split in SPLITS:
+        found = source.texts[split]
+        chosen = found[:split_size(cfg, split, len(found), warnings)]
+
+        def read(index, chosen=chosen):
+            name, text = chosen[index]
+            arrays = encode(text)
+            return {i.name: conform(arrays[i.name], i, name) for i in inputs}
+
+        splits[split] = Split(split, source.sources[split], [name for name, _ in chosen], read, None, len(found))
+    return Dataset("text", splits["calibration"], splits["validation"], [*source.files, encode.path], warnings)
 
 
 # --- a directory of tensors or images ---------------------------------------------

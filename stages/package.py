@@ -1,6 +1,6 @@
 """package: the deployable bundle (artifact, runtime.yaml, manifest.json with sha256 of
-every file, report.json/.md/.html) written to a temporary folder and renamed into place,
-plus a reproducible .tar.gz of it. The manifest's content_sha256 covers every file but
+every file, report.json/.md/.html, text data's tokenizer.json) written to a temporary
+folder and renamed into place, plus a reproducible .tar.gz of it. The manifest's content_sha256 covers every file but
 the reports (they hold this run's timings), the compile cache (runtimes write blobs that
 differ from compile to compile) and itself: the same inputs and config give the same
 content_sha256."""
@@ -15,7 +15,7 @@ import yaml
 
 from pipeline import environment
 from pipeline.release import compile_cache
-from pipeline.config.schemas import plain
+from pipeline.config.schemas import DataKind, plain
 from pipeline.release.archive import write_tar_gz
 from pipeline.artifacts import atomic_directory, hash_tree, remove_stale_temps, sha256_file, write_json
 from pipeline.release.bundle import REPORTS, compile_cache_entry, content_sha256, is_cache
@@ -23,6 +23,7 @@ from pipeline.errors import writing
 from pipeline.report import write_reports
 from pipeline.report.assemble import assemble, model_name
 from pipeline.data import preprocess_record
+from pipeline.text_data import text_record
 from pipeline.task_metrics import bundle_record
 from stages import StageContext, StageResult, deployable
 
@@ -76,6 +77,9 @@ def _write_bundle(ctx: StageContext, folder: Path, name: str) -> None:
     runtime = yaml.safe_load(artifact.path("runtime").read_text())
     # what parity-bundle run applies: the declared preprocessing, the metric (its decoder)
     preprocess, metric = preprocess_record(cfg.data.kind, cfg.data.preprocess), bundle_record(cfg.metric, folder)
+    if cfg.data.kind is DataKind.text:  # the tokenizer travels with the bundle (pipeline/text_data.py)
+        preprocess = text_record(cfg.data)
+        shutil.copyfile(Path(cfg.data.tokenizer).expanduser(), folder / preprocess["tokenizer"])
     runtime.update({key: value for key, value in (("preprocess", preprocess), ("metric", metric)) if value})
     (folder / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
     for file in runtime["files"]:

@@ -153,3 +153,45 @@ def classifier_qdq(tmp_path_factory):
     quantized = quantize_static_qdq(prepared, tables.build_table(stats.histograms, "max"),
                                     QdqSettings(quantize_outputs=False))
     return prepared, quantized, samples
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_tensors(tmp_path_factory):
+    """pipeline/assets/tiny_bert.onnx's inputs for 12 calibration and 20 validation real
+    sentences (tests/sentences.py), one .npz a sentence ([1, its own length] int64 each of
+    input_ids, attention_mask, token_type_ids) in calibration/ and validation/: the
+    tensors layout, for tests that do not go through data.kind=text."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from sentences import split
+
+    tokenizer = Tokenizer.from_file(str(REPO / "pipeline" / "assets" / "tiny_bert.tokenizer.json"))
+    folder = tmp_path_factory.mktemp("tiny_bert_tensors")
+    for name, texts in zip(("calibration", "validation"), split(12, 20, seed=2)):
+        (folder / name).mkdir()
+        for index, text in enumerate(texts):
+            encoding = tokenizer.encode(text)
+            np.savez(folder / name / f"{index:03d}.npz", **{
+                key: np.array([values], dtype=np.int64) for key, values in (
+                    ("input_ids", encoding.ids), ("attention_mask", encoding.attention_mask),
+                    ("token_type_ids", encoding.type_ids))})
+    return folder
+
+
+TINY_BERT = REPO / "pipeline" / "assets" / "tiny_bert.onnx"
+TINY_BERT_TOKENIZER = REPO / "pipeline" / "assets" / "tiny_bert.tokenizer.json"
+
+
+def text_args(folder) -> list:
+    """The tiny sentence embedder on a folder of texts (data.kind=text), as a user writes it."""
+    return [f"model.path={TINY_BERT}", "data.kind=text", f"data.path={folder}", f"data.tokenizer={TINY_BERT_TOKENIZER}"]
+
+
+@pytest.fixture(scope="session")
+def sentence_folder(tmp_path_factory):
+    """calibration.txt (12) and validation.txt (16): real sentences at their natural lengths."""
+    from sentences import write_folder
+
+    return write_folder(tmp_path_factory.mktemp("sentences"), 12, 16, seed=1)
+

@@ -35,7 +35,7 @@ CASES = [
     (["precision=fp64"], ["precision=fp64", "no such config", "allowed: auto, bf16, fp16, fp32, int8, mixed"]),
     (["target=tpu"], ["target=tpu", "allowed: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu"]),
     (["model.path=???"], ["model.path", "a value is required"]),
-    (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random, custom]"]),
+    (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random, custom, text]"]),
     (["data.path=null"], ["data.path", "required"]),
     (["target.threads=many"], ["target.threads", "many"]),
     (["pipeline.stages=[convert,deploy]"], ["pipeline.stages", "deploy", "allowed: convert, calibrate, sensitivity, build, tune, verify, profile, package"]),

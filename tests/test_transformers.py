@@ -6,36 +6,15 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from conftest import REPO, read_report, run_cli, run_dirs
-from sentences import split
-
-MODEL = REPO / "pipeline" / "assets" / "tiny_bert.onnx"
-TOKENIZER = REPO / "pipeline" / "assets" / "tiny_bert.tokenizer.json"
+from conftest import read_report, run_cli, run_dirs, text_args
 
 
 @pytest.fixture(scope="module")
-def sentence_tensors(tmp_path_factory):
-    """Per-sample .npz files of tokenized sentences (what a user without data.kind=text writes)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(TOKENIZER))
-    folder = tmp_path_factory.mktemp("sentences")
-    for name, texts in zip(("calibration", "validation"), split(12, 16, seed=1)):
-        (folder / name).mkdir()
-        for index, text in enumerate(texts):
-            encoding = tokenizer.encode(text)
-            np.savez(folder / name / f"{index:03d}.npz", input_ids=np.array([encoding.ids]),
-                     attention_mask=np.array([encoding.attention_mask]), token_type_ids=np.array([encoding.type_ids]))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def auto_ort(sentence_tensors, tmp_path_factory):
+def auto_ort(sentence_folder, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("auto_ort")
-    done = run_cli([f"model.path={MODEL}", f"data.path={sentence_tensors}", "metric=none"], cwd,
+    done = run_cli([*text_args(sentence_folder), "metric=none"], cwd,
                    default_precision=None)
     return done, cwd
 
@@ -67,16 +46,16 @@ def test_speed_as_served_is_timed_on_the_stream(auto_ort):
 
 
 @pytest.mark.parametrize("method", ["max", "percentile", "kl", "mse", "auto"])
-def test_every_calibration_method_takes_integer_inputs_and_outputs(sentence_tensors, tmp_path, method):
-    done = run_cli([f"model.path={MODEL}", f"data.path={sentence_tensors}", "metric=none", "precision=int8",
+def test_every_calibration_method_takes_integer_inputs_and_outputs(sentence_folder, tmp_path, method):
+    done = run_cli([*text_args(sentence_folder), "metric=none", "precision=int8",
                     f"calibration={method}", "pipeline.stages=[convert,calibrate]"], tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     table = json.loads(next(run_dirs(tmp_path)[-1].glob("stages/calibrate/calibration.json")).read_text())
     assert table
 
 
-def test_openvino_int8_verifies_every_output(sentence_tensors, tmp_path):
-    done = run_cli([f"model.path={MODEL}", f"data.path={sentence_tensors}", "metric=none", "precision=int8",
+def test_openvino_int8_verifies_every_output(sentence_folder, tmp_path):
+    done = run_cli([*text_args(sentence_folder), "metric=none", "precision=int8",
                     "target=openvino_cpu", "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path)
     assert done.returncode in (0, 3), done.stdout[-3000:] + done.stderr[-3000:]
     report = read_report(run_dirs(tmp_path)[-1])

@@ -1,7 +1,8 @@
 """``parity-bundle``: check and run a packaged bundle.
 
     parity-bundle verify PATH   (a bundle or release folder, or its .tar.gz)
-    parity-bundle run BUNDLE INPUT [--output y.npz]   (an image, .npy, .npz, or what a custom preprocess reads)
+    parity-bundle run BUNDLE INPUT [--output y.npz]   (an image, .npy, .npz, or what a custom preprocess reads;
+                                                       a bundle with a tokenizer: "a sentence" or a .txt/.jsonl file)
     parity-bundle check BUNDLE   (re-run the recorded verify samples: reproduce the verdict)
     parity-bundle keygen KEY     (an Ed25519 key pair for parity-release --sign; verify/check --verify-key KEY.pub)
 """
@@ -36,10 +37,11 @@ def main(argv=None) -> None:
                         help="an Ed25519 public key: every manifest must carry a valid signature by it")
     run = commands.add_parser("run", help="check the bundle, then run it on its backend")
     run.add_argument("bundle", type=Path)
-    run.add_argument("input", type=Path, nargs="?", help="an image (through the bundle's recorded preprocessing), "
-                                                          ".npy (one input), .npz (keys = input names), or any file "
-                                                          "a custom preprocess reads")
-    run.add_argument("--input", type=Path, dest="input_option", help="the same as INPUT")
+    run.add_argument("input", nargs="?", help="an image (through the bundle's recorded preprocessing), "
+                                              ".npy (one input), .npz (keys = input names), or any file "
+                                              "a custom preprocess reads; a bundle packaged from text data: a text "
+                                              "(quoted) or a .txt/.jsonl file of texts, one a line")
+    run.add_argument("--input", dest="input_option", help="the same as INPUT")
     run.add_argument("--output", type=Path, help="write the outputs to this .npz")
     check = commands.add_parser("check", help="check the bundle, then re-run the inputs verify recorded in it "
                                                "against the recorded reference outputs and thresholds")
@@ -117,17 +119,35 @@ def _print_bundle(manifest: dict) -> None:
 def _run(args) -> ExitCode:
     check_integrity(args.bundle)
     if (args.input is None) == (args.input_option is None):
-        raise InputError("give one input file: parity-bundle run BUNDLE INPUT (an image, .npy or .npz)")
+        raise InputError("give one input file: parity-bundle run BUNDLE INPUT (an image, .npy or .npz; a text or "
+                         "a .txt file for a bundle packaged from data.kind=text)")
     if args.output and not args.output.parent.is_dir():
         raise InputError(f"--output: folder {args.output.parent} does not exist")
     if args.output and args.output.is_dir():
         raise InputError(f"--output: {args.output} is a folder; give a file name such as outputs.npz")
     settings = runtime_settings(args.bundle)
-    feeds = _feeds(args.input or args.input_option, settings)  # the input's errors before any runtime loads
+    # the input's errors before any runtime loads
+    samples = _samples(args.input if args.input is not None else args.input_option, settings, args.bundle)
     metric = load_metric(settings.get("metric"), root=str(args.bundle))
     session, settings = open_session(args.bundle)
-    outputs = session.run(feeds)
     console = stdout_console()
+    written = {}
+    for key, title, feeds in samples:
+        if len(samples) > 1:
+            console.print(f"{escape(title)}")
+        outputs = session.run(feeds)
+        _print_outputs(console, outputs, metric)
+        # several texts: keys "<line>/<output>" (the line of the text file)
+        written.update({(f"{key}/{name}" if len(samples) > 1 else name): value for name, value in outputs.items()})
+    if args.output:
+        with open(args.output, "wb") as handle:  # the exact path: np.savez would append .npz
+            np.savez(handle, **written)
+        console.print(f"outputs written to {escape(str(args.output))}")
+    _print_effective(console, session.effective())
+    return ExitCode.OK
+
+
+def _print_outputs(console, outputs: dict, metric) -> None:
     for name, value in outputs.items():
         flat = value.reshape(-1)
         console.print(f"{escape(name)}: shape {list(value.shape)} {value.dtype}, argmax {int(np.argmax(flat))}, "
@@ -135,12 +155,39 @@ def _run(args) -> ExitCode:
     decoded = _decoded(metric, outputs)
     for name, text in decoded.items():
         console.print(f"decoded {escape(name)} ({escape(metric.name)}): {escape(text)}")
-    if args.output:
-        with open(args.output, "wb") as handle:  # the exact path: np.savez would append .npz
-            np.savez(handle, **outputs)
-        console.print(f"outputs written to {escape(str(args.output))}")
-    _print_effective(console, session.effective())
-    return ExitCode.OK
+
+
+def _samples(argument: str, settings: dict, bundle: Path) -> list:
+    """[(key, title, feeds)] of INPUT: one file's feeds, or on a bundle packaged from text
+    data each text (a quoted text, or every line of a text file: key its line number,
+    titled "<file>:<line> '<text>'")."""
+    from pipeline import text_data
+
+    record = settings.get("preprocess") or {}
+    if record.get("kind") == "text":
+        texts = text_data.text_argument(argument)
+        if texts is not None:
+            specs = [(spec["name"], spec["dtype"]) for spec in settings["inputs"]]
+            encode = text_data.bundle_encoder(bundle, record, specs)
+            return [(name.rpartition(":")[2], f"{name} {_short(text)}", _conformed(encode(text), settings, name))
+                    for name, text in texts]
+    path = Path(argument)
+    if not path.exists():
+        text = "; this bundle has no tokenizer to read it as text (it was not packaged from data.kind=text)" \
+            if record.get("kind") != "text" and (not path.suffix or any(c.isspace() for c in argument)) else ""
+        raise InputError(f"--input: {argument} does not exist{text}")
+    return [("", str(path), _feeds(path, settings))]
+
+
+def _short(text: str, width: int = 60) -> str:
+    return repr(text if len(text) <= width else text[:width - 3] + "...")
+
+
+def _conformed(arrays: dict, settings: dict, where: str) -> dict:
+    from pipeline.data import TensorSpec, conform
+
+    specs = [TensorSpec(**spec) for spec in settings["inputs"]]
+    return {s.name: conform(arrays[s.name], s, where, label="--input") for s in specs}
 
 
 NUMPY_MAGIC = {".npy": b"\x93NUMPY", ".npz": b"PK"}
