@@ -15,6 +15,8 @@ and for each build, and gates on the drop. A metric declares ``higher_is_better`
 sample's output as text: ``parity-bundle run`` prints it), ``agreement(outputs,
 reference)`` (per-sample 0/1: the build's prediction equals the reference's) and
 ``extras(outputs, reference, labels)`` (named secondary per-sample scores, reported).
+A ``set_level`` metric (nearest neighbours: pipeline/embedding_metric.py) is called once on
+every sample's ``features``. Samples whose outputs differ in shape are scored per shape.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from pipeline.verification import confidence
+from pipeline.embedding_metric import Embedding  # noqa: F401 - a built-in: metric=embedding
 from pipeline.errors import ConfigError
+from pipeline.sample_groups import in_order, per_sample, shape_groups, weighted_mean  # noqa: F401 - sensitivity
+from pipeline.verification import confidence
 
-PARITY_KEYS = ("output", "path", "higher_is_better", "needs_labels", "name")  # read by parity, not the metric
+# read by parity, not passed to the metric
+PARITY_KEYS = ("output", "path", "higher_is_better", "needs_labels", "set_level", "name")
 CHARSET_FILE = "charset.txt"  # in a bundle
 BATCH = 16  # samples per metric call during verify: bounded memory for large outputs
 
@@ -244,6 +249,7 @@ class TaskMetric:
     higher_is_better: bool = True
     needs_labels: bool = False
     config: Dict[str, Any] = field(default_factory=dict)
+    set_level: bool = False  # scored once on the whole set (nearest neighbours), not in batches
 
     def aggregate(self, scores: np.ndarray) -> float:
         own = getattr(self.score, "aggregate", None)
@@ -255,8 +261,26 @@ class TaskMetric:
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
         """Per-sample scores, checked: one finite number per sample, or a MetricError
-        naming the metric (exit 2)."""
+        naming the metric (exit 2). A set-level metric scores the samples' features."""
+        if self.set_level:
+            outputs, reference = self.features(outputs), self.features(reference)
+        return self.scored(outputs, reference, labels)
+
+    def scored(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        """The metric on what it takes as is (a set-level metric: features), checked."""
         return check_scores(self.name, self.call(self.score, outputs, reference, labels), len(outputs))
+
+    def features(self, outputs: np.ndarray) -> np.ndarray:
+        """A set-level metric's reduction of each sample's output (``features``: one
+        embedding per sample), or the outputs themselves where it has none."""
+        reduce = self.hook("features")
+        if reduce is None:
+            return outputs
+        found = np.asarray(self.call(reduce, outputs))
+        if found.ndim == 0 or len(found) != len(outputs):
+            raise MetricError(f"metric {self.name}: features returned shape {tuple(found.shape)} for "
+                              f"{len(outputs)} samples; it returns one row per sample")
+        return found
 
     def call(self, function: Callable, *args):
         """``function(*args)``: an exception in the metric's code becomes one line naming it."""
@@ -311,7 +335,8 @@ def load_metric(config: Optional[Dict[str, Any]], root: Optional[str] = None) ->
 
     return TaskMetric(name=name, score=score, output=config.get("output"),
                       higher_is_better=declared("higher_is_better", True),
-                      needs_labels=declared("needs_labels", False), config=config)
+                      needs_labels=declared("needs_labels", False), config=config,
+                      set_level=declared("set_level", False))
 
 
 def _instantiate(name: str, arguments: Dict[str, Any]):
@@ -352,6 +377,7 @@ def _cause(err: BaseException) -> str:
 def _short_name(target: str) -> str:
     builtin = {f"{__name__}.{cls}": short for cls, short in
                (("Top1", "top1"), ("MapIoU", "map_iou"), ("CTC", "ctc"), ("Regression", "regression"))}
+    builtin[f"{__name__}.Embedding"] = "nn@1"  # the share of samples keeping their nearest neighbour
     return builtin.get(target, target.rsplit(".", 1)[-1])
 
 
@@ -386,23 +412,14 @@ def bundle_record(config: Optional[Dict[str, Any]], folder: Path) -> Optional[Di
     return record
 
 
-def weighted_mean(scores: np.ndarray, weights: np.ndarray) -> float:
-    """A pooled metric's value: the weighted mean (the plain mean where nothing weighs)."""
-    total = float(weights.sum())
-    return float((scores * weights).sum() / total) if total > 0 else float(np.mean(scores))
-
-
-def per_sample(batched: np.ndarray, count: int) -> np.ndarray:
-    """Outputs of ``count`` samples concatenated on axis 0 (a batched run) as the
-    interface's [N, *output shape] stack."""
-    return batched.reshape(count, batched.shape[0] // count, *batched.shape[1:])
-
-
 # --- scoring builds during verify -----------------------------------------------------------
 
 class TaskScorer:
     """Per-sample scores of the reference and of each build, from outputs added one
-    sample at a time and scored in batches of BATCH."""
+    sample at a time and scored in batches of BATCH; the samples of a batch whose outputs
+    differ in shape in groups of one shape (pages of several sizes), their scores back in
+    the samples' order. A set-level metric is scored once, at ``finish``, on every sample's
+    features (computed batch by batch)."""
 
     def __init__(self, metric: TaskMetric, output: str):
         self.metric, self.output = metric, output
@@ -412,7 +429,9 @@ class TaskScorer:
         self.agreement: Dict[str, List[np.ndarray]] = {}
         self.weights: Dict[str, List[np.ndarray]] = {}  # per-sample weights of a pooled metric
         self.labeled: Optional[bool] = None
-        self._stacks: List[tuple] = []  # the last two batches stacked (the reference's, a build's)
+        self.sets: Dict[str, List[tuple]] = {}  # set-level: per build, (features, reference's, labels) per batch
+        self._batch: tuple = ()  # the ids of the current batch's reference outputs
+        self._stacks: Dict[tuple, tuple] = {}  # its stacks by the arrays' ids, shared by the builds
 
     def active(self, label) -> bool:
         """Whether samples with this label can be scored (a metric that needs labels gets none)."""
@@ -428,36 +447,84 @@ class TaskScorer:
     def finish(self) -> None:
         for build in list(self.pending):
             self._flush(build)
+        for build, parts in self.sets.items():  # set-level: every sample at once (again on a second call)
+            labels = [label for part in parts for label in part[2]] if self.labeled else None
+            try:
+                outputs, reference = (np.concatenate([part[i] for part in parts]) for i in (0, 1))
+            except ValueError:  # the batches' features differ in shape
+                raise MetricError(f"metric {self.metric.name}: the samples' features differ in shape; a set-level "
+                                  "metric reduces every sample to one shape in features(outputs)") from None
+            found = self._measured(build, outputs, reference, labels)
+            for known in (self.scores, self.weights, self.extras, self.agreement):
+                known.pop(build, None)
+            self._record(build, found)
 
     def _flush(self, build: str) -> None:
         pending, self.pending[build] = self.pending[build], []
         if not pending:
             return
-        reference = self._stacked([p[1] for p in pending])  # one copy per batch, shared by the builds
-        outputs = self._stacked([p[0] for p in pending])
+        references = [p[1] for p in pending]
+        if self._batch != tuple(map(id, references)):  # a new batch: the last one's stacks go
+            self._batch, self._stacks = tuple(map(id, references)), {}
         labels = [p[2] for p in pending] if self.labeled else None
-        self.scores.setdefault(build, []).append(self.metric(outputs, reference, labels))
+        groups = shape_groups([p[0] for p in pending], references)
+        parts = [self._group(build, [pending[i][0] for i in group], [references[i] for i in group],
+                             None if labels is None else [labels[i] for i in group]) for group in groups]
+        try:
+            found = in_order(parts, groups)
+        except ValueError as err:
+            raise MetricError(f"metric {self.metric.name}: {err}") from None
+        if self.metric.set_level:
+            self.sets.setdefault(build, []).append((found["features"], found["reference"], labels))
+        else:
+            self._record(build, found)
+
+    def _group(self, build: str, outputs: List[np.ndarray], references: List[np.ndarray], labels) -> dict:
+        """One shape's samples scored (a set-level metric: their features, kept until finish)."""
+        reference = self._stacked(references, keep=True)
+        stacked = self._stacked(outputs, keep=False)
+        if self.metric.set_level:
+            return {"features": self.metric.features(stacked), "reference": self.metric.features(reference)}
+        return self._measured(build, stacked, reference, labels)
+
+    def _measured(self, build: str, outputs: np.ndarray, reference: np.ndarray, labels) -> Dict[str, Any]:
+        """The scores of samples stacked alike (a set-level metric: their features), with
+        the weights, extras and agreement the metric defines."""
         name, count = self.metric.name, len(outputs)
+        found: Dict[str, Any] = {"scores": self.metric.scored(outputs, reference, labels)}
         weights = self.metric.hook("weights")
-        found = self.metric.call(weights, outputs, reference, labels) if weights else None
-        if found is not None:  # a pooled metric: the samples weigh differently (map_iou pooled: by area)
-            self.weights.setdefault(build, []).append(check_scores(name, found, count, "weights"))
+        weighed = self.metric.call(weights, outputs, reference, labels) if weights else None
+        if weighed is not None:  # a pooled metric: the samples weigh differently (map_iou pooled: by area)
+            found["weights"] = check_scores(name, weighed, count, "weights")
         extras = self.metric.hook("extras")
         for key, values in (self.metric.call(extras, outputs, reference, labels) if extras else {}).items():
-            values = check_scores(name, values, count, f"extras[{key!r}]")
-            self.extras.setdefault(build, {}).setdefault(key, []).append(values)
+            found[f"extras/{key}"] = check_scores(name, values, count, f"extras[{key!r}]")
         agreement = self.metric.hook("agreement")
         if agreement and build != "reference":
-            values = check_scores(name, self.metric.call(agreement, outputs, reference), count, "agreement")
-            self.agreement.setdefault(build, []).append(values)
+            found["agreement"] = check_scores(name, self.metric.call(agreement, outputs, reference), count,
+                                              "agreement")
+        return found
 
-    def _stacked(self, arrays: List[np.ndarray]) -> np.ndarray:
+    def _record(self, build: str, found: Dict[str, np.ndarray]) -> None:
+        self.scores.setdefault(build, []).append(found["scores"])
+        if "weights" in found:
+            self.weights.setdefault(build, []).append(found["weights"])
+        if "agreement" in found:
+            self.agreement.setdefault(build, []).append(found["agreement"])
+        for key, values in found.items():
+            if key.startswith("extras/"):
+                self.extras.setdefault(build, {}).setdefault(key[len("extras/"):], []).append(values)
+
+    def _stacked(self, arrays: List[np.ndarray], keep: bool) -> np.ndarray:
+        """The arrays stacked on a new axis 0; the reference's stacks of the current batch
+        are kept (``keep``) for the other builds, and a build's outputs that are the
+        reference's (the reference scored against itself) reuse them."""
         key = tuple(id(array) for array in arrays)
-        for known, _, stacked in self._stacks:
-            if known == key:
-                return stacked
+        if key in self._stacks:
+            return self._stacks[key][1]
         stacked = np.stack(arrays)
-        self._stacks = [(key, arrays, stacked), *self._stacks[:1]]  # the arrays kept: their ids stay theirs
+        if keep:
+            self._stacks[key] = (arrays, stacked)  # the arrays kept: their ids stay theirs
         return stacked
 
     def value(self, build: str) -> Optional[float]:

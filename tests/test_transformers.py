@@ -32,15 +32,15 @@ def test_speed_as_served_is_timed_on_the_stream(auto_ort):
     done, cwd = auto_ort
     report = read_report(run_dirs(cwd)[-1])
     stream = report["verify"]["speed"]["stream"]
-    assert stream["samples"] == 16 and stream["shapes"] > 1 and stream["rounds"] >= 3
+    assert stream["samples"] == 24 and stream["shapes"] > 1 and stream["rounds"] >= 3
     shipped = report["verify"]["requested"]["precision"]
     if shipped != "fp32":
         up = stream["speedups"][shipped]
         assert up["speedup_p25"] <= up["speedup"] <= up["speedup_p75"]
         assert report["verify"]["speed"]["judged_on"] == "stream"
-        assert "speed as served (16 samples in order" in done.stdout
+        assert "speed as served (24 samples in order" in done.stdout
     timed = [c for c in report["auto"]["candidates"] if c.get("latency")]
-    assert timed and all(c["timed_on"].startswith("stream of 16") for c in timed)
+    assert timed and all(c["timed_on"].startswith("stream of 24") for c in timed)
     markdown = (run_dirs(cwd)[-1] / "report.md").read_text()
     assert "Speed as served" in markdown
 
@@ -52,13 +52,3 @@ def test_every_calibration_method_takes_integer_inputs_and_outputs(sentence_fold
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     table = json.loads(next(run_dirs(tmp_path)[-1].glob("stages/calibrate/calibration.json")).read_text())
     assert table
-
-
-def test_openvino_int8_verifies_every_output(sentence_folder, tmp_path):
-    done = run_cli([*text_args(sentence_folder), "metric=none", "precision=int8",
-                    "target=openvino_cpu", "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path)
-    assert done.returncode in (0, 3), done.stdout[-3000:] + done.stderr[-3000:]
-    report = read_report(run_dirs(tmp_path)[-1])
-    assert report["verify"]["speed"]["stream"]["shapes"] > 1
-    exact = [o for o in report["verify"]["outputs"] if o["name"].endswith("_out")]
-    assert len(exact) == 2 and all(o["metrics"]["exact"] and o["metrics"]["changed"] == 0 for o in exact)
