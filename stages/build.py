@@ -13,7 +13,7 @@ import onnx
 import yaml
 
 from pipeline import backends, environment
-from pipeline.precision import fp16
+from pipeline.precision import dynamic, fp16
 from pipeline.release import compile_cache
 from pipeline.artifacts import read_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
@@ -36,6 +36,7 @@ VERSION = 28  # 28: precision.int8_where_faster; 26: the summary counts the ops 
 VERSION += 1  # a mixed build's refinements judged on shared validation outputs (bias_correction.Judged)
 VERSION += 1  # weight rounding: patches as columns, at most 32 rows per column; ops producing ids stay float
 VERSION += 1  # dynamic dims kept: OpenVINO bounded by the range, pnnx given inputshape2
+VERSION += 1  # precision.activation_ranges=dynamic (pipeline/precision/dynamic.py); int8 summaries name their ranges
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -50,7 +51,8 @@ def key_config(cfg):
             # precision.int8_where_faster times each op on this machine, on a validation sample
             "where_faster": (environment.fingerprint(), cfg.data)
             if quantized and precision.int8_where_faster else None,
-            "int8": QdqSettings.resolve(precision, backend.NAME) if quantized else None,
+            "int8": QdqSettings.resolve(precision, backend.NAME) if quantized and not precision.dynamic_ranges else None,
+            **({"dynamic": dynamic.DynamicSettings.resolve(precision, backend.NAME)} if precision.dynamic_ranges else {}),
             # bias correction measures the quantized ops on the calibration samples
             "bias_correction": cfg.data if _refines(cfg, backend, "bias_correction") else False,
             "weight_rounding": cfg.data if _refines(cfg, backend, "weight_rounding") else False,
@@ -78,7 +80,8 @@ def _refines(cfg, backend, step: str) -> bool:
     """precision.<step> (bias_correction, weight_rounding) on a QDQ int8/mixed build, not
     the runtime's own int8 tooling."""
     name = cfg.precision.kind
-    return name in ("int8", "mixed") and getattr(cfg.precision, step) and not backends.own_quantizer(backend, name)
+    return name in ("int8", "mixed") and getattr(cfg.precision, step) and not backends.own_quantizer(backend, name) \
+        and not cfg.precision.dynamic_ranges  # a static refinement: dynamic builds have no calibrated ranges
 
 
 
@@ -209,7 +212,8 @@ def run(ctx: StageContext) -> StageResult:
         quantization = settings.get("options", {}).get("quantization")
     else:
         if precision in ("int8", "mixed"):
-            (onnx_path, quantization), ir_dir = _quantize(ctx), None
+            (onnx_path, quantization), ir_dir = _dynamic(ctx, backend) if ctx.cfg.precision.dynamic_ranges \
+                else _quantize(ctx), None
         elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
             (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
         artifacts, settings = _converted(backend, onnx_path, ir_dir, ctx.out_dir, target, precision)
@@ -221,6 +225,7 @@ def run(ctx: StageContext) -> StageResult:
         "target": target.name,
         "device": target.device.upper(),
         "precision": precision,
+        **({"activation_ranges": "dynamic"} if ctx.cfg.precision.dynamic_ranges else {}),
         "memory_mode": target.memory_mode,
         "model": settings["model"],
         "files": artifacts,
@@ -239,6 +244,8 @@ def run(ctx: StageContext) -> StageResult:
                "versions": backend.versions(),
                "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts),
                "quantization": quantization, "compile_cache": cache}
+    if precision in ("int8", "mixed"):  # where the activation ranges come from: the calibration table, or each call
+        summary["activation_ranges"] = ctx.cfg.precision.activation_ranges.value
     return StageResult(ctx.out_dir, files, summary)
 
 
@@ -276,6 +283,24 @@ def _half(ctx: StageContext, converter: Optional[str]):
                       "converter": converter}
     summary = fp16.convert(calibrate.path("prepared"), half, blocked)
     return half, {"findings": findings, **summary, "keep_float_not_found": unknown}
+
+
+def _dynamic(ctx: StageContext, backend):
+    """int8 with activations quantized per call at run time (precision.activation_ranges=dynamic,
+    backends declaring dynamic_int8): pipeline/precision/dynamic.py on convert's model, no calibration."""
+    converted = ctx.results["convert"].path("model")
+    _requested_float(ctx, onnx.load(str(converted), load_external_data=False), [])  # names checked as for Q/DQ
+    quantized = ctx.out_dir / "quantized.onnx"
+    try:
+        summary = dynamic.build(converted, quantized, dynamic.DynamicSettings.resolve(ctx.cfg.precision, backend.NAME),
+                                ctx.cfg.precision.keep_float)
+    except QuantizerFailed as err:
+        raise err.with_run(ctx)
+    failure = dynamic.nothing_quantized(summary)
+    if failure:
+        raise QuantizerFailed(failure).with_run(ctx)
+    log.info("build: dynamic int8, %d ops quantized, activation ranges computed per call", summary["int8_ops"])
+    return quantized, summary
 
 
 def _quantize(ctx: StageContext):

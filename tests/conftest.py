@@ -190,8 +190,8 @@ def text_args(folder) -> list:
 
 @pytest.fixture(scope="session")
 def sentence_folder(tmp_path_factory):
-    """calibration.txt (12) and validation.txt (16): real sentences at their natural lengths."""
+    """calibration.txt (12) and validation.txt (24): real sentences at their natural lengths."""
     from sentences import write_folder
 
-    return write_folder(tmp_path_factory.mktemp("sentences"), 12, 16, seed=1)
+    return write_folder(tmp_path_factory.mktemp("sentences"), 12, 24, seed=1)
 

@@ -15,7 +15,8 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     report = read_report(run_dir)
     section = report["auto"]
     rows = all_rows = {row["precision"]: row for row in section["candidates"]}
-    assert list(rows) == ["fp32", "int8", "mixed"]  # ONNX Runtime's candidates; fp16 has no CPU kernels
+    # ONNX Runtime's candidates (fp16 has no CPU kernels): int8 with static and with dynamic activation ranges
+    assert list(rows) == ["fp32", "int8", "int8_dynamic", "mixed"]
     assert rows["fp32"]["verdict"] == rows["int8"]["verdict"] == "pass"
     # plain int8 meets the mixed target here: the search keeps no op float, and the mixed build
     # is the int8 build byte for byte, verified once
@@ -32,8 +33,9 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     if all(row["speedup"]["speedup_p75"] < 1.0 for p, row in rows.items() if p != "fp32"):
         assert section["chosen"] == "fp32"  # int8 measured slower than fp32 here: fp32 ships
     shipped = section["chosen"]
-    assert report["precision"] == shipped and report["verify"]["effective"]["precision"] in (shipped, "int8")
-    assert single_bundle(run_dir).name == f"digits_cnn-ort_cpu-{shipped}"
+    built_as = "int8" if shipped == "int8_dynamic" else shipped  # precision=int8, activation_ranges=dynamic
+    assert report["precision"] == built_as and report["verify"]["effective"]["precision"] in (built_as, "int8")
+    assert single_bundle(run_dir).name == f"digits_cnn-ort_cpu-{built_as}"
     assert f"precision=auto shipped {shipped}" in result.stdout
     assert "precision=auto candidates" in result.stdout
     assert "## precision=auto" in (run_dir / "report.md").read_text()
@@ -121,7 +123,7 @@ def test_every_target_works_with_its_defaults_and_the_sweep_names_each_winner(tm
             assert job["reason"].startswith("requested device"), job
             continue
         assert job["exit_code"] == 0 and job["verdict"] == "pass", job
-        assert job["auto"]["chosen"] in ("fp32", "fp16", "bf16", "int8", "mixed")
-        assert job["bundle"].endswith(f"-{target}-{job['auto']['chosen']}")
+        assert job["auto"]["chosen"] in ("fp32", "fp16", "bf16", "int8", "mixed", "int8_dynamic")
+        assert job["bundle"].endswith(f"-{target}-{job['auto']['chosen'].removesuffix('_dynamic')}")
         assert f"shipped {job['auto']['chosen']}" in (summary_file.parent / "sweep.md").read_text()
     assert result.returncode == max(job["exit_code"] for job in jobs.values())

@@ -20,6 +20,11 @@ layerwise, no advice trials); the shipped run's verify reuses that measurement (
 the build's files, not by the run's diagnosis settings) and diagnoses only when it fails.
 A candidate that cannot win is not built: mixed only when plain int8 fails (with int8
 passing, the search keeps nothing in float and mixed is the int8 build).
+
+On a backend declaring ``dynamic_int8`` (ONNX Runtime) int8 is tried twice: ``int8`` with
+static activation ranges (calibrated) and ``int8_dynamic``, precision=int8 with
+``precision.activation_ranges=dynamic`` (ranges computed per call, no calibration); each is a
+candidate of its own, timed and chosen like the others.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import conf
-from pipeline import backends
+from pipeline import backends, shapes
 from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
 from pipeline.verification import speed
@@ -43,8 +48,11 @@ from pipeline.app.runner import RunOutcome, run_pipeline
 
 log = logging.getLogger("parity")
 PRECISION_FILES = Path(conf.__file__).parent / "precision"
+# int8 with activation ranges computed per call (precision.activation_ranges=dynamic), where declared
+DYNAMIC_INT8 = "int8_dynamic"
 # higher first: on a tie in speed and size the build closer to the model's own numbers wins
-FIDELITY = ("fp32", "bf16", "fp16", "mixed", "int8")
+# (dynamic int8: each call's activations get their own range, none clipped by a calibrated one)
+FIDELITY = ("fp32", "bf16", "fp16", "mixed", DYNAMIC_INT8, "int8")
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
 # bf16 on a CPU is a candidate only where the CPU computes it (elsewhere it is emulated)
 NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
@@ -52,31 +60,41 @@ NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
 
 def candidates(run_cfg) -> List[str]:
     """precision.candidates, or the backend's declared auto_candidates (those it builds on
-    this CPU)."""
+    this CPU), with int8_dynamic right after int8 where the backend declares dynamic_int8."""
     backend = backends.spec(run_cfg.target.backend.value)
+    if run_cfg.precision.activation_ranges.value == "dynamic":
+        raise ConfigError(f"precision.activation_ranges=dynamic: precision=auto tries static and dynamic int8 itself "
+                          f"(candidates int8 and {DYNAMIC_INT8}); choose among them with precision.candidates")
+    dynamic = [DYNAMIC_INT8] if backend.CAPABILITIES.dynamic_int8 and "int8" in backend.CAPABILITIES.precisions else []
     if run_cfg.precision.candidates:
         wanted = list(run_cfg.precision.candidates)
-        unknown = [p for p in wanted if p not in backend.CAPABILITIES.precisions]
+        allowed = [*backend.CAPABILITIES.precisions, *dynamic]
+        unknown = [p for p in wanted if p not in allowed]
         if unknown:
             raise ConfigError(f"precision.candidates: target {run_cfg.target.name} cannot build {unknown[0]!r}; "
-                              f"allowed: {', '.join(backend.CAPABILITIES.precisions)}")
+                              f"allowed: {', '.join(allowed)}")
         return wanted
     from pipeline.environment import cpu
 
     wanted = list(backend.CAPABILITIES.auto_candidates)
     if "bf16" in wanted and run_cfg.target.device.upper() == "CPU" and not NATIVE_BF16 & set(cpu()["flags"]):
         wanted.remove("bf16")
+    if dynamic and "int8" in wanted:  # right after static int8
+        wanted.insert(wanted.index("int8") + 1, DYNAMIC_INT8)
     return wanted
 
 
 def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
     """The user's composed config with the precision group replaced by ``precision``'s
-    file, keeping the precision.* values the user changed from auto's defaults."""
+    file, keeping the precision.* values the user changed from auto's defaults
+    (int8_dynamic: int8's file with precision.activation_ranges=dynamic)."""
     auto_defaults = OmegaConf.load(PRECISION_FILES / "auto.yaml")
-    chosen = OmegaConf.load(PRECISION_FILES / f"{precision}.yaml")
+    chosen = OmegaConf.load(PRECISION_FILES / f"{'int8' if precision == DYNAMIC_INT8 else precision}.yaml")
     for key, value in cfg.precision.items():
         if key not in ("name", "candidates") and (key not in auto_defaults or auto_defaults[key] != value):
             chosen[key] = value
+    if precision == DYNAMIC_INT8:
+        chosen["activation_ranges"] = "dynamic"
     candidate = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     candidate.precision = chosen
     return candidate
@@ -211,15 +229,24 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
             for worker in workers.values():
                 worker.wait_loaded()
             inputs = [TensorSpec(**spec) for spec in outcomes["fp32"].results["convert"].summary["inputs"]]
-            feeds = next(iter(open_dataset(run_cfg.data, inputs).validation)).feeds
-            timings = speed.interleaved(workers, feeds, validation.timing_rounds, validation.timing_runs,
-                                        validation.timing_max_seconds)
+            split = open_dataset(run_cfg.data, inputs).validation
+            stream = speed.stream_samples(len(split), split.read, validation.timing_stream_samples,
+                                          speed.STREAM_MAX_BYTES)
+            if len({shapes.shape_key(feeds) for feeds in stream}) > 1:  # decide on speed as served
+                timings = speed.stream_interleaved(workers, stream, validation.timing_rounds,
+                                                   validation.timing_max_seconds)
+                timed_on = f"stream of {len(stream)} validation samples in order"
+            else:
+                timings = speed.interleaved(workers, split.read(0), validation.timing_rounds, validation.timing_runs,
+                                            validation.timing_max_seconds)
+                timed_on = "one validation sample"
         except BackendCrashed as err:
             log.warning("precision=auto: timing stopped: %s", first_line(err))
             return
     ups = speed.speedups(timings)
     for precision in timed:
         tried[precision]["latency"] = timings[precision]
+        tried[precision]["timed_on"] = timed_on
         if precision in ups:
             tried[precision]["speedup"] = ups[precision]
 

@@ -18,13 +18,15 @@ from pipeline.backends.protocol import Capabilities, importable
 NAME = "onnxruntime"
 CAPABILITIES = Capabilities(
     precisions=("fp32", "fp16", "int8", "mixed"), devices=("CPU",),
-    qdq_placement="inputs_and_outputs", qdq_latency=True,
+    qdq_placement="inputs_and_outputs", qdq_latency=True, dynamic_int8=True,
     compile_cache=True, tuning=True, profiler=True,
     auto_candidates=("fp32", "int8", "mixed"))
 
 _ONNX_FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16"}
 _INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "MatMulIntegerToFloat",
                 "DynamicQuantizeMatMul", "QLinearAdd", "QLinearMul", "QLinearConcat", "QLinearGlobalAveragePool"}
+# a dynamic int8 build's run-time activation quantizers (DynamicQuantizeMatMul also computes: int8 above)
+_DYNAMIC_QUANTIZERS = {"DynamicQuantizeLinear", "DynamicQuantizeMatMul"}
 _FLOAT_COMPUTE_OPS = {"Conv", "Gemm", "MatMul", "ConvTranspose", "FusedConv", "FusedGemm", "FusedMatMul"}
 
 
@@ -240,10 +242,13 @@ class Session:
     def effective(self) -> Dict[str, str]:
         providers = self._session.get_providers()
         device = "CPU" if providers and providers[0] == "CPUExecutionProvider" else providers[0]
-        precision, layers, float_ops = executed_precision(self._optimized)
+        precision, layers, float_ops, dynamic = executed_precision(self._optimized)
         float_ops = _model_op_names(float_ops, self._model_path) if float_ops else float_ops
         found = {"device": device, "precision": precision, "layers": layers, "float_ops": float_ops,
                  "compile_cache": self._cache_status, "runtime_options": self._read_back()}
+        if dynamic:  # every float op of a dynamic build is its quantizer's choice, none a fallback
+            found.update(float_ops={}, float_ops_by_build=float_ops, activation_ranges="dynamic",
+                         dynamic_quantizers=dynamic)
         if self._at_opt is not None:  # a dynamic model: the static copy at the range's opt
             found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._at_opt[0].items()}
         return found
@@ -265,10 +270,12 @@ def _ort_candidates(node: str, op_type: str, index) -> List[str]:
     "relu1_out_nchwc" (the NCHWc Conv computing tensor relu1_out); what it inserts gets a
     name of its own ("ReorderOutput_token_5"), which resolves to nothing; a node the model
     left unnamed becomes "Flatten_257" (ORT's own numbering): the model's only unnamed
-    node of that type, if it has one."""
+    node of that type, if it has one. A dynamic int8 build's integer op is "<node>_quant"."""
     name = node[len("fused "):] if node.startswith("fused ") else node
     name = re.sub(r"(_token_\d+)+$", "", name)
     name = name[: -len("_nchwc")] if name.endswith("_nchwc") else name
+    if name.endswith("_quant") and not index.resolve([name]):  # a dynamic int8 build's "<node>_quant"
+        name = name[: -len("_quant")]
     if not index.resolve([name]) and re.fullmatch(rf"{re.escape(op_type)}_\d+", name):
         return [found] if (found := index.only_unnamed(op_type)) else []
     return [name]
@@ -285,11 +292,13 @@ def _model_op_names(ops: Dict[str, str], model_path: Path) -> Dict[str, str]:
             for name, kind in ops.items()}
 
 
-def executed_precision(optimized_path: Path) -> Tuple[str, str, Dict[str, str]]:
+def executed_precision(optimized_path: Path) -> Tuple[str, str, Dict[str, str], int]:
     """Precision of the compute ops in the graph ORT executes after its optimizations:
-    integer kernels (QLinearConv, MatMulInteger...) count as int8, float ones by their type;
-    and the float compute ops by ONNX name ({name: op type}: verify tells an op the build
-    kept in float from one ORT has no int8 kernel for, such as ConvTranspose)."""
+    integer kernels (QLinearConv, MatMulInteger, a dynamic build's DynamicQuantizeMatMul and
+    MatMulIntegerToFloat...) count as int8, float ones by their type; the float compute ops
+    by ONNX name ({name: op type}: verify tells an op the build kept in float from one ORT
+    has no int8 kernel for, such as ConvTranspose); and how many run-time activation
+    quantizers (DynamicQuantizeLinear, DynamicQuantizeMatMul) a dynamic int8 build runs."""
     import onnx
 
     model = onnx.load(str(optimized_path), load_external_data=False)
@@ -297,19 +306,20 @@ def executed_precision(optimized_path: Path) -> Tuple[str, str, Dict[str, str]]:
     types.update({t.name: t.data_type for t in model.graph.initializer})
     counts: Counter = Counter()
     float_ops: Dict[str, str] = {}
+    dynamic = sum(node.op_type in _DYNAMIC_QUANTIZERS for node in model.graph.node)
     for node in model.graph.node:
         if node.op_type in _INTEGER_OPS:
             counts["int8"] += 1
         elif node.op_type in _FLOAT_COMPUTE_OPS or node.op_type.startswith("Fused"):
             elem = types.get(node.input[1] if len(node.input) > 1 else node.input[0], 1)
             counts[_ONNX_FLOAT_TYPES.get(elem, "fp32")] += 1
-            name = re.sub(r"(_token_\d+)+$", "", node.name.removeprefix("fused "))
+            name = re.sub(r"(_token_\d+|/\w+Fusion/)+$", "", node.name.removeprefix("fused "))  # MatMulScaleFusion
             float_ops[name] = node.op_type.removeprefix("Fused")
     if not counts:
-        return "fp32", "", {}
+        return "fp32", "", {}, dynamic
     layers = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
     return ("mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]), layers, \
-        (float_ops if counts["int8"] else {})
+        (float_ops if counts["int8"] else {}), dynamic
 
 
 # Where the output scale and zero point of a quantized op are among its inputs.

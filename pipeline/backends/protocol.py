@@ -40,6 +40,10 @@ class Capabilities:
     # "inputs_and_outputs" (ONNX Runtime fuses DQ -> op -> Q into int8 kernels) or "inputs"
     # (int8 from quantized op inputs alone, OpenVINO's low-precision transformations)
     qdq_placement: str = "inputs_and_outputs"
+    # int8 with activations quantized per call at run time (precision.activation_ranges=dynamic):
+    # build gets parity's dynamic model (pipeline/precision/dynamic.py: int8 weights, the
+    # runtime's DynamicQuantizeLinear -> MatMulInteger / ConvInteger), no calibration
+    dynamic_int8: bool = False
     # runs parity's Q/DQ ONNX model as it is, so that sensitivity.latency_aware measures
     # per-op costs on it (build + load + Session.profile of an fp32 and an int8 model)
     qdq_latency: bool = False

@@ -43,6 +43,12 @@ class QuantType(Enum):
     uint8 = "uint8"
 
 
+class ActivationRanges(Enum):
+    """int8: where activation ranges come from (precision.activation_ranges)."""
+    static = "static"  # the calibration table's, fixed in the model
+    dynamic = "dynamic"  # each call's own, computed at run time (backends declaring dynamic_int8)
+
+
 class Selection(Enum):
     target = "target"
     top_n = "top_n"
@@ -93,6 +99,7 @@ class DataKind(Enum):
     images = "images"
     random = "random"
     custom = "custom"  # any file, read by data.preprocess._target_
+    text = "text"  # texts tokenized by data.tokenizer (pipeline/text_data.py)
 
 
 class Color(Enum):
@@ -152,6 +159,9 @@ class DataConfig:
     low: float = 0.0  # random data only
     high: float = 1.0  # random data only
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    # data.kind=text: a Hugging Face tokenizer.json, and the tokens a text is truncated to
+    tokenizer: Optional[str] = None
+    max_length: Optional[int] = None
 
 
 @dataclass
@@ -260,6 +270,10 @@ class PrecisionConfig:
     layer_min_cosine: float = 0.9999  # layerwise: an intermediate tensor below this diverges
     # int8 builds only:
     activations: QuantType = QuantType.uint8  # u8 activations x s8 weights: the x86 VNNI kernels
+    # static: ranges from the calibration table, fixed in the model; dynamic: each call quantizes
+    # activations over their own range at run time (ONNX Runtime's DynamicQuantizeLinear, no
+    # calibration; backends declaring dynamic_int8, precision=int8 only: docs/targets.md)
+    activation_ranges: ActivationRanges = ActivationRanges.static
     per_channel: bool = True  # per-channel weight scales for Conv/Gemm/MatMul
     # Op types whose activation inputs (and weights) are quantized; every other op runs in
     # float between them (docs/calibration.md: placement).
@@ -283,6 +297,11 @@ class PrecisionConfig:
     keep_float: List[str] = field(default_factory=list)
     # precision=auto only: the precisions tried (null: the target backend's AUTO_CANDIDATES)
     candidates: Optional[List[str]] = None
+
+    @property
+    def dynamic_ranges(self) -> bool:
+        """int8 whose activations are quantized per call at run time: no calibration table."""
+        return self.kind == "int8" and self.activation_ranges is ActivationRanges.dynamic
 
 
 @dataclass
@@ -381,6 +400,9 @@ class ValidationConfig:
     timing_rounds: int = 7
     timing_runs: int = 10  # runs of one sample per build and round
     timing_max_seconds: float = 10.0  # no new round after this (3 rounds at least)
+    # Speed as served: when the validation samples differ in input shape, every build also
+    # runs the first N of them in their order, one call each at its own shape (0: off)
+    timing_stream_samples: int = 100
 
     def cosine_gate(self, task_gated: bool) -> Optional[float]:
         """The cosine an output must reach: task_min_cosine for the output a scored task

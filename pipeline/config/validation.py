@@ -16,6 +16,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 from pipeline import shapes
 from pipeline.config.schemas import (MOVED_TARGET_KEYS, STAGE_NAMES, TARGET_SCHEMAS, Backend, DataConfig, DataKind,
                                      PreprocessConfig, RunConfig, TargetConfig, TuningConfig)
+from pipeline.config.schemas import ActivationRanges, QuantType
 from pipeline.errors import ConfigError
 
 
@@ -89,6 +90,7 @@ def _check_combinations(run: RunConfig) -> None:
     if run.precision.int8_where_faster and run.precision.kind in can.own_int8:
         raise ConfigError(f"precision.int8_where_faster: {backend.NAME} builds {run.precision.kind} with its own "
                           "quantizer, not from parity's Q/DQ model whose ops it times; set it to false")
+    _check_activation_ranges(run, backend)
     if run.precision.kind in ("int8", "mixed") and not run.precision.quantize_ops:
         raise ConfigError("precision.quantize_ops: name at least one op type (default: Conv, ConvTranspose, Gemm, MatMul)")
     if run.target.threads < 0:
@@ -96,6 +98,30 @@ def _check_combinations(run: RunConfig) -> None:
     _check_tuning(run.tuning, backend)
     check_ranges(run)
     _check_metric(run)
+
+
+def _check_activation_ranges(run: RunConfig, backend) -> None:
+    """precision.activation_ranges=dynamic: int8 on a backend declaring dynamic_int8, with no
+    setting that only a static (calibrated) build has. Float precisions ignore it, as the
+    other int8 keys."""
+    precision, can = run.precision, backend.CAPABILITIES
+    if precision.activation_ranges is not ActivationRanges.dynamic or precision.kind not in ("int8", "mixed"):
+        return
+    if not can.dynamic_int8:
+        raise ConfigError(f"precision.activation_ranges=dynamic is not supported by target {run.target.name} "
+                          f"(backend {backend.NAME}); allowed: static")
+    if precision.kind == "mixed":
+        raise ConfigError("precision.activation_ranges=dynamic: precision=mixed searches on static ranges; use "
+                          "precision=int8 (precision.keep_float keeps ops float) or activation_ranges=static")
+    if precision.activations is QuantType.int8:
+        raise ConfigError("precision.activations=int8: dynamic activation ranges quantize to uint8 (ONNX Runtime's "
+                          "DynamicQuantizeLinear); set precision.activations=uint8 or activation_ranges=static")
+    if precision.int8_where_faster:
+        raise ConfigError("precision.int8_where_faster times the ops of parity's static Q/DQ model, not a dynamic "
+                          "build's; set it to false")
+    if run.calibration.table:
+        raise ConfigError("calibration.table: a build with precision.activation_ranges=dynamic computes activation "
+                          "ranges per call and reads no table; drop calibration.table or set activation_ranges=static")
 
 
 COSINE = (-1.0, 1.0)
@@ -109,6 +135,7 @@ RANGES = {
     "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),
     "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
     "validation.diagnosis_budget": (0.0, None), "validation.diagnosis_min_seconds": (0.0, None),
+    "validation.timing_stream_samples": (0, None),
     "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
     "calibration.kl_max_clipped": (0.0, 1.0),
     "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None),
@@ -168,6 +195,11 @@ def _check_data(data: DataConfig) -> None:
     if (data.kind is DataKind.custom) != bool(data.preprocess._target_):
         raise ConfigError("data.kind=custom reads files with data.preprocess._target_ (module.callable taking a "
                           "file path): set both, or neither")
+    if (data.kind is DataKind.text) != bool(data.tokenizer):
+        raise ConfigError("data.kind=text tokenizes texts with data.tokenizer (a Hugging Face tokenizer.json): "
+                          "set both, or neither")
+    if data.max_length is not None and data.max_length < 1:
+        raise ConfigError(f"data.max_length={data.max_length}: must be >= 1 (null: no truncation)")
 
 
 def _check_metric(run: RunConfig) -> None:
