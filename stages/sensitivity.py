@@ -316,7 +316,10 @@ class TaskDrop:
     def __init__(self, cfg, output_names: List[str], reference: List[np.ndarray], labels, count: int):
         self.metric, self.labels, self.count = load_metric(cfg.metric), labels, count
         self.index = None
-        if self.metric is not None and not (self.metric.needs_labels and labels is None):
+        # a metric of the whole set (embedding's neighbours) needs two samples at least; the
+        # search's samples are those of one input shape, which text of natural lengths may not have
+        too_few = getattr(self.metric, "set_level", False) and count < 2
+        if self.metric is not None and not too_few and not (self.metric.needs_labels and labels is None):
             name = self.metric.output or cfg.validation.task_output or output_names[0]
             if name not in output_names:
                 raise ConfigError(f"metric.output: the model has no output {name!r}; outputs: {', '.join(output_names)}")

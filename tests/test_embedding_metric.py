@@ -152,3 +152,15 @@ def test_int8_sentence_embedder_gated_on_nearest_neighbours(sentence_folder, tmp
     assert "nn@1 drop" in done.stdout
     assert verify["speed"]["stream"]["shapes"] > 1  # sentences at their own lengths: timed as served
     assert len([o for o in verify["outputs"] if o["name"].endswith("_out") and o["metrics"]["changed"] == 0]) == 2
+
+
+def test_the_mixed_search_leaves_a_set_metric_out_on_one_sample():
+    """The search measures on the samples of one input shape; sentences at their natural
+    lengths may leave one: no neighbour to agree on, so the search ranks by cosine alone."""
+    from stages.sensitivity import TaskDrop
+
+    cfg = composed("metric=embedding")
+    one = [np.ones((1, 4), np.float32)]
+    assert TaskDrop(cfg, ["sentence_embedding"], one, None, 1)(one) is None
+    three = [np.eye(3, 4, dtype=np.float32)]
+    assert TaskDrop(cfg, ["sentence_embedding"], three, None, 3)(three) == 0.0
