@@ -39,12 +39,19 @@ FP16_FINDINGS = "fp16_findings.json"  # what fp16 cannot hold, for fp16 builds
 
 
 def needed(cfg) -> bool:
-    return cfg.precision.kind in QUANTIZED_PRECISIONS
+    return cfg.precision.kind in QUANTIZED_PRECISIONS and not cfg.precision.dynamic_ranges
+
+
+def _not_needed(cfg) -> str:
+    if cfg.precision.dynamic_ranges:
+        return (f"precision {cfg.precision.kind} with precision.activation_ranges=dynamic: activations are quantized "
+                "over each call's own range at run time, no calibration")
+    return f"precision {cfg.precision.kind} needs no calibration"
 
 
 def key_config(cfg):
-    if not needed(cfg):
-        return {"needed": False}
+    if not needed(cfg):  # a dynamic build's skip says why in its own words: its own key
+        return {"needed": False, **({"activation_ranges": "dynamic"} if cfg.precision.dynamic_ranges else {})}
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
             "activations": cfg.precision.activations, "precision": _calibrated_as(cfg), "around": _measured_around(cfg),
             # auto's choice measures int8 models built with these (_auto_at_outputs)
@@ -81,7 +88,7 @@ def external_files(ctx: StageContext) -> List[Path]:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
-        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.kind} needs no calibration"})
+        return StageResult(ctx.out_dir, {}, {"skipped": _not_needed(cfg)})
     model_path = ctx.out_dir / "prepared.onnx"
     try:
         prepare(ctx.results["convert"].path("model"), model_path)

@@ -140,6 +140,28 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges)
 
 
+def channel_maxima(model: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]], names: List[str],
+                   batch_size: int = 16) -> Dict[str, np.ndarray]:
+    """max |x| per channel (the last axis) of each named tensor over the samples: what
+    SmoothQuant divides an activation by (pipeline/precision/smoothing.py). One light pass:
+    only these tensors are fetched, samples of one shape run together."""
+    from pipeline.shapes import uniform_groups
+
+    runner = BatchRunner(model, names, batch_size)
+    found: Dict[str, np.ndarray] = {}
+    for group in uniform_groups(samples, max(batch_size, 1)):
+        values = runner.run(pack(group), len(group))
+        for name in names:
+            value = np.abs(values[name])
+            if value.ndim == 0 or value.size == 0:
+                continue
+            if not np.isfinite(value).all():
+                raise InputError(f"calibration: tensor '{name}' holds non-finite values")
+            largest = value.reshape(-1, value.shape[-1]).max(axis=0).astype(np.float64)
+            found[name] = largest if name not in found else np.maximum(found[name], largest)
+    return found
+
+
 class _Kept:
     """The values of every tensor for the first ``keep`` samples of one input shape, the
     smallest seen: what auto compares methods on (each tensor's kept values must come from
