@@ -566,20 +566,20 @@ class TaskScorer:
         return task
 
     def _confidence(self, build: str, task: dict, require: bool) -> dict:
-        """The drop's interval, the agreement's, and whether a passing drop is resolved."""
+        """The drop's interval, the agreement's, the disagreement rate's exact one (a plain
+        mean's drop only), and whether a passing drop is resolved (confidence.resolution)."""
         own = getattr(self.metric.score, "aggregate", None)
         weights = ((np.concatenate(self.weights["reference"]), np.concatenate(self.weights[build]))
                    if build in self.weights and "reference" in self.weights else None)
-        interval = confidence.drop_interval(np.concatenate(self.scores["reference"]),
-                                            np.concatenate(self.scores[build]), self.metric.higher_is_better,
+        paired = np.concatenate(self.scores["reference"]), np.concatenate(self.scores[build])
+        interval = confidence.drop_interval(*paired, self.metric.higher_is_better,
                                             (lambda scores: float(own(scores))) if own else None, weights)
-        agreement = self.agreement.get(build)
+        agreement = np.concatenate(self.agreement[build]) if self.agreement.get(build) else None
+        counts = None if own or weights else confidence.disagreement(*paired, agreement, task["drop"], task["max_drop"])
         found = {"interval": interval, "confidence": confidence.LEVEL, "resamples": confidence.RESAMPLES,
-                 "agreement_interval": confidence.rate_interval(np.concatenate(agreement)) if agreement else None,
-                 "uncertain": False, "require_confidence": bool(require)}
-        if interval and task["passed"] and interval[1] > task["max_drop"] + 1e-12:
-            found["uncertain"] = True
-            found["samples_to_resolve"] = confidence.samples_to_resolve(task["samples"], task["drop"], interval[1],
-                                                                        task["max_drop"])
+                 "agreement_interval": None if agreement is None else confidence.rate_interval(agreement),
+                 "disagreement": counts, "uncertain": False, "require_confidence": bool(require)}
+        if task["passed"]:
+            found.update(confidence.resolution(task["drop"], task["max_drop"], task["samples"], interval, counts))
         return found
 

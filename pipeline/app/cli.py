@@ -294,10 +294,14 @@ def _task_cells(task: dict) -> tuple:
     """(check, value with its interval, threshold) of the task metric's drop."""
     scale, unit = (100, " pts") if task["metric"] == "top1" else (1, "")
     check = "top-1 drop" if task["metric"] == "top1" else f"{escape(task['metric'])} drop"
-    value = f"{task['drop'] * scale:.4g}{unit}"
+    value, notes = f"{task['drop'] * scale:.4g}{unit}", []
     if task.get("interval"):
         low, high = (bound * scale for bound in task["interval"])
-        value += f" ({task['confidence'] * 100:.0f} % CI {low:.4g} to {high:.4g})"
+        notes.append(f"{task['confidence'] * 100:.0f} % CI {low:.4g} to {high:.4g}")
+    counts = task.get("disagreement")
+    if counts:  # the bound from the disagreement count's exact interval (pipeline/verification/confidence.py)
+        notes.append(f"{counts['count']}/{counts['samples']} disagree: up to {counts['drop_high'] * scale:.3g}{unit}")
+    value += f" ({'; '.join(notes)})" if notes else ""
     return check, value, f"<= {task['max_drop'] * scale:.4g}{unit}"
 
 

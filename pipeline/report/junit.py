@@ -165,18 +165,17 @@ def _task_case(suite: _Suite, task: dict) -> None:
         suite.case("task", name, message, failure_type="task_metric")
     else:
         suite.case("task", name)
-    if task.get("interval") is not None:  # its own case: a passing drop whose interval reaches past the limit
+    if task.get("interval") is not None or task.get("disagreement"):  # a passing drop that may be past the limit
         _confidence_case(suite, metric, task)
 
 
 def _confidence_case(suite: _Suite, metric: str, task: dict) -> None:
-    low, high = (_fmt(v) for v in task["interval"])
     name = f"{metric} drop 95 % interval within {_fmt(task.get('max_drop'))}"
     if not task.get("uncertain"):
         suite.case("task", name)
         return
     needed = task.get("samples_to_resolve")
-    message = (f"{metric} drop {_fmt(task.get('drop'))} passes but its 95 % interval [{low}, {high}] reaches past "
+    message = (f"{metric} drop {_fmt(task.get('drop'))} passes but {uncertainty(task)} reaches past "
                f"{_fmt(task.get('max_drop'))}" + (f"; about {needed} samples would resolve it" if needed else ""))
     if task.get("require_confidence"):
         suite.case("task", name, message, failure_type="task_confidence")
@@ -275,3 +274,19 @@ def write_junit(report: dict, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(junit_xml(report), encoding="utf-8")
+
+
+def uncertainty(task: dict) -> str:
+    """What leaves a passing drop unresolved: the bootstrap interval of the drop, or the
+    exact interval of the disagreement count (0 of 20 disagreeing: up to 16.8 %)."""
+    parts = []
+    if task.get("interval") is not None:
+        low, high = task["interval"]
+        if _is_number(high) and _is_number(task.get("max_drop")) and high > task["max_drop"]:
+            parts.append(f"its 95 % interval [{_fmt(low)}, {_fmt(high)}]")
+    counts = task.get("disagreement") or {}
+    if counts and not counts.get("resolved", True):
+        parts.append(f"with {counts['count']} of {counts['samples']} samples disagreeing, the drop's 95 % bound "
+                     f"{_fmt(counts['drop_high'])}")
+    return " and ".join(parts) or "its 95 % interval"
+

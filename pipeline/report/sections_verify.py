@@ -14,6 +14,7 @@ from typing import Any, Callable, List
 
 from pipeline.report.charts import LineChart, bar_chart, line_chart
 from pipeline.report.document import Banner, Charts, Heading, Items, KeyValues, Para, Pre, Table
+from pipeline.report.junit import uncertainty
 from pipeline.report.formatting import (FIRST_NAMES, NA, STDERR_LINES, STDERR_WIDTH, as_dict, as_list,
                                         column_headers, finite, first_names, fmt_attribute, fmt_cells, fmt_cosine,
                                         fmt_error, fmt_interval, fmt_number, fmt_pass, fmt_ratio, fmt_seconds, fmt_sqnr,
@@ -348,7 +349,7 @@ def _task_blocks(task: dict) -> list:
              for key, v in as_dict(task.get("extras")).items()]
     if task.get("uncertain"):
         needed = task.get("samples_to_resolve")
-        notes.append("uncertain: the drop passes but its interval reaches past the allowed "
+        notes.append(f"uncertain: the drop passes but {uncertainty(task)} reaches past the allowed "
                      f"{fmt_ratio(task.get('max_drop'))}"
                      + (f"; about {needed} validation samples would resolve it" if needed else "")
                      + (" (a failure: validation.require_confidence)" if task.get("require_confidence") else ""))

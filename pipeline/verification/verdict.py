@@ -80,13 +80,22 @@ def _task(task: Optional[dict]) -> List[dict]:
 
 
 def _uncertain(task: dict) -> dict:
-    """A drop that passes while its interval reaches past the allowed one: a warning, or a
-    failure with validation.require_confidence."""
-    low, high = task["interval"]
-    needed = task.get("samples_to_resolve")
-    text = (f"task metric {task['metric']}: the drop {task['drop']:.4g} passes but its "
-            f"{task['confidence'] * 100:.0f} % interval [{low:.4g}, {high:.4g}] reaches past the allowed "
-            f"{task['max_drop']:.4g} on {task['samples']} samples"
+    """A drop that passes while its bootstrap interval, or the bound its disagreement count
+    puts on it (pipeline/verification/confidence.py), reaches past the allowed one: a
+    warning, or a failure with validation.require_confidence."""
+    needed, level, limit = task.get("samples_to_resolve"), f"{task['confidence'] * 100:.0f} %", task["max_drop"]
+    why = []
+    if task.get("interval") and task["interval"][1] > limit + 1e-12:
+        low, high = task["interval"]
+        why.append(f"its {level} interval [{low:.4g}, {high:.4g}] reaches past the allowed {limit:.4g} "
+                   f"on {task['samples']} samples")
+    counts = task.get("disagreement")
+    if counts and not counts["resolved"]:
+        how = "disagree with the reference" if counts["by"] == "agreement" else "score differently from the reference"
+        why.append(f"{counts['count']} of {counts['samples']} samples {how}, so at {level} (Clopper-Pearson) the "
+                   f"disagreement rate may be up to {counts['interval'][1]:.3g} and the drop up to "
+                   f"{counts['drop_high']:.3g}, past the allowed {limit:.4g}")
+    text = (f"task metric {task['metric']}: the drop {task['drop']:.4g} passes but " + "; and ".join(why)
             + (f"; about {needed} samples would resolve it" if needed else ""))
     if task.get("require_confidence"):
         return _check("task_confidence", text + " (validation.require_confidence)")

@@ -48,6 +48,7 @@ VERSION += 1  # an int8 build keeping the backend's float op kinds is accepted a
 VERSION += 1  # the measurement stored apart from the diagnosis; diagnosis within a budget; no failing trial as advice
 VERSION += 1  # task-first verdicts (task_min_cosine), bootstrap intervals, integer outputs compared exactly
 VERSION += 1  # a dynamic model: accuracy per input shape, latency at min/opt/max (issue 29)
+VERSION += 1  # the disagreement rate's Clopper-Pearson interval bounds a passing drop (issue 37 item 2)
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -280,11 +281,12 @@ def _add_stream(ran: _Ran, rows: dict, split, validation, backend_name: str) -> 
     build's speed warning and validation.min_speedup then judge this figure."""
     workers = {name: row.worker for name, row in rows.items() if not row.error}
     samples = speed.stream_samples(len(split), split.read, validation.timing_stream_samples, speed.STREAM_MAX_BYTES)
-    timings = speed.stream_interleaved(workers, samples, validation.timing_rounds, validation.timing_max_seconds)
-    speedups, shipped = speed.speedups(timings), ran.timing["shipped"]
+    timings = speed.stream_interleaved(workers, samples, **speed.options(validation, stream=True))
+    speedups, shipped = speed.speedups(timings, tight=validation.timing_tight_spread), ran.timing["shipped"]
     ran.timing["stream"] = {
-        "method": f"the first {len(samples)} validation samples in order, one call each at its own shape, a pass "
-                  "per build and round, order rotated; median of per-round ratios",
+        "method": f"the first {len(samples)} validation samples in order, one call each at its own shape, passes "
+                  f"of every build filling a round of at least {validation.timing_round_ms:g} ms (one when a pass "
+                  "is that long), order rotated; median of per-round ratios",
         "samples": len(samples), "shapes": len({shapes.shape_key(feeds) for feeds in samples}),
         "median_ms": {name: t.get("median_ms") for name, t in timings.items()},
         "rounds": max((t.get("rounds", 0) for t in timings.values()), default=0),
@@ -306,9 +308,9 @@ def _latency_curve(rows: dict, curve: Dict[str, dict], ran: _Ran, validation) ->
             medians = {name: (row.get("latency") or {}).get("median_ms") for name, row in ran.comparison.items()}
             speedups = ran.timing.get("speedups", {})
         else:
-            timings = speed.interleaved(workers, feeds, validation.timing_rounds, validation.timing_runs,
-                                        validation.timing_max_seconds)
-            medians, speedups = {name: t.get("median_ms") for name, t in timings.items()}, speed.speedups(timings)
+            timings = speed.interleaved(workers, feeds, **speed.options(validation))
+            medians = {name: t.get("median_ms") for name, t in timings.items()}
+            speedups = speed.speedups(timings, tight=validation.timing_tight_spread)
         found[which] = {"shape": shapes.shape_key(feeds), "median_ms": medians, "speedups": speedups}
     return found
 
@@ -443,15 +445,16 @@ def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name
     """Every build of the table timed interleaved in rounds (pipeline.verification.speed), its
     speed-up over fp32, and the warning or failing check a build not faster than fp32 gets."""
     workers = {name: row.worker for name, row in rows.items() if not row.error}
-    timings = {} if sample is None else speed.interleaved(
-        workers, sample, validation.timing_rounds, validation.timing_runs, validation.timing_max_seconds)
+    timings = {} if sample is None else speed.interleaved(workers, sample, **speed.options(validation))
     comparison = {name: row.result(timings.get(name)) for name, row in rows.items()}
-    speedups = speed.speedups(timings)
+    speedups = speed.speedups(timings, tight=validation.timing_tight_spread)
     for name, found in speedups.items():
         comparison[name]["speedup"] = found
     fp32_ms = (timings.get("fp32") or {}).get("median_ms")
-    summary = {"method": f"interleaved rounds, order rotated, {validation.timing_runs} runs of one sample a round; "
-                         "median of round medians; speed-up: median of per-round ratios",
+    summary = {"method": f"interleaved rounds of at least {validation.timing_round_ms:g} ms per build (runs sized "
+                         f"from the warm-up, at least {validation.timing_runs}) in slices alternating between the "
+                         "builds, order rotated; median of round medians; speed-up: median of per-round ratios; "
+                         f"rounds lengthened while a spread is above {validation.timing_tight_spread:g}",
                "speedups": speedups, "shipped": shipped,
                "warning": speed.slow_build_warning(shipped, speedups.get(shipped), backend_name,
                                                    environment.cpu()["flags"], fp32_ms),
