@@ -230,8 +230,11 @@ class BackendWorker:
     def effective(self) -> dict:
         return self.call("effective")
 
-    def latency(self, feeds: dict, warmup: int = 3, repeats: int = 20, *, timeout_s: Optional[float] = None) -> dict:
-        return self.call(_LATENCY, feeds, warmup, repeats, timeout_s=timeout_s)
+    def latency(self, feeds: dict, warmup: int = 3, repeats: int = 20, min_ms: float = 0.0, *,
+                timeout_s: Optional[float] = None) -> dict:
+        """``repeats`` timed runs after ``warmup``, and more until ``min_ms`` passed
+        (pipeline.verification.metrics.latency)."""
+        return self.call(_LATENCY, feeds, warmup, repeats, min_ms, timeout_s=timeout_s)
 
     def stream_load(self, samples: list) -> int:
         """Keep ``samples`` (feeds dicts, in the order a service would see them) in the child."""

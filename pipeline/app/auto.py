@@ -6,9 +6,11 @@ Each candidate is an ordinary run of the configured stages up to verify, in
 thresholds (``conf/precision/<name>.yaml``; ``precision.*`` overrides given with auto apply
 to every candidate that has the key). The stage cache makes the shared work happen once:
 convert for all, calibrate for int8 and mixed. The passing builds and the fp32 build are
-then timed interleaved in rounds (pipeline/verification/speed.py, the target's own threads); the winner
-is the fastest by median latency, and among the builds within its spread (as fast as it
-in at least a quarter of the rounds), the smaller artifact, then the higher precision.
+then timed interleaved in rounds (pipeline/verification/speed.py, the target's own threads; rounds
+sized to the model's latency, lengthened while a pair is undecided); the winner is the
+fastest by median latency, and among the builds tied with it (as fast in at least a quarter
+of the rounds, with a tight spread) the smaller artifact, then the higher precision; where
+the timing stays undecided (wide after its budget), the higher precision.
 The winner's configuration then runs the whole pipeline in the run folder (its stages up
 to verify served from the cache), so the bundle, report and exit code are the winner's,
 with the candidate table added (``report.json`` ``auto``). When nothing passes, the
@@ -34,7 +36,6 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
@@ -137,7 +138,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
             continue
         tried[precision] = _row(precision, outcomes[precision])
     _time(outcomes, run_cfg, tried)
-    winner, why = choose({p: row for p, row in tried.items() if p in requested})
+    winner, why = choose({p: row for p, row in tried.items() if p in requested}, run_cfg.validation.timing_tight_spread)
     if winner is None:
         raise ConfigError(f"precision=auto: no candidate could be built for target {run_cfg.target.name}: "
                           + "; ".join(f"{p}: {first_line(' '.join(r['reasons']))}" for p, r in tried.items()))
@@ -233,17 +234,15 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
             stream = speed.stream_samples(len(split), split.read, validation.timing_stream_samples,
                                           speed.STREAM_MAX_BYTES)
             if len({shapes.shape_key(feeds) for feeds in stream}) > 1:  # decide on speed as served
-                timings = speed.stream_interleaved(workers, stream, validation.timing_rounds,
-                                                   validation.timing_max_seconds)
+                timings = speed.stream_interleaved(workers, stream, **speed.options(validation, stream=True))
                 timed_on = f"stream of {len(stream)} validation samples in order"
             else:
-                timings = speed.interleaved(workers, split.read(0), validation.timing_rounds, validation.timing_runs,
-                                            validation.timing_max_seconds)
+                timings = speed.interleaved(workers, split.read(0), **speed.options(validation))
                 timed_on = "one validation sample"
         except BackendCrashed as err:
             log.warning("precision=auto: timing stopped: %s", first_line(err))
             return
-    ups = speed.speedups(timings)
+    ups = speed.speedups(timings, tight=validation.timing_tight_spread)
     for precision in timed:
         tried[precision]["latency"] = timings[precision]
         tried[precision]["timed_on"] = timed_on
@@ -251,8 +250,12 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
             tried[precision]["speedup"] = ups[precision]
 
 
-def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
-    """(the precision to ship, one line saying why)."""
+def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:
+    """(the precision to ship, one line saying why). Each passing build is judged against
+    the fastest by median on their per-round ratios (speed.judge): slower drops out; a tie
+    (tight spread) goes to the smaller artifact, then the higher precision; a build the
+    timing left undecided (wide spread after the budget) makes the highest-fidelity build
+    among the fastest, its ties and the undecided ones ship, never the smaller on a guess."""
     passing = [p for p, r in rows.items() if r["verdict"] == "pass" and "median_ms" in (r.get("latency") or {})]
     if not passing:
         built = [p for p, r in rows.items() if r.get("cosine") is not None]
@@ -266,29 +269,40 @@ def choose(rows: Dict[str, dict]) -> Tuple[Optional[str], str]:
                       "its reasons and recommendations follow")
     latency = {p: rows[p]["latency"] for p in passing}
     fastest = min(passing, key=lambda p: latency[p]["median_ms"])
-    tied = [p for p in passing if _as_fast(latency[p], latency[fastest])]
-    winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
-    others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
-    if winner == fastest:
-        why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
-        if len(tied) > 1:
-            why += f", and {_tie_edge(winner, tied, rows)}"
+    calls = {p: _against(latency[p], latency[fastest], tight) for p in passing if p != fastest}
+    tied = [fastest, *[p for p, (call, _) in calls.items() if call in ("tie", "faster")]]
+    undecided = [p for p, (call, _) in calls.items() if call == "undecided"]
+    if undecided:
+        winner = min(tied + undecided, key=FIDELITY.index)
+        spreads = ", ".join(f"{p} p75/p25 {calls[p][1]:.2f}" for p in undecided)
+        why = (f"{winner}: the timing could not tell {', '.join(undecided)} from {fastest} (spread of per-round "
+               f"ratios above {tight:g} after the timing budget: {spreads}): undecided, so the build closest to the "
+               f"model's numbers ships")
     else:
-        why = (f"{winner}: as fast as {fastest} within the timing spread ({_ratio(rows[winner])} against "
-               f"{_ratio(rows[fastest])}), and {_tie_edge(winner, tied, rows)}")
+        winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
+        if winner == fastest:
+            why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
+            if len(tied) > 1:
+                why += f", and {_tie_edge(winner, tied, rows)}"
+        else:
+            why = (f"{winner}: as fast as {fastest} within the timing spread ({_ratio(rows[winner])} against "
+                   f"{_ratio(rows[fastest])}), and {_tie_edge(winner, tied, rows)}")
+    others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
     failed = [p for p, r in rows.items() if r["verdict"] != "pass" and not r.get("same_as")]
     return winner, why + (f"; other passing: {others}" if others else "") + (
         f"; failed: {', '.join(failed)}" if failed else "")
 
 
-def _as_fast(candidate: dict, fastest: dict) -> bool:
-    """Within the timing spread of the fastest build: as fast in at least a quarter of the
-    rounds (its per-round latency ratio to the fastest's, lower quartile <= 1), so a build
-    slower in three rounds of four never wins on size."""
-    rounds = list(zip(candidate.get("round_medians_ms") or [], fastest.get("round_medians_ms") or []))
-    if not rounds:
-        return candidate["median_ms"] <= fastest["p75_ms"]
-    return float(np.percentile([mine / best for mine, best in rounds], 25, method="lower")) <= 1.0
+def _against(candidate: dict, fastest: dict, tight: float) -> Tuple[str, float]:
+    """(speed.judge's word on ``candidate`` against the fastest build, the spread it read)
+    from their per-round medians: a build slower in three rounds of four never wins on
+    size, and a tie needs a tight spread. Without round medians: a tie when the median is
+    within the fastest's p75."""
+    ratios = [best / mine for mine, best in zip(candidate.get("round_medians_ms") or [],
+                                                fastest.get("round_medians_ms") or []) if mine > 0]
+    if not ratios:
+        return ("tie" if candidate["median_ms"] <= fastest["p75_ms"] else "slower"), 1.0
+    return speed.judge(ratios, tight), speed.spread(ratios)
 
 
 def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:

@@ -1,17 +1,25 @@
 """Honest speed: the builds of one verify timed side by side, not one after another.
 
-Each round times every build once (``runs`` back-to-back inferences of one sample, the
-median kept), the order rotated from round to round so that no build always runs
-right after a warm-up or a slow neighbour. A build's latency is the median of its
-round medians; its speed-up over fp32 is the median of the per-round ratios, so
-that a machine that slows down for a while slows every build of that round alike.
-A build counts as faster than fp32 only when its lower-quartile speed-up is above 1
-(three rounds in four faster), never on one lucky median (docs/verify.md)."""
+Each round times every build in turn, the order rotated from round to round so that no
+build always runs right after a warm-up or a slow neighbour. A round lasts long enough
+that its median is stable: at least ``round_ms`` per build, made of slices of SLICE_MS of
+back-to-back runs (as many as fit: the runs per round follow the model's latency, ``runs``
+the fewest) that alternate between the builds, so that a load on the machine during the
+round meets every build of it; a round's figure is the median of its slices. A build's
+latency is the median of its round medians; its speed-up over fp32 is the median of the
+per-round ratios, so that a machine that slows down for a while slows every build of that
+round alike. A build counts as faster than fp32 only when its
+lower-quartile speed-up is above 1 (three rounds in four faster), never on one lucky
+median. Two builds compare as ``faster`` or ``slower`` (three rounds in four), a ``tie``
+(ratios straddling 1 within ``tight``, p75/p25) or ``undecided`` (straddling 1, wider); an
+undecided pair makes the rounds longer, measured again within ``max_seconds``
+(``judge``, docs/verify.md)."""
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -21,54 +29,170 @@ from pipeline.errors import BackendCrashed
 WARMUP = 3
 STREAM_MAX_BYTES = 64 << 20  # input data of the stream timing, held by every build's worker
 CHANGES_PRECISION = ("int8", "mixed", "fp16", "bf16")  # builds that exist to be faster than fp32
+SLICE_MS = 5.0  # a slice: back-to-back runs of one build; a round alternates the builds slice by slice
+TIGHT = 1.25  # a spread of per-round ratios (outer p75/p25) at most this is tight: a tie can be called
+MAX_PASSES = 32  # stream passes of one build a round (each pass is a call to its worker)
+MAX_LENGTHEN = 2  # an undecided pair doubles the round length at most this often (4x), within the time budget
 
 
-def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int, max_seconds: float) -> Dict[str, dict]:
+def options(validation, stream: bool = False) -> dict:
+    """The keyword arguments of ``interleaved`` (``stream_interleaved``) from validation.timing_*."""
+    found = {"rounds": validation.timing_rounds, "max_seconds": validation.timing_max_seconds,
+             "round_ms": validation.timing_round_ms, "tight": validation.timing_tight_spread}
+    return found if stream else {**found, "runs": validation.timing_runs}
+
+
+def plan(runs: int, round_ms: float) -> Tuple[int, int]:
+    """(slices a round, fewest runs a slice) so that every build's round lasts at least
+    ``round_ms`` (each slice runs for SLICE_MS, as many runs as fit: the count follows the
+    model's latency) and holds at least ``runs`` runs. ``round_ms`` 0: one slice of exactly
+    ``runs`` runs (rounds sized by count alone)."""
+    if round_ms <= 0:
+        return 1, max(1, runs)
+    slices = max(1, math.ceil(round_ms / SLICE_MS))
+    return slices, max(1, math.ceil(runs / slices))
+
+
+def passes(pass_ms: Dict[str, float], round_ms: float) -> int:
+    """Stream passes a round, from the warm-up pass of each build: the round of every
+    build lasts at least ``round_ms`` (one pass when a pass is that long already; at most
+    MAX_PASSES)."""
+    shortest = min((ms for ms in pass_ms.values() if ms > 0), default=0.0)
+    if round_ms <= 0 or shortest <= 0:
+        return 1
+    return min(MAX_PASSES, max(1, math.ceil(round_ms / shortest)))
+
+
+def outer_quartiles(values: List[float]) -> Tuple[float, float]:
+    """(p25, p75) read at the rounds on or beyond the quartiles (numpy's lower / higher):
+    with four rounds, the lowest and the highest; "three rounds in four" read strictly."""
+    return (float(np.percentile(values, 25, method="lower")), float(np.percentile(values, 75, method="higher")))
+
+
+def spread(ratios: List[float]) -> float:
+    """p75/p25 of per-round ratios (outer quartiles); inf when there are none."""
+    if not ratios:
+        return math.inf
+    low, high = outer_quartiles(ratios)
+    return high / low if low > 0 else math.inf
+
+
+def judge(ratios: List[float], tight: float = TIGHT) -> str:
+    """How a build compares with another from their per-round speed-ups (the other's round
+    median over this build's): ``faster`` in three rounds of four (p25 above 1), ``slower``
+    in three of four (p75 below 1); else a ``tie`` when the spread is tight (p75/p25 at most
+    ``tight``), and ``undecided`` when it is not: the timing could not tell them apart."""
+    if not ratios:
+        return "undecided"
+    low, high = outer_quartiles(ratios)
+    if low > 1.0:
+        return "faster"
+    if high < 1.0:
+        return "slower"
+    return "tie" if spread(ratios) <= tight else "undecided"
+
+
+def undecided(medians: Dict[str, List[float]], tight: float, baseline: str = "fp32") -> List[Tuple[str, str]]:
+    """The pairs of builds the rounds leave ``undecided`` (``judge``): each build against the
+    baseline (the speed-up verify reports) and against the fastest by median (the one auto
+    weighs every build against). A pair decided faster or slower stays decided however wide."""
+    timed = {name: found for name, found in medians.items() if found}
+    if len(timed) < 2:
+        return []
+    fastest = min(timed, key=lambda name: float(np.median(timed[name])))
+    pairs = {(name, other) for name in timed for other in (baseline, fastest) if other in timed and other != name}
+    return sorted((name, other) for name, other in pairs
+                  if judge([o / m for m, o in zip(timed[name], timed[other]) if m > 0], tight) == "undecided")
+
+
+def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int, max_seconds: float,
+                round_ms: float = 0.0, tight: Optional[float] = None) -> Dict[str, dict]:
     """Latency of every worker's build: ``rounds`` rounds (at least 3 once ``max_seconds``
-    is spent), rotated order. A worker that fails is reported as ``{"error": ...}``."""
+    is spent), rotated order, each build's round lasting at least ``round_ms`` in slices
+    alternating between the builds (``plan``; at least ``runs`` runs); with ``tight``, an
+    undecided pair lengthens the rounds (``_interleave``). A worker that fails is reported as
+    ``{"error": ...}``."""
     order = list(workers)
-    medians: Dict[str, List[float]] = {name: [] for name in order}
     errors: Dict[str, str] = {}
-    for name in order:
-        _time(workers, name, feeds, WARMUP, 1, errors)
-    started = time.perf_counter()
-    for index in range(rounds):
-        if index >= 3 and time.perf_counter() - started > max_seconds:
-            break
-        shift = index % len(order)
-        for name in order[shift:] + order[:shift]:
-            median = _time(workers, name, feeds, 0, runs, errors)
-            if median is not None:
-                medians[name].append(median)
-    return {name: ({"error": errors[name]} if name in errors else _summary(medians[name], runs)) for name in order}
+    for name in order:  # warm-up: with round_ms, a round's worth of runs
+        _latency(workers, name, feeds, WARMUP, runs if round_ms > 0 else 1, round_ms, errors)
+    slices, fewest = plan(runs, round_ms)
+    slice_ms = SLICE_MS if round_ms > 0 else 0.0
+
+    def measure(name: str) -> Optional[Tuple[float, int]]:
+        found = _latency(workers, name, feeds, 0, fewest, slice_ms, errors)
+        return None if found is None else (found["median_ms"], int(found.get("runs", fewest)))
+
+    medians, counts, how = _interleave(order, measure, slices, rounds, max_seconds, tight)
+    return {name: ({"error": errors[name]} if name in errors else _summary(medians[name], counts[name], how))
+            for name in order}
 
 
-def stream_interleaved(workers: Dict[str, object], samples: List[dict], rounds: int, max_seconds: float
-                       ) -> Dict[str, dict]:
+def stream_interleaved(workers: Dict[str, object], samples: List[dict], rounds: int, max_seconds: float,
+                       round_ms: float = 0.0, tight: Optional[float] = None) -> Dict[str, dict]:
     """Speed as served: each build runs ``samples`` in their order, one call per sample at
-    its own shape, once a round (after one warm-up pass that meets every shape once); the
-    round's figure is the pass's time per call. Rounds rotate the order as ``interleaved``
-    does, so ``speedups`` reads the result alike (``runs_per_round``: calls of a pass)."""
+    its own shape (after one warm-up pass that meets every shape once); a round holds as
+    many passes of every build as ``round_ms`` asks (one when a pass is that long), the
+    round's figure the median of its passes' time per call. Rounds rotate the order and an
+    undecided pair lengthens them as ``interleaved`` does, so ``speedups`` reads the result
+    alike (``runs_per_round``: calls of a round)."""
     order = list(workers)
-    medians: Dict[str, List[float]] = {name: [] for name in order}
     errors: Dict[str, str] = {}
+    pass_ms = {}
     for name in order:
         try:
             workers[name].stream_load(samples)
         except BackendCrashed as err:
             errors[name] = str(err)
-        _pass(workers, name, errors)
-    started = time.perf_counter()
-    for index in range(rounds):
-        if index >= 3 and time.perf_counter() - started > max_seconds:
-            break
-        shift = index % len(order)
-        for name in order[shift:] + order[:shift]:
-            mean = _pass(workers, name, errors)
-            if mean is not None:
-                medians[name].append(mean)
-    return {name: ({"error": errors[name]} if name in errors else _summary(medians[name], len(samples)))
+        mean = _pass(workers, name, errors)
+        if mean is not None:
+            pass_ms[name] = mean * len(samples)
+    def measure(name: str) -> Optional[Tuple[float, int]]:
+        mean = _pass(workers, name, errors)
+        return None if mean is None else (mean, len(samples))
+
+    medians, counts, how = _interleave(order, measure, passes(pass_ms, round_ms), rounds, max_seconds, tight)
+    return {name: ({"error": errors[name]} if name in errors else _summary(medians[name], counts[name], how))
             for name in order}
+
+
+def _interleave(order: List[str], measure: Callable[[str], Optional[Tuple[float, int]]], slices: int, rounds: int,
+                max_seconds: float, tight: Optional[float]
+                ) -> Tuple[Dict[str, List[float]], Dict[str, List[int]], dict]:
+    """Every build's round medians and runs per round: ``rounds`` rounds (at least 3 once
+    ``max_seconds`` is spent), each of ``slices`` slices per build (``measure``: one slice,
+    its median and runs), the builds taking turns slice by slice in an order rotated by
+    round and slice; a round's figure is the median of its slices. With ``tight``: while a
+    pair of builds is ``undecided`` (their per-round ratios straddle 1 wider than ``tight``),
+    the rounds are measured again twice as long (the shorter ones discarded), at most
+    MAX_LENGTHEN times and only when the longer rounds are expected to end within
+    ``max_seconds``."""
+    started = time.perf_counter()
+    lengthened = discarded = 0
+    while True:
+        begun = time.perf_counter()
+        medians: Dict[str, List[float]] = {name: [] for name in order}
+        counts: Dict[str, List[int]] = {name: [] for name in order}
+        for index in range(rounds):
+            if index >= 3 and time.perf_counter() - started > max_seconds:
+                break
+            values: Dict[str, List[Tuple[float, int]]] = {name: [] for name in order}
+            for part in range(slices):
+                shift = (index + part) % len(order)
+                for name in order[shift:] + order[:shift]:
+                    found = measure(name)
+                    if found is not None:
+                        values[name].append(found)
+            for name, found in values.items():
+                if found:
+                    medians[name].append(float(np.median([value for value, _ in found])))
+                    counts[name].append(sum(count for _, count in found))
+        now = time.perf_counter()
+        wide = tight is not None and undecided(medians, tight)
+        if not wide or lengthened >= MAX_LENGTHEN or (now - started) + 2 * (now - begun) > max_seconds:
+            return medians, counts, {"slices": slices, "lengthened": lengthened, "discarded_rounds": discarded}
+        discarded += max((len(found) for found in medians.values()), default=0)
+        slices, lengthened = slices * 2, lengthened + 1
 
 
 def _pass(workers, name, errors) -> Optional[float]:
@@ -94,25 +218,31 @@ def stream_samples(count: int, read, limit: int, max_bytes: int) -> List[dict]:
     return samples
 
 
-def _time(workers, name, feeds, warmup, runs, errors) -> Optional[float]:
+def _latency(workers, name, feeds, warmup, runs, min_ms, errors) -> Optional[dict]:
     if name in errors:
         return None
-    try:
-        return workers[name].latency(feeds, warmup, runs)["median_ms"]
+    try:  # min_ms only where asked: a worker of a benchmark may take (feeds, warmup, runs) alone
+        worker = workers[name]
+        return worker.latency(feeds, warmup, runs, min_ms) if min_ms > 0 else worker.latency(feeds, warmup, runs)
     except BackendCrashed as err:  # a side-by-side build is information: its row shows the error
         errors[name] = str(err)
         return None
 
 
-def _summary(medians: List[float], runs: int) -> dict:
+def _summary(medians: List[float], counts: List[int], how: dict) -> dict:
+    """A build's timing; ``runs_per_round``: the median count of its rounds (runs, or calls of a stream)."""
+    if not medians:
+        return {"error": "no timing round completed"}
     low, median, high = (float(v) for v in np.percentile(medians, [25, 50, 75]))
     return {"median_ms": median, "p25_ms": low, "p75_ms": high, "min_ms": min(medians), "max_ms": max(medians),
-            "rounds": len(medians), "runs_per_round": runs, "runs": len(medians) * runs,
-            "round_medians_ms": medians}
+            "rounds": len(medians), "runs_per_round": int(np.median(counts)), "runs": int(sum(counts)),
+            "slices_per_round": how["slices"], "lengthened": how["lengthened"],
+            "discarded_rounds": how["discarded_rounds"], "round_medians_ms": medians}
 
 
-def speedups(timings: Dict[str, dict], baseline: str = "fp32") -> Dict[str, dict]:
-    """Per build: the median of the per-round ratios baseline/build and their quartiles."""
+def speedups(timings: Dict[str, dict], baseline: str = "fp32", tight: float = TIGHT) -> Dict[str, dict]:
+    """Per build: the median of the per-round ratios baseline/build and their quartiles;
+    ``spread`` and ``call``: the outer p75/p25 and ``judge``'s word against the baseline."""
     base = timings.get(baseline) or {}
     found = {}
     for name, timing in timings.items():
@@ -122,8 +252,12 @@ def speedups(timings: Dict[str, dict], baseline: str = "fp32") -> Dict[str, dict
         if ratios:
             low, median, high = (float(v) for v in np.percentile(ratios, [25, 50, 75]))
             found[name] = {"speedup": median, "speedup_p25": low, "speedup_p75": high,
-                           "faster": low > 1.0}
+                           "faster": low > 1.0, "spread": _finite(spread(ratios)), "call": judge(ratios, tight)}
     return found
+
+
+def _finite(value: float) -> Optional[float]:
+    return value if math.isfinite(value) else None
 
 
 def slow_build_warning(shipped: str, speedup: Optional[dict], backend: str, cpu_flags: List[str],
