@@ -20,7 +20,7 @@ from pipeline.precision.calibration import bias_correction, latency, weight_roun
 from pipeline.errors import (BackendCrashed, BackendUnavailable, ConfigError, ParityError, first_line,
                              target_cannot)
 from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
-                                        int8_op_count)
+                                        int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
@@ -37,6 +37,7 @@ VERSION += 1  # a mixed build's refinements judged on shared validation outputs 
 VERSION += 1  # weight rounding: patches as columns, at most 32 rows per column; ops producing ids stay float
 VERSION += 1  # dynamic dims kept: OpenVINO bounded by the range, pnnx given inputshape2
 VERSION += 1  # precision.activation_ranges=dynamic (pipeline/precision/dynamic.py); int8 summaries name their ranges
+VERSION += 1  # MatMul outputs float on ONNX Runtime; MatMuls of two activations float (listed in float_ops)
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -324,6 +325,8 @@ def _quantize(ctx: StageContext):
     keep_float = [*keep_float, *by_backend["ops"]]
     quantized = ctx.out_dir / "quantized.onnx"
     settings = QdqSettings.resolve(precision, backend.NAME)
+    # MatMuls of two activations unless precision.quantize_activation_matmuls: float by intent (verify)
+    keep_float = [*keep_float, *(op for op in settings_float_ops(prepared, settings) if op not in keep_float)]
     try:
         slower = _slower_in_int8(ctx, backend, calibrate.path("prepared"), table, settings, keep_float)
         keep_float = [*keep_float, *slower["ops"]]

@@ -14,7 +14,7 @@ import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
 from pipeline import backends, shapes
-from pipeline.precision import fp16
+from pipeline.precision import fp16, smoothing
 from pipeline.precision.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
@@ -28,6 +28,7 @@ VERSION = 10  # 8: batches follow each input's batch axis, a note when they cann
 VERSION += 1  # one calibration for int8 and mixed: every method's entries (candidates.json) for both
 VERSION += 1  # int8/mixed measure the tensors of precision.quantize_ops only; auto's tables measured on one fake-quantized model
 VERSION += 1  # batches hold samples of one shape; the kept samples and auto's table choice one shape
+VERSION += 1  # precision.smoothing: SmoothQuant folded into prepared.onnx before the statistics
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
@@ -56,7 +57,8 @@ def key_config(cfg):
             "activations": cfg.precision.activations, "precision": _calibrated_as(cfg), "around": _measured_around(cfg),
             # auto's choice measures int8 models built with these (_auto_at_outputs)
             "auto": (QdqSettings.resolve(cfg.precision, backends.REFERENCE), sorted(cfg.precision.keep_float))
-            if _judged_at_outputs(cfg) else None}
+            if _judged_at_outputs(cfg) else None,
+            "smoothing": _smoothing_key(cfg)}
 
 
 def _calibrated_as(cfg) -> str:
@@ -95,10 +97,13 @@ def run(ctx: StageContext) -> StageResult:
     except Exception as err:  # noqa: BLE001 - ORT's optimizer rejects the graph
         raise BackendUnavailable(f"int8: ONNX Runtime cannot prepare the model for quantization: "
                                  f"{first_line(err)}") from err
+    smoothed = _smooth(ctx, model_path)  # the statistics, the table and the build use the smoothed model
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
         table, summary = _computed_table(ctx, model_path)
+    if smoothed is not None:
+        summary["smoothing"] = smoothed
     activations = cfg.precision.activations.value
     write_json(ctx.out_dir / "calibration.json", {"method": summary["method"], "tensors": table})
     exports = tables.write_exports(table, ctx.out_dir)  # TPU-MLIR; ORT's write_calibration_table files
@@ -108,6 +113,43 @@ def run(ctx: StageContext) -> StageResult:
                 if (ctx.out_dir / name).exists()},
              **{kind: path.name for kind, path in exports.items()}}
     return StageResult(ctx.out_dir, files, summary)
+
+
+def _smoothing_key(cfg):
+    """What the smoothing decision depends on: the setting, and for auto how its candidates
+    are judged (the reference's Q/DQ placement, the float ops, the judge's method)."""
+    if _calibrated_as(cfg) != "int8" or cfg.calibration.table:
+        return None
+    setting = smoothing.parse(cfg.precision.smoothing)
+    return {"setting": setting, "judged": (QdqSettings.resolve(cfg.precision, backends.REFERENCE),
+                                           sorted(cfg.precision.keep_float)) if setting == "auto" else None}
+
+
+def _smooth(ctx: StageContext, model_path: Path):
+    """precision.smoothing for int8 and mixed (pipeline/precision/smoothing.py): prepared.onnx
+    rewritten with the activations' outlier channels moved into the weights, when a fixed
+    alpha is set or auto measures it better; the summary, or None where it does not apply
+    (fp16, an imported table whose tensors are the unsmoothed model's)."""
+    cfg = ctx.cfg
+    if _smoothing_key(cfg) is None:
+        return None
+    setting = smoothing.parse(cfg.precision.smoothing)
+    prepared = onnx.load(str(model_path))
+    options, inputs = _method_options(cfg.calibration), {i.name for i in prepared.graph.input}
+    method = cfg.calibration.method.value if cfg.calibration.method.value in thresholds.METHODS \
+        else smoothing.JUDGE_METHOD
+
+    def make_table(stats) -> Dict[str, dict]:
+        chosen = {name: cfg.calibration.inputs.value if name in inputs and cfg.calibration.inputs
+                  and cfg.calibration.inputs.value in thresholds.METHODS else method for name in stats.histograms}
+        return {name: _entry(stats, name, chosen[name], options) for name in stats.histograms}
+
+    model, summary = smoothing.choose(prepared, ctx.dataset().calibration, setting,
+                                      QdqSettings.resolve(cfg.precision, backends.REFERENCE),
+                                      cfg.precision.keep_float, make_table)
+    if summary["applied"]:
+        onnx.save(model, str(model_path))
+    return summary
 
 
 def _computed_table(ctx: StageContext, model_path: Path):

@@ -40,7 +40,8 @@ def test_int8_on_ort_runs_integer_kernels_and_reports_side_by_side(int8_run):
     assert verify["task"]["drop"] <= 0.01
     comparison = verify["comparison"]
     assert comparison["int8"]["bytes"] < comparison["fp32"]["bytes"] / 2
-    assert comparison["int8"]["latency"]["median_ms"] > 0 and comparison["fp32"]["latency"]["runs"] == 7 * 10  # 7 interleaved rounds of 10 runs
+    fp32 = comparison["fp32"]["latency"]  # interleaved rounds of 20 ms at least, 10 runs the fewest
+    assert comparison["int8"]["latency"]["median_ms"] > 0 and fp32["rounds"] >= 3 and fp32["runs"] >= fp32["rounds"] * 10
     assert "| INT8 |" in (run_dir / "report.md").read_text() and "| FLOAT |" in (run_dir / "report.md").read_text()
     model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))
     ops = {n.op_type for n in model.graph.node}

@@ -281,6 +281,10 @@ class PrecisionConfig:
     # Also quantize those ops' outputs. null: per backend (ONNX Runtime yes: it fuses
     # DQ -> op -> Q into its int8 kernels; OpenVINO no: it quantizes from the inputs).
     quantize_outputs: Optional[bool] = None
+    # Also quantize MatMuls whose two inputs are activations (attention's Q K^T and
+    # probabilities x V); false keeps them float, as NNCF's and ONNX Runtime's transformer
+    # handling does (docs/calibration.md: Transformers).
+    quantize_activation_matmuls: bool = False
     # 7-bit weights: u8 x s8 kernels saturate on x86 CPUs without VNNI. null: on for such CPUs.
     reduce_range: Optional[bool] = None
     # Restore each quantized op's per-channel output mean measured on the calibration data
@@ -289,6 +293,11 @@ class PrecisionConfig:
     # Round each quantized op's int8 weights against its calibration inputs (GPTQ-style
     # error compensation) instead of to the nearest step (docs/calibration.md).
     weight_rounding: bool = True
+    # SmoothQuant before static int8 (docs/calibration.md: Transformers): activation outlier
+    # channels of the MatMul/Gemm inputs moved into their weights. null: off; an alpha in
+    # [0, 1]; auto: the alpha (or none) measured best at the outputs on calibration samples,
+    # searched only where a normalization (LayerNorm) feeds a MatMul/Gemm with a constant weight.
+    smoothing: Optional[str] = "auto"
     # Keep in float the quantized ops that are not faster in int8 than in fp32 on this
     # machine, each measured by the target's own runtime (docs/calibration.md: placement).
     int8_where_faster: bool = False
@@ -398,8 +407,10 @@ class ValidationConfig:
     # Speed: fp32, plain int8 and the shipped build timed interleaved in rounds (docs/verify.md).
     min_speedup: Optional[float] = None  # shipped build vs fp32; null: a slow build is a warning only
     timing_rounds: int = 7
-    timing_runs: int = 10  # runs of one sample per build and round
+    timing_runs: int = 10  # the fewest runs of one sample per build and round
     timing_max_seconds: float = 10.0  # no new round after this (3 rounds at least)
+    timing_round_ms: float = 20.0  # a build's round lasts at least this: 5 ms slices of as many runs as fit
+    timing_tight_spread: float = 1.25  # per-round ratios within p75/p25 <= this: tight (a tie can be called)
     # Speed as served: when the validation samples differ in input shape, every build also
     # runs the first N of them in their order, one call each at its own shape (0: off)
     timing_stream_samples: int = 100

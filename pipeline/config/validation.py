@@ -91,6 +91,7 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError(f"precision.int8_where_faster: {backend.NAME} builds {run.precision.kind} with its own "
                           "quantizer, not from parity's Q/DQ model whose ops it times; set it to false")
     _check_activation_ranges(run, backend)
+    _check_smoothing(run.precision.smoothing)
     if run.precision.kind in ("int8", "mixed") and not run.precision.quantize_ops:
         raise ConfigError("precision.quantize_ops: name at least one op type (default: Conv, ConvTranspose, Gemm, MatMul)")
     if run.target.threads < 0:
@@ -98,6 +99,16 @@ def _check_combinations(run: RunConfig) -> None:
     _check_tuning(run.tuning, backend)
     check_ranges(run)
     _check_metric(run)
+
+
+def _check_smoothing(value) -> None:
+    """precision.smoothing: null, auto or an alpha in [0, 1] (pipeline/precision/smoothing.py)."""
+    from pipeline.precision.smoothing import parse
+
+    try:
+        parse(value)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_activation_ranges(run: RunConfig, backend) -> None:
@@ -136,6 +147,7 @@ RANGES = {
     "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
     "validation.diagnosis_budget": (0.0, None), "validation.diagnosis_min_seconds": (0.0, None),
     "validation.timing_stream_samples": (0, None),
+    "validation.timing_round_ms": (0.0, None), "validation.timing_tight_spread": (1.0, None),
     "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
     "calibration.kl_max_clipped": (0.0, 1.0),
     "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None),

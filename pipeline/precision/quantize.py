@@ -74,6 +74,12 @@ def needs_reduce_range(backend: Optional[str] = None) -> bool:
 
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+# Where outputs are quantized (ONNX Runtime's placement) these ops' outputs stay float unless
+# precision.quantize_outputs=true: ONNX Runtime runs DQ -> MatMul without a Q after it as
+# MatMulIntegerToFloat, int8 all the same, and a transformer's MatMul outputs (the FFN's
+# before the residual Add) hold outliers one per-tensor range cannot: all-MiniLM-L6-v2
+# embedding cosine 0.944 -> 0.989 (docs/calibration.md, "Transformers").
+FLOAT_OUTPUT_OPS = ("MatMul",)
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,14 @@ class QdqSettings:
     reduce_range: bool = False
     quantize_ops: Tuple[str, ...] = WEIGHTED_OPS
     quantize_outputs: bool = True
+    # op types whose outputs stay float even where outputs are quantized (FLOAT_OUTPUT_OPS)
+    float_output_ops: Tuple[str, ...] = ()
+    # MatMuls of two activations (attention's Q K^T and probabilities x V) quantized too
+    activation_matmuls: bool = True
+
+    def quantizes_output(self, op_type: str) -> bool:
+        """Whether an int8 op of this type gets a Q/DQ pair on its output."""
+        return self.quantize_outputs and op_type not in self.float_output_ops
 
     @classmethod
     def resolve(cls, precision, backend: str) -> "QdqSettings":
@@ -98,15 +112,21 @@ class QdqSettings:
         outputs = precision.quantize_outputs
         if outputs is None:
             outputs = backends.capabilities(backend).qdq_placement != "inputs"
+        # null: MatMul outputs float (FLOAT_OUTPUT_OPS); true: every quantized op's output
+        float_outputs = FLOAT_OUTPUT_OPS if precision.quantize_outputs is None and outputs else ()
         return cls(precision.activations.value, precision.per_channel, reduce_range,
-                   tuple(precision.quantize_ops), outputs)
+                   tuple(precision.quantize_ops), outputs, float_outputs, precision.quantize_activation_matmuls)
 
     def describe(self) -> dict:
         return {"weights": "int8 symmetric, " + ("per channel" if self.per_channel else "per tensor"),
                 "activations": self.activations + (" symmetric" if self.activations == "int8" else " asymmetric")
                 + ", per tensor", "bias": "int32", "reduce_range": self.reduce_range,
                 "quantized_ops": list(self.quantize_ops),
-                "quantized": "inputs and outputs" if self.quantize_outputs else "inputs"}
+                "quantized": "inputs and outputs" if self.quantize_outputs else "inputs",
+                **({"float_outputs": list(self.float_output_ops)} if self.quantize_outputs and self.float_output_ops
+                   else {}),
+                **({} if self.activation_matmuls or "MatMul" not in self.quantize_ops
+                   else {"activation_matmuls": "float (precision.quantize_activation_matmuls)"})}
 
 
 def _is_depthwise(node, weights: Dict[str, tuple]) -> bool:
@@ -115,6 +135,24 @@ def _is_depthwise(node, weights: Dict[str, tuple]) -> bool:
     group = next((attr.i for attr in node.attribute if attr.name == "group"), 1)
     shape = weights.get(node.input[1]) if len(node.input) > 1 else None
     return node.op_type == "Conv" and group > 1 and shape is not None and len(shape) > 1 and shape[1] == 1
+
+
+def activation_matmuls(model) -> List[str]:
+    """MatMul ops neither of whose inputs is a constant: attention's scores (Q K^T) and its
+    probabilities times V. Kept float by default (QdqSettings.activation_matmuls), as NNCF's
+    transformer preset keeps Softmax -> MatMul and ONNX Runtime's quantize_dynamic every
+    MatMul without a constant B (docs/calibration.md, "Transformers")."""
+    initializers = {t.name for t in model.graph.initializer}
+    return [node.name for node in model.graph.node
+            if node.op_type == "MatMul" and not any(name in initializers for name in node.input)]
+
+
+def settings_float_ops(model, settings: QdqSettings) -> List[str]:
+    """Ops of the quantized types that these settings keep float in every int8 model: the
+    MatMuls of two activations unless settings.activation_matmuls."""
+    if settings.activation_matmuls or "MatMul" not in settings.quantize_ops:
+        return []
+    return activation_matmuls(model)
 
 
 # op kinds a backend may keep in float in its int8 builds (Capabilities.float_op_kinds)
@@ -242,7 +280,8 @@ class MixedModels:
         quantizer's own run too (names the prepared graph lacks are ignored)."""
         self.prepared, self.table, self.settings = prepared, table, settings
         names = {node.name for node in prepared.graph.node}
-        self.always_float = sorted((set(always_float) | set(decision_ops(prepared, settings.quantize_ops))) & names)
+        self.always_float = sorted((set(always_float) | set(decision_ops(prepared, settings.quantize_ops))
+                                    | set(settings_float_ops(prepared, settings))) & names)
         self._all_int8 = None
 
     def build(self, keep_float: Iterable[str] = ()):
@@ -270,8 +309,53 @@ def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings,
         model = _run_quantizer(source, table, settings, keep_float)
     except Exception as err:  # noqa: BLE001 - ORT's quantizer raises bare numpy/Python errors
         raise _explain_failure(source, table, settings, keep_float, err) from err
+    if settings.quantize_outputs and "MatMul" in settings.float_output_ops:
+        requantize_unfused_matmuls(model, table, settings.activations)
     strip_output_qdq(model)
     return model
+
+
+REQUANTIZED = "_requant_QuantizeLinear"  # the Q of a pair requantize_unfused_matmuls put back
+
+
+def requantize_unfused_matmuls(model, table: Dict[str, dict], activations: str) -> List[str]:
+    """A Q/DQ pair back on the output of each int8 MatMul whose output does not go straight
+    into one bias Add: ONNX Runtime runs DQ -> MatMul -> Add(bias) with a float output as
+    MatMulIntegerToFloat, but DQ -> MatMul -> Relu stays a float MatMul (seen on ORT 1.31),
+    so such a MatMul keeps its quantized output as before (FLOAT_OUTPUT_OPS). Returns them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: Dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs, done, nodes = {o.name for o in graph.output}, [], list(graph.node)
+    for node in nodes:
+        out = node.output[0] if node.op_type == "MatMul" else None
+        if out is None or out in outputs or out not in table:
+            continue
+        if not all(getattr(producer.get(i), "op_type", None) == "DequantizeLinear" for i in node.input[:2]):
+            continue  # a MatMul kept in float
+        after = readers.get(out, [])
+        if len(after) == 1 and after[0].op_type == "Add" and any(i in constants for i in after[0].input):
+            continue
+        scale, zero = scale_and_zero_point(table[out], activations)
+        zero_type = TensorProto.INT8 if activations == "int8" else TensorProto.UINT8
+        names = [f"{out}_requant_scale", f"{out}_requant_zero", f"{out}_requant_q", f"{out}_requant"]
+        graph.initializer.extend([numpy_helper.from_array(np.asarray(scale, np.float32), names[0]),
+                                  helper.make_tensor(names[1], zero_type, [], [zero])])
+        for reader in after:
+            reader.input[:] = [names[3] if i == out else i for i in reader.input]
+        at = list(graph.node).index(node) + 1
+        graph.node.insert(at, helper.make_node("DequantizeLinear", [names[2], names[0], names[1]], [names[3]],
+                                               name=f"{out}_requant_DequantizeLinear"))
+        graph.node.insert(at, helper.make_node("QuantizeLinear", [out, names[0], names[1]], [names[2]],
+                                               name=f"{out}{REQUANTIZED}"))
+        done.append(node.name)
+    return done
 
 
 def _run_quantizer(source, table: Dict[str, dict], settings: QdqSettings, keep_float: Sequence[str]):
@@ -282,6 +366,8 @@ def _run_quantizer(source, table: Dict[str, dict], settings: QdqSettings, keep_f
     options = {"WeightSymmetric": True, "ActivationSymmetric": symmetric}
     if not settings.quantize_outputs:
         options["OpTypesToExcludeOutputQuantization"] = list(settings.quantize_ops)
+    elif settings.float_output_ops:
+        options["OpTypesToExcludeOutputQuantization"] = list(settings.float_output_ops)
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache, model_in, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
         write_ort_cache(table, settings.activations, cache)
@@ -377,7 +463,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
             if was in weights and now is not None and now.op_type == "DequantizeLinear":
                 restored.append((node, index, was))
                 node.input[index] = ""
-    _drop_unneeded_pairs(graph, in_int8, settings.quantize_outputs)
+    _drop_unneeded_pairs(graph, in_int8, settings.quantize_outputs, settings.float_output_ops)
     _remove_dead_qdq(graph)
     taken = {out for node in graph.node for out in node.output} | {i.name for i in graph.initializer} | \
         {i.name for i in graph.input}
@@ -393,7 +479,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
     return model
 
 
-def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool) -> None:
+def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool, float_output_ops: Iterable[str] = ()) -> None:
     """Remove each activation's Q -> DQ pair unless an int8 op produces the activation (and
     outputs are quantized) or reads the pair's result; its readers get the float tensor."""
     from collections import defaultdict
@@ -407,7 +493,8 @@ def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool) -> None:
     for quantize in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
         source = quantize.input[0]
         made_by = producer.get(source)
-        if quantize_outputs and made_by is not None and made_by.name in in_int8:
+        if quantize_outputs and made_by is not None and made_by.name in in_int8 \
+                and (made_by.op_type not in float_output_ops or quantize.name.endswith(REQUANTIZED)):
             continue
         dequantized = [dq.output[0] for dq in readers[quantize.output[0]] if dq.op_type == "DequantizeLinear"]
         if any(name in outputs for name in dequantized) or \

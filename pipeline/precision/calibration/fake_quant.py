@@ -18,7 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.precision.calibration.sensitivity import fake_quantize_weight
-from pipeline.precision.quantize import scale_and_zero_point
+from pipeline.precision.quantize import scale_and_zero_point, settings_float_ops
 
 
 class FakeQuantModel:
@@ -29,7 +29,8 @@ class FakeQuantModel:
         self.activations = settings.activations
         model = onnx.ModelProto()
         model.CopyFrom(prepared)
-        self.tensors = _quantized_tensors(model, set(table_names), settings, set(keep_float))
+        keep_float = set(keep_float) | set(settings_float_ops(prepared, settings))  # as MixedModels keeps them
+        self.tensors = _quantized_tensors(model, set(table_names), settings, keep_float)
         _fake_quantize_weights(model, settings, set(keep_float))
         _insert_qdq(model, self.tensors, TensorProto.INT8 if self.activations == "int8" else TensorProto.UINT8)
         self.outputs = [o.name for o in prepared.graph.output]
@@ -87,7 +88,7 @@ def _quantized_tensors(model: onnx.ModelProto, in_table: set, settings, keep_flo
         if node.op_type not in settings.quantize_ops or node.name in keep_float:
             continue
         names = [i for i in node.input[:2] if i and i not in initializers]
-        if settings.quantize_outputs:  # not a graph output: the build strips what only rounds the user's output
+        if settings.quantizes_output(node.op_type):  # not a graph output: the build strips what only rounds the user's output
             names += [o for o in node.output[:1] if o and o not in graph_outputs]
         found += [n for n in names if n in in_table]
     return list(dict.fromkeys(found))

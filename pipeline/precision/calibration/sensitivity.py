@@ -30,7 +30,7 @@ from pipeline.precision.calibration.single_node import elem_type, node_session, 
 from pipeline.precision.calibration.statistics import BatchRunner, free_reshape_batch
 from pipeline.data import unpack
 from pipeline.environment import own_threads
-from pipeline.precision.quantize import WEIGHTED_OPS, QdqSettings
+from pipeline.precision.quantize import WEIGHTED_OPS, QdqSettings, settings_float_ops
 
 WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": 1}
 CHUNK_OPS = 16  # ops whose float activations are fetched together
@@ -77,7 +77,8 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
     reference = BatchRunner(model, outputs, count).run(feeds, count)
     reference = [reference[name] for name in outputs]
     score = scorer_for(reference) if scorer_for else None
-    ops = quantizable_ops(model, candidates, settings.quantize_ops)
+    always = set(settings_float_ops(model, settings))  # float in every mixed model: nothing to rank
+    ops = [i for i in quantizable_ops(model, candidates, settings.quantize_ops) if nodes[i].name not in always]
     trials: List[Trial] = []
     # One op per core at a time, each in single-threaded sessions: the op's trials are small
     # graphs on a small batch, where ORT's intra-op threads cost more than they give.
@@ -119,7 +120,7 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, s
             elif name in initializers and _is_weight(node, name):
                 quantized_feeds[name] = fake_quantize_weight(float_feeds[name], node, settings)
         output = single.run(None, quantized_feeds)[0]
-        if settings.quantize_outputs and node.output[0] in candidates and node.output[0] not in graph_outputs:
+        if settings.quantizes_output(node.op_type) and node.output[0] in candidates and node.output[0] not in graph_outputs:
             output = fake_quantize(output, candidates[node.output[0]][method], settings.activations)
         trials.append((Trial(node.name, node.op_type, method, _sqnr(expected, output)), output))
     ranked = sorted(trials, key=lambda t: -(t[0].op_sqnr_db if t[0].op_sqnr_db is not None else math.inf))

@@ -1,0 +1,267 @@
+"""SmoothQuant before static int8 (pipeline/precision/smoothing.py, precision.smoothing) and
+the transformer placement of the Q/DQ build (MatMul outputs float where outputs are
+quantized, MatMuls of two activations float, per-channel MatMul weights on their output
+axis): the math on small real graphs, the alpha choice, and the CLI on the real tiny BERT
+sentence embedder (pipeline/assets/tiny_bert.onnx) with real sentences."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import REPO, composed, read_report, run_cli, run_dirs
+from pipeline.data import Sample
+from pipeline.errors import ConfigError
+from pipeline.precision import smoothing
+from pipeline.precision.calibration import statistics, tables
+from pipeline.precision.quantize import (MixedModels, QdqSettings, activation_matmuls, quantize_static_qdq,
+                                         settings_float_ops)
+
+CHANNELS, OUT = 8, 6
+OUTLIERS = {2: 40.0, 5: 15.0}  # LayerNorm scale of the outlier channels, as in BERT's
+
+
+def layer_norm_model(residual: bool, seed: int = 0) -> onnx.ModelProto:
+    """x [1, T, 8] -> LayerNormalization -> h -> MatMul(W [8, 6]) -> Add(bias) -> y; with
+    ``residual`` h also feeds an Add (a post-norm block's skip connection) -> r."""
+    rng = np.random.default_rng(seed)
+    gamma = np.ones(CHANNELS, np.float32)
+    for channel, value in OUTLIERS.items():
+        gamma[channel] = value
+    init = [numpy_helper.from_array(gamma, "gamma"), numpy_helper.from_array(rng.normal(0, 0.1, CHANNELS).astype(np.float32), "beta"),
+            numpy_helper.from_array(rng.normal(0, 0.3, (CHANNELS, OUT)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.normal(0, 0.1, OUT).astype(np.float32), "b")]
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["h"], name="norm", axis=-1),
+             helper.make_node("MatMul", ["h", "w"], ["m"], name="dense"),
+             helper.make_node("Add", ["m", "b"], ["y"], name="bias")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", OUT])]
+    if residual:
+        nodes.append(helper.make_node("Add", ["h", "x"], ["r"], name="skip"))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, "T", CHANNELS]))
+    graph = helper.make_graph(nodes, "ln_dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", CHANNELS])],
+                              outputs, init)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def samples(count: int = 16, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return [Sample(f"{i:03d}", {"x": rng.normal(0, 1, (1, 4 + i % 5, CHANNELS)).astype(np.float32)}) for i in range(count)]
+
+
+def run(model: onnx.ModelProto, feeds, names):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(names, feeds)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_smoothing_keeps_the_float_model_and_flattens_the_activation_channels(residual):
+    model = layer_norm_model(residual)
+    data = samples()
+    found = smoothing.groups(model)
+    assert [(g.source, g.ops, g.weights, g.after_norm) for g in found] == [("h", ["dense"], [("w", 0)], True)]
+    # the skip connection also reads h: scaling h in the LayerNorm would change it, so a Mul goes in front
+    assert found[0].fold == (None if residual else "norm")
+    maxima = statistics.channel_maxima(model, (s.feeds for s in data), ["h"])
+    assert maxima["h"].shape == (CHANNELS,) and maxima["h"][2] > 10 * np.median(maxima["h"])
+    weight = numpy_helper.to_array(model.graph.initializer[2])
+    for alpha in (0.5, 1.0):
+        ready = smoothing.with_scales(model, found, maxima, alpha)
+        expected = maxima["h"] ** alpha / np.abs(weight).max(axis=1) ** (1 - alpha)
+        np.testing.assert_allclose(ready[0].scale, expected, rtol=1e-6)
+        smoothed = smoothing.smoothed(model, ready)
+        onnx.checker.check_model(smoothed, full_check=True)
+        muls = [n for n in smoothed.graph.node if n.op_type == "Mul"]
+        assert len(muls) == (1 if residual else 0)
+        names = [o.name for o in model.graph.output]
+        for sample in data:
+            for before, after in zip(run(model, sample.feeds, names), run(smoothed, sample.feeds, names)):
+                np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * float(np.abs(before).max()))
+        # what the MatMul now reads: channel j's maximum is (max|X_j| max|W_j|)^(1 - alpha), flat at alpha 1
+        dense = next(n for n in smoothed.graph.node if n.name == "dense")
+        after = statistics.channel_maxima(smoothed, (s.feeds for s in data), [dense.input[0]])[dense.input[0]]
+        np.testing.assert_allclose(after, (maxima["h"] * np.abs(weight).max(axis=1)) ** (1 - alpha), rtol=1e-4)
+        if alpha == 1.0:
+            np.testing.assert_allclose(after, 1.0, rtol=1e-4)
+
+
+def test_ops_that_cannot_take_the_scale_are_left_alone():
+    model = layer_norm_model(residual=False)
+    assert smoothing.groups(model, keep_float=["dense"]) == []  # kept float: nothing to quantize
+    assert smoothing.groups(model, op_types=["Conv"]) == []
+    shared = onnx.ModelProto()
+    shared.CopyFrom(model)
+    shared.graph.node.append(helper.make_node("MatMul", ["x", "w"], ["m2"], name="other"))
+    assert smoothing.groups(shared) == []  # w is read twice: scaled for one reader it would change the other
+    two_activations = helper.make_node("MatMul", ["h", "h_t"], ["s"], name="scores")
+    assert smoothing._weight_axis(two_activations, {}) is None
+    gemm = helper.make_node("Gemm", ["h", "w"], ["g"], transB=1)
+    assert smoothing._weight_axis(gemm, {"w": model.graph.initializer[2]}) == 1
+
+
+def test_the_setting_is_null_auto_or_an_alpha():
+    assert [smoothing.parse(v) for v in (None, "null", "off", "auto", "0.5", 0.75, "1")] == \
+        [None, None, None, "auto", 0.5, 0.75, 1.0]
+    for bad in ("2", "-0.1", "yes"):
+        with pytest.raises(ValueError, match="precision.smoothing"):
+            smoothing.parse(bad)
+    from pipeline.config.validation import validate
+
+    with pytest.raises(ConfigError, match=r"precision\.smoothing"):
+        validate(composed(f"model.path={REPO / 'pipeline' / 'assets' / 'tiny_bert.onnx'}", "data.path=x",
+                          "metric=none", "precision=int8", "precision.smoothing=1.5"))
+
+
+def _max_table(stats):
+    return {name: tables.table_entry(h, "max") for name, h in stats.histograms.items()}
+
+
+def test_auto_measures_alphas_and_keeps_the_best_or_none(monkeypatch):
+    """The grid, then the best one's neighbours; no smoothing wins ties; a fixed alpha is
+    applied without a search."""
+    model, data = layer_norm_model(residual=True), samples()
+    settings = QdqSettings(reduce_range=True)
+    chosen, summary = smoothing.choose(model, data, "auto", settings, (), _max_table)
+    assert summary["applied"] and 0 < summary["alpha"] <= 1
+    scores = summary["candidates"]
+    assert set(scores) >= {"none", "0.4", "0.6", "0.8"}
+    assert scores[str(summary["alpha"])]["loss"] == min(s["loss"] for s in scores.values()) < scores["none"]["loss"]
+    assert summary["judged_on"] == len(data) and summary["groups"][0]["ops"] == ["dense"]
+    assert any(n.op_type == "Mul" for n in chosen.graph.node)
+
+    monkeypatch.setattr(smoothing.Judge, "loss", lambda self, candidate: {"loss": 0.5})
+    same, tie = smoothing.choose(model, data, "auto", settings, (), _max_table)
+    assert not tie["applied"] and tie["alpha"] is None and same is model
+
+    fixed, summary = smoothing.choose(model, data, 0.5, settings, (), _max_table)
+    assert summary["applied"] and summary["alpha"] == 0.5 and "candidates" not in summary
+    off, summary = smoothing.choose(model, data, None, settings, (), _max_table)
+    assert off is model and summary == {"setting": None, "applied": False, "reason": "off"}
+
+
+def test_the_search_steps_from_the_best_of_the_grid_while_the_loss_falls():
+    measured = []
+
+    def loss(alpha):
+        measured.append(alpha)
+        return {"loss": 0.1 if alpha is None else round((alpha - 0.93) ** 2, 6)}
+
+    best, scores = smoothing.search(loss, (0.4, 0.6, 0.8))
+    assert best == 0.9 and measured == [None, 0.4, 0.6, 0.8, 0.7, 0.9, 1.0]  # 0.7 and 1.0 are worse: stop
+    assert list(scores) == ["none", "0.4", "0.6", "0.8", "0.7", "0.9", "1.0"]
+    best, _ = smoothing.search(lambda alpha: {"loss": 0.0 if alpha is None else 0.01 * alpha}, (0.4, 0.6, 0.8))
+    assert best is None  # smoothing never paid
+    best, scores = smoothing.search(lambda alpha: {"loss": 0.5 if alpha is None else alpha}, (0.4, 0.6, 0.8))
+    assert best == 0.1 and "0.0" not in scores  # down to the lowest step in (0, 1]
+
+
+def test_auto_searches_only_models_with_a_normalization_before_a_matmul():
+    model = layer_norm_model(residual=False)
+    plain = onnx.ModelProto()
+    plain.CopyFrom(model)
+    plain.graph.node[0].op_type = "Relu"  # the MatMul now reads a Relu: no transformer here
+    del plain.graph.node[0].input[1:]
+    del plain.graph.node[0].attribute[:]
+    found = smoothing.groups(plain)
+    assert found and not found[0].after_norm
+    assert not smoothing.applies(found, "auto") and smoothing.applies(found, 0.5)
+    chosen, summary = smoothing.choose(plain, samples(), "auto", QdqSettings(), (), _max_table)
+    assert chosen is plain and summary["reason"] == "auto: no MatMul/Gemm reads a normalization's output"
+
+
+def attention_model() -> onnx.ModelProto:
+    """x [1, T, 8] -> q, k, v = x Wq, x Wk, x Wv; scores = q k^T; out = Softmax(scores) v ->
+    MatMul(Wo) -> y: two MatMuls of two activations, four with constant weights."""
+    rng = np.random.default_rng(3)
+    init = [numpy_helper.from_array(rng.normal(0, 0.3, (CHANNELS, CHANNELS)).astype(np.float32), n)
+            for n in ("wq", "wk", "wv", "wo")]
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="q"), helper.make_node("MatMul", ["x", "wk"], ["k"], name="k"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="v"),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="kt"),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
+             helper.make_node("Softmax", ["s"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("MatMul", ["p", "v"], ["c"], name="context"),
+             helper.make_node("MatMul", ["c", "wo"], ["y"], name="out")]
+    graph = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", CHANNELS])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", CHANNELS])], init)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _table(model):
+    data = samples(8)
+    stats = statistics.collect(model, data, len(data), keep=0)
+    return {name: tables.table_entry(h, "max") for name, h in stats.histograms.items()}
+
+
+def test_transformer_placement_matmul_weights_per_output_channel_outputs_and_scores_float():
+    model = attention_model()
+    table = _table(model)
+    assert activation_matmuls(model) == ["scores", "context"]
+    ort_like = QdqSettings(reduce_range=True, float_output_ops=("MatMul",), activation_matmuls=False)
+    assert settings_float_ops(model, ort_like) == ["scores", "context"]
+    built = MixedModels(model, table, ort_like).build()
+    producer = {o: n for n in built.graph.node for o in n.output}
+    def dequantized(name):  # read through a DequantizeLinear of the build's own (not a requantized output)
+        made = producer.get(name)
+        return made is not None and made.op_type == "DequantizeLinear" and not made.name.endswith("_requant_DequantizeLinear")
+
+    reads_dq = {n.name for n in built.graph.node if n.op_type == "MatMul" and any(dequantized(i) for i in n.input)}
+    assert reads_dq == {"q", "k", "v", "out"}  # the attention MatMuls stay float
+    quantized_outputs = {producer[n.input[0]].name: n.name for n in built.graph.node
+                         if n.op_type == "QuantizeLinear" and n.input[0] in producer}
+    # MatMul outputs float (MatMulIntegerToFloat) where a bias Add follows; without one ORT
+    # would run the MatMul in float, so its output Q/DQ is put back (requantize_unfused_matmuls)
+    assert all(quantized_outputs[name].endswith("_requant_QuantizeLinear")
+               for name in {"q", "k", "v", "out"} & set(quantized_outputs))
+    initializers = {t.name: t for t in built.graph.initializer}
+    for node in built.graph.node:
+        if node.op_type == "DequantizeLinear" and initializers.get(node.input[0]) is not None \
+                and initializers[node.input[0]].data_type == TensorProto.INT8:
+            # a MatMul weight [in, out] is per output channel: axis 1, one scale per column
+            assert {a.name: a.i for a in node.attribute}.get("axis") == 1
+            assert list(initializers[node.input[1]].dims) == [CHANNELS]
+    everything = quantize_static_qdq(model, table, QdqSettings(reduce_range=True))
+    producer = {o: n for n in everything.graph.node for o in n.output}
+    assert {n.name for n in everything.graph.node if n.op_type == "MatMul"
+            and any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in n.input)} \
+        == {"q", "k", "v", "scores", "context", "out"}
+
+
+def test_the_resolved_settings_follow_the_config():
+    bert = [f"model.path={REPO / 'pipeline' / 'assets' / 'tiny_bert.onnx'}", "data.path=x", "metric=none", "precision=int8"]
+    from pipeline.config.validation import validate
+
+    ort_settings = QdqSettings.resolve(validate(composed(*bert)).precision, "onnxruntime")
+    assert ort_settings.float_output_ops == ("MatMul",) and not ort_settings.activation_matmuls
+    assert ort_settings.quantizes_output("Conv") and not ort_settings.quantizes_output("MatMul")
+    every = QdqSettings.resolve(validate(composed(*bert, "precision.quantize_outputs=true",
+                                                  "precision.quantize_activation_matmuls=true")).precision, "onnxruntime")
+    assert every.float_output_ops == () and every.quantizes_output("MatMul") and every.activation_matmuls
+    assert not QdqSettings.resolve(validate(composed(*bert)).precision, "openvino").quantizes_output("Conv")
+
+
+def test_cli_smooths_the_tiny_bert_and_records_it(tiny_bert_tensors, tmp_path):
+    done = run_cli([f"model.path={REPO / 'pipeline' / 'assets' / 'tiny_bert.onnx'}", f"data.path={tiny_bert_tensors}",
+                    "metric=none", "target=ort_cpu", "precision=int8",
+                    "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = run_dirs(tmp_path)[-1]
+    report = read_report(run_dir)
+    recorded = report["calibration"]["smoothing"]
+    assert recorded["setting"] == "auto" and recorded["judged_on"] == 12 and "none" in recorded["candidates"]
+    prepared = onnx.load(str(run_dir / "stages" / "calibrate" / "prepared.onnx"))
+    muls = [n.name for n in prepared.graph.node if n.name.endswith("/smoothing")]
+    if recorded["applied"]:  # post-norm BERT: every LayerNorm output also feeds a residual Add
+        assert len(muls) == len(recorded["groups"]) > 0
+    else:
+        assert not muls
+    quantization = report["build"]["quantization"]
+    attention = [name for name in quantization["float_ops"] if name.endswith(("self/MatMul", "self/MatMul_1"))]
+    assert len(attention) == 4 and quantization["float_outputs"] == ["MatMul"]
+    assert report["verify"]["verdict"] == "pass" and "int8 ran partly" not in done.stdout
