@@ -231,8 +231,7 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
                 worker.wait_loaded()
             inputs = [TensorSpec(**spec) for spec in outcomes["fp32"].results["convert"].summary["inputs"]]
             split = open_dataset(run_cfg.data, inputs).validation
-            stream = speed.stream_samples(len(split), split.read, validation.timing_stream_samples,
-                                          speed.STREAM_MAX_BYTES)
+            stream = speed.stream_samples(split, validation.timing_stream_samples)
             if len({shapes.shape_key(feeds) for feeds in stream}) > 1:  # decide on speed as served
                 timings = speed.stream_interleaved(workers, stream, **speed.options(validation, stream=True))
                 timed_on = f"stream of {len(stream)} validation samples in order"

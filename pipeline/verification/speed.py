@@ -205,12 +205,12 @@ def _pass(workers, name, errors) -> Optional[float]:
         return None
 
 
-def stream_samples(count: int, read, limit: int, max_bytes: int) -> List[dict]:
-    """The first validation samples in their order, at most ``limit`` of them and
-    ``max_bytes`` of input data (each worker holds them all)."""
+def stream_samples(split, limit: int, max_bytes: int = STREAM_MAX_BYTES) -> List[dict]:
+    """The first samples of ``split`` (pipeline.data.Split) in their order, at most ``limit``
+    of them and ``max_bytes`` of input data (each worker holds them all)."""
     samples, size = [], 0
-    for index in range(min(count, limit)):
-        feeds = read(index)
+    for index in range(min(len(split), limit)):
+        feeds = split.read(index)
         size += sum(np.asarray(value).nbytes for value in feeds.values())
         if samples and size > max_bytes:
             break

@@ -280,7 +280,7 @@ def _add_stream(ran: _Ran, rows: dict, split, validation, backend_name: str) -> 
     samples in their order, one call per sample (speed.stream_interleaved). The shipped
     build's speed warning and validation.min_speedup then judge this figure."""
     workers = {name: row.worker for name, row in rows.items() if not row.error}
-    samples = speed.stream_samples(len(split), split.read, validation.timing_stream_samples, speed.STREAM_MAX_BYTES)
+    samples = speed.stream_samples(split, validation.timing_stream_samples)
     timings = speed.stream_interleaved(workers, samples, **speed.options(validation, stream=True))
     speedups, shipped = speed.speedups(timings, tight=validation.timing_tight_spread), ran.timing["shipped"]
     ran.timing["stream"] = {
