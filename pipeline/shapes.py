@@ -171,3 +171,19 @@ def one_shape(items: Sequence, feeds_of=lambda item: item) -> list:
     keys = [shape_key(feeds_of(item)) for item in items]
     best = Counter(keys).most_common(1)[0][0] if keys else None  # ties: the first counted
     return [item for item, key in zip(items, keys) if key == best]
+
+
+def of_samples(feeds: Iterable[Dict[str, object]], names: Sequence[str]) -> Dict[str, ShapeRange]:
+    """Each named input's range over the samples: min and max dim by dim, opt its most
+    common shape (ties: the first seen). What a converter that traces at fixed shapes is
+    given when no model.input_shapes range says (StageContext.traceable)."""
+    seen: Dict[str, List[Tuple[int, ...]]] = {name: [] for name in names}
+    for sample in feeds:
+        for name in names:
+            seen[name].append(tuple(int(d) for d in sample[name].shape))
+    found = {}
+    for name, all_shapes in seen.items():
+        if all_shapes and len({len(s) for s in all_shapes}) == 1:
+            found[name] = ShapeRange(tuple(map(min, zip(*all_shapes))), Counter(all_shapes).most_common(1)[0][0],
+                                     tuple(map(max, zip(*all_shapes))))
+    return found

@@ -70,6 +70,31 @@ class StageContext:
         memory.check(self.cfg.data, inputs)  # before a byte is loaded (pipeline/memory.py)
         return open_dataset(self.cfg.data, inputs)
 
+    def traceable(self, backend: ModuleType, onnx_path: Path, folder: Path) -> Path:
+        """``onnx_path`` for the backend's converter: unchanged, or, for a converter that traces
+        at fixed shapes (pnnx) and an input whose range the data decides, a copy in ``folder``
+        with the data's range recorded (calibration and validation samples)."""
+        import onnx
+
+        from pipeline import shapes
+
+        if not backend.CAPABILITIES.traces_at_shapes:
+            return onnx_path
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        ranges = shapes.recorded(model)
+        undecided = [name for name, found in ranges.items() if found is None]
+        if not undecided:
+            return onnx_path
+        data = self.dataset()
+        found = shapes.of_samples((s.feeds for part in (data.calibration, data.validation) for s in part), undecided)
+        if not found:  # no samples (random data is refused earlier): the converter says what it needs
+            return onnx_path
+        model = onnx.load(str(onnx_path))
+        shapes.record(model, {**ranges, **found})
+        traced = Path(folder) / "model.traced.onnx"
+        onnx.save(model, str(traced))
+        return traced
+
     def memo(self, name: str, material: dict, produce: Callable[[Path], None]) -> Tuple[Path, bool]:
         """A folder holding what ``produce(folder)`` writes, reused from the cache when the
         same ``material`` (JSON) produced it before: for work a stage shares between its

@@ -12,7 +12,7 @@ from typing import List, Optional
 import onnx
 import yaml
 
-from pipeline import backends, environment
+from pipeline import backends, environment, shapes
 from pipeline.precision import dynamic, fp16
 from pipeline.release import compile_cache
 from pipeline.artifacts import read_json
@@ -38,6 +38,7 @@ VERSION += 1  # weight rounding: patches as columns, at most 32 rows per column;
 VERSION += 1  # dynamic dims kept: OpenVINO bounded by the range, pnnx given inputshape2
 VERSION += 1  # precision.activation_ranges=dynamic (pipeline/precision/dynamic.py); int8 summaries name their ranges
 VERSION += 1  # MatMul outputs float on ONNX Runtime; MatMuls of two activations float (listed in float_ops)
+VERSION += 1  # the refined Q/DQ model kept (files["qdq"]); a range the data decides traced for pnnx
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
@@ -60,6 +61,8 @@ def key_config(cfg):
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
             "data": (cfg.data, cfg.validation, cfg.calibration)
             if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.kind) else None,
+            # a converter tracing at fixed shapes takes a range the data decides from the samples
+            "traced_at": cfg.data if backend.CAPABILITIES.traces_at_shapes else None,
             # a compile cache is made for this machine's CPU (pipeline/release/compile_cache.py)
             "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None}
 
@@ -206,7 +209,7 @@ def run(ctx: StageContext) -> StageResult:
         raise BackendUnavailable(f"target {target.name}: {reason}")
     convert = ctx.results["convert"]
     onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
-    quantization = None
+    quantization = traced_ranges = None
     own_int8 = backends.own_quantizer(backend, precision)  # the runtime's own int8 tooling
     if own_int8:
         artifacts, settings = _own_int8(ctx, backend)
@@ -217,9 +220,18 @@ def run(ctx: StageContext) -> StageResult:
                 else _quantize(ctx), None
         elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
             (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
-        artifacts, settings = _converted(backend, onnx_path, ir_dir, ctx.out_dir, target, precision)
+        traced = ctx.traceable(backend, onnx_path, ctx.out_dir)
+        artifacts, settings = _converted(backend, traced, ir_dir, ctx.out_dir, target, precision)
+        if traced != onnx_path:  # the data's range it was traced at goes into the summary
+            traced_model = onnx.load(str(traced), load_external_data=False)
+            traced_ranges = {name: found.to_json() for name, found in shapes.recorded(traced_model).items()}
+            traced.unlink()
+    qdq_file = None  # the Q/DQ model as refined, kept for verify's advice screening (never packaged)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
-        onnx_path.unlink()
+        if precision in ("int8", "mixed") and not ctx.cfg.precision.dynamic_ranges:
+            qdq_file = onnx_path.name
+        else:
+            onnx_path.unlink()
     runtime = {
         "format": 1,
         "backend": backend.NAME,
@@ -238,13 +250,16 @@ def run(ctx: StageContext) -> StageResult:
         quantization = {**(quantization or {}), "feature_masks": _feature_masks(ctx, backend, runtime)}
     cache = compile_cache.write(backend, ctx.out_dir, runtime)
     (ctx.out_dir / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
-    files = {"runtime": "runtime.yaml", **{f"artifact:{name}": name for name in artifacts}}
+    files = {"runtime": "runtime.yaml", **{f"artifact:{name}": name for name in artifacts},
+             **({"qdq": qdq_file} if qdq_file else {})}
     if cache:
         files["compile_cache"] = cache["folder"]
     summary = {"backend": backend.NAME, "files": artifacts, "options": runtime["options"],
                "versions": backend.versions(),
                "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts),
                "quantization": quantization, "compile_cache": cache}
+    if traced_ranges:
+        summary["traced_at_data_ranges"] = traced_ranges
     if precision in ("int8", "mixed"):  # where the activation ranges come from: the calibration table, or each call
         summary["activation_ranges"] = ctx.cfg.precision.activation_ranges.value
     return StageResult(ctx.out_dir, files, summary)

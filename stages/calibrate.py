@@ -29,6 +29,7 @@ VERSION += 1  # one calibration for int8 and mixed: every method's entries (cand
 VERSION += 1  # int8/mixed measure the tensors of precision.quantize_ops only; auto's tables measured on one fake-quantized model
 VERSION += 1  # batches hold samples of one shape; the kept samples and auto's table choice one shape
 VERSION += 1  # precision.smoothing: SmoothQuant folded into prepared.onnx before the statistics
+VERSION += 1  # auto's table and smoothing judged without precision.keep_float
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
@@ -55,9 +56,9 @@ def key_config(cfg):
         return {"needed": False, **({"activation_ranges": "dynamic"} if cfg.precision.dynamic_ranges else {})}
     return {"needed": True, "calibration": cfg.calibration, "data": cfg.data,
             "activations": cfg.precision.activations, "precision": _calibrated_as(cfg), "around": _measured_around(cfg),
-            # auto's choice measures int8 models built with these (_auto_at_outputs)
-            "auto": (QdqSettings.resolve(cfg.precision, backends.REFERENCE), sorted(cfg.precision.keep_float))
-            if _judged_at_outputs(cfg) else None,
+            # auto's choice measures int8 models built with these (_auto_at_outputs); never with
+            # precision.keep_float: a rerun applying advice gets the table its trial was built with
+            "auto": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if _judged_at_outputs(cfg) else None,
             "smoothing": _smoothing_key(cfg)}
 
 
@@ -117,12 +118,13 @@ def run(ctx: StageContext) -> StageResult:
 
 def _smoothing_key(cfg):
     """What the smoothing decision depends on: the setting, and for auto how its candidates
-    are judged (the reference's Q/DQ placement, the float ops, the judge's method)."""
+    are judged (the reference's Q/DQ placement, the judge's method; not precision.keep_float,
+    like auto's table)."""
     if _calibrated_as(cfg) != "int8" or cfg.calibration.table:
         return None
     setting = smoothing.parse(cfg.precision.smoothing)
-    return {"setting": setting, "judged": (QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                           sorted(cfg.precision.keep_float)) if setting == "auto" else None}
+    return {"setting": setting,
+            "judged": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if setting == "auto" else None}
 
 
 def _smooth(ctx: StageContext, model_path: Path):
@@ -145,8 +147,7 @@ def _smooth(ctx: StageContext, model_path: Path):
         return {name: _entry(stats, name, chosen[name], options) for name in stats.histograms}
 
     model, summary = smoothing.choose(prepared, ctx.dataset().calibration, setting,
-                                      QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                      cfg.precision.keep_float, make_table)
+                                      QdqSettings.resolve(cfg.precision, backends.REFERENCE), (), make_table)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
@@ -231,8 +232,10 @@ def _thresholds(stats, ctx: StageContext, model_path: Path, every_method=None):
 
 def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, dict], candidates):
     """auto's final choice between the per-tensor table and each single method's table: the
-    one whose int8 model (ONNX Runtime's placement, precision.keep_float kept float) does
-    best at the network outputs on the whole calibration set (auto.choose_table)."""
+    one whose int8 model (ONNX Runtime's placement, every quantizable op quantized) does best
+    at the network outputs on the whole calibration set (auto.choose_table). precision.keep_float
+    is left out: the table a build is made with does not move when advice keeps an op float,
+    so the advice trial built with it is what the rerun applying it gets."""
     tables_by_name = {"per-tensor": per_tensor}
     for method in AUTO_CANDIDATES:  # model inputs keep their own method (calibration.inputs)
         tables_by_name[method] = {name: entries[method] if method in entries else next(iter(entries.values()))
@@ -241,8 +244,7 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
     prepared = onnx.load(str(model_path))
     samples = shapes.one_shape([sample.feeds for sample in split])  # compared as equal slices
     judge = OutputJudge(prepared, samples)
-    model = FakeQuantModel(prepared, per_tensor, QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE),
-                           ctx.cfg.precision.keep_float)
+    model = FakeQuantModel(prepared, per_tensor, QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE))
     chosen, scores = auto.choose_table(lambda table: judge.score(model.run(table, samples, judge.outputs)), tables_by_name)
     return tables_by_name[chosen], {"chosen": chosen, "samples": judge.count, "criterion": auto.CRITERION,
                                     "measured_on": "the fake-quantized model (calibration/fake_quant.py)",

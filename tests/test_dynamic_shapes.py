@@ -6,6 +6,7 @@ a small onnx.helper model and on the real PP-OCRv4 detector and recognizer."""
 from __future__ import annotations
 
 import importlib.resources
+import json
 import random
 from pathlib import Path
 
@@ -148,15 +149,21 @@ def test_ncnn_and_mnn_run_each_sample_at_its_shape(tmp_path, small, target):
     assert len(groups) == 3 and min(g["outputs"]["y"]["cosine"] for g in groups) > 0.9999
 
 
-def test_ncnn_without_a_range_says_pnnx_needs_one(tmp_path, small):
+def test_ncnn_without_a_range_is_traced_at_the_data_s_range(tmp_path, small):
+    """pnnx traces at given shapes: with no model.input_shapes the build takes the range the
+    samples span (opt: their most common shape) and every sample is verified at its own shape."""
     data = tmp_path / "data"
     data.mkdir()
-    for index, size in enumerate((16, 24)):
-        np.save(data / f"{index}.npy", np.ones((1, 3, size, size), np.float32))
+    for index, size in enumerate((16, 24, 24)):
+        np.save(data / f"{index}.npy", np.ones((1, 3, size, size), np.float32) * (index + 1) / 3)
     result = run_cli([f"model.path={small}", f"data.path={data}", "metric=none", "target=ncnn_cpu",
-                      "precision=fp32"], tmp_path)
-    assert result.returncode == ExitCode.USAGE, result.stdout + result.stderr
-    assert "set model.input_shapes.x={min:" in result.stderr
+                      "precision=fp32", "validation.timing_rounds=3"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    build = json.loads((run_dir / "stages" / "build" / "result.json").read_text())["summary"]
+    assert build["traced_at_data_ranges"] == {
+        "x": {"min": [1, 3, 16, 16], "opt": [1, 3, 24, 24], "max": [1, 3, 24, 24]}}
+    assert min(g["outputs"]["y"]["cosine"] for g in read_report(run_dir)["verify"]["shapes"]) > 0.9999
 
 
 # --- the real PP-OCRv4 models from the wheel, unchanged -----------------------------------------

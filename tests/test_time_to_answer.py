@@ -108,6 +108,25 @@ def test_screening_ranks_what_reaches_the_threshold_fewest_ops_first():
     assert ranked["cosine"]["d"] < ranked["cosine"]["a"] < 0.9997
 
 
+def test_screening_predicts_the_target_from_the_gain_over_the_build_screened_the_same_way():
+    """The build is screened with its candidates (keep_float=[]): a candidate's prediction is
+    the build's measured cosine plus its gain in the screening, not its screened cosine."""
+    close = {"": 0.05, "a": 0.02, "b": 0.049}
+    launch = lambda keep: _Outputs(close[",".join(keep)])  # noqa: E731
+    ranked = trials.screen([["b"], ["a"]], launch, _Outputs(0.0), [{}], needed=0.999, build_cosine=0.99)
+    assert ranked["order"] == [["a"], ["b"]] and ranked["base"] == pytest.approx(_cosine(0.05))
+    assert ranked["predicted"]["a"] == pytest.approx(0.99 + _cosine(0.02) - _cosine(0.05))
+    assert ranked["predicted"]["a"] < 0.999 < ranked["cosine"]["a"]  # screened alone it would "pass"
+    trial = {"keep_float": ["a"], "cosine": 0.9901, "predicted_cosine": 0.995}
+    assert trials.misprediction(trial, 0.99, needed=0.999) is None  # off by less than the gap to pass
+    assert "was predicted to gain +0.005000 in cosine and gained +0.000100" in trials.misprediction(
+        trial, 0.99, needed=0.992)
+
+
+def _cosine(value: float) -> float:
+    return 1.0 / float(np.sqrt(1.0 + value * value))
+
+
 def test_a_failing_trial_is_never_a_line_to_apply():
     tried = [{"keep_float": ["conv1"], "passed": False, "cosine": 0.99, "reasons": ["output y: cosine 0.99 < 0.999"],
               "task": None, "slower_ms": 0.1}]

@@ -228,6 +228,12 @@ def _diagnosis_lines(console, diagnosis: dict) -> None:
         return
     console.print(f"diagnosis: {diagnosis['seconds']:.1f} s of a {diagnosis['budget_seconds']:.1f} s budget "
                   f"(validation.diagnosis_budget); the check itself was {diagnosis['measurement']}")
+    for entry in diagnosis.get("screened") or []:
+        if entry.get("measured_cosine") is not None:
+            console.print(f"  keep_float=[{escape(','.join(entry['keep_float']))}]: predicted cosine "
+                          f"{entry['predicted_cosine']:.6f}, measured {entry['measured_cosine']:.6f} on the target")
+    for miss in (diagnosis.get("screening") or {}).get("misses") or []:
+        console.print(f"  [yellow]the screening did not predict this target: {escape(miss)}[/]")
     for cut in diagnosis.get("cut") or []:
         console.print(f"  [dim]cut by the budget: {escape(cut)}[/]")
 

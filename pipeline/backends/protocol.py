@@ -57,6 +57,9 @@ class Capabilities:
     # recorded in build's summary; parity's fp16 block list is recorded, not applied);
     # None: parity's fp16 conversion (pipeline/precision/fp16.py) unless fp16 is a runtime precision
     fp16_converter: Optional[str] = None
+    # the converter traces the model at given input shapes (pnnx): a dynamic input whose
+    # range the data decides is given the data's range for the build (StageContext.traceable)
+    traces_at_shapes: bool = False
     # per-layer feature masks, searched by build for fp16 when the plain build fails
     # [layer_map, layer_consumers, apply_masks]
     feature_masks: bool = False

@@ -500,7 +500,26 @@ def diagnosis_section(diagnosis: dict) -> list:
     if steps:
         blocks.append(Table(["step", "seconds"], [[fmt_value(s.get("step")), fmt_value(s.get("seconds"))]
                                                   for s in steps]))
+    blocks += _screening_blocks(diagnosis)
     cut = [str(c) for c in as_list(diagnosis.get("cut"))]
     if cut:
         blocks += [Para("Cut by the budget:"), Items(cut)]
     return blocks
+
+
+def _screening_blocks(diagnosis: dict) -> list:
+    """The keep-in-float candidates as ranked: screened, predicted and measured side by side."""
+    screened = [s for s in as_list(diagnosis.get("screened")) if isinstance(s, dict)]
+    screening = diagnosis.get("screening") if isinstance(diagnosis.get("screening"), dict) else {}
+    if not screened:
+        return []
+    where = "the target's runtime" if screening.get("on") == "target" else "the reference runtime"
+    text = (f"Candidates screened on {where} and ranked by the cosine predicted on the target: the build's "
+            f"measured {fmt_value(screening.get('build_cosine'))} plus each one's gain over the build screened "
+            f"the same way ({fmt_value(screening.get('build_screened_cosine'))}).")
+    if screening.get("predicts_target") is False:
+        text += " The screening did not predict this target: " + "; ".join(map(str, as_list(screening.get("misses"))))
+    rows = [[", ".join(map(str, as_list(s.get("keep_float")))), fmt_value(s.get("cosine")),
+             fmt_value(s.get("predicted_cosine")), fmt_value(s.get("measured_cosine"))] for s in screened]
+    return [Para(text), Table(["keep_float", "screened cosine", "predicted on the target", "measured on the target"],
+                              rows)]

@@ -21,7 +21,8 @@ class Budget:
     started: float = field(default_factory=time.perf_counter)
     steps: List[dict] = field(default_factory=list)
     cut: List[str] = field(default_factory=list)
-    screened: List[dict] = field(default_factory=list)  # advice candidates ranked on the reference runtime
+    screened: List[dict] = field(default_factory=list)  # advice candidates as ranked: screened, predicted, measured
+    screening: dict = field(default_factory=dict)  # where they were screened; whether it predicted the target
 
     @classmethod
     def of(cls, validation, measured_seconds: float) -> "Budget":
@@ -62,5 +63,5 @@ class Budget:
     def summary(self, ran: bool, measurement_reused: bool) -> dict:
         return {"ran": ran and bool(self.steps or self.cut), "budget_seconds": round(self.seconds, 3),
                 "seconds": round(sum(s["seconds"] for s in self.steps), 3), "steps": self.steps, "cut": self.cut,
-                "screened": self.screened,
+                "screened": self.screened, "screening": self.screening,
                 "measurement": "reused from the cache" if measurement_reused else "measured"}

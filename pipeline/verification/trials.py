@@ -50,34 +50,66 @@ def _union(groups) -> List[str]:
 
 
 def screen(candidates_: List[List[str]], launch: Callable, reference, feeds: List[dict],
-           needed: Optional[float] = None) -> dict:
-    """The candidates ranked by the output cosine of ``launch(keep) -> worker`` (a plain Q/DQ
-    model on the reference runtime) against ``reference`` on ``feeds``: those reaching
-    ``needed`` (the cosine threshold) first, fewest ops in float first (the least speed
-    given up), then the rest, closest first. {"order": [keep, ...], "cosine": {"op,op":
-    cosine}, "failed": [trials that could not run]}."""
+           needed: Optional[float] = None, build_cosine: Optional[float] = None) -> dict:
+    """The candidates ranked by the cosine they are predicted to reach on the target:
+    ``launch(keep) -> worker`` runs a plain Q/DQ model (``keep=[]``: the build itself, screened
+    the same way) against ``reference`` on ``feeds``; a candidate's prediction is the build's
+    measured ``build_cosine`` plus its gain over the build in the screening (the screening's
+    own level, e.g. no weight rounding, cancels out). Those predicted to reach ``needed`` (the
+    cosine threshold) first, fewest ops in float first (the least speed given up), then the
+    rest, closest first. {"order", "cosine" ({"op,op": screened cosine}), "base" (the build's
+    screened cosine), "predicted", "failed" (trials that could not run)}."""
     expected = [reference.run(f) for f in feeds]
     cosine, failed = {}, []
-    for keep in candidates_:
+    for keep in [[], *candidates_]:
         try:
-            worker = launch(keep)
-            stats: Dict[str, OutputStats] = {}
-            for feed, wanted in zip(feeds, expected):
-                actual = worker.run(feed)
-                for name in wanted:
-                    if name in actual:
-                        stats.setdefault(name, OutputStats()).update(wanted[name], actual[name])
-            worker.close()
-            cosine[",".join(keep)] = min(s.result()["cosine"] for s in stats.values())
+            cosine[",".join(keep)] = _screened_cosine(launch(keep), feeds, expected)
         except Exception as err:  # noqa: BLE001 - a candidate that cannot be built is a finding, not the verdict
-            failed.append({"keep_float": keep, "error": f"{type(err).__name__}: {err}", "passed": False})
+            if keep:
+                failed.append({"keep_float": keep, "error": f"{type(err).__name__}: {err}", "passed": False})
+    base = cosine.pop("", None)
+    predicted = {key: predict(found, base, build_cosine) for key, found in cosine.items()}
+
     def rank(keep):
-        found = cosine[",".join(keep)]
+        found = predicted[",".join(keep)]
         reaches = needed is not None and found >= needed
         return (not reaches, len(keep) if reaches else 0, -found)
 
     order = sorted((k for k in candidates_ if ",".join(k) in cosine), key=rank)
-    return {"order": order, "cosine": cosine, "failed": failed}
+    return {"order": order, "cosine": cosine, "base": base, "predicted": predicted, "failed": failed}
+
+
+def _screened_cosine(worker, feeds: List[dict], expected: List[dict]) -> float:
+    stats: Dict[str, OutputStats] = {}
+    for feed, wanted in zip(feeds, expected):
+        actual = worker.run(feed)
+        for name in wanted:
+            if name in actual:
+                stats.setdefault(name, OutputStats()).update(wanted[name], actual[name])
+    worker.close()
+    return min(s.result()["cosine"] for s in stats.values())
+
+
+def predict(screened: float, base: Optional[float], build_cosine: Optional[float]) -> float:
+    """The target cosine a candidate screened at ``screened`` should reach: the build's
+    measured cosine plus the gain over the build screened the same way (``base``); without
+    both, the screened cosine itself."""
+    if base is None or build_cosine is None:
+        return screened
+    return min(1.0, build_cosine + screened - base)
+
+
+def misprediction(trial: dict, build_cosine: float, needed: Optional[float]) -> Optional[str]:
+    """A confirmed trial whose measured cosine differs from its prediction by more than the
+    gap the build had to the threshold: the screening does not predict this target."""
+    predicted = trial.get("predicted_cosine")
+    if predicted is None or "cosine" not in trial or needed is None or needed <= build_cosine:
+        return None
+    if abs(trial["cosine"] - predicted) <= needed - build_cosine:
+        return None
+    return (f"keep_float=[{','.join(trial['keep_float'])}] was predicted to gain {predicted - build_cosine:+.6f} "
+            f"in cosine and gained {trial['cosine'] - build_cosine:+.6f} on the target, where "
+            f"{needed - build_cosine:.6f} was needed to pass")
 
 
 def run(candidates_: List[List[str]], launch: Callable, reference, target, dataset, judge: Callable,

@@ -75,7 +75,8 @@ def built_worker(ctx, backend, stack, limits: dict, onnx_path: Optional[Path], i
     tuned = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}  # same settings
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{precision}-")))
     if own_float_ops is None:
-        files, settings = backend.build(onnx_path, ir_dir, folder, ctx.cfg.target, precision)
+        files, settings = backend.build(ctx.traceable(backend, onnx_path, folder), ir_dir, folder, ctx.cfg.target,
+                                        precision)
     else:
         samples = [sample.feeds for sample in ctx.dataset().calibration]
         files, settings = backend.build_int8(ctx.results["convert"].path("model"), folder, ctx.cfg.target, samples,

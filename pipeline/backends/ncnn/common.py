@@ -35,7 +35,7 @@ X86_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 DEVICES = ("CPU", "VULKAN")
 CAPABILITIES = Capabilities(
     precisions=PRECISIONS, devices=DEVICES, memory_modes=MEMORY_MODES, runtime_precisions=RUNTIME_PRECISIONS,
-    feature_masks=True, tuning=True, option_mapping=True, profiler=True, float_op_kinds=True,
+    feature_masks=True, tuning=True, option_mapping=True, profiler=True, float_op_kinds=True, traces_at_shapes=True,
     auto_candidates=("fp32", "fp16", "int8"))
 
 PARAM_FILE, BIN_FILE = "model.param", "model.bin"
