@@ -52,3 +52,14 @@ def test_every_calibration_method_takes_integer_inputs_and_outputs(sentence_fold
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     table = json.loads(next(run_dirs(tmp_path)[-1].glob("stages/calibrate/calibration.json")).read_text())
     assert table
+
+
+def test_ncnn_default_job_is_exit_4_naming_what_pnnx_cannot_trace(sentence_folder, tmp_path):
+    """No model.input_shapes: pnnx is given the data's range and crashes on the random token
+    ids it traces with; every auto candidate stops there, so the job is exit 4, not 1 or 2."""
+    done = run_cli([*text_args(sentence_folder), "metric=none", "target=ncnn_cpu"], tmp_path,
+                   default_precision=None)
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("parity:")]
+    assert "no candidate could be built for target ncnn_cpu: fp32, fp16: " in line
+    assert "pnnx crashed" in line and "token_type_embeddings" in line

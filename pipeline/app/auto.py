@@ -44,7 +44,7 @@ from pipeline import backends, shapes
 from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
 from pipeline.verification import speed
-from pipeline.errors import BackendCrashed, ConfigError, ParityError, first_line
+from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
 from pipeline.app.runner import RunOutcome, run_pipeline
 
 log = logging.getLogger("parity")
@@ -140,8 +140,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     _time(outcomes, run_cfg, tried)
     winner, why = choose({p: row for p, row in tried.items() if p in requested}, run_cfg.validation.timing_tight_spread)
     if winner is None:
-        raise ConfigError(f"precision=auto: no candidate could be built for target {run_cfg.target.name}: "
-                          + "; ".join(f"{p}: {first_line(' '.join(r['reasons']))}" for p, r in tried.items()))
+        raise _none_built(run_cfg.target.name, tried)
     raw, checked = configs[winner]
     outcome = run_pipeline(checked, run_dir)
     section = {"requested": "auto", "candidates": [tried[p] for p in tried], "chosen": winner, "why": why,
@@ -247,6 +246,19 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
         tried[precision]["timed_on"] = timed_on
         if precision in ups:
             tried[precision]["speedup"] = ups[precision]
+
+
+def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
+    """No candidate was built: each distinct reason once, with the candidates it stopped;
+    exit 4 when the target could not make any of them (pnnx crashing on a transformer), the
+    candidates' own code when they share one, else a config error."""
+    stopped: Dict[str, List[str]] = {}
+    for precision, row in tried.items():
+        stopped.setdefault(first_line(" ".join(row["reasons"])), []).append(precision)
+    text = (f"precision=auto: no candidate could be built for target {target}: "
+            + "; ".join(f"{', '.join(precisions)}: {reason}" for reason, precisions in stopped.items()))
+    codes = {row.get("exit_code") for row in tried.values()}
+    return BackendUnavailable(text) if codes == {int(ExitCode.BACKEND)} else ConfigError(text)
 
 
 def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:
