@@ -18,7 +18,9 @@ candidate closest to passing (highest output cosine) runs instead, and its faili
 reasons and recommendations are the run's.
 
 auto decides, then explains once: candidates are verified for their verdict alone (no
-layerwise, no advice trials); the shipped run's verify reuses that measurement (stored by
+layerwise, no advice trials), fp32 only when it could ship (it is built and timed as every
+candidate's speed reference, and verified when no other candidate passes or it would win
+the timing); the shipped run's verify reuses that measurement (stored by
 the build's files, not by the run's diagnosis settings) and diagnoses only when it fails.
 A candidate that cannot win is not built: mixed only when plain int8 fails (with int8
 passing, the search keeps nothing in float and mixed is the int8 build).
@@ -131,6 +133,10 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
                 tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
                                     "same_as": twin, "run_folder": str(folder)}
                 continue
+            if precision == "fp32":  # the speed reference; verified only when it could ship (below)
+                outcomes[precision] = built
+                tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
+                continue
             outcomes[precision] = run_pipeline(_candidate_stages(checked), folder)
         except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
             tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
@@ -138,7 +144,15 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
             continue
         tried[precision] = _row(precision, outcomes[precision])
     _time(outcomes, run_cfg, tried)
-    winner, why = choose({p: row for p, row in tried.items() if p in requested}, run_cfg.validation.timing_tight_spread)
+    tight = run_cfg.validation.timing_tight_spread
+    if _fp32_could_ship(tried, requested, tight):
+        outcomes["fp32"] = run_pipeline(_candidate_stages(configs["fp32"][1]), run_dir / "candidates" / "fp32")
+        timing = {k: tried["fp32"][k] for k in ("latency", "timed_on", "speedup") if k in tried["fp32"]}
+        tried["fp32"] = {**_row("fp32", outcomes["fp32"]), **timing}
+    elif tried.get("fp32", {}).get("verdict") == UNVERIFIED:
+        tried["fp32"]["not_verified"] = ("not verified: only the speed reference here" if "fp32" not in requested
+                                         else "not verified: a faster build passes, so fp32 could not ship")
+    winner, why = choose({p: row for p, row in tried.items() if p in requested}, tight)
     if winner is None:
         raise _none_built(run_cfg.target.name, tried)
     raw, checked = configs[winner]
@@ -184,6 +198,9 @@ def _in_order(wanted: List[str]) -> List[str]:
         wanted = [p for p in wanted if p != "mixed"]
         wanted.insert(wanted.index("int8") + 1, "mixed")
     return wanted
+
+
+UNVERIFIED = "not verified"
 
 
 def _with_reference(wanted: List[str]) -> List[str]:
@@ -246,6 +263,17 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
         tried[precision]["timed_on"] = timed_on
         if precision in ups:
             tried[precision]["speedup"] = ups[precision]
+
+
+def _fp32_could_ship(tried: Dict[str, dict], requested: List[str], tight: float) -> bool:
+    """Whether fp32, built but not verified, would ship if it passed: a full verification of
+    fp32 is paid for only then (it is every candidate's speed reference either way)."""
+    if tried.get("fp32", {}).get("verdict") != UNVERIFIED or "fp32" not in requested:
+        return False
+    if not any(row["verdict"] == "pass" for p, row in tried.items() if p in requested and p != "fp32"):
+        return True
+    hoped = {p: {**row, "verdict": "pass"} if p == "fp32" else row for p, row in tried.items() if p in requested}
+    return choose(hoped, tight)[0] == "fp32"
 
 
 def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
