@@ -227,6 +227,16 @@ class BackendWorker:
     def run(self, feeds: dict) -> dict:
         return self.call("run", feeds)
 
+    def submit(self, feeds: dict) -> None:
+        """Start run(feeds) without waiting for it; collect() gets its outputs. Workers given
+        their sample this way compute side by side (verify: the reference, the target and the
+        baselines on one sample at once). Every submit is collected before the next call."""
+        self._request("run()", ("run", (feeds,)), self.timeout_s, wait=False)
+
+    def collect(self) -> dict:
+        """The outputs of the run() submit() started."""
+        return self._request("run()", None, self.timeout_s)
+
     def effective(self) -> dict:
         return self.call("effective")
 
@@ -280,7 +290,7 @@ class BackendWorker:
             self.log_path.unlink(missing_ok=True)
         self._dead = self._dead or RuntimeError(f"the worker for {self.label} is closed")
 
-    def _request(self, what: str, message, timeout_s: float) -> Any:
+    def _request(self, what: str, message, timeout_s: float, wait: bool = True) -> Any:
         if self._dead is not None:
             raise self._dead.with_traceback(None)
         if self._process is None:
@@ -289,6 +299,8 @@ class BackendWorker:
         try:
             if message is not None:
                 self._conn.send(message)
+            if not wait:
+                return None
             reply = self._conn.recv() if self._conn.poll(timeout_s) else None
         except (EOFError, OSError):
             raise self._fail("crashed", f"{self.label} crashed ({self._exit_status()}) in {what}{limit}") from None

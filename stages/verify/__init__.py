@@ -368,8 +368,9 @@ class _Check:
         recorded = {}
         task = progress.add_task(title, total=len(dataset.validation))
         for index, sample in enumerate(dataset.validation):
-            expected = reference.run(sample.feeds)
-            actual = target.run(sample.feeds)
+            for baseline in baselines.values():  # every worker computes the sample at once
+                baseline.submit(sample)
+            expected, actual = _side_by_side_run(reference, target, sample.feeds)
             for name, stats in self.stats.items():
                 if name in actual:
                     stats.update(expected[name], actual[name])
@@ -377,7 +378,7 @@ class _Check:
             self._score("reference", expected, expected, sample.label)
             self._score(self.shipped, expected, actual, sample.label)
             for name, baseline in baselines.items():
-                self._score(name, expected, baseline.update(expected, sample), sample.label)
+                self._score(name, expected, baseline.collect(expected), sample.label)
             if index < REPRODUCE_SAMPLES:
                 recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
                 recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
@@ -406,6 +407,21 @@ class _Check:
                     row["top1"] = row["task_metric"]
 
 
+def _side_by_side_run(reference, target, feeds: dict) -> tuple:
+    """The reference's and the target's outputs for one sample, computed at once. The
+    target's answer is read even when the reference failed: no reply is left in its pipe
+    for the diagnosis that follows."""
+    reference.submit(feeds)
+    target.submit(feeds)
+    try:
+        expected = reference.collect()
+    except BackendCrashed:
+        with contextlib.suppress(BackendCrashed):
+            target.collect()
+        raise
+    return expected, target.collect()
+
+
 class _Row:
     """One build in the side-by-side table: output agreement, top-1, latency, size."""
 
@@ -413,6 +429,7 @@ class _Row:
         self.worker, self.size = worker, size
         self.stats = stats if stats is not None else {}
         self.error: Optional[str] = None
+        self._pending = False
 
     def wait_loaded(self) -> None:
         try:
@@ -420,12 +437,25 @@ class _Row:
         except (BackendCrashed, BackendUnavailable) as err:  # a side-by-side build is information only
             self.error = str(err)
 
-    def update(self, expected, sample) -> Optional[dict]:
-        """This build's outputs for the sample (None once it failed), compared with the reference's."""
+    def submit(self, sample) -> None:
+        """Start this build on the sample (collect() compares it); nothing once it failed."""
+        self._pending = False
         if self.error:
-            return None
+            return
         try:
-            actual = self.worker.run(sample.feeds)
+            self.worker.submit(sample.feeds)
+            self._pending = True
+        except BackendCrashed as err:  # a side-by-side build is information, not the verdict
+            self.error = str(err)
+
+    def collect(self, expected) -> Optional[dict]:
+        """This build's outputs for the submitted sample (None once it failed), compared with
+        the reference's."""
+        if self.error or not self._pending:
+            return None
+        self._pending = False
+        try:
+            actual = self.worker.collect()
         except BackendCrashed as err:  # a side-by-side build is information, not the verdict
             self.error = str(err)
             return None
