@@ -327,9 +327,11 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
             why = (f"{winner}: as fast as {fastest} within the timing spread ({_ratio(rows[winner])} against "
                    f"{_ratio(rows[fastest])}), and {_tie_edge(winner, tied, rows)}")
     others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
-    failed = [p for p, r in rows.items() if r["verdict"] != "pass" and not r.get("same_as")]
+    failed = [p for p, r in rows.items() if r["verdict"] not in ("pass", UNVERIFIED) and not r.get("same_as")]
+    unverified = [p for p, r in rows.items() if r["verdict"] == UNVERIFIED]
     return winner, why + (f"; other passing: {others}" if others else "") + (
-        f"; failed: {', '.join(failed)}" if failed else "")
+        f"; failed: {', '.join(failed)}" if failed else "") + (
+        f"; not verified (could not ship): {', '.join(unverified)}" if unverified else "")
 
 
 def _against(candidate: dict, fastest: dict, tight: float) -> Tuple[str, float]:
