@@ -11,8 +11,9 @@ import onnx
 import pytest
 import yaml
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+from conftest import read_report, single_bundle
 from ncnn_helpers import CLS_SHAPE, cosine, digits_inputs, reference, require_vulkan
+from side_by_side import PACKAGED, QUICK_TIMING, VERIFIED, Jobs, new_run
 from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 from pipeline.backends import ncnn as backend
 from pipeline.backends.ncnn.int8 import INT8_TAG, vulkan_int8_problem
@@ -24,12 +25,53 @@ QUANTIZED = {"conv1", "conv2", "fc1", "fc2"}  # the digits model's Conv and Gemm
 FAST = ["target.threads=1"]  # 2 OpenMP threads per ncnn worker stall on a busy 2-core machine
 
 
+def classifier_run(root, *args):
+    """`parity ARGS` on the PP-OCR classifier's config folder and rendered text lines in
+    ``root`` (written by the first run): (completed process, run folder, the lines' folder)."""
+    if not (root / "conf").is_dir():
+        write_ppocr_configs(root, calibration=16, validation=8)
+    return (*new_run(["--config-dir", root / "conf", "model=ppocr_cls", "data=textlines", "target=ncnn_cpu",
+                      *args, *FAST], root), root / "textlines")
+
+
 @pytest.fixture(scope="module")
-def int8_run(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("ncnn-int8")
-    result = run_cli(["target=ncnn_cpu", "precision=int8", *FAST], cwd)
+def jobs(tmp_path_factory):
+    """Every CLI job of this module started side by side (speed_a_jobs): the digits jobs
+    each in its own folder, the classifier's one after another in one folder (the later
+    ones reuse its convert and calibrate). No profile (and no bundle where a test reads
+    none), a short speed measure: no test here looks at them."""
+    pool = Jobs()
+
+    def digits(name, *args):
+        cwd = tmp_path_factory.mktemp(f"ncnn-{name}")
+        pool.submit(name, lambda: new_run([*args, *QUICK_TIMING], cwd))
+
+    root = tmp_path_factory.mktemp("ncnn-classifier")
+    if not NEEDS_FONTS_SKIPPED:  # the longest chain first
+        pool.submit("classifier-int8-depthwise", lambda: classifier_run(
+            root, "precision=int8", "pipeline.stages=[convert,calibrate,build]", "target.ncnn.int8_depthwise=true"))
+    digits("int8", "target=ncnn_cpu", "precision=int8", *FAST, PACKAGED)
+    if not NEEDS_FONTS_SKIPPED:
+        pool.submit("classifier-int8-verified", lambda: classifier_run(
+            root, "precision=int8", "pipeline.stages=[convert,calibrate,build,verify]", *QUICK_TIMING),
+            after="classifier-int8-depthwise")
+        pool.submit("classifier-mixed-search", lambda: classifier_run(
+            root, "precision=mixed", "sensitivity=top_n", "sensitivity.top_n=2", "sensitivity.samples=2",
+            "sensitivity.methods=[max]", "pipeline.stages=[convert,calibrate,sensitivity]"),
+            after="classifier-int8-verified")
+    digits("mixed", "target=ncnn_cpu", "precision=mixed", "sensitivity=top_n", "sensitivity.top_n=1", *FAST,
+           PACKAGED)
+    digits("vulkan", "target=ncnn_vulkan", "precision=int8", PACKAGED)
+    digits("int8-where-faster", "target=ncnn_cpu", "precision=int8", "precision.int8_where_faster=true", *FAST,
+           VERIFIED)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def int8_run(jobs):
+    result, run_dir = jobs["int8"]
     assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = run_dirs(cwd)[-1]
     return result, run_dir, read_report(run_dir)
 
 
@@ -98,30 +140,28 @@ def test_read_back_is_true_the_first_conv_computes_in_int8(int8_run):
     assert np.abs(probed - fp32).max() < 2 / top_scale  # within a step or so of the int8 grid
 
 
-def classifier_int8_build(root, *overrides):
-    """parity int8 of the PP-OCR classifier for ncnn_cpu, stages up to build, calibrated on
-    16 rendered text lines: (the build folder, 8 validation inputs)."""
+def classifier_int8_build(jobs, name):
+    """parity int8 of the PP-OCR classifier for ncnn_cpu (job ``name``), stages up to build,
+    calibrated on 16 rendered text lines: (the build folder, 8 validation inputs)."""
     from pipeline.config.schemas import Color, PreprocessConfig
     from pipeline.data import TensorSpec, load_image
 
-    data = write_ppocr_configs(root, calibration=16, validation=8)
-    result = run_cli(["--config-dir", root / "conf", "model=ppocr_cls", "data=textlines", "target=ncnn_cpu",
-                      "precision=int8", "pipeline.stages=[convert,calibrate,build]", *FAST, *overrides], root)
+    result, run_dir, data = jobs[name]
     assert result.returncode == 0, result.stdout + result.stderr
     pre = PreprocessConfig(keep_aspect=True, color=Color.bgr, mean=[0.5], std=[0.5], pad_value=0.0)
     spec = TensorSpec("x", CLS_SHAPE, "float32")
     inputs = [load_image(path, spec, pre) for path in sorted((data / "validation").glob("*.png"))]
-    return run_dirs(root)[-1], inputs
+    return run_dir, inputs
 
 
 @pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
-def test_classifier_int8_stays_int8_between_convolutions_and_matches_fp32(tmp_path):
+def test_classifier_int8_stays_int8_between_convolutions_and_matches_fp32(jobs):
     """The real classifier (pnnx leaves its HardSwish layers unfused): each int8 convolution
     whose output only int8 convolutions read (directly or through a Split) requantizes
     (int8_scale_term 101/102), a HardSwish in between folded into it; read back as int8,
     the output within cosine 0.99 of fp32. Depthwise convolutions int8 too (on x86 they stay
     float by default: the next test)."""
-    run_dir, inputs = classifier_int8_build(tmp_path, "target.ncnn.int8_depthwise=true")
+    run_dir, inputs = classifier_int8_build(jobs, "classifier-int8-depthwise")  # target.ncnn.int8_depthwise=true
     build = run_dir / "stages" / "build"
     network = backend.Param.read(build / "model.param")
     terms = {layer.name: int(layer.param(8) or 0) for layer in network.layers}
@@ -154,13 +194,13 @@ def test_classifier_int8_stays_int8_between_convolutions_and_matches_fp32(tmp_pa
 
 
 @pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
-def test_classifier_int8_keeps_depthwise_float_on_x86_and_verify_passes_it_as_int8(tmp_path):
+def test_classifier_int8_keeps_depthwise_float_on_x86_and_verify_passes_it_as_int8(jobs):
     """By default an x86 CPU keeps the depthwise convolutions float (ncnn's int8 depthwise
     kernel is slower there than its fp32 one): the build records them as the backend's float
     ops, the param writes them fp32, the read-back says mixed without any fallback, and
     verify passes precision=int8 with them."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-    run_dir, _ = classifier_int8_build(tmp_path, "pipeline.stages=[convert,calibrate,build,verify]")
+    run_dir, _ = classifier_int8_build(jobs, "classifier-int8-verified")
     report = read_report(run_dir)
     assert report["verdict"] == "pass" and report["exit_code"] == 0, report["reasons"]
     quantization = report["build"]["quantization"]
@@ -176,11 +216,9 @@ def test_classifier_int8_keeps_depthwise_float_on_x86_and_verify_passes_it_as_in
     assert not [c for c in report["verify"]["checks"] if c["check"] in ("precision", "float_fallback")]
 
 
-def test_mixed_keeps_the_qtable_op_in_fp32_read_back(tmp_path):
-    result = run_cli(["target=ncnn_cpu", "precision=mixed", "sensitivity=top_n", "sensitivity.top_n=1", *FAST],
-                     tmp_path)
+def test_mixed_keeps_the_qtable_op_in_fp32_read_back(jobs):
+    result, run_dir = jobs["mixed"]  # sensitivity=top_n sensitivity.top_n=1
     assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = run_dirs(tmp_path)[-1]
     report = read_report(run_dir)
     (kept,) = report["build"]["quantization"]["float_ops"]
     effective = report["verify"]["effective"]
@@ -191,11 +229,10 @@ def test_mixed_keeps_the_qtable_op_in_fp32_read_back(tmp_path):
     assert layers[kept][0] not in int8_layers(single_bundle(run_dir) / "model.param")
 
 
-def test_vulkan_runs_the_int8_layers_with_the_cpu_int8_numbers(tmp_path):
+def test_vulkan_runs_the_int8_layers_with_the_cpu_int8_numbers(jobs):
     require_vulkan()
-    result = run_cli(["target=ncnn_vulkan", "precision=int8"], tmp_path)
+    result, run_dir = jobs["vulkan"]
     assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = run_dirs(tmp_path)[-1]
     effective = read_report(run_dir)["verify"]["effective"]
     assert effective["device"] == "VULKAN" and effective["precision"] == "int8"
     assert set(effective["int8_layers"].values()) == QUANTIZED and "vulkan: 6;" in effective["layers"]
@@ -213,13 +250,14 @@ def test_vulkan_int8_needs_an_ncnn_with_vulkan_int8_kernels():
     assert "ncnn 1.0.20250503 turns Vulkan off for int8 layers" in vulkan_int8_problem("1.0.20250503")
 
 
-def test_int8_where_faster_keeps_float_exactly_the_ops_measured_slower_in_int8(tmp_path):
+def test_int8_where_faster_keeps_float_exactly_the_ops_measured_slower_in_int8(jobs):
     """precision.int8_where_faster on the digits model on ncnn: every quantized op is timed in
     ncnn's fp32 and int8 builds, the ops slower in int8 (and only those) are kept float in
     the built model, and verify judges the result: accepted as int8/mixed while an op is left
     int8, nothing_int8 (exit 3) saying to ship fp32 when none is."""
-    result = run_cli(["target=ncnn_cpu", "precision=int8", "precision.int8_where_faster=true", *FAST], tmp_path)
-    report = read_report(run_dirs(tmp_path)[-1])
+    result, run_dir = jobs["int8-where-faster"]
+    assert run_dir is not None, result.stdout + result.stderr
+    report = read_report(run_dir)
     quantization = report["build"]["quantization"]
     measured = quantization["slower_in_int8"]["measured"]["ops"]
     assert set(measured) == QUANTIZED and all(e["fp32_ms"] > 0 for e in measured.values())
@@ -236,18 +274,13 @@ def test_int8_where_faster_keeps_float_exactly_the_ops_measured_slower_in_int8(t
 
 
 @pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
-def test_the_mixed_search_measures_depthwise_float_as_the_x86_build_keeps_it(tmp_path):
+def test_the_mixed_search_measures_depthwise_float_as_the_x86_build_keeps_it(jobs):
     """The sensitivity search for ncnn_cpu on x86 measures every mixed model with the
     depthwise convolutions float, as the build will keep them, and never spends a float
     place on one of them."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-    root = tmp_path
-    write_ppocr_configs(root, calibration=8, validation=4)
-    result = run_cli(["--config-dir", root / "conf", "model=ppocr_cls", "data=textlines", "target=ncnn_cpu",
-                      "precision=mixed", "sensitivity=top_n", "sensitivity.top_n=2", "sensitivity.samples=2",
-                      "sensitivity.methods=[max]", "pipeline.stages=[convert,calibrate,sensitivity]", *FAST], root)
+    result, run_dir, _ = jobs["classifier-mixed-search"]  # top_n=2 on 2 samples, the max method
     assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = run_dirs(root)[-1]
     sensitivity = read_report(run_dir)["sensitivity"]
     prepared = onnx.load(str(run_dir / "stages" / "calibrate" / "prepared.onnx"))
     depthwise = ops_of_kinds(prepared, ["depthwise"], ["Conv"])

@@ -9,64 +9,94 @@ import sys
 
 import pytest
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+from conftest import read_report, run_cli, single_bundle
 from ncnn_helpers import NO_VULKAN, has_vulkan
 from overflow_model import build as build_overflow_model
+from side_by_side import PACKAGED, QUICK_TIMING, VERIFIED, Jobs, new_run
 
 
 # without a device: skipped locally, run (and failing) in CI, which installs lavapipe
-needs_vulkan = pytest.mark.skipif(not has_vulkan() and not os.environ.get("CI"), reason=NO_VULKAN)
+VULKAN_RUNS = has_vulkan() or bool(os.environ.get("CI"))
+needs_vulkan = pytest.mark.skipif(not VULKAN_RUNS, reason=NO_VULKAN)
+FP32_TARGETS = [("ncnn_cpu", "CPU"), pytest.param("ncnn_vulkan", "VULKAN", marks=needs_vulkan), ("mnn_cpu", "CPU")]
 
 
-def last_run(cwd):
-    return run_dirs(cwd)[-1]
+def seed_args(root):
+    model = build_overflow_model(root / "overflow.onnx")
+    return [f"model.path={model}", "data=random", "data.high=4.0", "data.calibration_size=8",
+            "data.validation_size=8", "target=ncnn_vulkan", "precision=fp16"]
 
 
-@pytest.mark.parametrize("target, device", [("ncnn_cpu", "CPU"), pytest.param("ncnn_vulkan", "VULKAN",
-                                                                               marks=needs_vulkan),
-                                            ("mnn_cpu", "CPU")])
-def test_default_model_passes_at_fp32(tmp_path, target, device):
-    result = run_cli([f"target={target}", "precision=fp32"], tmp_path)
+def missing_backend_sweep(cwd):
+    hide = cwd / "hide"
+    hide.mkdir()
+    (hide / "ncnn.py").write_text("raise ImportError('No module named ncnn (hidden by the test)')\n")
+    env_path = os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])
+    return run_cli(["-m", "target=ncnn_cpu,ort_cpu", "precision=fp32", VERIFIED, *QUICK_TIMING], cwd,
+                   env={"PYTHONPATH": env_path})
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every CLI job of this module, each in its own folder, started side by side
+    (speed_a_jobs); no profile (and no bundle where a test reads none), a short speed
+    measure: no test here looks at them."""
+    pool = Jobs()
+
+    def job(name, args, env=None):
+        cwd = tmp_path_factory.mktemp(name)
+        pool.submit(name, lambda: new_run([*args(cwd), *QUICK_TIMING], cwd, env=env and env(cwd)))
+
+    if VULKAN_RUNS:  # the longest job first
+        job("seed-auto-masks", lambda cwd: [*seed_args(cwd), PACKAGED])
+    for target in ("ncnn_cpu", "ncnn_vulkan", "mnn_cpu"):
+        if target != "ncnn_vulkan" or VULKAN_RUNS:
+            job(f"fp32-{target}", lambda cwd, target=target: [f"target={target}", "precision=fp32", VERIFIED])
+    job("mnn-opencl", lambda cwd: ["target=mnn_opencl", "precision=fp32", VERIFIED])
+    job("vulkan-without-driver", lambda cwd: ["target=ncnn_vulkan", "precision=fp32", VERIFIED],
+        env=lambda cwd: {"VK_ICD_FILENAMES": str(cwd / "no-driver.json"),  # the Vulkan loader finds no ICD
+                         "VK_DRIVER_FILES": str(cwd / "no-driver.json")})
+    sweep_cwd = tmp_path_factory.mktemp("missing-backend")
+    pool.submit("missing-backend", lambda: (missing_backend_sweep(sweep_cwd), sweep_cwd))
+    if VULKAN_RUNS:  # last, so not beside the other seed job unless a test asks for it: both keep lavapipe busy
+        job("seed-plain", lambda cwd: [*seed_args(cwd), "target.ncnn.auto_masks=false", VERIFIED])
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("target, device", FP32_TARGETS)
+def test_default_model_passes_at_fp32(jobs, target, device):
+    result, run_dir = jobs[f"fp32-{target}"]
     assert result.returncode == 0, result.stdout + result.stderr
-    report = read_report(last_run(tmp_path))
+    report = read_report(run_dir)
     assert report["verify"]["effective"]["device"] == device
     assert report["verify"]["effective"]["precision"] == "fp32"
     assert report["verify"]["outputs"][0]["metrics"]["cosine"] > 0.9999
     assert report["verify"]["task"]["agreement"] >= 0.99
 
 
-def test_mnn_gpu_request_that_runs_on_the_cpu_is_caught(tmp_path):
-    result = run_cli(["target=mnn_opencl", "precision=fp32"], tmp_path)
+def test_mnn_gpu_request_that_runs_on_the_cpu_is_caught(jobs):
+    result, run_dir = jobs["mnn-opencl"]
     assert result.returncode == 4, result.stdout + result.stderr
-    report = read_report(last_run(tmp_path))
+    report = read_report(run_dir)
     (reason,) = report["reasons"]
     assert reason.startswith("requested device OPENCL but CPU ran: this MNN build") and "no OPENCL backend" in reason
     assert report["verify"]["effective"]["device"] == "CPU"
 
 
-def test_ncnn_vulkan_without_a_device_is_exit_4_naming_the_driver(tmp_path):
-    missing = str(tmp_path / "no-driver.json")  # the Vulkan loader finds no ICD
-    result = run_cli(["target=ncnn_vulkan", "precision=fp32"], tmp_path, env={"VK_ICD_FILENAMES": missing, "VK_DRIVER_FILES": missing})
+def test_ncnn_vulkan_without_a_device_is_exit_4_naming_the_driver(jobs):
+    result, run_dir = jobs["vulkan-without-driver"]
     assert result.returncode == 4, result.stdout + result.stderr
-    report = read_report(last_run(tmp_path))
+    report = read_report(run_dir)
     assert report["reasons"] == ["requested device VULKAN but CPU ran: no Vulkan device: install libvulkan1 and a "
                                  "driver such as mesa-vulkan-drivers"]
 
 
-@pytest.fixture(scope="module")
-def overflow_args(tmp_path_factory):
-    root = tmp_path_factory.mktemp("seed")
-    model = build_overflow_model(root / "overflow.onnx")
-    return root, [f"model.path={model}", "data=random", "data.high=4.0", "data.calibration_size=8",
-                  "data.validation_size=8", "target=ncnn_vulkan", "precision=fp16"]
-
-
 @needs_vulkan
-def test_seed_case_plain_fp16_build_overflows_at_the_reduction(overflow_args):
-    root, args = overflow_args
-    result = run_cli([*args, "target.ncnn.auto_masks=false"], root)
+def test_seed_case_plain_fp16_build_overflows_at_the_reduction(jobs):
+    result, run_dir = jobs["seed-plain"]  # target.ncnn.auto_masks=false
     assert result.returncode == 3, result.stdout + result.stderr
-    report = read_report(last_run(root))
+    report = read_report(run_dir)
     output = report["verify"]["outputs"][0]
     assert output["metrics"]["inf"] > 0
     layers = report["verify"]["layerwise"]
@@ -76,11 +106,9 @@ def test_seed_case_plain_fp16_build_overflows_at_the_reduction(overflow_args):
 
 
 @needs_vulkan
-def test_seed_case_auto_masks_fix_exactly_the_reduction_and_its_consumer(overflow_args):
-    root, args = overflow_args
-    result = run_cli(args, root)
+def test_seed_case_auto_masks_fix_exactly_the_reduction_and_its_consumer(jobs):
+    result, run_dir = jobs["seed-auto-masks"]
     assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = last_run(root)
     report = read_report(run_dir)
     masks = report["build"]["quantization"]["feature_masks"]
     assert masks["searched"] and masks["passed"]
@@ -94,12 +122,8 @@ def test_seed_case_auto_masks_fix_exactly_the_reduction_and_its_consumer(overflo
     assert "| sqrt" in markdown or "sqrt |" in markdown
 
 
-def test_missing_optional_backend_is_exit_4_and_the_sweep_goes_on(tmp_path):
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "ncnn.py").write_text("raise ImportError('No module named ncnn (hidden by the test)')\n")
-    env_path = os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])
-    result = run_cli(["-m", "target=ncnn_cpu,ort_cpu", "precision=fp32"], tmp_path, env={"PYTHONPATH": env_path})
+def test_missing_optional_backend_is_exit_4_and_the_sweep_goes_on(jobs):
+    result, tmp_path = jobs["missing-backend"]
     assert result.returncode == 4, result.stdout + result.stderr
     assert "pip install 'parity[ncnn]'" in result.stderr
     reports = [read_report(p.parent) for p in (tmp_path / "multirun").rglob("report.json")

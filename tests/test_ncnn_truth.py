@@ -9,35 +9,57 @@ import os
 import numpy as np
 import pytest
 
-from conftest import read_report, run_cli, run_dirs
+from conftest import read_report
 from ncnn_helpers import (NO_VULKAN, cosine, has_vulkan, modulated_conv_model, modulated_sample, reference,
                           target)
 from pipeline.precision import feature_masks
 from pipeline.backends import ncnn as backend
+from side_by_side import QUICK_TIMING, VERIFIED, Jobs, new_run
 
-needs_vulkan = pytest.mark.skipif(not has_vulkan() and not os.environ.get("CI"), reason=NO_VULKAN)
+VULKAN_RUNS = has_vulkan() or bool(os.environ.get("CI"))
+needs_vulkan = pytest.mark.skipif(not VULKAN_RUNS, reason=NO_VULKAN)
 FP16_OFF = {"use_fp16_storage": False, "use_fp16_packed": False, "use_fp16_arithmetic": False}
 
 
 @pytest.fixture(scope="module")
-def modulated(tmp_path_factory):
+def modulated_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("modulated")
     model = modulated_conv_model(root / "modulated.onnx")
+    args = [f"model.path={model}", "data=random", "data.high=4.0", "data.calibration_size=8",
+            "data.validation_size=8", "precision=fp16"]
+    return root, model, args
+
+
+@pytest.fixture(scope="module")
+def jobs(modulated_model, tmp_path_factory):
+    """The fp16 CLI jobs on ncnn_cpu and ncnn_vulkan, each in its own folder, started side
+    by side (speed_a_jobs); no profile, no bundle, a short speed measure: no test here
+    looks at them."""
+    _, _, args = modulated_model
+    pool = Jobs()
+    for name in ("ncnn_vulkan", "ncnn_cpu") if VULKAN_RUNS else ("ncnn_cpu",):
+        cwd = tmp_path_factory.mktemp(f"fp16-{name}")
+        pool.submit(name, lambda cwd=cwd, name=name: new_run([*args, f"target={name}", VERIFIED, *QUICK_TIMING], cwd))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def modulated(modulated_model):
+    root, model, args = modulated_model
     out = root / "cpu-fp16"
     out.mkdir()
     _, settings = backend.build(model, None, out, target("CPU"), "fp16")
-    args = [f"model.path={model}", "data=random", "data.high=4.0", "data.calibration_size=8",
-            "data.validation_size=8", "precision=fp16"]
     return model, out, settings, args
 
 
-def test_the_model_overflows_fp16_only_in_the_sum(modulated):
-    model, *_ = modulated
+def test_the_model_overflows_fp16_only_in_the_sum(modulated_model):
+    _, model, _ = modulated_model
     values = reference(model, {"x": modulated_sample(0)}, ["sum_out", "conv_out"])
     assert values["sum_out"].min() > 65504 and np.abs(values["conv_out"]).max() < 65504
 
 
-def test_cpu_fp16_reports_the_precision_that_ran(modulated, tmp_path):
+def test_cpu_fp16_reports_the_precision_that_ran(jobs, modulated):
     """Evidence: the fp16-switched net's outputs against the same net with fp16 off."""
     model, out, settings, args = modulated
     fp16 = backend.load(out, settings)
@@ -48,8 +70,9 @@ def test_cpu_fp16_reports_the_precision_that_ran(modulated, tmp_path):
     assert identical == (effective["precision"] == "fp32")  # bit-identical on a non-trivial input: fp32 ran
     assert effective["precision"] == ("fp16" if backend.cpu_fp16_storage() else "fp32")
 
-    result = run_cli([*args, "target=ncnn_cpu"], tmp_path)
-    report = read_report(run_dirs(tmp_path)[-1])
+    result, run_dir = jobs["ncnn_cpu"]
+    assert run_dir is not None, result.stdout + result.stderr
+    report = read_report(run_dir)
     ran = report["verify"]["effective"]
     assert ran["precision"] == effective["precision"] and ran["device"] == "CPU"
     if ran["precision"] == "fp32":
@@ -61,11 +84,10 @@ def test_cpu_fp16_reports_the_precision_that_ran(modulated, tmp_path):
 
 
 @needs_vulkan
-def test_vulkan_fp16_mask_search_masks_the_add_between_sum_and_sqrt(modulated, tmp_path):
-    *_, args = modulated
-    result = run_cli([*args, "target=ncnn_vulkan"], tmp_path)
+def test_vulkan_fp16_mask_search_masks_the_add_between_sum_and_sqrt(jobs):
+    result, run_dir = jobs["ncnn_vulkan"]
     assert result.returncode == 0, result.stdout + result.stderr
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(run_dir)
     found = report["build"]["quantization"]["feature_masks"]
     assert found["searched"] and found["passed"]
     masked = {m["onnx_op"] for m in found["masks"]}

@@ -4,12 +4,20 @@ fed rendered text lines rotated 0 or 180 degrees, configured from a user config 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from conftest import read_report, run_cli, run_dirs
+from conftest import read_report
+from side_by_side import (NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, job_output, new_run, run_sweep,
+                          selected, stages)
 from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 
 VALIDATION = 24
+CPU_TARGETS = ["ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu"]
+INT8_TARGETS = ["ort_cpu", "openvino_cpu"]
+# the profile's layer names are what these tests read, not its timings
+QUICK_PROFILE = ["profile.runs=2", "profile.warmup=1", "profile.startup_rounds=1"]
 
 pytestmark = pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
 
@@ -22,16 +30,53 @@ def user_configs(tmp_path_factory):
     return root
 
 
-def run_ppocr(user_configs, *overrides):
-    result = run_cli(["--config-dir", user_configs / "conf", "model=ppocr_cls", "data=textlines", *overrides],
-                     user_configs)
-    return result, run_dirs(user_configs)[-1]
+def ppocr_args(user_configs, *overrides, sweep=False) -> list:
+    return ["--config-dir", user_configs / "conf", *(["-m"] if sweep else []), "model=ppocr_cls", "data=textlines",
+            *overrides]
+
+
+@pytest.fixture(scope="module")
+def ppocr_jobs(request, user_configs):
+    """The module's jobs, each in its own folder, submitted up front and run side by side."""
+    jobs = Jobs()
+
+    def folder(name):
+        (user_configs / "jobs" / name).mkdir(parents=True)
+        return user_configs / "jobs" / name
+
+    if selected(request, "test_fp32_passes_with_top1_reported",
+                "test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference"):
+        args = ppocr_args(user_configs, "precision=fp32", f"target={','.join(CPU_TARGETS)}", *QUICK_TIMING,
+                          *QUICK_PROFILE, sweep=True)
+        jobs.submit("fp32", lambda cwd=folder("fp32"): run_sweep(args, cwd, timeout=600, env=SIDE_BY_SIDE_ENV))
+    if selected(request, "test_int8_auto_calibration_keeps_accuracy"):
+        args = ppocr_args(user_configs, "precision=int8", "calibration=auto", "data.calibration_size=32",
+                          f"target={','.join(INT8_TARGETS)}", stages("convert", "calibrate", "build", "verify"),
+                          *QUICK_TIMING, sweep=True)
+        jobs.submit("int8", lambda cwd=folder("int8"): run_sweep(args, cwd, timeout=600, env=SIDE_BY_SIDE_ENV))
+    if selected(request, "test_openvino_bf16_reports_what_ran"):
+        # 24 images: one changed prediction is 4.17 points, so the top-1 gate is loosened here
+        # and the precision check (exit 4 on a fallback) is what this test is about
+        args = ppocr_args(user_configs, "target=openvino_cpu", "precision=bf16", "validation.max_metric_drop=0.1",
+                          stages("convert", "calibrate", "build", "verify"), *QUICK_TIMING, *NO_DIAGNOSIS)
+        jobs.submit("bf16", lambda cwd=folder("bf16"): new_run(args, cwd, env=SIDE_BY_SIDE_ENV))
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture(scope="module")
+def fp32_sweep(ppocr_jobs):
+    """One sweep over the five CPU runtimes at fp32 on every validation line: the fp32 job
+    of each target, read by the tests below: (completed process, {target: job folder})."""
+    result, sweep = ppocr_jobs["fp32"]
+    return result, {target: next(sweep.glob(f"*target={target}")) for target in CPU_TARGETS}
 
 
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
-def test_fp32_passes_with_top1_reported(user_configs, target):
-    result, run_dir = run_ppocr(user_configs, f"target={target}", "precision=fp32")
+def test_fp32_passes_with_top1_reported(fp32_sweep, target):
+    result, jobs = fp32_sweep
     assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = jobs[target]
     report = read_report(run_dir)
     assert report["verdict"] == "pass"
     convert = report["convert"]
@@ -47,7 +92,7 @@ def test_fp32_passes_with_top1_reported(user_configs, target):
     assert task["samples"] == VALIDATION
     assert task["target"] >= 0.75, task  # rendered text lines are easy for the real classifier
     assert task["agreement"] == 1.0
-    assert "top-1: reference" in result.stdout
+    assert "top-1: reference" in job_output(result.stdout, f"target={target}")
     bundle = run_dir / "bundle" / f"ppocr_cls-{target}-fp32"
     runtime = (bundle / "runtime.yaml").read_text()
     assert "keep_aspect: true" in runtime  # a loader learns the preprocessing from the bundle
@@ -71,16 +116,13 @@ def assert_profile_names_every_conv(run_dir):
     assert set(primaries) <= names, sorted(set(primaries) - names)
 
 
-def test_openvino_bf16_reports_what_ran(user_configs):
+def test_openvino_bf16_reports_what_ran(ppocr_jobs):
     """With a bf16 hint the report states the precision that really ran: bf16 on CPUs that
     have it natively, otherwise a failed verdict (exit 4) naming the fallback."""
     import openvino as ov
 
     native_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-    # 24 images: one changed prediction is 4.17 points, so the top-1 gate is loosened here
-    # and the precision check (exit 4 on a fallback) is what this test is about
-    result, run_dir = run_ppocr(user_configs, "target=openvino_cpu", "precision=bf16",
-                                "validation.max_metric_drop=0.1")
+    result, run_dir = ppocr_jobs["bf16"]
     verify = read_report(run_dir)["verify"]
     assert verify["requested"]["precision"] == "bf16"
     if native_bf16:
@@ -93,10 +135,21 @@ def test_openvino_bf16_reports_what_ran(user_configs):
         assert "requested precision bf16 but fp32 ran" in result.stdout
 
 
+@pytest.fixture(scope="module")
+def int8_sweep(ppocr_jobs):
+    """int8 with calibration=auto on 32 lines, ONNX Runtime and OpenVINO in one sweep (one
+    calibration): (sweep.json's jobs by target, {target: job folder}, completed process)."""
+    result, sweep = ppocr_jobs["int8"]
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert len(summary["jobs"]) == len(INT8_TARGETS), result.stdout + result.stderr
+    return ({job["target"]: job for job in summary["jobs"]},
+            {target: next(sweep.glob(f"*target={target}")) for target in INT8_TARGETS}, result)
+
+
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
-def test_int8_auto_calibration_keeps_accuracy(user_configs, target):
-    result, run_dir = run_ppocr(user_configs, f"target={target}", "precision=int8", "calibration=auto",
-                                "data.calibration_size=32")
+def test_int8_auto_calibration_keeps_accuracy(int8_sweep, target):
+    jobs, folders, result = int8_sweep
+    run_dir = folders[target]
     report = read_report(run_dir)
     calibration = report["calibration"]
     assert calibration["tensors"] > 100 and calibration["batch_size"] > 1  # the batch-1 Reshape was freed
@@ -104,20 +157,17 @@ def test_int8_auto_calibration_keeps_accuracy(user_configs, target):
     assert verify["effective"]["precision"] == "int8", verify["effective"]
     assert verify["outputs"][0]["metrics"]["cosine"] > 0.95  # 400-image figures: benchmarks/calibration.py
     assert verify["task"]["agreement"] >= 0.8
-    assert result.returncode in (0, 3), result.stdout + result.stderr  # 24 images: one flip is 4 points
+    assert jobs[target]["exit_code"] in (0, 3), result.stdout + result.stderr  # 24 images: one flip is 4 points
 
 
-def test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference(user_configs):
+def test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference(fp32_sweep):
     """One sweep over the five runtimes at fp32: every backend agrees with the reference
     within the default thresholds (ncnn's CPU kernels differ by ~1e-6..1e-3 max abs), and
     every job's report says what ran."""
-    targets = ["ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu"]
-    result = run_cli(["--config-dir", user_configs / "conf", "-m", "model=ppocr_cls", "data=textlines",
-                      "data.validation_size=8", "precision=fp32", f"target={','.join(targets)}"], user_configs,
-                     timeout=600)
+    targets = CPU_TARGETS
+    result, jobs = fp32_sweep
     assert result.returncode == 0, result.stdout + result.stderr
-    sweep = sorted((user_configs / "multirun").glob("*/*"))[-1]
-    reports = {target: read_report(next(sweep.glob(f"*target={target}"))) for target in targets}
+    reports = {target: read_report(jobs[target]) for target in targets}
     for target, report in reports.items():
         verify = report["verify"]
         assert report["verdict"] == "pass", (target, verify.get("reasons"))
@@ -127,4 +177,4 @@ def test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference(user_config
         assert verify["task"]["agreement"] == 1.0, target
     assert reports["ncnn_vulkan"]["verify"]["effective"]["device"].startswith("VULKAN"), reports["ncnn_vulkan"]["verify"]["effective"]
     for target in targets:
-        assert_profile_names_every_conv(next(sweep.glob(f"*target={target}")))
+        assert_profile_names_every_conv(jobs[target])

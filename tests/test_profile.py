@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+from conftest import read_report, run_cli, single_bundle
 from ncnn_helpers import require_vulkan
+from side_by_side import PROFILED, QUICK_TIMING, Jobs, new_run, stages
 from pipeline import environment
 from pipeline.release.sweep import recommend
 
@@ -20,6 +21,10 @@ DIGITS = {"conv1": "Conv", "relu1": "Relu", "conv2": "Conv", "relu2": "Relu", "p
           "flatten": "Flatten", "fc1": "Gemm", "relu3": "Relu", "fc2": "Gemm"}
 COMPUTE = ("conv1", "conv2", "fc1", "fc2")
 SWEEP_TARGETS = ("ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu", "mnn_opencl")
+# the stages a profile needs, for the jobs whose tests look at nothing else
+PROFILE_ONLY = stages("convert", "calibrate", "sensitivity", "build", "tune", "profile")
+CRASHES = [("profile.worker_memory_mb=64", ("memory", "crashed", "error")),
+           ("profile.worker_timeout_s=0.001", ("hung",))]
 
 
 def profile_of(run_dir: Path) -> dict:
@@ -46,6 +51,42 @@ def assert_named_by_onnx(profile: dict, runs: int = 20) -> None:
     assert profile["measured_by"] and profile["device"]
 
 
+def profiling_crash_job(cwd, override):
+    """The job with ``override`` (a crashing profile), then the same job again without it."""
+    first = new_run([override, *QUICK_TIMING], cwd)
+    return (*first, *new_run(QUICK_TIMING, cwd))
+
+
+def sweep_job(cwd):
+    """The digits model at fp32 on every CPU runtime and both GPU targets (the pip MNN
+    wheel has no OpenCL: mnn_opencl runs on the CPU and fails with exit 4)."""
+    result = run_cli(["-m", f"target={','.join(SWEEP_TARGETS)}", "precision=fp32", PROFILED, *QUICK_TIMING], cwd,
+                     timeout=600)
+    (folder,) = sorted((cwd / "multirun").glob("*/*"))[-1:]
+    return result, folder, json.loads((folder / "sweep.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every CLI job of this module, each in its own folder, started side by side
+    (speed_a_jobs), the longest first; no bundle where a test reads none, a short speed
+    measure (the sweep's recommendation reads the medians, whatever their spread)."""
+    pool = Jobs()
+
+    def job(name, run):
+        cwd = tmp_path_factory.mktemp(name)
+        pool.submit(name, lambda: run(cwd))
+
+    job("sweep", sweep_job)
+    for override, _ in CRASHES:
+        job(override, lambda cwd, override=override: profiling_crash_job(cwd, override))
+    job("openvino", lambda cwd: (new_run(["target=openvino_cpu", "precision=int8", PROFILE_ONLY], cwd),
+                                 new_run(["target=openvino_cpu", "precision=fp32", PROFILE_ONLY], cwd)))
+    job("time-budget", lambda cwd: new_run(["profile.runs=1000000", "profile.max_seconds=0.5", PROFILE_ONLY], cwd))
+    yield pool
+    pool.close()
+
+
 def test_default_run_profiles_ort_by_onnx_node(default_run):
     _, run_dir, result = default_run
     profile = profile_of(run_dir)
@@ -66,56 +107,49 @@ def test_default_run_profiles_ort_by_onnx_node(default_run):
     assert re.search(r"profile: \d+ layers \(\d+ with an ONNX node\)", result.stdout)
 
 
-def test_openvino_int8_convolutions_run_int8_kernels(tmp_path):
-    result = run_cli(["target=openvino_cpu", "precision=int8"], tmp_path)
+def test_openvino_int8_convolutions_run_int8_kernels(jobs):
+    (result, run_dir), (fp32, fp32_dir) = jobs["openvino"]
     assert result.returncode == 0, result.stdout + result.stderr
-    profile = profile_of(run_dirs(tmp_path)[-1])
+    profile = profile_of(run_dir)
     assert_named_by_onnx(profile)
     assert "PERF_COUNT" in profile["measured_by"]
     kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile["layers"] if layer["onnx_node"]}
     for conv in ("conv1", "conv2"):
         assert re.search(r"_[IU]8$", kernels[conv]), kernels  # OpenVINO's exec type, e.g. brgconv_avx512_amx_I8
-    fp32 = run_cli(["target=openvino_cpu", "precision=fp32"], tmp_path)
     assert fp32.returncode == 0, fp32.stdout + fp32.stderr
-    kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile_of(run_dirs(tmp_path)[-1])["layers"]}
+    kernels = {layer["onnx_node"]: layer["kernel"] for layer in profile_of(fp32_dir)["layers"]}
     assert kernels["conv1"].endswith("_f32"), kernels
 
 
-@pytest.mark.parametrize("override, kinds", [("profile.worker_memory_mb=64", ("memory", "crashed", "error")),
-                                             ("profile.worker_timeout_s=0.001", ("hung",))])
-def test_a_profiling_crash_leaves_the_verdict_alone(tmp_path, override, kinds):
-    result = run_cli([override], tmp_path)
+@pytest.mark.parametrize("override, kinds", CRASHES)
+def test_a_profiling_crash_leaves_the_verdict_alone(jobs, override, kinds):
+    result, run_dir, again, again_dir = jobs[override]
     assert result.returncode == 0, result.stdout + result.stderr
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(run_dir)
     assert report["verdict"] == "pass" and report["exit_code"] == 0 and report["reasons"] == []
     profile = report["profile"]
     assert profile["ran"] is False and profile["crash"]["kind"] in kinds
     assert profile["reason"].startswith("profiling ")
     assert "not profiled" in result.stdout and "Traceback" not in result.stderr
-    assert "not profiled: profiling" in (single_bundle(run_dirs(tmp_path)[-1]) / "report.md").read_text()
-    again = run_cli([], tmp_path)  # a crashed profile is not cached: measured again
-    statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
+    assert "not profiled: profiling" in (single_bundle(run_dir) / "report.md").read_text()
+    # again: the same job without the override; a crashed profile is not cached: measured again
+    statuses = {s["stage"]: s["status"] for s in read_report(again_dir)["stages"]}
     assert again.returncode == 0 and statuses["profile"] == "computed" and statuses["verify"] == "cached"
-    assert read_report(run_dirs(tmp_path)[-1])["profile"]["ran"] is True
+    assert read_report(again_dir)["profile"]["ran"] is True
 
 
-def test_profiling_stops_at_its_time_budget(tmp_path):
-    result = run_cli(["profile.runs=1000000", "profile.max_seconds=0.5"], tmp_path)
+def test_profiling_stops_at_its_time_budget(jobs):
+    result, run_dir = jobs["time-budget"]  # profile.runs=1000000 profile.max_seconds=0.5
     assert result.returncode == 0, result.stdout + result.stderr
-    profile = profile_of(run_dirs(tmp_path)[-1])
+    profile = profile_of(run_dir)
     assert 1 <= profile["runs"] < 1000000
     assert profile["note"].startswith(f"stopped after {profile['runs']} of 1000000 runs")
-    assert read_report(run_dirs(tmp_path)[-1])["profile"]["note"] == profile["note"]
+    assert read_report(run_dir)["profile"]["note"] == profile["note"]
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    """The digits model at fp32 on every CPU runtime and both GPU targets (the pip MNN
-    wheel has no OpenCL: mnn_opencl runs on the CPU and fails with exit 4)."""
-    cwd = tmp_path_factory.mktemp("sweep")
-    result = run_cli(["-m", f"target={','.join(SWEEP_TARGETS)}", "precision=fp32"], cwd, timeout=600)
-    (folder,) = sorted((cwd / "multirun").glob("*/*"))[-1:]
-    return result, folder, json.loads((folder / "sweep.json").read_text())
+def sweep(jobs):
+    return jobs["sweep"]
 
 
 @pytest.mark.parametrize("target", SWEEP_TARGETS)

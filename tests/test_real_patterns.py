@@ -5,6 +5,7 @@ declared shape is wrong, and a Gemm bias ONNX Runtime's quantizer cannot take.""
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 
@@ -15,9 +16,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_report, run_cli, run_dirs
+from side_by_side import QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, run_sweep, selected, stages
 from pipeline.precision.quantize import QdqSettings, QuantizerFailed, build_qdq, gemm_bias_fixes, needs_reduce_range
 
 SINGLE_METHODS = ("max", "percentile", "kl", "mse")
+VERIFIED = [stages("convert", "calibrate", "sensitivity", "build", "verify"), *QUICK_TIMING]  # no profile, no bundle
 
 
 def _save(graph, path):
@@ -94,33 +97,73 @@ def test_a_remaining_quantizer_failure_names_the_op(tmp_path):
     build_qdq(path, table, tmp_path / "q.onnx", QdqSettings(per_channel=False))  # the advice holds
 
 
+@pytest.fixture(scope="module")
+def pattern_jobs(request, tmp_path_factory):
+    """The module's `parity` jobs, each in its own folder, submitted up front and run side
+    by side; the tests read their results."""
+    jobs = Jobs()
+    for precision in ("int8", "mixed"):
+        if selected(request, f"test_token_classifier_builds_and_passes[{precision}]"):
+            jobs.submit(f"tokens-{precision}", functools.partial(
+                token_classifier_run, tmp_path_factory.mktemp(f"tokens-{precision}"), precision))
+    for precision, calibration in QUANTIZER_FAILURES:
+        if selected(request, f"test_quantizer_failure_is_exit_2_with_a_report[{precision}-{calibration}]"):
+            jobs.submit(f"failure-{precision}", functools.partial(
+                quantizer_failure_runs, tmp_path_factory.mktemp(f"failure-{precision}"), precision, calibration))
+    if selected(request, "test_auto_is_never_worse_than_the_best_single_method"):
+        jobs.submit("auto", functools.partial(calibration_sweep, tmp_path_factory.mktemp("auto")))
+    if selected(request, "test_a_wrong_declared_output_shape_is_noted"):
+        jobs.submit("declared", functools.partial(declared_shape_run, tmp_path_factory.mktemp("declared")))
+    yield jobs
+    jobs.close()
+
+
+def token_classifier_run(tmp_path, precision):
+    model = token_classifier(tmp_path / "tokens.onnx")
+    return new_run([f"model.path={model}", "data=random", "data.high=255", "data.calibration_size=16",
+                    "data.validation_size=40", "sensitivity.samples=8", f"precision={precision}", *VERIFIED],
+                   tmp_path, env=SIDE_BY_SIDE_ENV)
+
+
 @pytest.mark.parametrize("precision", ["int8", "mixed"])
-def test_token_classifier_builds_and_passes(tmp_path, precision):
+def test_token_classifier_builds_and_passes(pattern_jobs, precision):
     """int8 and mixed with defaults: no internal error, the reshaped biases named; mixed
     decides its skip on every validation sample (40), not on sensitivity.samples (8)."""
-    model = token_classifier(tmp_path / "tokens.onnx")
-    result = run_cli([f"model.path={model}", "data=random", "data.high=255", "data.calibration_size=16",
-                      "data.validation_size=40", "sensitivity.samples=8", f"precision={precision}"], tmp_path)
+    result, run_dir = pattern_jobs[f"tokens-{precision}"]
     assert result.returncode == 0, result.stdout + result.stderr
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(run_dir)
     assert [f["op"] for f in report["build"]["quantization"]["gemm_bias_reshaped"]] == ["dense", "head"]
     if precision == "mixed":
         assert report["sensitivity"]["samples"] == 8
         assert report["sensitivity"]["judged_samples"] == report["verify"]["samples"] == 40
 
 
-@pytest.mark.parametrize("precision, calibration", [("int8", "auto"), ("mixed", "max")])
-def test_quantizer_failure_is_exit_2_with_a_report(tmp_path, precision, calibration):
-    """int8 meets the failure in build (calibration=auto judges its tables on a fake-quantized
-    model, not through the quantizer), mixed with max in sensitivity: the same line."""
+QUANTIZER_FAILURES = [("int8", "auto"), ("mixed", "max")]
+
+
+def quantizer_failure_runs(tmp_path, precision, calibration):
+    """The failing job ((completed process, the run folders then)), and for int8 the job
+    again with precision.per_channel=false (completed process)."""
     model = batch_bias_gemm(tmp_path / "rows.onnx")
     result = run_cli([f"model.path={model}", "data=random", f"precision={precision}", f"calibration={calibration}"],
-                     tmp_path)
+                     tmp_path, env=SIDE_BY_SIDE_ENV)
+    failed = (result, run_dirs(tmp_path))
+    if precision == "mixed":
+        return failed, None
+    return failed, run_cli([f"model.path={model}", "data=random", "precision=int8", "precision.per_channel=false",
+                            *VERIFIED], tmp_path, env=SIDE_BY_SIDE_ENV)
+
+
+@pytest.mark.parametrize("precision, calibration", QUANTIZER_FAILURES)
+def test_quantizer_failure_is_exit_2_with_a_report(pattern_jobs, precision, calibration):
+    """int8 meets the failure in build (calibration=auto judges its tables on a fake-quantized
+    model, not through the quantizer), mixed with max in sensitivity: the same line."""
+    (result, made), again = pattern_jobs[f"failure-{precision}"]
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("parity:")]
     assert len(lines) == 1 and "op 'rows' (Gemm)" in lines[0] and "precision.per_channel=false" in lines[0]
     assert "internal error" not in result.stderr and "Traceback" not in result.stderr
-    (run_dir,) = run_dirs(tmp_path)
+    (run_dir,) = made
     report = read_report(run_dir)
     assert report["exit_code"] == 2 and "op 'rows'" in report["reasons"][0]
     assert report["convert"] is not None and not (run_dir / "bundle").exists()
@@ -128,7 +171,6 @@ def test_quantizer_failure_is_exit_2_with_a_report(tmp_path, precision, calibrat
     assert finished == (["convert", "calibrate"] if precision == "mixed" else ["convert", "calibrate", "sensitivity"])
     if precision == "mixed":
         return
-    again = run_cli([f"model.path={model}", "data=random", "precision=int8", "precision.per_channel=false"], tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
 
 
@@ -174,14 +216,21 @@ def _loss(prepared, table, samples) -> tuple:
     return (1 - total) + (1 - per_sample.min()), per_sample.min()
 
 
-def test_auto_is_never_worse_than_the_best_single_method(tmp_path):
+def calibration_sweep(tmp_path):
+    """The outlier model calibrated by auto and by each single method, one sweep:
+    (completed process, sweep folder, data file)."""
     model, data = outlier_model(tmp_path / "outliers.onnx"), outlier_data(tmp_path / "data.npz")
+    methods = ",".join(("auto", *SINGLE_METHODS))
+    return (*run_sweep(["-m", f"model.path={model}", f"data.path={data}", "precision=int8", f"calibration={methods}",
+                        "pipeline.stages=[convert,calibrate]"], tmp_path, env=SIDE_BY_SIDE_ENV), data)
+
+
+def test_auto_is_never_worse_than_the_best_single_method(pattern_jobs):
     tables, prepared = {}, None
+    result, sweep, data = pattern_jobs["auto"]
+    assert result.returncode == 0, result.stdout + result.stderr
     for method in ("auto", *SINGLE_METHODS):
-        result = run_cli([f"model.path={model}", f"data.path={data}", "precision=int8", f"calibration={method}",
-                          "pipeline.stages=[convert,calibrate]"], tmp_path)
-        assert result.returncode == 0, result.stdout + result.stderr
-        stage = run_dirs(tmp_path)[-1] / "stages" / "calibrate"
+        stage = sweep / f"calibration={method}" / "stages" / "calibrate"
         tables[method] = json.loads((stage / "calibration.json").read_text())["tensors"]
         prepared = prepared or stage / "prepared.onnx"
         if method == "auto":
@@ -197,9 +246,8 @@ def test_auto_is_never_worse_than_the_best_single_method(tmp_path):
     assert losses["auto"][1] > 0.9, losses  # the worst sample survives
 
 
-def test_a_wrong_declared_output_shape_is_noted(tmp_path):
-    """y's shape comes from ReduceProd(Shape(x)): shape inference keeps the declared [1, 6],
-    the model returns [1, 8]. The run goes on; convert and the warnings say so."""
+def declared_shape_run(tmp_path):
+    """The model whose output y is declared [1, 6] and is [1, 8]: (completed process, run folder)."""
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("ReduceProd", ["s"], ["n"], keepdims=1),
              helper.make_node("Concat", ["one", "n"], ["target"], axis=0),
              helper.make_node("Reshape", ["x", "target"], ["y"], name="flatten")]
@@ -207,8 +255,14 @@ def test_a_wrong_declared_output_shape_is_noted(tmp_path):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6])],
                               initializer=[numpy_helper.from_array(np.array([1], np.int64), "one")])
     model = _save(graph, tmp_path / "declared.onnx")
-    result = run_cli([f"model.path={model}", "data=random", "precision=fp32"], tmp_path)
+    return new_run([f"model.path={model}", "data=random", "precision=fp32"], tmp_path, env=SIDE_BY_SIDE_ENV)
+
+
+def test_a_wrong_declared_output_shape_is_noted(pattern_jobs):
+    """y's shape comes from ReduceProd(Shape(x)): shape inference keeps the declared [1, 6],
+    the model returns [1, 8]. The run goes on; convert and the warnings say so."""
+    result, run_dir = pattern_jobs["declared"]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "output 'y' is declared [1, 6] but the model returns [1, 8]" in result.stdout
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(run_dir)
     assert report["convert"]["output_shapes"]["mismatches"] == [{"output": "y", "declared": [1, 6], "returned": [1, 8]}]

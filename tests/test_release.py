@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, stages
 from pipeline.release.archive import safe_extract
 from pipeline.errors import InputError
 from pipeline.release.publish import SUMMARY_FILES
@@ -79,7 +80,8 @@ def sweep(tmp_path_factory):
     """A real sweep: ort_cpu and openvino_cpu, each with a passing and a failing min_cosine."""
     cwd = tmp_path_factory.mktemp("sweep")
     result = run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=fp32",
-                      f"validation.min_cosine={PASS_COSINE},{FAIL_COSINE}"], cwd)
+                      f"validation.min_cosine={PASS_COSINE},{FAIL_COSINE}",
+                      stages("convert", "build", "verify", "package"), *QUICK_TIMING, *NO_DIAGNOSIS], cwd)
     assert result.returncode == 3, result.stdout + result.stderr  # the failing threshold
     (folder,) = list(cwd.glob("multirun/*/*"))
     return folder, git_head(cwd)

@@ -3,6 +3,7 @@ its exit code, and the stage cache shared by the jobs of a sweep."""
 
 from __future__ import annotations
 
+import functools
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from side_by_side import QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, selected, stages
 
 
 def sweep_dir(cwd: Path) -> Path:
@@ -19,15 +21,49 @@ def sweep_dir(cwd: Path) -> Path:
 
 LAUNCHERS = {"basic": [], "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
              "submitit_local": ["hydra/launcher=submitit_local"]}
+# int8 builds need calibration; verify makes each job log a verify stage and a latency
+PARALLEL_STAGES = stages("convert", "calibrate", "build", "verify")
+
+
+def run_in(cwd: Path, *args):
+    """``parity ARGS`` in cwd: (cwd, completed process)."""
+    return cwd, run_cli(list(args), cwd, env=SIDE_BY_SIDE_ENV)
+
+
+@pytest.fixture(scope="module")
+def sweeps(request, tmp_path_factory):
+    """The module's sweeps, each in its own folder, submitted up front and run side by side."""
+    jobs = Jobs()
+
+    def submit(name, *args):
+        jobs.submit(name, functools.partial(run_in, tmp_path_factory.mktemp(name), *args))
+
+    for launcher, options in LAUNCHERS.items():
+        if selected(request, f"test_sweep_summary_and_worst_exit_code_with_each_launcher[{launcher}]"):
+            submit(launcher, "-m", *options, "target=ort_cpu,mnn_opencl", "precision=fp32,bf16",
+                   stages("convert", "build", "verify"), *QUICK_TIMING)
+    if selected(request, "test_sweep_of_passing_jobs_exits_0_and_shares_calibration"):
+        submit("passing", "-m", "target=ort_cpu,openvino_cpu", "precision=int8,mixed",
+               stages("convert", "calibrate", "sensitivity", "build", "verify"), *QUICK_TIMING)
+    if selected(request, "test_concurrent_jobs_sharing_the_cache_compute_once_and_agree",
+                "test_parallel_jobs_get_plain_log_lines_not_live_bars"):
+        submit("parallel", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               "target=ort_cpu,openvino_cpu", "precision=int8", PARALLEL_STAGES, *QUICK_TIMING)
+    if selected(request, "test_concurrent_jobs_sharing_the_cache_compute_once_and_agree"):
+        submit("alone", "target=ort_cpu", "precision=int8", "pipeline.cache=false", PARALLEL_STAGES, *QUICK_TIMING)
+    if selected(request, "test_job_folders_are_named_after_the_swept_keys_only"):
+        jobs.submit("folders", functools.partial(folder_sweeps, tmp_path_factory.mktemp("folders")))
+    yield jobs
+    jobs.close()
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_sweep_summary_and_worst_exit_code_with_each_launcher(tmp_path, launcher):
+def test_sweep_summary_and_worst_exit_code_with_each_launcher(sweeps, launcher):
     """ort_cpu passes; mnn_cpu at bf16 is a config error (exit 2) and mnn_opencl ran on the
     CPU (exit 4, the pip wheel has no OpenCL): the sweep exits 4 and lists every job."""
-    result = run_cli(["-m", *LAUNCHERS[launcher], "target=ort_cpu,mnn_opencl", "precision=fp32,bf16"], tmp_path)
+    cwd, result = sweeps[launcher]
     assert result.returncode == 4, result.stdout + result.stderr
-    folder = sweep_dir(tmp_path)
+    folder = sweep_dir(cwd)
     summary = json.loads((folder / "sweep.json").read_text())
     jobs = {(job["target"], job["precision"]): job for job in summary["jobs"]}
     assert set(jobs) == {("ort_cpu", "fp32"), ("ort_cpu", "bf16"), ("mnn_opencl", "fp32"), ("mnn_opencl", "bf16")}
@@ -47,19 +83,19 @@ def test_sweep_summary_and_worst_exit_code_with_each_launcher(tmp_path, launcher
     assert "sweep: 4 jobs, exit code 4" in result.stdout
 
 
-def test_sweep_of_passing_jobs_exits_0_and_shares_calibration(tmp_path):
+def test_sweep_of_passing_jobs_exits_0_and_shares_calibration(sweeps):
     """2 targets x 2 quantized precisions: calibration runs once for the whole sweep (int8
     and mixed share it); the other jobs are served from the cache. The sensitivity search runs
     once per Q/DQ placement: ONNX Runtime's and OpenVINO's differ, and each target's
     search measures its own placement (on OpenVINO for openvino_cpu)."""
-    result = run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=int8,mixed"], tmp_path)
+    cwd, result = sweeps["passing"]
     assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())
+    summary = json.loads((sweep_dir(cwd) / "sweep.json").read_text())
     assert summary["exit_code"] == 0 and len(summary["jobs"]) == 4
     shared = summary["shared_work"]
     assert shared["calibrate"] == {"computed": 1, "cached": 3}
     assert shared["sensitivity"]["computed"] == 3 and shared["sensitivity"]["cached"] == 1  # int8: a no-op, shared
-    reports = [json.loads((sweep_dir(tmp_path) / job["dir"] / "report.json").read_text()) for job in summary["jobs"]]
+    reports = [json.loads((sweep_dir(cwd) / job["dir"] / "report.json").read_text()) for job in summary["jobs"]]
     searched = {r["target"]["name"]: r["sensitivity"] for r in reports if r["precision"] == "mixed"}
     assert searched["openvino_cpu"]["measured_on"] == "openvino" and searched["ort_cpu"]["measured_on"] == "onnxruntime"
     assert searched["openvino_cpu"]["placement"]["quantized"] == "inputs"
@@ -68,13 +104,19 @@ def test_sweep_of_passing_jobs_exits_0_and_shares_calibration(tmp_path):
     assert statistics == ["computed"]  # one statistics pass, one calibration for int8 and mixed together
 
 
-def test_concurrent_jobs_sharing_the_cache_compute_once_and_agree(tmp_path):
+@pytest.fixture(scope="module")
+def parallel_sweep(sweeps):
+    """Two int8 jobs side by side (joblib, 2 workers) in a fresh folder: (folder, completed process)."""
+    cwd, result = sweeps["parallel"]
+    assert result.returncode == 0, result.stdout + result.stderr
+    return cwd, result
+
+
+def test_concurrent_jobs_sharing_the_cache_compute_once_and_agree(parallel_sweep, sweeps):
     """Two parallel jobs that need the same calibration: one computes it under the
     cache lock, the other waits and is served; their int8 models come from one table."""
-    result = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "target=ort_cpu,openvino_cpu",
-                      "precision=int8"], tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    folder = sweep_dir(tmp_path)
+    cwd, result = parallel_sweep
+    folder = sweep_dir(cwd)
     summary = json.loads((folder / "sweep.json").read_text())
     assert summary["shared_work"]["calibrate"] == {"computed": 1, "cached": 1}
     assert summary["shared_work"]["convert"]["computed"] == 2  # OpenVINO's convert adds an IR
@@ -82,9 +124,7 @@ def test_concurrent_jobs_sharing_the_cache_compute_once_and_agree(tmp_path):
               for job in summary["jobs"]}
     assert len(tables) == 1
 
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    single = run_cli(["target=ort_cpu", "precision=int8", "pipeline.cache=false"], alone)
+    alone, single = sweeps["alone"]  # the same int8 job alone, without the cache
     assert single.returncode == 0, single.stderr
     (run,) = (alone / "outputs").glob("*/*_ort_cpu_int8")
     ort_job = next(job for job in summary["jobs"] if job["target"] == "ort_cpu")
@@ -92,30 +132,40 @@ def test_concurrent_jobs_sharing_the_cache_compute_once_and_agree(tmp_path):
     assert built and all(path.read_bytes() == (run / "stages" / "build" / path.name).read_bytes() for path in built)
 
 
-def test_job_folders_are_named_after_the_swept_keys_only(tmp_path):
-    """model.path=/x/y.onnx is the same for every job: it stays out of the folder names
-    (a slash would nest them); a swept path is flattened into one folder name."""
+def folder_sweeps(tmp_path):
+    """A sweep with model.path set for every job, then one sweeping two model paths:
+    (the model, its copy, (cwd, completed process) of each)."""
     import importlib.resources
 
     model = importlib.resources.files("pipeline") / "assets" / "digits_cnn.onnx"
-    result = run_cli(["-m", f"model.path={model}", "target=ort_cpu,openvino_cpu"], tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())
-    assert sorted(job["dir"] for job in summary["jobs"]) == ["target=openvino_cpu", "target=ort_cpu"]
-    assert all(job["verdict"] == "pass" for job in summary["jobs"])
-
+    (tmp_path / "fixed").mkdir()
+    fixed = run_in(tmp_path / "fixed", "-m", f"model.path={model}", "target=ort_cpu,openvino_cpu", "precision=fp32",
+                   stages("convert", "build", "verify"), *QUICK_TIMING)
     (tmp_path / "copy").mkdir()
     other = tmp_path / "copy" / "digits_cnn.onnx"
     other.write_bytes(model.read_bytes())
-    swept = tmp_path / "swept"
-    swept.mkdir()
-    result = run_cli(["-m", f"model.path={model},{other}", "precision=fp32", "pipeline.stages=[convert]"], swept)
+    (tmp_path / "swept").mkdir()
+    swept = run_in(tmp_path / "swept", "-m", f"model.path={model},{other}", "precision=fp32",
+                   "pipeline.stages=[convert]")
+    return model, other, fixed, swept
+
+
+def test_job_folders_are_named_after_the_swept_keys_only(sweeps):
+    """model.path=/x/y.onnx is the same for every job: it stays out of the folder names
+    (a slash would nest them); a swept path is flattened into one folder name."""
+    model, other, (cwd, result), (swept, second) = sweeps["folders"]
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((sweep_dir(cwd) / "sweep.json").read_text())
+    assert sorted(job["dir"] for job in summary["jobs"]) == ["target=openvino_cpu", "target=ort_cpu"]
+    assert all(job["verdict"] == "pass" for job in summary["jobs"])
+
+    result = second
     assert result.returncode == 0, result.stdout + result.stderr
     folders = sorted(p.name for p in sweep_dir(swept).iterdir() if p.is_dir())
     assert folders == sorted(f"model.path={path}".replace("/", "_") for path in (model, other))
 
 
-def test_parallel_jobs_get_plain_log_lines_not_live_bars(tmp_path):
+def test_parallel_jobs_get_plain_log_lines_not_live_bars(parallel_sweep):
     """A joblib job logs each stage as a line; live bars are off in parallel jobs."""
     import subprocess
     import sys
@@ -124,19 +174,18 @@ def test_parallel_jobs_get_plain_log_lines_not_live_bars(tmp_path):
             "    assert not bar.disable or not console.stderr_console().is_terminal\n"
             "console.set_plain_progress()\nwith console.progress_bar() as bar:\n    assert bar.disable\nprint('plain')")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "plain"
-    result = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "target=ort_cpu,openvino_cpu"],
-                     tmp_path)
+    cwd, result = parallel_sweep
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("stage verify: computed") == 2
     import os
 
     cores = len(os.sched_getaffinity(0))
-    for job in json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())["jobs"]:
-        report = json.loads((sweep_dir(tmp_path) / job["dir"] / "report.json").read_text())
+    for job in json.loads((sweep_dir(cwd) / "sweep.json").read_text())["jobs"]:
+        report = json.loads((sweep_dir(cwd) / job["dir"] / "report.json").read_text())
         # two jobs side by side share the cores for parity's own work
         assert report["environment"]["cores"] == {"available": cores, "jobs_side_by_side": 2,
                                                   "own_threads": max(1, cores // 2)}
-    found = json.loads((sweep_dir(tmp_path) / "sweep.json").read_text())["recommendation"]
+    found = json.loads((sweep_dir(cwd) / "sweep.json").read_text())["recommendation"]
     assert found["contended"] == 2 and "2 jobs side by side" in found["text"] and found["text"] in result.stdout
 
 

@@ -6,6 +6,7 @@ limit is a warning, or a failure with validation.require_confidence."""
 
 from __future__ import annotations
 
+import functools
 import json
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
@@ -13,7 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import read_report, run_cli, run_dirs
+from conftest import read_report
+from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, selected, stages
 
 from pipeline.verification import confidence, verdict
 from pipeline.config.schemas import ValidationConfig
@@ -91,14 +93,32 @@ def test_the_search_aims_at_the_task_floor_when_a_metric_is_scored():
     assert goal(cfg, task=True) == (0.999, 0.01)
 
 
-def test_a_build_that_keeps_the_task_passes_below_the_cosine_threshold(tmp_path):
+# digits int8 with a cosine threshold no int8 build reaches
+STRICT = ["precision=int8", "validation.min_cosine=0.9999999", "validation.max_metric_drop=0.05",
+          stages("convert", "calibrate", "build", "verify"), *QUICK_TIMING, *NO_DIAGNOSIS]
+GATES = {"floor": ["validation.require_confidence=true"], "no_metric": ["metric=none"],
+         "no_floor": ["validation.task_min_cosine=null"]}
+
+
+@pytest.fixture(scope="module")
+def gate_runs(request, tmp_path_factory):
+    """The strict job with each of GATES, each in its own folder, run side by side:
+    {name: (completed process, run folder)}."""
+    jobs = Jobs()
+    if selected(request, "test_a_build_that_keeps_the_task_passes_below_the_cosine_threshold"):
+        for name, gate in GATES.items():
+            jobs.submit(name, functools.partial(new_run, [*STRICT, *gate], tmp_path_factory.mktemp(name),
+                                                env=SIDE_BY_SIDE_ENV))
+    yield jobs
+    jobs.close()
+
+
+def test_a_build_that_keeps_the_task_passes_below_the_cosine_threshold(gate_runs):
     """digits int8 with a cosine threshold no int8 build reaches: with top-1 scored (labels)
     the task output's cosine is gated at the 0.98 floor and the build passes; with no task
     metric, or without the floor, the same build fails on cosine. The drop's interval is in
     report.json, report.md, report.html and junit.xml."""
-    strict = ["precision=int8", "validation.min_cosine=0.9999999", "validation.max_metric_drop=0.05"]
-    result = run_cli([*strict, "validation.require_confidence=true"], tmp_path)
-    run_dir = run_dirs(tmp_path)[-1]
+    result, run_dir = gate_runs["floor"]
     verify = read_report(run_dir)["verify"]
     assert verify["task"]["require_confidence"] is True
     assert result.returncode == (3 if verify["task"]["uncertain"] else 0), result.stdout + result.stderr
@@ -113,10 +133,10 @@ def test_a_build_that_keeps_the_task_passes_below_the_cosine_threshold(tmp_path)
     cases = [c.get("name") for c in ET.parse(run_dir / "junit.xml").getroot().iter("testcase")]
     assert any("95 % interval within" in name for name in cases)
     # no task metric: the cosine threshold gates
-    result = run_cli([*strict, "metric=none"], tmp_path)
+    result, run_dir = gate_runs["no_metric"]
     assert result.returncode == 3, result.stdout + result.stderr
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(run_dir)
     assert report["verify"]["outputs"][0]["cosine_gate"] == "min_cosine" and report["verify"]["task"] is None
     # the floor off: the same
-    result = run_cli([*strict, "validation.task_min_cosine=null"], tmp_path)
-    assert result.returncode == 3 and "cosine" in json.dumps(read_report(run_dirs(tmp_path)[-1])["reasons"])
+    result, run_dir = gate_runs["no_floor"]
+    assert result.returncode == 3 and "cosine" in json.dumps(read_report(run_dir)["reasons"])

@@ -5,6 +5,7 @@ metric=map_iou), `parity-bundle run` on a PNG, and data sizes that follow the da
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
 import subprocess
@@ -14,7 +15,8 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+from conftest import read_report, run_cli, single_bundle
+from side_by_side import QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, selected, stages
 from textlines import FONTS, NEEDS_FONTS_SKIPPED, render, write_dataset
 
 from pipeline.config.schemas import DataConfig, DataKind
@@ -226,23 +228,61 @@ def test_a_metric_that_cannot_be_imported_is_a_config_error():
         load_metric({"_target_": "pipeline.task_metrics.MapIoU", "treshold": 0.5})
 
 
-def test_custom_metric_on_the_cli(custom_metrics, tmp_path):
+@pytest.fixture(scope="module")
+def cli_jobs(request, custom_metrics, tmp_path_factory):
+    """The module's `parity` jobs, each in its own folder, submitted up front (when the
+    first test needs one) and run side by side; the tests read their results."""
+    jobs = Jobs()
+    if selected(request, "test_custom_metric_on_the_cli"):
+        jobs.submit("custom", functools.partial(custom_metric_runs, custom_metrics, tmp_path_factory.mktemp("custom")))
+    ocr_jobs = {"rec": (recognizer_run, "test_recognizer_with_ctc_text_labels_and_the_bundle_reads_a_png"),
+                "det": (detector_runs, "test_detector_int8_gated_on_map_iou"),
+                "cls": (classifier_run, "test_classifier_bundle_runs_a_png_and_rejects_bad_inputs")}
+    for name, (job, test) in ocr_jobs.items():
+        if not NEEDS_FONTS_SKIPPED and selected(request, test):
+            try:
+                ocr = request.getfixturevalue("ocr")
+            except Exception:  # noqa: BLE001 - the OCR tests meet the error in their own setup; the others run
+                break
+            jobs.submit(name, functools.partial(job, ocr))
+    if selected(request, "test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle"):
+        jobs.submit("preprocess", functools.partial(custom_preprocess_run, tmp_path_factory.mktemp("preprocess")))
+    if selected(request, "test_the_mixed_search_keeps_ops_float_for_the_task_metric"):
+        jobs.submit("search", functools.partial(mixed_search_runs, custom_metrics, tmp_path_factory.mktemp("search")))
+    yield jobs
+    jobs.close()
+
+
+def custom_metric_runs(custom_metrics, cwd):
+    """The digits job judged by the user's Distance ((completed process, run folder)), with
+    a metric that raises and one that returns NaN ({name: completed process}), and with a
+    metric that cannot be imported (completed process)."""
+    verified = [stages("convert", "build", "verify"), *QUICK_TIMING]
+    distance = new_run(["precision=fp32", "metric=custom", "metric._target_=usermetrics.Distance",
+                        f"metric.path={custom_metrics}", "+metric.scale=10", "validation.max_metric_drop=0.01",
+                        *verified], cwd, env=SIDE_BY_SIDE_ENV)
+    broken = {target: run_cli(["precision=fp32", "metric=custom", f"metric._target_=usermetrics.{target}",
+                               f"metric.path={custom_metrics}", *verified], cwd, env=SIDE_BY_SIDE_ENV)
+              for target in ("raises", "nan")}
+    missing = run_cli(["metric=custom", "metric._target_=usermetrics.missing", f"metric.path={custom_metrics}"], cwd,
+                      env=SIDE_BY_SIDE_ENV)
+    return distance, broken, missing
+
+
+def test_custom_metric_on_the_cli(cli_jobs):
     """The digits job judged by a user's metric (a class outside the package, lower is
     better), shown in the report; then a metric that raises: exit 2, one line, no traceback."""
-    result = run_cli(["precision=fp32", "metric=custom", "metric._target_=usermetrics.Distance",
-                      f"metric.path={custom_metrics}", "+metric.scale=10", "validation.max_metric_drop=0.01"], tmp_path)
+    (result, run_dir), broken, missing = cli_jobs["custom"]
     assert result.returncode == 0, result.stdout + result.stderr
-    task = read_report(run_dirs(tmp_path)[-1])["verify"]["task"]
+    task = read_report(run_dir)["verify"]["task"]
     assert (task["metric"], task["higher_is_better"], task["labeled"]) == ("Distance", False, True)
     assert task["reference"] == 0.0 and task["target"] < 1e-3 and task["passed"]
     for target, message in (("raises", "metric raises raised ValueError: the user's bug"),
                             ("nan", "metric nan: returned nan for sample 0")):
-        result = run_cli(["precision=fp32", "metric=custom", f"metric._target_=usermetrics.{target}",
-                          f"metric.path={custom_metrics}"], tmp_path)
+        result = broken[target]
         assert result.returncode == 2, result.stdout + result.stderr
         assert message in result.stderr and "Traceback" not in result.stderr + result.stdout
-    result = run_cli(["metric=custom", "metric._target_=usermetrics.missing", f"metric.path={custom_metrics}"],
-                     tmp_path)
+    result = missing
     assert result.returncode == 2 and "cannot import 'usermetrics.missing'" in result.stderr, result.stderr
 
 
@@ -288,16 +328,21 @@ def ocr(tmp_path_factory):
     return root
 
 
-def run_ocr(ocr, *overrides):
-    result = run_cli(["--config-dir", ocr / "conf", *overrides], ocr)
-    return result, run_dirs(ocr)[-1]
+def run_ocr(cwd, ocr, *overrides):
+    """``parity --config-dir OCR/conf OVERRIDES`` in ``cwd``: (completed process, run folder)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    return new_run(["--config-dir", ocr / "conf", *overrides], cwd, env=SIDE_BY_SIDE_ENV)
+
+
+def recognizer_run(ocr):
+    return run_ocr(ocr / "jobs" / "rec", ocr, "model=rec", "data=lines", "precision=fp32", "metric=ctc",
+                   f"metric.charset={ocr / 'charset.txt'}", "validation.min_cosine=null",
+                   "pipeline.stages=[convert,calibrate,build,verify,package]", *QUICK_TIMING)
 
 
 @needs_fonts
-def test_recognizer_with_ctc_text_labels_and_the_bundle_reads_a_png(ocr):
-    result, run_dir = run_ocr(ocr, "model=rec", "data=lines", "precision=fp32", "metric=ctc",
-                              f"metric.charset={ocr / 'charset.txt'}", "validation.min_cosine=null",
-                              "pipeline.stages=[convert,calibrate,build,verify,package]")
+def test_recognizer_with_ctc_text_labels_and_the_bundle_reads_a_png(ocr, cli_jobs):
+    result, run_dir = cli_jobs["rec"]
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dir)
     task = report["verify"]["task"]
@@ -317,28 +362,39 @@ def test_recognizer_with_ctc_text_labels_and_the_bundle_reads_a_png(ocr):
         assert saved["softmax_11.tmp_0"].shape == (1, 40, 6625)
 
 
+def detector_runs(ocr):
+    """The detector at int8, then at fp32 with an impossible gate (one folder: one convert)."""
+    common = ["model=det", "data=det_lines", "metric=map_iou", "validation.min_cosine=null",
+              "validation.layerwise=off", "pipeline.stages=[convert,calibrate,build,verify]", *QUICK_TIMING]
+    cwd = ocr / "jobs" / "det"
+    return (run_ocr(cwd, ocr, *common, "precision=int8", "calibration=max", "validation.max_metric_drop=0.5"),
+            run_ocr(cwd, ocr, *common, "precision=fp32", "validation.max_metric_drop=-0.01"))  # an impossible gate
+
+
 @needs_fonts
-def test_detector_int8_gated_on_map_iou(ocr):
+def test_detector_int8_gated_on_map_iou(cli_jobs):
     """int8 on the detector, judged by the IoU of its binarized map with the reference's:
     with validation.min_cosine=null the task metric alone decides."""
-    common = ["model=det", "data=det_lines", "metric=map_iou", "validation.min_cosine=null",
-              "validation.layerwise=off", "pipeline.stages=[convert,calibrate,build,verify,package]"]
-    result, run_dir = run_ocr(ocr, *common, "precision=int8", "calibration=max", "validation.max_metric_drop=0.5")
+    (result, run_dir), impossible = cli_jobs["det"]
     assert result.returncode == 0, result.stdout + result.stderr
     verify = read_report(run_dir)["verify"]
     task = verify["task"]
     assert (task["metric"], task["labeled"], task["reference"]) == ("map_iou", True, 1.0)
     assert 0.5 < task["target"] <= 1.0 and task["agreement"] is None
     assert verify["comparison"]["fp32"]["task_metric"] > task["target"] - 0.01  # the side-by-side table has it
-    result, run_dir = run_ocr(ocr, *common, "precision=fp32", "validation.max_metric_drop=-0.01")  # an impossible gate
+    result, run_dir = impossible
     assert result.returncode == 3, result.stdout + result.stderr
     assert "task metric map_iou dropped" in result.stdout
 
 
+def classifier_run(ocr):
+    return run_ocr(ocr / "jobs" / "cls", ocr, "model=cls", "data=rotated", "precision=fp32",
+                   "pipeline.stages=[convert,calibrate,build,verify,package]", *QUICK_TIMING)
+
+
 @needs_fonts
-def test_classifier_bundle_runs_a_png_and_rejects_bad_inputs(ocr):
-    result, run_dir = run_ocr(ocr, "model=cls", "data=rotated", "precision=fp32",
-                              "pipeline.stages=[convert,calibrate,build,verify,package]")
+def test_classifier_bundle_runs_a_png_and_rejects_bad_inputs(ocr, cli_jobs):
+    result, run_dir = cli_jobs["cls"]
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_report(run_dir)["verify"]["task"]["metric"] == "top1"
     bundle = single_bundle(run_dir)
@@ -389,11 +445,17 @@ def read_digit(path):
 '''
 
 
-def test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle(tmp_path):
+def digit_texts():
     from pipeline.config.resolvers import asset_path
 
     with np.load(asset_path("digits.npz")) as digits:
-        images, labels = digits["validation/input"][:12], digits["validation/labels"][:12]
+        return digits["validation/input"][:12], digits["validation/labels"][:12]
+
+
+def custom_preprocess_run(tmp_path):
+    """The digits as text files in tmp_path/data, read by the user's digitreader.read_digit
+    in tmp_path/code: (completed process, run folder, tmp_path)."""
+    images, labels = digit_texts()
     for split, rows in (("calibration", range(4)), ("validation", range(12))):
         (tmp_path / "data" / split).mkdir(parents=True)
         for index in rows:
@@ -402,15 +464,23 @@ def test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle(tmp_path
             "sample,label\n" + "".join(f"{index:02d}.txt,{labels[index]}\n" for index in rows))
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "digitreader.py").write_text(READER)
-    result = run_cli(["precision=fp32", "data.kind=custom", f"data.path={tmp_path / 'data'}",
-                      "data.preprocess._target_=digitreader.read_digit", f"data.preprocess.path={tmp_path / 'code'}"],
-                     tmp_path)
+    result, run_dir = new_run(["precision=fp32", "data.kind=custom", f"data.path={tmp_path / 'data'}",
+                               "data.preprocess._target_=digitreader.read_digit",
+                               f"data.preprocess.path={tmp_path / 'code'}",
+                               stages("convert", "build", "verify", "package"), *QUICK_TIMING],
+                              tmp_path, env=SIDE_BY_SIDE_ENV)
+    return result, run_dir, tmp_path
+
+
+def test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle(cli_jobs, tmp_path):
+    _, labels = digit_texts()
+    result, run_dir, folder = cli_jobs["preprocess"]
     assert result.returncode == 0, result.stdout + result.stderr
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(run_dir)
     assert report["verify"]["task"]["samples"] == 12 and report["verify"]["task"]["reference"] > 0.9
     assert report["data"]["splits"]["calibration"]["used"] == "used 4 of 4"
-    bundle = single_bundle(run_dirs(tmp_path)[-1])
-    ran = run_cli(["run", bundle, tmp_path / "data" / "validation" / "03.txt"], tmp_path, program="parity-bundle")
+    bundle = single_bundle(run_dir)
+    ran = run_cli(["run", bundle, folder / "data" / "validation" / "03.txt"], tmp_path, program="parity-bundle")
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert f"(top1): class {labels[3]}" in ran.stdout
     (tmp_path / "short.txt").write_text("1 2 3")
@@ -419,19 +489,26 @@ def test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle(tmp_path
     assert len(ran.stderr.strip().splitlines()) == 1
 
 
-def test_the_mixed_search_keeps_ops_float_for_the_task_metric(custom_metrics, tmp_path):
-    """sensitivity.select=target with a cosine target plain int8 meets: with no task
-    metric nothing stays float; with a metric whose drop int8 exceeds, ops do."""
+def mixed_search_runs(custom_metrics, cwd):
+    """The search with no task metric, then with the user's Distance (one folder: one
+    calibration): ((completed process, run folder), the same)."""
     search = ["precision=mixed", "sensitivity.expected_cos=0.5", "validation.min_cosine=null",
               "validation.max_metric_drop=1", "pipeline.stages=[convert,calibrate,sensitivity]"]
-    result = run_cli([*search, "metric=none"], tmp_path)
+    return (new_run([*search, "metric=none"], cwd, env=SIDE_BY_SIDE_ENV),
+            new_run([*search, "metric=custom", "metric._target_=usermetrics.Distance", f"metric.path={custom_metrics}",
+                     "sensitivity.max_drop=1e-7"], cwd, env=SIDE_BY_SIDE_ENV))
+
+
+def test_the_mixed_search_keeps_ops_float_for_the_task_metric(cli_jobs):
+    """sensitivity.select=target with a cosine target plain int8 meets: with no task
+    metric nothing stays float; with a metric whose drop int8 exceeds, ops do."""
+    (result, run_dir), (with_metric, metric_run_dir) = cli_jobs["search"]
     assert result.returncode == 0, result.stdout + result.stderr
-    plain = read_report(run_dirs(tmp_path)[-1])["sensitivity"]
+    plain = read_report(run_dir)["sensitivity"]
     assert plain["skipped"] and plain["int8"]["metric_drop"] is None
-    result = run_cli([*search, "metric=custom", "metric._target_=usermetrics.Distance", f"metric.path={custom_metrics}",
-                      "sensitivity.max_drop=1e-7"], tmp_path)
+    result = with_metric
     assert result.returncode == 0, result.stdout + result.stderr
-    mixed = read_report(run_dirs(tmp_path)[-1])["sensitivity"]
+    mixed = read_report(metric_run_dir)["sensitivity"]
     assert mixed["int8"]["metric_drop"] > 1e-7 and "skipped" not in mixed
     assert mixed["float_ops"] and mixed["curve"][0]["metric_drop"] is not None
 

@@ -4,6 +4,8 @@ falls back, and the search logic picks the fastest setting, ties toward the simp
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +14,9 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+from conftest import read_report, run_cli, single_bundle
+from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, selected
+from side_by_side import stages as only_stages
 from pipeline import tuning
 from pipeline.release import compile_cache
 from pipeline.config.resolvers import asset_path
@@ -39,7 +43,43 @@ def ort_error(level: str, inputs) -> float:
     return float(np.abs(outputs(level) - outputs("ORT_DISABLE_ALL")).max())
 
 
-def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_the_tuned_one(tmp_path):
+@pytest.fixture(scope="module")
+def tuning_jobs(request, tmp_path_factory):
+    """The module's `parity` jobs, each in its own folder, submitted up front and run side
+    by side; the tests read their results."""
+    jobs = Jobs()
+
+    def submit(name, job, *args):
+        jobs.submit(name, functools.partial(job, tmp_path_factory.mktemp(name), *args))
+
+    if selected(request, "test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_the_tuned_one"):
+        inputs = digits_inputs(TUNE_SAMPLES)
+        fused, basic = ort_error("ORT_ENABLE_ALL", inputs), ort_error("ORT_ENABLE_BASIC", inputs)
+        if basic < fused:  # else the test skips
+            submit("refuses", new_run_in, "precision=fp32", "tuning=normal",
+                   f"validation.max_abs_error={(basic + fused) / 2}",
+                   only_stages("convert", "build", "tune", "verify", "package"), *QUICK_TIMING)
+    if selected(request, "test_measurements_are_reused_on_the_same_machine"):
+        submit("reused", reuse_runs)
+    if selected(request, "test_a_gpu_target_that_falls_back_is_not_tuned") and importlib.util.find_spec("MNN"):
+        submit("gpu", new_run_in, "target=mnn_opencl", "precision=fp32", "tuning=fast",
+               only_stages("convert", "build", "tune", "verify"), *QUICK_TIMING, *NO_DIAGNOSIS)
+    if selected(request, "test_throughput_objective_uses_concurrent_requests"):
+        submit("throughput", new_run_in, "target=openvino_cpu", "precision=int8", "tuning=fast",
+               "tuning.objective=throughput", only_stages("convert", "calibrate", "build", "tune"))
+    if selected(request, "test_stale_compile_cache_falls_back_to_compiling",
+                "test_startup_measures_cold_and_warm_loads", "test_report_shows_cold_and_warm_startup"):
+        submit("openvino", new_run_in, "target=openvino_cpu", "precision=fp32", *QUICK_TIMING)
+    yield jobs
+    jobs.close()
+
+
+def new_run_in(cwd, *args):
+    """``parity ARGS`` in cwd: (completed process, run folder)."""
+    return new_run(list(args), cwd, env=SIDE_BY_SIDE_ENV)
+
+
+def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_the_tuned_one(tuning_jobs, tmp_path):
     """With max_abs_error between the error of ONNX Runtime's fused kernels (level "all",
     the build's setting) and that of level basic, every "all" candidate fails the
     re-verification: tuning must refuse them and ship a basic/extended setting, which
@@ -48,9 +88,8 @@ def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_th
     fused, basic = ort_error("ORT_ENABLE_ALL", inputs), ort_error("ORT_ENABLE_BASIC", inputs)
     if not basic < fused:  # NCHWc kernels of level "all" reorder the sums on every x86 CPU seen so far
         pytest.skip(f"this CPU computes level all as exactly as level basic ({fused} vs {basic}): nothing to refuse")
-    result = run_cli(["precision=fp32", "tuning=normal", f"validation.max_abs_error={(basic + fused) / 2}"], tmp_path)
+    result, run_dir = tuning_jobs["refuses"]
     assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = run_dirs(tmp_path)[-1]
     tuned = read_report(run_dir)["tuning"]
     assert tuned["ran"] and tuned["baseline_passes"] is False
     refused = [t for t in tuned["trials"] if t.get("verified") is False]
@@ -70,23 +109,29 @@ def test_tuning_refuses_a_setting_that_fails_verification_and_the_bundle_runs_th
         assert f"intra_op_num_threads={chosen['intra_op_num_threads']}" in ran.stdout
 
 
-def test_measurements_are_reused_on_the_same_machine(tmp_path):
-    first = run_cli(["target=openvino_cpu", "precision=fp32", "tuning=fast"], tmp_path)
+def reuse_runs(cwd):
+    """One tuned job, the same job again, then with other thresholds, in one folder:
+    (completed process, run folder) of each."""
+    job = ["target=openvino_cpu", "precision=fp32", "tuning=fast",
+           only_stages("convert", "build", "tune", "verify", "package"), *QUICK_TIMING]
+    return [new_run(args, cwd, env=SIDE_BY_SIDE_ENV) for args in (job, job, [*job, "validation.min_cosine=0.999"])]
+
+
+def test_measurements_are_reused_on_the_same_machine(tuning_jobs):
+    (first, first_dir), (again, again_dir), (other, other_dir) = tuning_jobs["reused"]
     assert first.returncode == 0, first.stdout + first.stderr
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(first_dir)
     assert report["tuning"]["ran"] and not report["tuning"]["reused"]
     assert {"INFERENCE_NUM_THREADS"} == {row["option"] for row in report["tuning"]["space"]}
     # the same job: the whole stage comes from the stage cache
-    again = run_cli(["target=openvino_cpu", "precision=fp32", "tuning=fast"], tmp_path)
-    stages = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
+    stages = {s["stage"]: s["status"] for s in read_report(again_dir)["stages"]}
     assert again.returncode == 0 and stages["tune"] == "cached"
     # other thresholds re-verify, but the measurements of this artifact on this machine are reused
-    other = run_cli(["target=openvino_cpu", "precision=fp32", "tuning=fast", "validation.min_cosine=0.999"], tmp_path)
-    report = read_report(run_dirs(tmp_path)[-1])
+    report = read_report(other_dir)
     assert other.returncode == 0 and report["tuning"]["reused"]
     assert {s["stage"]: s["status"] for s in report["stages"]}["tune"] == "computed"
     effective = report["verify"]["effective"]
-    options = yaml.safe_load((single_bundle(run_dirs(tmp_path)[-1]) / "runtime.yaml").read_text())["options"]
+    options = yaml.safe_load((single_bundle(other_dir) / "runtime.yaml").read_text())["options"]
     assert effective["compile_cache"] == "hit"
     if "INFERENCE_NUM_THREADS" in options:  # verify ran what runtime.yaml says
         assert effective["runtime_options"]["INFERENCE_NUM_THREADS"] == str(options["INFERENCE_NUM_THREADS"])
@@ -100,18 +145,18 @@ def test_tuning_none_keeps_the_build_settings(default_run):
     assert not (run_dir / "stages" / "tune" / "runtime.yaml").exists()
 
 
-def test_a_gpu_target_that_falls_back_is_not_tuned(tmp_path):
+def test_a_gpu_target_that_falls_back_is_not_tuned(tuning_jobs):
     pytest.importorskip("MNN")
-    result = run_cli(["target=mnn_opencl", "precision=fp32", "tuning=fast"], tmp_path)
+    result, run_dir = tuning_jobs["gpu"]
     assert result.returncode == 4, result.stdout + result.stderr  # verify reports the fallback
-    tuned = read_report(run_dirs(tmp_path)[-1])["tuning"]
+    tuned = read_report(run_dir)["tuning"]
     assert not tuned["ran"] and tuned["reason"].startswith("OPENCL did not run (CPU did)")
 
 
-def test_throughput_objective_uses_concurrent_requests(tmp_path):
-    result = run_cli(["target=openvino_cpu", "precision=int8", "tuning=fast", "tuning.objective=throughput"], tmp_path)
+def test_throughput_objective_uses_concurrent_requests(tuning_jobs):
+    result, run_dir = tuning_jobs["throughput"]
     assert result.returncode == 0, result.stdout + result.stderr
-    tuned = read_report(run_dirs(tmp_path)[-1])["tuning"]
+    tuned = read_report(run_dir)["tuning"]
     assert tuned["space"][0]["option"] == "PERFORMANCE_HINT"
     measured = [t["measurement"] for t in tuned["trials"] if t["measurement"]]
     assert all(m["throughput"] > 0 and m["requests"] >= 1 for m in measured)
@@ -120,11 +165,10 @@ def test_throughput_objective_uses_concurrent_requests(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def openvino_bundle(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("ov")
-    result = run_cli(["target=openvino_cpu", "precision=fp32"], cwd)
+def openvino_bundle(tuning_jobs):
+    result, run_dir = tuning_jobs["openvino"]
     assert result.returncode == 0, result.stdout + result.stderr
-    return single_bundle(run_dirs(cwd)[-1])
+    return single_bundle(run_dir)
 
 
 def loaded(module: str, bundle: Path, feeds):
