@@ -36,7 +36,7 @@ def classifier_run(root, *args):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Every CLI job of this module started side by side (speed_a_jobs): the digits jobs
+    """Every CLI job of this module started side by side (tests/side_by_side.py): the digits jobs
     each in its own folder, the classifier's one after another in one folder (the later
     ones reuse its convert and calibrate). No profile (and no bundle where a test reads
     none), a short speed measure: no test here looks at them."""

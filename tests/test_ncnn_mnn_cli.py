@@ -39,7 +39,7 @@ def missing_backend_sweep(cwd):
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Every CLI job of this module, each in its own folder, started side by side
-    (speed_a_jobs); no profile (and no bundle where a test reads none), a short speed
+    (tests/side_by_side.py); no profile (and no bundle where a test reads none), a short speed
     measure: no test here looks at them."""
     pool = Jobs()
 

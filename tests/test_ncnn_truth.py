@@ -33,7 +33,7 @@ def modulated_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def jobs(modulated_model, tmp_path_factory):
     """The fp16 CLI jobs on ncnn_cpu and ncnn_vulkan, each in its own folder, started side
-    by side (speed_a_jobs); no profile, no bundle, a short speed measure: no test here
+    by side (tests/side_by_side.py); no profile, no bundle, a short speed measure: no test here
     looks at them."""
     _, _, args = modulated_model
     pool = Jobs()

@@ -4,6 +4,7 @@ fed rendered text lines rotated 0 or 180 degrees, configured from a user config 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -48,18 +49,18 @@ def ppocr_jobs(request, user_configs):
                 "test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference"):
         args = ppocr_args(user_configs, "precision=fp32", f"target={','.join(CPU_TARGETS)}", *QUICK_TIMING,
                           *QUICK_PROFILE, sweep=True)
-        jobs.submit("fp32", lambda cwd=folder("fp32"): run_sweep(args, cwd, timeout=600, env=SIDE_BY_SIDE_ENV))
+        jobs.submit("fp32", functools.partial(run_sweep, args, folder("fp32"), timeout=600, env=SIDE_BY_SIDE_ENV))
     if selected(request, "test_int8_auto_calibration_keeps_accuracy"):
         args = ppocr_args(user_configs, "precision=int8", "calibration=auto", "data.calibration_size=32",
                           f"target={','.join(INT8_TARGETS)}", stages("convert", "calibrate", "build", "verify"),
                           *QUICK_TIMING, sweep=True)
-        jobs.submit("int8", lambda cwd=folder("int8"): run_sweep(args, cwd, timeout=600, env=SIDE_BY_SIDE_ENV))
+        jobs.submit("int8", functools.partial(run_sweep, args, folder("int8"), timeout=600, env=SIDE_BY_SIDE_ENV))
     if selected(request, "test_openvino_bf16_reports_what_ran"):
         # 24 images: one changed prediction is 4.17 points, so the top-1 gate is loosened here
         # and the precision check (exit 4 on a fallback) is what this test is about
         args = ppocr_args(user_configs, "target=openvino_cpu", "precision=bf16", "validation.max_metric_drop=0.1",
                           stages("convert", "calibrate", "build", "verify"), *QUICK_TIMING, *NO_DIAGNOSIS)
-        jobs.submit("bf16", lambda cwd=folder("bf16"): new_run(args, cwd, env=SIDE_BY_SIDE_ENV))
+        jobs.submit("bf16", functools.partial(new_run, args, folder("bf16"), env=SIDE_BY_SIDE_ENV))
     yield jobs
     jobs.close()
 

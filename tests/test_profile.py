@@ -69,7 +69,7 @@ def sweep_job(cwd):
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Every CLI job of this module, each in its own folder, started side by side
-    (speed_a_jobs), the longest first; no bundle where a test reads none, a short speed
+    (tests/side_by_side.py), the longest first; no bundle where a test reads none, a short speed
     measure (the sweep's recommendation reads the medians, whatever their spread)."""
     pool = Jobs()
 

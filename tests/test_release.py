@@ -4,6 +4,7 @@ archives are refused with exit 2 and one line, and nothing is written outside.""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, stages
+from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, selected, stages
 from pipeline.release.archive import safe_extract
 from pipeline.errors import InputError
 from pipeline.release.publish import SUMMARY_FILES
@@ -75,13 +76,35 @@ def git_head(folder: Path):
 
 # --- fixtures ----------------------------------------------------------------------------
 
+@pytest.fixture(scope="module", autouse=True)
+def release_jobs(request, tmp_path_factory):
+    """The sweep, and the CLI runs of the tests that need no sweep, each in its own folder,
+    submitted when the module starts and run side by side; the tests read their results."""
+    jobs = Jobs()
+    if any(getattr(item, "module", None) is request.module and "sweep" in getattr(item, "fixturenames", ())
+           for item in request.session.items):
+        jobs.submit("sweep", functools.partial(sweep_run, tmp_path_factory.mktemp("sweep")))
+    for kind in UNSAFE:
+        if selected(request, f"test_unsafe_archive_is_refused[{kind}]"):
+            jobs.submit(f"unsafe-{kind}", functools.partial(unsafe_archive_run, tmp_path_factory.mktemp(kind), kind))
+    for case in BAD_SWEEP_FOLDERS:
+        if selected(request, f"test_bad_sweep_folder_is_exit_2[{case}]"):
+            jobs.submit(f"bad-{case}", functools.partial(bad_sweep_folder_run, tmp_path_factory.mktemp(case), case))
+    yield jobs
+    jobs.close()
+
+
+def sweep_run(cwd):
+    return cwd, run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=fp32",
+                         f"validation.min_cosine={PASS_COSINE},{FAIL_COSINE}",
+                         stages("convert", "build", "verify", "package"), *QUICK_TIMING, *NO_DIAGNOSIS], cwd,
+                        env=SIDE_BY_SIDE_ENV)
+
+
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweep(release_jobs):
     """A real sweep: ort_cpu and openvino_cpu, each with a passing and a failing min_cosine."""
-    cwd = tmp_path_factory.mktemp("sweep")
-    result = run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=fp32",
-                      f"validation.min_cosine={PASS_COSINE},{FAIL_COSINE}",
-                      stages("convert", "build", "verify", "package"), *QUICK_TIMING, *NO_DIAGNOSIS], cwd)
+    cwd, result = release_jobs["sweep"]
     assert result.returncode == 3, result.stdout + result.stderr  # the failing threshold
     (folder,) = list(cwd.glob("multirun/*/*"))
     return folder, git_head(cwd)
@@ -216,12 +239,19 @@ def test_no_passing_bundle_is_exit_3_and_writes_nothing(sweep, tmp_path):
     assert_ok(bundle_cli(["verify", failing / "release.tar.gz"], tmp_path))
 
 
-@pytest.mark.parametrize("case", ["missing", "empty"])
-def test_bad_sweep_folder_is_exit_2(case, tmp_path):
+BAD_SWEEP_FOLDERS = ["missing", "empty"]
+
+
+def bad_sweep_folder_run(tmp_path, case):
     folder = tmp_path / "sweep"
     if case == "empty":
         folder.mkdir()
-    result = release_cli([folder], tmp_path)
+    return folder, release_cli([folder], tmp_path, env=SIDE_BY_SIDE_ENV)
+
+
+@pytest.mark.parametrize("case", BAD_SWEEP_FOLDERS)
+def test_bad_sweep_folder_is_exit_2(case, release_jobs):
+    folder, result = release_jobs[f"bad-{case}"]
     assert_one_line_error(result, "parity-release", 2, [str(folder), "sweep folder"])
 
 
@@ -273,17 +303,25 @@ UNSAFE = {
 }
 
 
-@pytest.mark.parametrize("kind", list(UNSAFE))
-def test_unsafe_archive_is_refused(kind, tmp_path):
+def unsafe_archive_run(tmp_path, kind):
+    """`parity-bundle verify` on an archive holding UNSAFE[kind]: (the bad member, completed
+    process, tmp_path's files before and after, what the CLI left in its temporary folder,
+    whether tmp_path/evil.txt exists)."""
     scratch = tmp_path / "tmp"  # the CLI's temporary folders: a member with ../../../ aims at tmp_path
     scratch.mkdir()
     bad = UNSAFE[kind](tmp_path)
     archive = archive_with(tmp_path / "bad.tar.gz", bad)
     before = tree(tmp_path)
-    result = bundle_cli(["verify", archive], tmp_path, env={"TMPDIR": str(scratch)})
+    result = bundle_cli(["verify", archive], tmp_path, env={"TMPDIR": str(scratch), **SIDE_BY_SIDE_ENV})
+    return bad, result, before, tree(tmp_path), list(scratch.iterdir()), (tmp_path / "evil.txt").exists()
+
+
+@pytest.mark.parametrize("kind", list(UNSAFE))
+def test_unsafe_archive_is_refused(kind, release_jobs):
+    bad, result, before, after, left, evil = release_jobs[f"unsafe-{kind}"]
     assert_one_line_error(result, "parity-bundle", 2, [bad.name, "refused"])
-    assert tree(tmp_path) == before and not list(scratch.iterdir())
-    assert not (tmp_path / "evil.txt").exists()
+    assert after == before and not left
+    assert not evil
 
 
 @pytest.mark.parametrize("kind", ["truncated", "garbage"])
