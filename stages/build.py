@@ -220,12 +220,7 @@ def run(ctx: StageContext) -> StageResult:
                 else _quantize(ctx), None
         elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
             (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
-        traced = ctx.traceable(backend, onnx_path, ctx.out_dir)
-        artifacts, settings = _converted(backend, traced, ir_dir, ctx.out_dir, target, precision)
-        if traced != onnx_path:  # the data's range it was traced at goes into the summary
-            traced_model = onnx.load(str(traced), load_external_data=False)
-            traced_ranges = {name: found.to_json() for name, found in shapes.recorded(traced_model).items()}
-            traced.unlink()
+        artifacts, settings, traced_ranges = _converted_traced(ctx, backend, onnx_path, ir_dir)
     qdq_file = None  # the Q/DQ model as refined, kept for verify's advice screening (never packaged)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         if precision in ("int8", "mixed") and not ctx.cfg.precision.dynamic_ranges:
@@ -263,6 +258,19 @@ def run(ctx: StageContext) -> StageResult:
     if precision in ("int8", "mixed"):  # where the activation ranges come from: the calibration table, or each call
         summary["activation_ranges"] = ctx.cfg.precision.activation_ranges.value
     return StageResult(ctx.out_dir, files, summary)
+
+
+def _converted_traced(ctx: StageContext, backend, onnx_path: Path, ir_dir) -> tuple:
+    """_converted, on the model with the data's range recorded where the converter traces at
+    fixed shapes and no range is set (StageContext.traceable): (artifacts, settings, the
+    ranges it was traced at or None)."""
+    traced = ctx.traceable(backend, onnx_path, ctx.out_dir)
+    artifacts, settings = _converted(backend, traced, ir_dir, ctx.out_dir, ctx.cfg.target, ctx.cfg.precision.kind)
+    if traced == onnx_path:
+        return artifacts, settings, None
+    ranges = shapes.recorded(onnx.load(str(traced), load_external_data=False))
+    traced.unlink()
+    return artifacts, settings, {name: found.to_json() for name, found in ranges.items()}
 
 
 def _converted(backend, onnx_path: Path, ir_dir, out_dir: Path, target, precision: str):
