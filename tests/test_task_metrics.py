@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-import json
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ from textlines import FONTS, NEEDS_FONTS_SKIPPED, render, write_dataset
 
 from pipeline.config.schemas import DataConfig, DataKind
 from pipeline.data import TensorSpec, open_dataset
-from pipeline.task_metrics import (CTC, MapIoU, MetricError, Regression, TaskMetric, TaskScorer, char_accuracy,
+from pipeline.task_metrics import (CTC, MapIoU, MetricError, Regression, TaskScorer, char_accuracy,
                                    load_metric)
 
 MODELS = importlib.resources.files("rapidocr_onnxruntime") / "models"
