@@ -4,6 +4,7 @@ on the target within the diagnosis budget)."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 import time
@@ -254,9 +255,10 @@ def _screen_maker(ctx, backend, qdq, stack):
     refined = onnx.load(str(build.path("qdq")))
     prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-screen-")))
+    numbers = itertools.count()
 
     def make(keep: List[str]) -> Path:
-        path = scratch / f"screen{len(list(scratch.iterdir()))}.onnx"
+        path = scratch / f"screen{next(numbers)}.onnx"
         onnx.save(keep_in_float(refined, prepared, keep, settings), str(path))
         return path
 
