@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import read_json
-from pipeline.app.auto import UNVERIFIED, _fp32_could_ship, choose
+from types import SimpleNamespace
+
+from pipeline.app.auto import UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
 
 
 def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
@@ -59,6 +61,25 @@ def test_fp32_is_verified_only_when_it_could_ship():
     failing = {**fast_int8, "verdict": "fail"}
     assert _fp32_could_ship({"fp32": fp32, "int8": failing}, ["fp32", "int8"], 1.25)
     assert not _fp32_could_ship({"fp32": fp32, "int8": slow_int8}, ["int8"], 1.25)  # not a candidate
+
+
+def test_one_candidate_against_fp32_takes_its_verify_timing_instead_of_a_second_one():
+    """int8 alone passing: its verify timed it interleaved with fp32 on one sample, which is
+    what auto's timing would do; several passing candidates, or a stream, are timed again."""
+    latency = {p: _row(p, ms, ms - 0.5, ms + 0.5, 100)["latency"] for p, ms in (("fp32", 10.0), ("int8", 5.0))}
+    speedup = {"speedup": 2.0, "speedup_p25": 1.9, "speedup_p75": 2.1, "faster": True, "spread": 1.1, "call": "faster"}
+    verify = {"speed": {"judged_on": None}, "comparison": {"fp32": {"latency": latency["fp32"]},
+                                                           "int8": {"latency": latency["int8"], "speedup": speedup}}}
+    outcomes = {"fp32": SimpleNamespace(verify=None), "int8": SimpleNamespace(verify=verify)}
+    tried = {"fp32": {"verdict": UNVERIFIED}, "int8": {"verdict": "pass"}}
+    assert _timed_by_verify(outcomes, ["fp32", "int8"], tried)
+    assert tried["int8"]["latency"] is latency["int8"] and tried["fp32"]["latency"] is latency["fp32"]
+    assert tried["int8"]["speedup"] == speedup and "int8's verify" in tried["int8"]["timed_on"]
+    assert choose({"int8": tried["int8"]})[0] == "int8"
+    outcomes["bf16"] = SimpleNamespace(verify=verify)
+    assert not _timed_by_verify(outcomes, ["fp32", "int8", "bf16"], {**tried, "bf16": {}})
+    verify["speed"]["judged_on"] = "stream"
+    assert not _timed_by_verify(outcomes, ["fp32", "int8"], {"fp32": {}, "int8": {}})
 
 
 def test_nothing_passes_fails_with_the_closest_candidate(tmp_path):

@@ -120,6 +120,29 @@ def _max_table(stats):
     return {name: tables.table_entry(h, "max") for name, h in stats.histograms.items()}
 
 
+@pytest.mark.parametrize("residual", [True, False])
+def test_the_judge_derives_a_smoothed_table_from_one_statistics_pass(residual):
+    """The smoothed activation's range is the per-channel range divided by s (a Mul in front
+    of the dense op, or folded into the norm): the same entry recollecting it gives."""
+    model, data = layer_norm_model(residual=residual), samples()
+    settings = QdqSettings(reduce_range=True)
+    found = smoothing.groups(model, settings.quantize_ops)
+    maxima = statistics.channel_maxima(model, (s.feeds for s in data), [g.source for g in found])
+    ready = smoothing.with_scales(model, found, maxima, 0.7)
+    judge = smoothing.Judge(model, data, settings, (), _max_table, [g.source for g in ready])
+    assert judge.ranges is not None
+    candidate = smoothing.smoothed(model, ready)
+    derived = judge.table(candidate, ready)
+    collected = _max_table(statistics.collect(candidate, data, len(data), keep=0, around=settings.quantize_ops))
+    assert set(derived) >= set(collected)
+    smoothed_name = next(n for n in candidate.graph.node if n.name == "dense").input[0]
+    assert (smoothed_name != ready[0].source) == residual  # a Mul when the norm output has other readers
+    for name, entry in collected.items():
+        for key in ("threshold", "min", "max"):
+            assert derived[name][key] == pytest.approx(entry[key], rel=1e-5, abs=1e-7), (name, key)
+    assert derived[smoothed_name] != judge.base.get(smoothed_name)  # the smoothing did change that range
+
+
 def test_auto_measures_alphas_and_keeps_the_best_or_none(monkeypatch):
     """The grid, then the best one's neighbours; no smoothing wins ties; a fixed alpha is
     applied without a search."""
@@ -133,7 +156,7 @@ def test_auto_measures_alphas_and_keeps_the_best_or_none(monkeypatch):
     assert summary["judged_on"] == len(data) and summary["groups"][0]["ops"] == ["dense"]
     assert any(n.op_type == "Mul" for n in chosen.graph.node)
 
-    monkeypatch.setattr(smoothing.Judge, "loss", lambda self, candidate: {"loss": 0.5})
+    monkeypatch.setattr(smoothing.Judge, "loss", lambda self, *candidate: {"loss": 0.5})
     same, tie = smoothing.choose(model, data, "auto", settings, (), _max_table)
     assert not tie["applied"] and tie["alpha"] is None and same is model
 

@@ -253,15 +253,30 @@ class Judge:
     from their statistics), fake-quantized with ``settings`` (calibration/fake_quant.py)
     and run sample by sample (samples may differ in shape) against the prepared model's
     fp32 outputs. The loss is calibration=auto's: (1 - cosine) + (1 - worst sample's
-    cosine), averaged over the float outputs."""
+    cosine), averaged over the float outputs.
+
+    One statistics pass serves every candidate where the smoothed tensors' entries are max
+    ranges (the judge's method): smoothing changes only the activations it divides (every
+    other tensor computes the same values), and the range of X / s is the per-channel range
+    of X divided by s. A histogram method (calibration.method=kl, ...) recollects per
+    candidate."""
 
     def __init__(self, prepared: onnx.ModelProto, samples: Sequence, settings, keep_float: Iterable[str],
-                 make_table: Callable):
+                 make_table: Callable, sources: Sequence[str] = ()):
+        from pipeline.precision.calibration import statistics
         from pipeline.precision.calibration.measure import float_outputs
 
         self.samples, self.settings, self.keep_float = list(samples), settings, list(keep_float)
         self.make_table, self.outputs = make_table, float_outputs(prepared)
         self.reference = self._run_float(prepared)
+        self.base = make_table(self._statistics(prepared))
+        self.ranges = statistics.channel_ranges(prepared, (s.feeds for s in self.samples), list(sources)) \
+            if all(self.base.get(name, {}).get("method") == "max" for name in sources) else None
+
+    def _statistics(self, model: onnx.ModelProto):
+        from pipeline.precision.calibration import statistics
+
+        return statistics.collect(model, self.samples, len(self.samples), keep=0, around=self.settings.quantize_ops)
 
     def _run_float(self, model: onnx.ModelProto) -> List[List[np.ndarray]]:
         from pipeline.backends.onnxruntime import untimed_options
@@ -272,15 +287,36 @@ class Judge:
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return [session.run(self.outputs, sample.feeds) for sample in self.samples]
 
-    def loss(self, model: onnx.ModelProto) -> dict:
-        from pipeline.precision.calibration import statistics
+    def table(self, model: onnx.ModelProto, ready: Sequence[Group]) -> Dict[str, dict]:
+        """``model``'s table on the judge samples: the prepared model's with each smoothed
+        activation's range divided by its s, or recollected (see the class)."""
+        if not ready:
+            return self.base
+        if self.ranges is None:
+            return self.make_table(self._statistics(model))
+        table = dict(self.base)
+        nodes = {node.name: node for node in model.graph.node}
+        for group in ready:
+            low, high = self.ranges[group.source]
+            smoothed_name = nodes[group.ops[0]].input[0]  # the source when folded, else the Mul's output
+            table[smoothed_name] = range_entry(float((low / group.scale).min()), float((high / group.scale).max()))
+        return table
+
+    def loss(self, model: onnx.ModelProto, ready: Sequence[Group] = ()) -> dict:
         from pipeline.precision.calibration.fake_quant import FakeQuantModel
 
-        stats = statistics.collect(model, self.samples, len(self.samples), keep=0, around=self.settings.quantize_ops)
-        table = self.make_table(stats)
+        table = self.table(model, ready)
         fake = FakeQuantModel(model, table, self.settings, self.keep_float)
         actual = [[row[0] for row in fake.run(table, [sample.feeds], self.outputs)[0]] for sample in self.samples]
         return agreement(self.reference, actual)
+
+
+def range_entry(low: float, high: float) -> dict:
+    """A max-method table entry from a signed range (what tables.table_entry gives a
+    histogram with these extremes, without the histogram)."""
+    from pipeline.precision.calibration.thresholds import MIN_THRESHOLD
+
+    return {"threshold": max(abs(low), abs(high), MIN_THRESHOLD), "min": low, "max": high, "method": "max"}
 
 
 def agreement(reference: List[List[np.ndarray]], actual: List[List[np.ndarray]]) -> dict:
@@ -339,10 +375,14 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
         ready = with_scales(prepared, found, maxima, float(setting))
         return smoothed(prepared, ready), {"setting": setting, "applied": True, "alpha": float(setting),
                                            "groups": describe(ready), "seconds": seconds()}
-    judge = Judge(prepared, list(islice(samples, JUDGE_SAMPLES)), settings, keep_float, make_table)
-    best, scores = search(lambda alpha: judge.loss(prepared if alpha is None else
-                                                   smoothed(prepared, with_scales(prepared, found, maxima, alpha))),
-                          alphas)
+    judge = Judge(prepared, list(islice(samples, JUDGE_SAMPLES)), settings, keep_float, make_table,
+                  [g.source for g in with_scales(prepared, found, maxima, 0.5)])
+
+    def loss(alpha: Optional[float]) -> dict:
+        ready = [] if alpha is None else with_scales(prepared, found, maxima, alpha)
+        return judge.loss(smoothed(prepared, ready) if ready else prepared, ready)
+
+    best, scores = search(loss, alphas)
     summary = {"setting": setting, "applied": best is not None, "alpha": best,
                "judged_on": len(judge.samples), "candidates": scores}
     if best is None:

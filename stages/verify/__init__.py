@@ -364,21 +364,23 @@ class _Check:
         self.last: Optional[dict] = None
 
     def run(self, reference, target, baselines, dataset, progress, reproduce: Path, title: str) -> None:
+        """Every validation sample on every worker at once; sample i + 1 is given to them
+        before sample i is scored, so the workers compute while this process scores."""
         self.missing = [name for name in self.stats if name not in target.outputs]
         recorded = {}
         task = progress.add_task(title, total=len(dataset.validation))
-        for index, sample in enumerate(dataset.validation):
-            for baseline in baselines.values():  # every worker computes the sample at once
-                baseline.submit(sample)
-            expected, actual = _side_by_side_run(reference, target, sample.feeds)
-            for name, stats in self.stats.items():
-                if name in actual:
-                    stats.update(expected[name], actual[name])
-            self.by_shape.update(index, sample.feeds, expected, actual)
-            self._score("reference", expected, expected, sample.label)
-            self._score(self.shipped, expected, actual, sample.label)
-            for name, baseline in baselines.items():
-                self._score(name, expected, baseline.collect(expected), sample.label)
+        samples = iter(dataset.validation)
+        sample = next(samples, None)
+        if sample is not None:
+            _submit_all(reference, target, baselines, sample)
+        index = 0
+        while sample is not None:
+            expected, actual = _collect_pair(reference, target)
+            others = {name: baseline.receive() for name, baseline in baselines.items()}
+            following = next(samples, None)
+            if following is not None:
+                _submit_all(reference, target, baselines, following)
+            self._compare(index, sample, (expected, actual), baselines, others)
             if index < REPRODUCE_SAMPLES:
                 recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
                 recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
@@ -386,7 +388,19 @@ class _Check:
             self.samples += 1
             self.last = sample.feeds
             progress.advance(task)
+            sample, index = following, index + 1
         write_npz(reproduce, recorded)  # fixed zip entry times: the same inputs give the same bytes
+
+    def _compare(self, index: int, sample, outputs: tuple, baselines: dict, others: dict) -> None:
+        expected, actual = outputs
+        for name, stats in self.stats.items():
+            if name in actual:
+                stats.update(expected[name], actual[name])
+        self.by_shape.update(index, sample.feeds, expected, actual)
+        self._score("reference", expected, expected, sample.label)
+        self._score(self.shipped, expected, actual, sample.label)
+        for name, baseline in baselines.items():
+            self._score(name, expected, baseline.compare(expected, others[name]), sample.label)
 
     def _score(self, build: str, expected: dict, actual: Optional[dict], label) -> None:
         if self.scorer and actual is not None and self.task_output in actual and self.scorer.active(label):
@@ -407,12 +421,24 @@ class _Check:
                     row["top1"] = row["task_metric"]
 
 
-def _side_by_side_run(reference, target, feeds: dict) -> tuple:
-    """The reference's and the target's outputs for one sample, computed at once. The
-    target's answer is read even when the reference failed: no reply is left in its pipe
-    for the diagnosis that follows."""
-    reference.submit(feeds)
-    target.submit(feeds)
+def _submit_all(reference, target, baselines: dict, sample) -> None:
+    """Give one sample to every worker (the reference, the target, each baseline). The
+    reference's answer is read when the target cannot take the sample: no reply is left in
+    its pipe for the diagnosis that follows."""
+    for baseline in baselines.values():
+        baseline.submit(sample)
+    reference.submit(sample.feeds)
+    try:
+        target.submit(sample.feeds)
+    except BackendCrashed:
+        with contextlib.suppress(BackendCrashed):
+            reference.collect()
+        raise
+
+
+def _collect_pair(reference, target) -> tuple:
+    """The reference's and the target's outputs for the sample submitted. The target's
+    answer is read even when the reference failed (see _submit_all)."""
     try:
         expected = reference.collect()
     except BackendCrashed:
@@ -448,19 +474,22 @@ class _Row:
         except BackendCrashed as err:  # a side-by-side build is information, not the verdict
             self.error = str(err)
 
-    def collect(self, expected) -> Optional[dict]:
-        """This build's outputs for the submitted sample (None once it failed), compared with
-        the reference's."""
+    def receive(self) -> Optional[dict]:
+        """This build's outputs for the submitted sample (None once it failed)."""
         if self.error or not self._pending:
             return None
         self._pending = False
         try:
-            actual = self.worker.collect()
+            return self.worker.collect()
         except BackendCrashed as err:  # a side-by-side build is information, not the verdict
             self.error = str(err)
             return None
-        for name in expected:
-            self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
+
+    def compare(self, expected: dict, actual: Optional[dict]) -> Optional[dict]:
+        """``actual`` (receive()'s) compared with the reference's outputs."""
+        if actual is not None:
+            for name in expected:
+                self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
         return actual
 
     def result(self, timing: Optional[dict]) -> dict:

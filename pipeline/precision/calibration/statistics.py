@@ -8,7 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import onnx
@@ -144,22 +144,32 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
 def channel_maxima(model: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]], names: List[str],
                    batch_size: int = 16) -> Dict[str, np.ndarray]:
     """max |x| per channel (the last axis) of each named tensor over the samples: what
-    SmoothQuant divides an activation by (pipeline/precision/smoothing.py). One light pass:
-    only these tensors are fetched, samples of one shape run together."""
+    SmoothQuant divides an activation by (pipeline/precision/smoothing.py)."""
+    return {name: np.maximum(-low, high) for name, (low, high) in
+            channel_ranges(model, samples, names, batch_size).items()}
+
+
+def channel_ranges(model: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]], names: List[str],
+                   batch_size: int = 16) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """(min, max) per channel (the last axis) of each named tensor over the samples, float64.
+    One light pass: only these tensors are fetched, samples of one shape run together."""
     from pipeline.shapes import uniform_groups
 
     runner = BatchRunner(model, names, batch_size)
-    found: Dict[str, np.ndarray] = {}
+    found: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}
     for group in uniform_groups(samples, max(batch_size, 1)):
         values = runner.run(pack(group), len(group))
         for name in names:
-            value = np.abs(values[name])
+            value = values[name]
             if value.ndim == 0 or value.size == 0:
                 continue
             if not np.isfinite(value).all():
                 raise InputError(f"calibration: tensor '{name}' holds non-finite values")
-            largest = value.reshape(-1, value.shape[-1]).max(axis=0).astype(np.float64)
-            found[name] = largest if name not in found else np.maximum(found[name], largest)
+            rows = value.reshape(-1, value.shape[-1])
+            low, high = rows.min(axis=0).astype(np.float64), rows.max(axis=0).astype(np.float64)
+            if name in found:
+                low, high = np.minimum(found[name][0], low), np.maximum(found[name][1], high)
+            found[name] = (low, high)
     return found
 
 
