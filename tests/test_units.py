@@ -33,6 +33,28 @@ def test_stats_match_closed_form():
     assert stats.sample_max_abs == [1.0, 0.0]
 
 
+def test_a_large_output_compared_in_slices_matches_the_whole_array_formulas():
+    """OutputStats.update works through a large output a slice at a time: every figure is
+    the whole sample's, NaN/Inf and zeros in the reference included, wherever they fall."""
+    from pipeline.verification.metrics import CHUNK
+
+    rng = np.random.default_rng(3)
+    ref = rng.normal(size=3 * CHUNK + 17).astype(np.float32)
+    out = ref + rng.normal(scale=1e-3, size=ref.size).astype(np.float32)
+    out[[5, CHUNK + 2]], out[2 * CHUNK + 1], ref[CHUNK - 1] = np.nan, np.inf, 0.0
+    stats = OutputStats()
+    stats.update(ref, out)
+    keep = np.isfinite(out)
+    a, b = ref[keep].astype(np.float64), out[keep].astype(np.float64)
+    result = stats.result()
+    assert (result["nan"], result["inf"], result["elements"]) == (2, 1, ref.size)
+    assert result["cosine"] == pytest.approx(a @ b / math.sqrt((a @ a) * (b @ b)), rel=1e-12)
+    assert result["max_abs"] == pytest.approx(np.abs(a - b).max(), rel=1e-12)
+    assert result["mean_abs"] == pytest.approx(np.abs(a - b).sum() / ref.size, rel=1e-9)
+    assert stats.max_rel == math.inf  # the error on the reference's zero
+    assert stats.sample_cosine == [pytest.approx(result["cosine"], rel=1e-12)]
+
+
 def test_identical_outputs_have_infinite_sqnr_and_nan_never_passes():
     stats = OutputStats()
     stats.update(np.ones(4), np.ones(4))
