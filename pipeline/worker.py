@@ -13,7 +13,11 @@ throwing ...", is kept), sets the memory limit, imports the backend module, then
 
 ``__latency__``, ``__throughput__`` and ``__startup__`` run pipeline.verification.metrics.latency /
 throughput / startup in the child (no pickling in the timings; startup loads new sessions
-of the same artifact with other settings).
+of the same artifact with other settings). ``__memory__`` answers the child's peak resident
+memory (docs/verify.md, "Memory"): read right after the load (``load_peak_mb``; then, on Linux,
+reset through /proc/self/clear_refs) and when asked (``run_peak_mb``: the peak since, e.g. over
+the validation samples verify ran). The child holds only this artifact's session, the
+interpreter and the runtime's libraries.
 The parent waits at most ``timeout_s`` for each answer, then kills the child ("hung");
 EOF on the pipe means the child died ("crashed": signal or exit status, last log lines).
 A Python exception is sent back ("error", "memory" for a MemoryError); after one in a
@@ -40,7 +44,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from pipeline.errors import BackendCrashed, meaningful_line
 
@@ -49,7 +53,38 @@ _THROUGHPUT = "__throughput__"
 _STARTUP = "__startup__"
 _STREAM_LOAD = "__stream_load__"
 _STREAM = "__stream__"
+_MEMORY = "__memory__"
 _JOIN_S = 5.0
+
+
+def peak_rss_mb() -> Tuple[Optional[float], str]:
+    """(this process's peak resident set in MB, where it was read): VmHWM from
+    /proc/self/status (Linux), else getrusage's ru_maxrss (bytes on macOS, KiB elsewhere);
+    (None, why) where neither exists."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0, "VmHWM"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), "ru_maxrss"
+    except (ImportError, AttributeError, OSError):
+        return None, f"not measured: no /proc/self/status and no resource.getrusage on {sys.platform}"
+
+
+def reset_peak_rss() -> bool:
+    """Linux: writing 5 to /proc/self/clear_refs sets VmHWM back to the current resident set."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _limit_memory(memory_mb: int) -> None:
@@ -125,6 +160,8 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
     except BaseException as err:
         _send(conn, _failure(err))
         return
+    load_peak, source = peak_rss_mb()  # before anything else runs in this process
+    memory = {"load_peak_mb": load_peak, "source": source, "reset": source == "VmHWM" and reset_peak_rss()}
     _send(conn, reply)
     stream: list = []  # the samples of the stream timing, sent once (_STREAM_LOAD), run every round (_STREAM)
     while True:
@@ -145,6 +182,8 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
 
                 parallel = importlib.import_module(module).CAPABILITIES.parallel_runners
                 reply = ("ok", throughput(session.parallel_runners() if parallel else [session.run], *args))
+            elif method == _MEMORY:
+                reply = ("ok", {**memory, "run_peak_mb": peak_rss_mb()[0]})
             elif method == _STREAM_LOAD:
                 stream = list(args[0])
                 reply = ("ok", len(stream))
@@ -221,7 +260,7 @@ class BackendWorker:
 
     def call(self, method: str, *args, timeout_s: Optional[float] = None) -> Any:
         what = {_LATENCY: "latency()", _THROUGHPUT: "throughput()", _STARTUP: "startup()",
-                _STREAM_LOAD: "stream_load()", _STREAM: "stream()"}.get(method, f"{method}()")
+                _STREAM_LOAD: "stream_load()", _STREAM: "stream()", _MEMORY: "memory()"}.get(method, f"{method}()")
         return self._request(what, (method, args), self.timeout_s if timeout_s is None else timeout_s)
 
     def run(self, feeds: dict) -> dict:
@@ -239,6 +278,12 @@ class BackendWorker:
 
     def effective(self) -> dict:
         return self.call("effective")
+
+    def memory(self) -> dict:
+        """The child's peak resident memory: {"load_peak_mb" (after the load), "run_peak_mb"
+        (since the load, or since the start where the peak could not be reset: "reset"),
+        "source"}; the MB are None where the platform has no way to read them."""
+        return self.call(_MEMORY)
 
     def latency(self, feeds: dict, warmup: int = 3, repeats: int = 20, min_ms: float = 0.0, *,
                 timeout_s: Optional[float] = None) -> dict:

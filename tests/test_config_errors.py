@@ -9,10 +9,15 @@ from conftest import run_cli
 
 CASES = [
     # (overrides, phrases the one-line message must contain)
-    (["target.threadz=2"], ["target.threadz", "allowed keys: name, backend, device, threads"]),
+    (["target.threadz=2"], ["target.threadz", "allowed keys: name, backend, device, threads, memory"]),
     (["+target.extra=1"], ["target.extra", "allowed keys"]),
     # backend options: each backend's own group, checked by its schema
-    (["target=ncnn_cpu", "target.threadz=2"], ["target.threadz", "allowed keys: name, backend, device, threads, ncnn"]),
+    (["target=ncnn_cpu", "target.threadz=2"],
+     ["target.threadz", "allowed keys: name, backend, device, threads, memory, ncnn"]),
+    (["target.memory=tiny"], ["target.memory", "expected one of [default, low]"]),
+    (["validation.max_memory_mb=0"], ["validation.max_memory_mb=0.0", ">= 1.0"]),
+    (["target=openvino_cpu", "target.openvino.num_streams=2", "target.memory=low"],
+     ["target.openvino.num_streams=2 and target.memory=low", "one stream"]),
     (["target=mnn_opencl", "target.mnn.memory_mode=texture"],
      ["target.mnn.memory_mode", "expected one of [auto, buffer, image]"]),
     (["target=ncnn_cpu", "target.ncnn.fp16_storag=false"],

@@ -34,8 +34,8 @@ def test_cfg_job_shows_only_the_options_that_apply(tmp_path):
         result = run_cli([f"target={name}", "--cfg", "job"], tmp_path, default_precision=None)
         assert result.returncode == 0, result.stderr
         shown[name] = yaml.safe_load(result.stdout)["target"]
-    assert set(shown["ort_cpu"]) == {"name", "backend", "device", "threads"}
-    assert set(shown["ncnn_vulkan"]) == {"name", "backend", "device", "threads", "ncnn"}
+    assert set(shown["ort_cpu"]) == {"name", "backend", "device", "threads", "memory"}
+    assert set(shown["ncnn_vulkan"]) == {"name", "backend", "device", "threads", "memory", "ncnn"}
     assert shown["ncnn_vulkan"]["ncnn"]["device_index"] == 0 and shown["ncnn_vulkan"]["ncnn"]["auto_masks"] is True
     assert shown["mnn_opencl"]["mnn"] == {"memory_mode": "auto", "tuning": "none", "precision": None}
     assert shown["openvino_cpu"]["openvino"] == {"performance_hint": None, "num_streams": None}

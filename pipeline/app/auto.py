@@ -137,18 +137,18 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
                 outcomes[precision] = built
                 tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
                 continue
-            outcomes[precision] = run_pipeline(_candidate_stages(checked), folder)
+            outcomes[precision], configs[precision] = _verified(configs[precision], folder)
         except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
             tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
                                 "reasons": [str(err)]}
             continue
-        tried[precision] = _row(precision, outcomes[precision])
+        tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
     _time(outcomes, run_cfg, tried)
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
-        outcomes["fp32"] = run_pipeline(_candidate_stages(configs["fp32"][1]), run_dir / "candidates" / "fp32")
+        outcomes["fp32"], configs["fp32"] = _verified(configs["fp32"], run_dir / "candidates" / "fp32")
         timing = {k: tried["fp32"][k] for k in ("latency", "timed_on", "speedup") if k in tried["fp32"]}
-        tried["fp32"] = {**_row("fp32", outcomes["fp32"]), **timing}
+        tried["fp32"] = {**_row("fp32", outcomes["fp32"]), **timing, "target_memory": _memory(configs["fp32"])}
     elif tried.get("fp32", {}).get("verdict") == UNVERIFIED:
         tried["fp32"]["not_verified"] = ("not verified: only the speed reference here" if "fp32" not in requested
                                          else "not verified: a faster build passes, so fp32 could not ship")
@@ -160,6 +160,36 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     section = {"requested": "auto", "candidates": [tried[p] for p in tried], "chosen": winner, "why": why,
                "reference_only": [p for p in tried if p not in requested]}
     return outcome, checked, section
+
+
+def _verified(config: Tuple[DictConfig, object], folder: Path) -> Tuple[RunOutcome, Tuple[DictConfig, object]]:
+    """A candidate verified, and the config it passed with: a build over
+    validation.max_memory_mb with target.memory=default is verified again with
+    target.memory=low (beside it, in ``<folder>-memory-low``) before it is given up on;
+    the low run's outcome stands, whichever way it goes."""
+    raw, checked = config
+    outcome = run_pipeline(_candidate_stages(checked), folder)
+    if not _over_budget(outcome) or _memory(config) != "default":
+        return outcome, config
+    low = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
+    low.target.memory = "low"
+    log.info("precision=auto: %s is over validation.max_memory_mb with target.memory=default: trying "
+             "target.memory=low", folder.name)
+    low_checked = validate(low)
+    return run_pipeline(_candidate_stages(low_checked), folder.with_name(f"{folder.name}-memory-low")), \
+        (low, low_checked)
+
+
+def _memory(config: Tuple[DictConfig, object]) -> str:
+    """The candidate's target.memory."""
+    mode = config[1].target.memory
+    return getattr(mode, "value", mode)
+
+
+def _over_budget(outcome: RunOutcome) -> bool:
+    """Whether the verdict failed on validation.max_memory_mb."""
+    checks = (outcome.verify or {}).get("checks") or []
+    return any(c.get("check") == "memory" and c.get("severity") == "fail" for c in checks)
 
 
 def _candidate_stages(checked):
@@ -218,6 +248,9 @@ def _row(precision: str, outcome: RunOutcome) -> dict:
             "cosine": min((o["metrics"]["cosine"] for o in outputs), default=None),
             "metric": task.get("metric"), "metric_value": task.get("target"), "metric_drop": task.get("drop"),
             "bytes": build.summary.get("bytes") if build else None,
+            # verify.memory's peaks (docs/verify.md "Memory"), fp32's beside: the candidate table's column
+            "memory": {key: verify["memory"].get(key) for key in ("load_peak_mb", "run_peak_mb", "peak_mb", "fp32")}
+            if (verify.get("memory") or {}).get("measured") else None,
             "run_folder": str(outcome.run_dir)}
 
 

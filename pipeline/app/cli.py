@@ -28,6 +28,7 @@ from pipeline.errors import (EnvironmentFault, ExitCode, ParityError, RunFolderB
                              worst_exit_code, writing)
 from pipeline.report import write_junit, write_reports
 from pipeline.report.assemble import assemble
+from pipeline.verification.memory import candidate_peak, line as memory_line
 from pipeline.app.runner import RunOutcome, run_pipeline
 from pipeline.release.sweep import claim_run_folder, packaged_bundles, worst_exit_codes, write_job_record
 
@@ -185,6 +186,8 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
         console.print(_stream_line(verify["speed"]["stream"]))
     if verify and verify.get("shapes"):
         console.print(_shape_line(verify))
+    if verify and verify.get("memory"):
+        console.print(escape(memory_line(verify["memory"], (verify.get("judged_with") or {}).get("max_memory_mb"))))
     profile = outcome.results.get("profile")
     if profile:
         console.print(_profile_line(profile.summary))
@@ -206,7 +209,7 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
 def _auto_table(section: dict) -> Table:
     """precision=auto's candidates: what each reached, how fast, how big."""
     table = Table(title="precision=auto candidates", title_justify="left")
-    for column in ("precision", "cosine", "task metric", "speed-up vs fp32", "size", "verdict"):
+    for column in ("precision", "cosine", "task metric", "speed-up vs fp32", "size", "peak memory", "verdict"):
         table.add_column(column)
     for row in section["candidates"]:
         up = row.get("speedup")
@@ -218,7 +221,7 @@ def _auto_table(section: dict) -> Table:
             " (reference only)" if row["precision"] in section.get("reference_only", []) else "")
         size = f"{row['bytes'] / 1e6:.2f} MB" if row.get("bytes") else "-"
         table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-", metric,
-                      speedup, size, escape(verdict))
+                      speedup, size, escape(candidate_peak(row, section["candidates"])), escape(verdict))
     return table
 
 

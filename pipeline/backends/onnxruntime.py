@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from pipeline import shapes
-from pipeline.backends.protocol import Capabilities, importable
+from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, importable, memory_low, memory_mode
 
 NAME = "onnxruntime"
 CAPABILITIES = Capabilities(
@@ -46,7 +46,8 @@ def check_config(target, precision: str) -> Optional[str]:
 
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
     shutil.copyfile(onnx_path, out_dir / "model.onnx")
-    options = {"graph_optimization_level": "all", "intra_op_num_threads": target.threads}
+    options = {"graph_optimization_level": "all", "intra_op_num_threads": target.threads,
+               MEMORY_OPTION: memory_mode(target)}
     return ["model.onnx"], {"model": "model.onnx", "options": options}
 
 
@@ -57,6 +58,12 @@ OPTION_DEFAULTS = {"graph_optimization_level": "all", "intra_op_num_threads": 0,
                    "allow_spinning": True}
 SPINNING = "session.intra_op.allow_spinning"
 CACHED_MODEL = "model.optimized.onnx"  # compile cache: the graph after ONNX Runtime's optimizations
+# target.memory=low (docs/targets.md, "Memory modes"): no memory pattern. With it, ONNX Runtime
+# plans one block per input shape after the first run while its arena keeps the first run's
+# chunks: PP-OCRv4 det 640x960 fp32 225 -> 202 MB, int8 263 -> 200 MB (benchmarks/memory.py).
+# Tried and not kept: the arena off as well (det 392 MB), arena shrinkage after each run (rec
+# +18 MB), initializers outside the arena, no pre-packing (no change).
+MEMORY_LOW = {"enable_mem_pattern": False}
 
 
 def session_options(options: dict, optimized_path: Optional[Path] = None):
@@ -67,7 +74,8 @@ def session_options(options: dict, optimized_path: Optional[Path] = None):
               "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
               "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
               "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
-    chosen = {**OPTION_DEFAULTS, **{k: v for k, v in options.items() if k in OPTION_DEFAULTS}}
+    chosen = {**OPTION_DEFAULTS, **{k: v for k, v in options.items() if k in OPTION_DEFAULTS},
+              **(MEMORY_LOW if memory_low(options) else {})}
     result = ort.SessionOptions()
     result.graph_optimization_level = levels[chosen["graph_optimization_level"]]
     result.intra_op_num_threads = int(chosen["intra_op_num_threads"])
@@ -130,6 +138,7 @@ class Session:
                                              providers=["CPUExecutionProvider"])
         self._model_path = Path(model_path)
         self._level = graph_optimization_level
+        self._memory = "low" if memory_low(options) else "default"
         self._cache_status = cache_status
         self._probe = None
         self.inputs = [i.name for i in self._session.get_inputs()]
@@ -261,7 +270,7 @@ class Session:
                 f"{self._level} (cached graph)", "intra_op_num_threads": held.intra_op_num_threads,
                 "inter_op_num_threads": held.inter_op_num_threads, "execution_mode": held.execution_mode.name,
                 "enable_mem_pattern": held.enable_mem_pattern, "enable_cpu_mem_arena": held.enable_cpu_mem_arena,
-                "allow_spinning": held.get_session_config_entry(SPINNING) != "0"}
+                "allow_spinning": held.get_session_config_entry(SPINNING) != "0", "memory": self._memory}
 
 
 def _ort_candidates(node: str, op_type: str, index) -> List[str]:
@@ -421,6 +430,8 @@ def tuning_space(settings: dict, level: str, objective: str, devices: List[str])
                   ("execution_mode", ["sequential", "parallel"]),
                   ("enable_mem_pattern", [True, False]), ("enable_cpu_mem_arena", [True, False]),
                   ("allow_spinning", [True, False])]
+    if memory_low(options):  # target.memory=low decides these
+        knobs = [(name, values) for name, values in knobs if name not in MEMORY_LOW]
     return [(name, current_first(options[name], values)) for name, values in knobs]
 
 

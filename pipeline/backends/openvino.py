@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from pipeline import shapes
-from pipeline.backends.protocol import Capabilities, importable
+from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, importable, memory_low, memory_mode
 from pipeline.errors import first_line
 
 NAME = "openvino"
@@ -28,6 +28,19 @@ _PARITY_PRECISIONS = {"f32": "fp32", "float32": "fp32", "fp32": "fp32", "f16": "
                       "fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16", "u8": "int8", "uint8": "int8",
                       "i8": "int8", "int8": "int8"}
 _READ_BACK = ("PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "INFERENCE_PRECISION_HINT")
+# target.memory=low (docs/targets.md, "Memory modes"): one stream, one set of intermediate
+# buffers (PP-OCRv4 det fp32 640x960: 246 MB with PERFORMANCE_HINT=THROUGHPUT's 2 streams on 2
+# cores, 186 MB with one; OpenVINO's default hint, LATENCY, runs one already: 211 -> 207 MB).
+# Tried and not kept (no change): weights memory-mapped or not (ENABLE_MMAP, on by default),
+# CPU_RUNTIME_CACHE_CAPACITY=0, INFERENCE_NUM_THREADS=1.
+MEMORY_LOW = {"NUM_STREAMS": 1}
+
+
+def compile_config(options: dict) -> dict:
+    """runtime.yaml's options as OpenVINO's compile config: target.memory mapped to its
+    properties (low wins over a tuned NUM_STREAMS), parity's own key dropped."""
+    config = {key: value for key, value in options.items() if key != MEMORY_OPTION}
+    return {**config, **(MEMORY_LOW if memory_low(options) else {})}
 _COMPUTE_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution"}
 
 
@@ -73,6 +86,9 @@ def check_config(target, precision: str) -> Optional[str]:
     streams = target.openvino.num_streams
     if streams is not None and streams < 1:
         return f"target.openvino.num_streams={streams}: must be >= 1 (null: OpenVINO's default)"
+    if streams is not None and streams > 1 and memory_mode(target) == "low":
+        return (f"target.openvino.num_streams={streams} and target.memory=low: low runs one stream "
+                "(docs/targets.md, \"Memory modes\"); drop one of them")
     return None
 
 
@@ -95,6 +111,7 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
         options["PERFORMANCE_HINT"] = target.openvino.performance_hint.value
     if target.openvino.num_streams is not None:
         options["NUM_STREAMS"] = target.openvino.num_streams
+    options[MEMORY_OPTION] = memory_mode(target)
     return ["model.xml", "model.bin"], {"model": "model.xml", "options": options}
 
 
@@ -110,7 +127,7 @@ def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> Non
 
     core = ov.Core()
     compiled = core.compile_model(core.read_model(str(Path(artifact_dir) / settings["model"])),
-                                  settings.get("device", "CPU"), settings.get("options", {}))
+                                  settings.get("device", "CPU"), compile_config(settings.get("options", {})))
     (folder / BLOB).write_bytes(compiled.export_model().getvalue())
 
 
@@ -121,6 +138,8 @@ class Session:
         import openvino as ov
 
         core = ov.Core()
+        self._memory = "low" if memory_low(options) else "default"
+        options = compile_config(options)
         self._core, self._model_path, self._device, self._options = core, Path(model_path), device, dict(options)
         self._compiled, model = None, None
         if cache_dir is not None:
@@ -232,7 +251,8 @@ class Session:
         found = {"device": ",".join(compiled.get_property("EXECUTION_DEVICES")), "precision": precision,
                  "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
                  "compile_cache": self._cache_status,
-                 "runtime_options": {name: _option_text(compiled.get_property(name)) for name in _READ_BACK}}
+                 "runtime_options": {**{name: _option_text(compiled.get_property(name)) for name in _READ_BACK},
+                                     "memory": self._memory}}
         if self._at_opt is not None:  # a dynamic model: the static copy compiled at the range's opt
             found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._at_opt[0].items()}
         note = self._hint_note(read_back, precision, found["layers"])
@@ -335,6 +355,8 @@ def tuning_space(settings: dict, level: str, objective: str, devices: List[str])
         if objective != "throughput":
             knobs.append(("PERFORMANCE_HINT", hints))
         knobs.append(("NUM_STREAMS", current_first(options.get("NUM_STREAMS"), [None, 1, 2])))
+    if memory_low(options):  # target.memory=low decides these
+        knobs = [(name, values) for name, values in knobs if name not in MEMORY_LOW]
     return knobs
 
 

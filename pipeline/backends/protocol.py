@@ -156,3 +156,21 @@ def importable(package: str) -> Tuple[bool, str]:
     except ImportError as err:
         return False, f"{package} cannot be imported ({err}): pip install {package}"
     return True, ""
+
+
+# target.memory (docs/targets.md, "Memory modes"): runtime.yaml's ``options.memory`` carries it
+# from the build to every load (verify's workers, parity-bundle run); each backend maps ``low``
+# to its runtime's own settings where it loads, ``default`` leaves the runtime's defaults.
+MEMORY_OPTION = "memory"
+MEMORY_MODES = ("default", "low")
+
+
+def memory_mode(target) -> str:
+    """target.memory as text ("default" for a target without the key)."""
+    value = getattr(target, "memory", None)
+    return str(getattr(value, "value", value) or "default")
+
+
+def memory_low(options: dict) -> bool:
+    """Whether runtime.yaml's options ask for the low memory mode."""
+    return str((options or {}).get(MEMORY_OPTION, "default")) == "low"

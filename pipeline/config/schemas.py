@@ -94,6 +94,13 @@ class MemoryMode(Enum):
     image = "image"
 
 
+class TargetMemory(Enum):
+    """target.memory: what each runtime is asked to do with memory (docs/targets.md, "Memory
+    modes"); low maps to the settings of its runtime measured to lower the peak."""
+    default = "default"  # the runtime's own defaults
+    low = "low"
+
+
 class DataKind(Enum):
     tensors = "tensors"
     images = "images"
@@ -173,6 +180,8 @@ class TargetConfig:
     backend: Backend = MISSING
     device: str = "CPU"
     threads: int = 0  # 0: the runtime's default
+    # default | low: low maps to the runtime's own memory settings (docs/targets.md, "Memory modes")
+    memory: TargetMemory = TargetMemory.default
 
     @property
     def memory_mode(self) -> str:
@@ -397,6 +406,9 @@ class ValidationConfig:
     # Every backend run of verify is a worker process: a crash or hang fails the verdict.
     worker_timeout_s: float = 600.0  # per request (load, one sample, one latency measure)
     worker_memory_mb: Optional[int] = None  # address-space limit of a worker; null: none
+    # The build's peak resident memory (verify.memory: its own worker process, load and run) may
+    # be at most this many MB, else the verdict fails (exit 3); null: measured, not gated
+    max_memory_mb: Optional[float] = None
     # int8 ran partly (quantized ops the runtime has no int8 kernel for ran float): a warning, or a failing check
     fail_on_float_fallback: bool = False
     advice_trials: int = 4  # keep-in-float candidates a failing int8/mixed verify builds and measures (0: none)
@@ -424,8 +436,9 @@ class ValidationConfig:
 
     def judged(self) -> dict:
         """The keys a verdict depends on, without how a failing one is diagnosed: what a
-        stored measurement of a build (verify) or a tuned setting (tune) is keyed by."""
-        return {k: v for k, v in vars(self).items() if k not in DIAGNOSIS_KEYS}
+        stored measurement of a build (verify) or a tuned setting (tune) is keyed by. The
+        memory budget judges a measured peak and changes no measurement: left out too."""
+        return {k: v for k, v in vars(self).items() if k not in DIAGNOSIS_KEYS and k != "max_memory_mb"}
 
     def thresholds_for(self, output: str, task_output: Optional[str] = None) -> OutputThresholds:
         """``output``'s thresholds; ``task_output``: the output a scored task metric judges,

@@ -146,7 +146,7 @@ RANGES = {
     "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),
     "validation.max_metric_drop": DROP, "validation.layerwise_samples": (1, None),
     "validation.diagnosis_budget": (0.0, None), "validation.diagnosis_min_seconds": (0.0, None),
-    "validation.timing_stream_samples": (0, None),
+    "validation.timing_stream_samples": (0, None), "validation.max_memory_mb": (1.0, None),
     "validation.timing_round_ms": (0.0, None), "validation.timing_tight_spread": (1.0, None),
     "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
     "calibration.kl_max_clipped": (0.0, 1.0),

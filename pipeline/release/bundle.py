@@ -194,8 +194,8 @@ def _check_cache_runs_the_artifact(backend, bundle: Path, settings: dict, sample
 def reproduce(bundle: Path, timeout_s: float = 600.0) -> dict:
     """Run the bundle on its recorded inputs, in a worker process, and judge it with the
     verdict the run used (pipeline.verification.verdict). When its outputs reproduce the packaged run's
-    own outputs, the packaged accuracy, task and speed results stand (they were measured
-    on the whole validation set) and this machine's device and precision are judged anew:
+    own outputs, the packaged accuracy, task, speed and memory results stand (they were
+    measured on the whole validation set) and this machine's device and precision are judged anew:
     the same bundle on the same machine gets the run's verdict and exit code. Otherwise
     the outputs are judged on the recorded samples against the recorded reference."""
     from pipeline.config.schemas import OutputThresholds
@@ -226,7 +226,8 @@ def reproduce(bundle: Path, timeout_s: float = 600.0) -> dict:
     judged = verify.get("judged_with") or {}
     _, reasons, code = judge(verify["outputs"] if reproduced else outputs, [], verify.get("task") if reproduced
                              else None, verify["requested"], effective, len(samples), None,
-                             judged.get("fail_on_float_fallback", False), tuple(judged.get("intended_float", ())))
+                             judged.get("fail_on_float_fallback", False), tuple(judged.get("intended_float", ())),
+                             verify.get("memory") if reproduced else None, judged.get("max_memory_mb"))
     speed_failure = (verify.get("speed") or {}).get("failure")
     if reproduced and speed_failure:  # as verify appends it: after every other reason
         reasons.append(speed_failure)

@@ -31,8 +31,12 @@ CACHE_FIELD = "compile_cache"  # runtime.yaml: the folder, relative to the artif
 
 
 def key(backend_name: str, versions: dict, settings: dict, artifact_dir: Path) -> dict:
+    """The cache's key. target.memory (options.memory) is left out: each runtime applies its
+    memory settings where it loads the cache (ONNX Runtime's session options, OpenVINO's
+    import config), so a build and its memory=default twin (verify.memory) load the same cache."""
+    options = {name: value for name, value in settings.get("options", {}).items() if name != "memory"}
     return {"backend": backend_name, "versions": versions, "device": str(settings.get("device", "CPU")).upper(),
-            "fingerprint": environment.fingerprint(), "options_sha256": sha256_json(settings.get("options", {}))[:16],
+            "fingerprint": environment.fingerprint(), "options_sha256": sha256_json(options)[:16],
             "artifact_sha256": artifact_sha256(artifact_dir, settings)}
 
 

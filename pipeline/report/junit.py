@@ -14,6 +14,9 @@ root. Test cases, in this order:
 - "requested device and precision ran", classname "<suite>.backend";
 - "compared at least one output on at least one sample", classname "<suite>.verify":
   a verdict never passes on nothing;
+- with validation.max_memory_mb set, "peak memory <= N MB", classname "<suite>.memory"
+  (failing above it; when the peak could not be measured, passing with the warning in
+  ``system-out``);
 - "backend <name> <kind>" with an ``<error>`` when ``verify["crash"]`` is set.
 
 Threshold cases are judged from the metrics with the same rules as the verify
@@ -201,6 +204,20 @@ def _device_precision_case(suite: _Suite, verify: dict) -> None:
             ET.SubElement(case, "system-out").text = _clean(f"warning: {check.get('text')}")
 
 
+def _memory_case(suite: _Suite, verify: dict) -> None:
+    """validation.max_memory_mb against verify.memory (pipeline/verification/memory.py)."""
+    budget = _as_dict(verify.get("judged_with")).get("max_memory_mb")
+    if not _is_number(budget):
+        return
+    found = [c for c in _as_list(verify.get("checks")) if isinstance(c, dict) and c.get("check") == "memory"
+             and "validation.max_memory_mb" in str(c.get("text"))]
+    failed = next((str(c.get("text")) for c in found if c.get("severity") == "fail"), None)
+    case = suite.case("memory", f"peak memory <= {budget:g} MB", failed, failure_type="memory")
+    for check in found:
+        if check.get("severity") == "warning":
+            ET.SubElement(case, "system-out").text = _clean(f"warning: {check.get('text')}")
+
+
 def _crash_case(suite: _Suite, crash: dict) -> None:
     kind = str(crash.get("kind") or "crashed")
     backend = str(crash.get("backend") or "backend")
@@ -239,6 +256,8 @@ def build_junit(report: dict) -> ET.Element:
                "; ".join(nothing) if nothing else None, failure_type="nothing_compared")
     if isinstance(verify.get("crash"), dict):
         _crash_case(suite, verify["crash"])
+    else:
+        _memory_case(suite, verify)
 
     seconds = next((s.get("seconds") for s in _as_list(report.get("stages"))
                     if isinstance(s, dict) and s.get("stage") == "verify" and _is_number(s.get("seconds"))), 0.0)

@@ -15,6 +15,8 @@ from typing import Any, Callable, List
 from pipeline.report.charts import LineChart, bar_chart, line_chart
 from pipeline.report.document import Banner, Charts, Heading, Items, KeyValues, Para, Pre, Table
 from pipeline.report.junit import uncertainty
+from pipeline.report.sections_memory import memory_section
+from pipeline.verification.memory import candidate_peak
 from pipeline.report.formatting import (FIRST_NAMES, NA, STDERR_LINES, STDERR_WIDTH, as_dict, as_list,
                                         column_headers, finite, first_names, fmt_attribute, fmt_cells, fmt_cosine,
                                         fmt_error, fmt_interval, fmt_number, fmt_pass, fmt_ratio, fmt_seconds, fmt_sqnr,
@@ -48,8 +50,8 @@ def header_section(report: dict) -> list:
     target = as_dict(report.get("target"))
     if target:
         pairs = [("target", fmt_value(target.get("name")))]
-        for key, label in (("backend", "backend"), ("device", "device"),
-                           ("threads", "threads"), ("memory_mode", "memory mode")):
+        for key, label in (("backend", "backend"), ("device", "device"), ("threads", "threads"),
+                           ("memory", "memory"), ("memory_mode", "memory mode")):
             if key in target:
                 pairs.append((label, fmt_value(target[key])))
         blocks.append(KeyValues(pairs))
@@ -114,6 +116,7 @@ def verification_section(verify: dict) -> list:
         blocks += _shape_blocks(as_list(verify.get("shapes")), as_dict(as_dict(verify.get("speed")).get("by_shape")))
     if as_dict(as_dict(verify.get("speed")).get("stream")):
         blocks += _stream_blocks(as_dict(as_dict(verify.get("speed")).get("stream")))
+    blocks += memory_section(verify)
     return blocks
 
 
@@ -190,12 +193,14 @@ def auto_section(section: dict) -> list:
         shipped = " (shipped)" if row.get("precision") == section.get("chosen") else ""
         rows.append([str(row.get("precision")), fmt_cosine(row.get("cosine")), metric, speedup,
                      fmt_number((row.get("bytes") or 0) / 1e6, ".2f") + " MB" if row.get("bytes") else "-",
+                     candidate_peak(row, [r for r in as_list(section.get("candidates")) if isinstance(r, dict)]),
                      f"{row.get('verdict')}{shipped}", "; ".join(map(str, as_list(row.get("reasons"))))[:200]])
     charts = [(str(r.get("precision")), as_dict(r.get("speedup")).get("speedup", 1.0 if r.get("latency") else None))
               for r in as_list(section.get("candidates")) if isinstance(r, dict)]
     charts = [(name, value) for name, value in charts if value is not None]
     blocks = [Heading(2, "precision=auto"), Para(f"Shipped {section.get('why')}."),
-              Table(["precision", "cosine", "task metric", "speed-up vs fp32", "size", "verdict", "reasons"], rows)]
+              Table(["precision", "cosine", "task metric", "speed-up vs fp32", "size", "peak memory", "verdict",
+                     "reasons"], rows)]
     if charts:
         blocks.append(Charts([bar_chart([n for n, _ in charts], [v for _, v in charts],
                                             title="speed-up over fp32 (interleaved rounds)", x_label="x fp32",

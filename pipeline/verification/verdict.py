@@ -12,22 +12,24 @@ from pipeline.errors import ExitCode
 
 # Order of the reasons: a crash (it stops everything else), what the model computes, what the machine ran.
 ORDER = ("crash", "nothing", "accuracy", "task", "task_confidence", "nothing_int8", "nan_inf", "device", "precision",
-         "float_fallback")
+         "float_fallback", "memory")
 
 
 def judge(outputs: List[dict], missing: List[str], task: Optional[dict], requested: dict, effective: dict,
           samples: int, crash: Optional[dict] = None, fail_on_float_fallback: bool = False,
-          intended_float: Tuple[str, ...] = ()) -> Tuple[List[dict], List[str], ExitCode]:
+          intended_float: Tuple[str, ...] = (), memory: Optional[dict] = None,
+          max_memory_mb: Optional[float] = None) -> Tuple[List[dict], List[str], ExitCode]:
     """(checks, reasons, exit code). ``checks`` lists every check that did not pass, each
     {"check", "severity": "fail" | "warning", "text"}; ``reasons`` the failing ones' texts
     in ORDER. 4 when the backend crashed or ran another device/precision than asked (or
     a partial float fallback that validation.fail_on_float_fallback makes fatal), else 3
-    when any other check fails. ``intended_float``: ops the build kept in float itself."""
+    when any other check fails. ``intended_float``: ops the build kept in float itself.
+    ``memory``: verify.memory, judged against ``max_memory_mb`` (pipeline/verification/memory.py)."""
     checks = [*_nothing(outputs, missing, samples), *_outputs(outputs), *_task(task)]
     if crash:
         checks.append(_check("crash", _crash_text(crash)))
     else:
-        checks += _ran(requested, effective, fail_on_float_fallback, intended_float)
+        checks += _ran(requested, effective, fail_on_float_fallback, intended_float) + _memory(memory, max_memory_mb)
     checks.sort(key=lambda c: ORDER.index(c["check"]))  # stable: outputs keep their order
     reasons = [c["text"] for c in checks if c["severity"] == "fail"]
     backend = any(c["severity"] == "fail" and c["check"] in ("crash", "device", "precision", "float_fallback")
@@ -101,6 +103,21 @@ def _uncertain(task: dict) -> dict:
         return _check("task_confidence", text + " (validation.require_confidence)")
     return _check("task_confidence", text + " (a warning; validation.require_confidence=true fails on it)",
                   "warning")
+
+
+def _memory(memory: Optional[dict], budget: Optional[float]) -> List[dict]:
+    """The peak above validation.max_memory_mb (a failure; a warning when it could not be
+    measured), and target.memory=low that lowered nothing here (a warning)."""
+    from pipeline.verification.memory import budget_check
+
+    found = []
+    over = budget_check(memory, budget)
+    if over:
+        found.append(_check("memory", over["text"], over["severity"]))
+    low = (memory or {}).get("low") or {}
+    if low.get("lowered") is False:
+        found.append(_check("memory", f"memory: {low['text']}", "warning"))
+    return found
 
 
 def _crash_text(crash: dict) -> str:

@@ -34,7 +34,8 @@ from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qd
 from stages import StageContext, StageResult, deployable
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
-from stages.verify.shared import Live, built_worker, judge_output, judged_with, loaded
+from stages.verify.shared import (MEMORY_TWIN, Live, built_worker, judge_output, judged_with, loaded, measure_memory,
+                                  memory_twin)
 
 
 NAME = "verify"
@@ -49,6 +50,7 @@ VERSION += 1  # the measurement stored apart from the diagnosis; diagnosis withi
 VERSION += 1  # task-first verdicts (task_min_cosine), bootstrap intervals, integer outputs compared exactly
 VERSION += 1  # a dynamic model: accuracy per input shape, latency at min/opt/max (issue 29)
 VERSION += 1  # the disagreement rate's Clopper-Pearson interval bounds a passing drop (issue 37 item 2)
+VERSION += 1  # verify.memory: every build's peak resident memory, the memory=default twin of a low build (issue 39)
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -84,7 +86,7 @@ def run(ctx: StageContext) -> StageResult:
         measured = found["measured"]
         outputs, task, crash = measured["outputs"], measured["task"], measured["crash"]
         checks, reasons, exit_code = _verdict(ctx, outputs, measured["missing"], task, requested,
-                                              measured["effective"], measured["samples"], crash)
+                                              measured["effective"], measured["samples"], crash, measured.get("memory"))
         if crash is None and (measured["timing"] or {}).get("failure"):  # min_speedup: after every accuracy reason
             reasons.append(measured["timing"]["failure"])
             exit_code = exit_code if exit_code != ExitCode.OK else ExitCode.THRESHOLD
@@ -181,7 +183,7 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
             truth = truth_check(ctx, live.reference, live.target, dataset, outputs)
     return {"samples": check.samples, "missing": check.missing, "outputs": outputs, "task": task,
             "effective": ran.effective, "comparison": ran.comparison, "timing": ran.timing, "crash": ran.crash,
-            "shapes": check.by_shape.result(),
+            "memory": ran.memory, "shapes": check.by_shape.result(),
             "data": dataset.summary(), "truth": truth, "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -214,6 +216,7 @@ class _Ran:
     comparison: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
     crash: Optional[dict] = None
+    memory: Optional[dict] = None  # verify.memory (pipeline/verification/memory.py)
 
 
 def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, reproduce: Path) -> _Ran:
@@ -223,11 +226,14 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
     backend, build = live.deployed[0], ctx.results["build"]
     try:
         live.launch()
+        twin = memory_twin(live)  # target.memory=low: the same build with memory=default, for its peak
         baselines = _baselines(ctx, backend, live.stack, live.limits)  # fp32 (and plain int8 for mixed) side by side
         reference, target = live.workers()
-        for row in baselines.values():
+        for row in [*baselines.values(), *([twin] if twin else [])]:
             row.wait_loaded()
-        check.run(reference, target, baselines, dataset, progress, reproduce, f"verify {cfg.target.name}")
+        check.run(reference, target, {**baselines, **({MEMORY_TWIN: twin} if twin else {})}, dataset, progress,
+                  reproduce, f"verify {cfg.target.name}")
+        ran.memory = measure_memory(target, baselines, twin, cfg.target.memory.value, check.samples)  # before more runs
         ran.effective = target.effective()
         rows = {**baselines, cfg.precision.kind: _Row(target, build.summary.get("bytes"), check.stats)}
         curve = check.by_shape.curve_feeds(dataset.validation.read)
@@ -256,6 +262,7 @@ def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
         "task": measured["task"],
         "comparison": measured["comparison"],
         "speed": measured["timing"],
+        "memory": measured.get("memory"),  # peak resident memory of the build, fp32's beside (docs/verify.md)
         "shapes": measured.get("shapes"),  # a dynamic model: accuracy per input shape
         "data": measured["data"],
         "verdict": judged["verdict"],
@@ -553,10 +560,11 @@ def _check_output_names(validation, outputs: List[str]) -> None:
             raise ConfigError(f"validation: the model has no output {name!r}; outputs: {', '.join(outputs)}")
 
 
-def _verdict(ctx, outputs, missing, task, requested, effective, samples, crash):
+def _verdict(ctx, outputs, missing, task, requested, effective, samples, crash, memory=None):
     """(checks, reasons, exit code) through pipeline.verification.verdict, which parity-bundle check shares."""
     judged = judged_with(ctx)
     return verdict.judge(outputs, missing, task, requested, effective, samples, crash,
-                         judged["fail_on_float_fallback"], tuple(judged["intended_float"]))
+                         judged["fail_on_float_fallback"], tuple(judged["intended_float"]), memory,
+                         judged["max_memory_mb"])
 
 

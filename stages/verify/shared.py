@@ -105,4 +105,68 @@ def judge_output(name: str, stats: OutputStats, validation, task: Optional[dict]
 def judged_with(ctx) -> dict:
     quantization = ctx.results["build"].summary.get("quantization") or {}
     return {"fail_on_float_fallback": ctx.cfg.validation.fail_on_float_fallback,
-            "intended_float": list(quantization.get("float_ops") or [])}
+            "intended_float": list(quantization.get("float_ops") or []),
+            "max_memory_mb": ctx.cfg.validation.max_memory_mb}
+
+
+MEMORY_TWIN = "memory=default"  # target.memory=low: the same build loaded with the runtime's defaults
+
+
+class MemoryTwin:
+    """target.memory=low: the target's artifact in a worker of its own with options.memory
+    default, fed every validation sample beside the target (as a baseline row: submit,
+    receive, compare; its outputs never scored) so that its peak memory compares with the
+    target's."""
+
+    def __init__(self, worker: BackendWorker):
+        self.worker, self.error, self._pending = worker, None, False
+
+    def wait_loaded(self) -> None:
+        try:
+            loaded(self.worker)
+        except (BackendCrashed, BackendUnavailable) as err:  # information only, as a side-by-side build
+            self.error = str(err)
+
+    def submit(self, sample) -> None:
+        self._pending = False
+        if self.error is None:
+            try:
+                self.worker.submit(sample.feeds)
+                self._pending = True
+            except BackendCrashed as err:
+                self.error = str(err)
+
+    def receive(self) -> None:
+        if self.error is None and self._pending:
+            self._pending = False
+            try:
+                self.worker.collect()
+            except BackendCrashed as err:
+                self.error = str(err)
+
+    def compare(self, expected: dict, actual) -> None:
+        return None
+
+
+def memory_twin(live: Live) -> Optional[MemoryTwin]:
+    """The memory=default twin of a target.memory=low build (None otherwise), launched."""
+    backend, artifact, settings = live.deployed
+    options = settings.get("options") or {}
+    if options.get("memory") != "low":
+        return None
+    twin = {**settings, "options": {**options, "memory": "default"}}
+    return MemoryTwin(launch_worker(live.stack, backend.__name__, artifact.out_dir, twin,
+                                    f"{live.ctx.cfg.target.name} ({backend.NAME} {live.ctx.cfg.precision.kind}, "
+                                    f"{MEMORY_TWIN})", live.limits))
+
+
+def measure_memory(target: BackendWorker, rows: dict, twin: Optional[MemoryTwin], mode: str, samples: int) -> dict:
+    """verify.memory (pipeline/verification/memory.py): read right after the validation
+    samples, before anything else runs in the workers; the twin is closed then."""
+    from pipeline.verification import memory
+
+    baselines = {name: memory.reading(row.worker) for name, row in rows.items() if not row.error}
+    twin_reading = memory.reading(twin.worker) if twin is not None and twin.error is None else None
+    if twin is not None:
+        twin.worker.close()
+    return memory.summary(memory.reading(target), baselines, twin_reading, mode, samples)

@@ -6,11 +6,20 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from pipeline.backends.mnn.common import CACHE_FILE, FORWARD_TYPES, GPU_DEVICES, PRECISION_MODES
+from pipeline.backends.protocol import MEMORY_OPTION, memory_mode
 
 GPU_TUNING = {"none": 1 << 0, "heavy": 1 << 1, "wide": 1 << 2, "normal": 1 << 3, "fast": 1 << 4}  # MNNGpuMode
 GPU_MEMORY = {"auto": 0, "buffer": 1 << 6, "image": 1 << 7}
 # int8 and mixed: the precision of the float parts between int8 ops
 DEFAULT_PRECISION = {"fp32": "high", "fp16": "low", "int8": "high", "mixed": "high"}
+# target.memory=low (docs/targets.md, "Memory modes"): Interpreter.setSessionHint before the
+# session is created, WINOGRAD_MEMORY_LEVEL (3) = 0, the fewest Winograd unit candidates (PP-OCRv4
+# det 640x960: fp32 172 -> 169 MB, int8 173 -> 168 MB, MNN's own count of the session's memory
+# 96.0 -> 93.6 MB; rec and cls within 1 MB). Not reachable or not kept: BackendConfig.memory
+# (pymnn's createSession reads no such key: Memory_Low changed nothing), MEM_ALLOCATOR_TYPE (2)
+# = 1 (253 MB instead of 162), the session modes Memory_Collect/Memory_Cache (no change).
+WINOGRAD_MEMORY_LEVEL = 3  # Interpreter::HintMode
+MEMORY_LOW_HINTS = {WINOGRAD_MEMORY_LEVEL: 0}
 
 
 def _value(field) -> Optional[str]:
@@ -51,7 +60,7 @@ def session_options(target, precision: str) -> dict:
     device = target.device.upper()
     mnn_precision = _value(target.mnn.precision) or DEFAULT_PRECISION[precision]
     options = {"backend": device, "forward_type": FORWARD_TYPES[device], "precision": mnn_precision,
-               "precision_mode": PRECISION_MODES[mnn_precision]}
+               "precision_mode": PRECISION_MODES[mnn_precision], MEMORY_OPTION: memory_mode(target)}
     if device in GPU_DEVICES:
         tuning, memory = _value(target.mnn.tuning) or "none", _value(target.mnn.memory_mode) or "auto"
         options.update({"tuning": tuning, "memory_mode": memory, "mode": gpu_mode(tuning, memory),

@@ -15,7 +15,8 @@ import numpy as np
 
 from pipeline.backends.mnn.common import (
     _captured, _COMPUTE_OPS, FORWARD_TYPES, _mnn, _mnn_graph, _mnn_root, PRECISION_MODES, runtime_exists)
-from pipeline.backends.mnn.options import schedule_config
+from pipeline.backends.mnn.options import MEMORY_LOW_HINTS, schedule_config
+from pipeline.backends.protocol import memory_low
 
 # getSessionInfo(BACKENDS) -> device; 13 is MNN_FORWARD_CPU_EXTENSION (the CPU backend with x86/ARM extensions)
 BACKEND_NAMES = {0: "CPU", 1: "METAL", 2: "CUDA", 3: "OPENCL", 4: "AUTO", 5: "NN", 6: "OPENGL", 7: "VULKAN",
@@ -45,6 +46,9 @@ class Session:
             else:
                 with _captured():  # MNN complains that the (new) cache file cannot be read
                     self._interpreter.setCacheFile(str(self._cache))
+        if memory_low(self._options):  # target.memory=low: hints are set before the session exists
+            for hint, value in MEMORY_LOW_HINTS.items():
+                self._interpreter.setSessionHint(hint, value)
         self._session = self._interpreter.createSession(schedule_config(self._options))
         self._cache_pending = self._cache is not None
         self._probe = None
@@ -259,13 +263,26 @@ class Session:
         else:
             precision = float_precision
         result = {"device": device, "precision": precision,
-                  "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))}
+                  "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
+                  "runtime_options": self._memory_read_back()}
         if counts["int8"]:  # the compute ops by what they ran, named as the ONNX nodes they compute
             result.update({"int8_ops": int8_ops, "float_ops": float_ops})
         notes = [note for note in (fallback_reason(self), float_note) if note]
         if notes:
             result["note"] = "; ".join(notes)
         return result
+
+    def _memory_read_back(self) -> dict:
+        """target.memory and MNN's own count of the session's memory (getSessionInfo(MEMORY),
+        MB): the hints themselves cannot be read back from MNN."""
+        low = memory_low(self._options)
+        found = {"memory": "low" if low else "default",
+                 "winograd_memory_level": 0 if low else "MNN's default (3)"}
+        try:
+            found["session_memory_mb"] = round(float(self._interpreter.getSessionInfo(self._session, 0)), 2)
+        except Exception:  # noqa: BLE001 - an MNN build without the info code
+            pass
+        return found
 
     def _op_census(self, feeds) -> List[Tuple[str, str, bool]]:
         """(op name, op type, ran in int8) of every op the session executes, from MNN's per-op

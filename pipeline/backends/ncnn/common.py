@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from pipeline import shapes
-from pipeline.backends.protocol import Capabilities
+from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, memory_mode
 
 
 # ncnn's wheel uses libgomp, whose idle threads spin by default: two ncnn workers side by
@@ -152,6 +152,7 @@ def runtime_options(target, precision: str) -> dict:
         "use_bf16_storage": bf16,
         "use_int8_inference": precision in QUANTIZED_PRECISIONS,
         "layer_masks": {},
+        MEMORY_OPTION: memory_mode(target),
     }
 
 

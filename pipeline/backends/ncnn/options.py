@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from pipeline.backends.protocol import memory_low
+
 
 _OPTION_FIELDS = {"use_fp16_storage": "use_fp16_storage", "use_fp16_packed": "use_fp16_packed",
                   "use_fp16_arithmetic": "use_fp16_arithmetic", "use_bf16_storage": "use_bf16_storage"}
@@ -11,6 +13,14 @@ _OPTION_FIELDS = {"use_fp16_storage": "use_fp16_storage", "use_fp16_packed": "us
 
 # Speed switches of ncnn's Option the tune stage measures; unset ones keep ncnn's default (on).
 SPEED_SWITCHES = ("use_winograd_convolution", "use_sgemm_convolution", "use_packing_layout", "lightmode")
+# target.memory=low (docs/targets.md, "Memory modes"): no Winograd and no im2col-sgemm
+# convolution, whose transformed weights and unfolded inputs are the largest buffers of a
+# convolution network (PP-OCRv4 det 640x960: fp32 327 -> 210 MB, int8 378 -> 249 MB, at 1.3x and
+# 1.6x the latency; either one off alone moves the work to the other: Winograd off 408 MB). Light mode (blobs freed as soon as
+# they are consumed) is ncnn's default already. Tried and not kept: the packing layout off
+# (363 MB); pool allocators for blobs and workspace emptied after each run (-6 to -11 % alone,
+# worse than without them once Winograd and sgemm are off: int8 285 MB).
+MEMORY_LOW = {"use_winograd_convolution": False, "use_sgemm_convolution": False}
 
 
 def _set_options(opt, options: dict) -> None:
@@ -22,6 +32,9 @@ def _set_options(opt, options: dict) -> None:
     for switch in SPEED_SWITCHES:
         if switch in options:
             setattr(opt, switch, bool(options[switch]))
+    if memory_low(options):  # wins over a tuned switch
+        for switch, value in MEMORY_LOW.items():
+            setattr(opt, switch, value)
     threads = int(options.get("threads", 0) or 0)
     if threads > 0:
         opt.num_threads = threads
@@ -40,7 +53,8 @@ def tuning_space(settings: dict, level: str, objective: str, devices: List[str])
         knobs.append(("device", current_first(device, others)))
     knobs.append(("threads", thread_counts(int(options.get("threads", 0) or 0))))
     if level != "fast":
-        knobs += [(switch, current_first(bool(options.get(switch, True)), [True, False])) for switch in SPEED_SWITCHES]
+        knobs += [(switch, current_first(bool(options.get(switch, True)), [True, False])) for switch in SPEED_SWITCHES
+                  if not (memory_low(options) and switch in MEMORY_LOW)]  # target.memory=low decides these
     return knobs
 
 

@@ -283,7 +283,8 @@ class Session:
         opt = self._net.opt
         result = {"device": device, "precision": precision, "layers": layers,
                   "runtime_options": {"threads": opt.num_threads, "use_int8_inference": bool(opt.use_int8_inference),
-                                      **{s: bool(getattr(opt, s)) for s in SPEED_SWITCHES}}}
+                                      **{s: bool(getattr(opt, s)) for s in SPEED_SWITCHES},
+                                      "memory": str(self._options.get("memory", "default"))}}
         if int8:
             result.update(float_ops=int8["float_ops"], int8_layers=int8["int8_layers"])
             if int8.get("note"):
