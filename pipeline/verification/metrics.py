@@ -77,28 +77,38 @@ class OutputStats:
     def _update_part(self, ref: np.ndarray, out: np.ndarray, sums: np.ndarray) -> tuple:
         """One slice of a sample into ``sums`` and the counters: (its largest |error|, the
         finite elements compared)."""
-        finite_ref, finite_out = np.isfinite(ref), np.isfinite(out)
-        if not (finite_ref.all() and finite_out.all()):
-            if finite_ref.any():  # the reference's own peak, also where the target overflowed
-                self.reference_max_abs = max(self.reference_max_abs, float(np.abs(ref[finite_ref]).max()))
-            self.nan += int(np.isnan(out).sum())
-            self.inf += int(np.isinf(out).sum())
-            self.reference_nan += int(np.isnan(ref).sum())
-            self.reference_inf += int(np.isinf(ref).sum())
-            finite = finite_ref & finite_out
-            ref, out = ref[finite], out[finite]
+        ref_sq, out_sq = float(ref @ ref), float(out @ out)
+        if not (math.isfinite(ref_sq) and math.isfinite(out_sq)):  # a NaN or Inf somewhere: find them
+            ref, out = self._finite_part(ref, out)
+            ref_sq, out_sq = float(ref @ ref), float(out @ out)
         if not ref.size:
             return 0.0, 0
-        diff = np.abs(out - ref)
+        diff = out - ref
+        np.abs(diff, out=diff)
         ref_abs = np.abs(ref)
-        sums += (ref @ out, ref @ ref, out @ out, diff @ diff, diff.sum())
+        sums += (ref @ out, ref_sq, out_sq, diff @ diff, diff.sum())
         self.reference_max_abs = max(self.reference_max_abs, float(ref_abs.max()))
         zero = ref_abs == 0
-        relative = np.divide(diff, ref_abs, out=np.zeros_like(diff), where=~zero)
+        if zero.any():
+            relative = np.divide(diff, ref_abs, out=np.zeros_like(diff), where=~zero)
+            if (diff[zero] > 0).any():  # no relative tolerance covers an error on a zero
+                self.max_rel = math.inf
+        else:
+            relative = np.divide(diff, ref_abs, out=ref_abs)
         self.max_rel = max(self.max_rel, float(relative.max()))
-        if (diff[zero] > 0).any():  # no relative tolerance covers an error on a zero
-            self.max_rel = math.inf
         return float(diff.max()), int(ref.size)
+
+    def _finite_part(self, ref: np.ndarray, out: np.ndarray) -> tuple:
+        """The elements finite on both sides; NaN and Inf counted on each."""
+        finite_ref, finite_out = np.isfinite(ref), np.isfinite(out)
+        if finite_ref.any():  # the reference's own peak, also where the target overflowed
+            self.reference_max_abs = max(self.reference_max_abs, float(np.abs(ref[finite_ref]).max()))
+        self.nan += int(np.isnan(out).sum())
+        self.inf += int(np.isinf(out).sum())
+        self.reference_nan += int(np.isnan(ref).sum())
+        self.reference_inf += int(np.isinf(ref).sum())
+        finite = finite_ref & finite_out
+        return ref[finite], out[finite]
 
     def _count_changes(self, reference: np.ndarray, output: np.ndarray) -> None:
         self.exact = True
