@@ -467,7 +467,7 @@ class ProfileConfig:
     warmup: int = 3
     top: int = 10  # layers the report shows
     max_seconds: float = 5.0  # fewer runs (one at least) once profiling took this long
-    startup_rounds: int = 3  # with a compile cache: cold vs warm start-up, median of this many (0: not measured)
+    startup_rounds: int = 1  # with a compile cache: cold vs warm start-up, median of this many (0: not measured)
     worker_timeout_s: float = 600.0  # each request to the profiling worker
     worker_memory_mb: Optional[int] = None  # memory limit of the profiling worker; null: none
 
