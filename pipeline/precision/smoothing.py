@@ -307,7 +307,7 @@ class Judge:
 
         table = self.table(model, ready)
         fake = FakeQuantModel(model, table, self.settings, self.keep_float)
-        actual = [[row[0] for row in fake.run(table, [sample.feeds], self.outputs)[0]] for sample in self.samples]
+        actual = fake.run_each(table, [sample.feeds for sample in self.samples], self.outputs)
         return agreement(self.reference, actual)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.backends.onnxruntime import run_each
 from pipeline.precision.calibration.sensitivity import fake_quantize_weight
 from pipeline.precision.quantize import scale_and_zero_point, settings_float_ops
 
@@ -42,11 +43,19 @@ class FakeQuantModel:
         """The ``outputs`` (default: every graph output) under ``table``'s ranges, sample by
         sample, as one chunk of measure.OutputJudge's layout (each output's samples stacked
         on axis 0): pass the judge's outputs, which leave integer outputs out."""
+        rows = self.run_each(table, samples, outputs)
+        count = len(rows[0]) if rows else len(outputs or self.outputs)
+        return [[np.concatenate([np.atleast_1d(row[index]) for row in rows]) for index in range(count)]]
+
+    def run_each(self, table: Dict[str, dict], samples: Sequence[Dict[str, np.ndarray]],
+                 outputs: Optional[Sequence[str]] = None) -> List[List[np.ndarray]]:
+        """Each sample's ``outputs`` under ``table``'s ranges (samples may differ in shape),
+        several samples at once on a multi-core machine (onnxruntime.run_each)."""
         if self._session is None:
             import onnxruntime as ort
-            from pipeline.backends.onnxruntime import untimed_options
+            from pipeline.backends.onnxruntime import sample_parallel_options
 
-            options = untimed_options()
+            options = sample_parallel_options()
             options.log_severity_level = 4
             # ONNX Runtime's Q/DQ graph transformations change what Q/DQ pairs whose scales
             # are graph inputs compute (PP-OCRv4 rec: output cosine 0.987 -> 0.962); its other
@@ -55,8 +64,7 @@ class FakeQuantModel:
             self._session = ort.InferenceSession(self.model.SerializeToString(), options,
                                                  providers=["CPUExecutionProvider"])
         ranges, names = self._ranges(table), list(outputs or self.outputs)
-        rows = [self._session.run(names, {**sample, **ranges}) for sample in samples]
-        return [[np.concatenate([np.atleast_1d(row[index]) for row in rows]) for index in range(len(names))]]
+        return run_each(self._session, names, [{**sample, **ranges} for sample in samples])
 
     def _ranges(self, table: Dict[str, dict]) -> Dict[str, np.ndarray]:
         """Each quantized tensor's scale and zero point from its table entry, as ONNX
