@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -12,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.errors import BackendCrashed, ExitCode
-from pipeline.worker import BackendWorker
+from pipeline.worker import BackendWorker, side_by_side
 
 TESTS = "worker_backends"  # tests/ is on sys.path, and the spawned child gets the same sys.path
 X = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
@@ -171,3 +172,28 @@ def test_openvino_matches_numpy(tmp_path, memory_mb):
         assert list(got) == w.outputs == ["y"]
         np.testing.assert_allclose(got["y"], expected, rtol=0, atol=1e-6)
         assert "CPU" in w.effective()["device"]
+
+
+def test_side_by_side_keeps_order_and_stops_feeding_a_failed_worker(tmp_path):
+    samples = [SimpleNamespace(feeds={"x": X + index}) for index in range(7)]
+    with worker("count", tmp_path) as counted, worker("raise_second", tmp_path) as failing:
+        answered = list(side_by_side({"counted": counted, "failing": failing}, samples, ahead=3))
+        assert [sample for sample, _ in answered] == samples
+        for index, (sample, answers) in enumerate(answered):
+            assert np.array_equal(answers["counted"]["y"], sample.feeds["x"] * 2)
+            assert int(answers["counted"]["calls"]) == index + 1
+        failed = [answers["failing"] for _, answers in answered]
+        assert isinstance(failed[1], BackendCrashed) and "second sample is bad" in str(failed[1])
+        assert failed[2:] == [None] * 5  # given no sample after its failure
+        assert int(counted.run({"x": X})["calls"]) == 8  # every sample run once, nothing else
+
+
+def test_side_by_side_closed_early_leaves_no_answer_in_flight(tmp_path):
+    samples = [SimpleNamespace(feeds={"x": X + index}) for index in range(20)]
+    with worker("count", tmp_path) as counted:
+        answered = side_by_side({"counted": counted}, samples, ahead=4)
+        next(answered)
+        answered.close()  # runs already given are awaited, the rest never start
+        reply = counted.run({"x": -X})
+        assert np.array_equal(reply["y"], -X * 2)  # its own answer, not a stale reply left in the pipe
+        assert 2 <= int(reply["calls"]) <= 6  # after at most the sample yielded and 4 ahead

@@ -17,8 +17,14 @@ class Session:
     def __init__(self, settings: dict):
         self.behaviour = settings["behaviour"]
         self.settings = settings
+        self.calls = 0
 
     def run(self, feeds: dict) -> dict:
+        self.calls += 1
+        if self.behaviour == "count":  # how many samples it was given
+            return {"y": feeds["x"] * 2, "calls": np.array(self.calls)}
+        if self.behaviour == "raise_second" and self.calls == 2:
+            raise ValueError("the second sample is bad")
         if self.behaviour == "abort":
             os.abort()
         if self.behaviour == "noisy_abort":

@@ -29,13 +29,14 @@ from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
 from pipeline.verification.metrics import OutputStats
 from pipeline.verification.shape_checks import ShapeAccuracy
+from pipeline.worker import side_by_side
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
 from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qdq
 from stages import StageContext, StageResult, deployable
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
-from stages.verify.shared import (MEMORY_TWIN, Live, built_worker, judge_output, judged_with, loaded, measure_memory,
-                                  memory_twin)
+from stages.verify.shared import (MEMORY_TWIN, Live, Row, built_worker, judge_output, judged_with,
+                                  measure_memory, memory_twin)
 
 
 NAME = "verify"
@@ -235,7 +236,7 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
                   reproduce, f"verify {cfg.target.name}")
         ran.memory = measure_memory(target, baselines, twin, cfg.target.memory.value, check.samples)  # before more runs
         ran.effective = target.effective()
-        rows = {**baselines, cfg.precision.kind: _Row(target, build.summary.get("bytes"), check.stats)}
+        rows = {**baselines, cfg.precision.kind: Row(target, build.summary.get("bytes"), check.stats)}
         curve = check.by_shape.curve_feeds(dataset.validation.read)
         ran.comparison, ran.timing = _side_by_side(rows, curve.get("opt", check.last), cfg.precision.kind,
                                                    backend.NAME, cfg.validation)
@@ -371,31 +372,25 @@ class _Check:
         self.last: Optional[dict] = None
 
     def run(self, reference, target, baselines, dataset, progress, reproduce: Path, title: str) -> None:
-        """Every validation sample on every worker at once; sample i + 1 is given to them
-        before sample i is scored, so the workers compute while this process scores."""
+        """Every validation sample on every worker, each worker at its own pace (side_by_side),
+        while this process scores the samples all of them answered."""
         self.missing = [name for name in self.stats if name not in target.outputs]
         recorded = {}
         task = progress.add_task(title, total=len(dataset.validation))
-        samples = iter(dataset.validation)
-        sample = next(samples, None)
-        if sample is not None:
-            _submit_all(reference, target, baselines, sample)
-        index = 0
-        while sample is not None:
-            expected, actual = _collect_pair(reference, target)
-            others = {name: baseline.receive() for name, baseline in baselines.items()}
-            following = next(samples, None)
-            if following is not None:
-                _submit_all(reference, target, baselines, following)
-            self._compare(index, sample, (expected, actual), baselines, others)
-            if index < REPRODUCE_SAMPLES:
-                recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
-                recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
-                recorded.update({f"target/{index}/{k}": v for k, v in actual.items()})  # check: reproduced?
-            self.samples += 1
-            self.last = sample.feeds
-            progress.advance(task)
-            sample, index = following, index + 1
+        workers = {REFERENCE: reference, TARGET: target,
+                   **{name: row.worker for name, row in baselines.items() if not row.error}}
+        with contextlib.closing(side_by_side(workers, dataset.validation)) as answered:  # no run left in flight
+            for index, (sample, answers) in enumerate(answered):
+                expected, actual = _answer(answers[REFERENCE]), _answer(answers[TARGET])
+                others = {name: baseline.receive(answers.get(name)) for name, baseline in baselines.items()}
+                self._compare(index, sample, (expected, actual), baselines, others)
+                if index < REPRODUCE_SAMPLES:
+                    recorded.update({f"input/{index}/{k}": v for k, v in sample.feeds.items()})
+                    recorded.update({f"reference/{index}/{k}": v for k, v in expected.items()})
+                    recorded.update({f"target/{index}/{k}": v for k, v in actual.items()})  # check: reproduced?
+                self.samples += 1
+                self.last = sample.feeds
+                progress.advance(task)
         write_npz(reproduce, recorded)  # fixed zip entry times: the same inputs give the same bytes
 
     def _compare(self, index: int, sample, outputs: tuple, baselines: dict, others: dict) -> None:
@@ -428,83 +423,14 @@ class _Check:
                     row["top1"] = row["task_metric"]
 
 
-def _submit_all(reference, target, baselines: dict, sample) -> None:
-    """Give one sample to every worker (the reference, the target, each baseline). The
-    reference's answer is read when the target cannot take the sample: no reply is left in
-    its pipe for the diagnosis that follows."""
-    for baseline in baselines.values():
-        baseline.submit(sample)
-    reference.submit(sample.feeds)
-    try:
-        target.submit(sample.feeds)
-    except BackendCrashed:
-        with contextlib.suppress(BackendCrashed):
-            reference.collect()
-        raise
+REFERENCE, TARGET = "\0reference", "\0target"  # side_by_side's names of the two, apart from any build's
 
 
-def _collect_pair(reference, target) -> tuple:
-    """The reference's and the target's outputs for the sample submitted. The target's
-    answer is read even when the reference failed (see _submit_all)."""
-    try:
-        expected = reference.collect()
-    except BackendCrashed:
-        with contextlib.suppress(BackendCrashed):
-            target.collect()
-        raise
-    return expected, target.collect()
-
-
-class _Row:
-    """One build in the side-by-side table: output agreement, top-1, latency, size."""
-
-    def __init__(self, worker, size, stats=None):
-        self.worker, self.size = worker, size
-        self.stats = stats if stats is not None else {}
-        self.error: Optional[str] = None
-        self._pending = False
-
-    def wait_loaded(self) -> None:
-        try:
-            loaded(self.worker)
-        except (BackendCrashed, BackendUnavailable) as err:  # a side-by-side build is information only
-            self.error = str(err)
-
-    def submit(self, sample) -> None:
-        """Start this build on the sample (collect() compares it); nothing once it failed."""
-        self._pending = False
-        if self.error:
-            return
-        try:
-            self.worker.submit(sample.feeds)
-            self._pending = True
-        except BackendCrashed as err:  # a side-by-side build is information, not the verdict
-            self.error = str(err)
-
-    def receive(self) -> Optional[dict]:
-        """This build's outputs for the submitted sample (None once it failed)."""
-        if self.error or not self._pending:
-            return None
-        self._pending = False
-        try:
-            return self.worker.collect()
-        except BackendCrashed as err:  # a side-by-side build is information, not the verdict
-            self.error = str(err)
-            return None
-
-    def compare(self, expected: dict, actual: Optional[dict]) -> Optional[dict]:
-        """``actual`` (receive()'s) compared with the reference's outputs."""
-        if actual is not None:
-            for name in expected:
-                self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
-        return actual
-
-    def result(self, timing: Optional[dict]) -> dict:
-        if self.error or (timing or {}).get("error"):
-            return {"error": self.error or timing["error"], "bytes": self.size}
-        first = next(iter(self.stats.values()), None)
-        return {"latency": timing, "bytes": self.size, "top1": None,
-                "cosine": first.result()["cosine"] if first and first.elements else None}
+def _answer(answer) -> dict:
+    """The reference's or the target's outputs; the crash its run raised is verify's crash."""
+    if isinstance(answer, BackendCrashed):
+        raise answer
+    return answer
 
 
 def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name: str, validation):
@@ -548,7 +474,7 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
                   QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
                   keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
         builds["int8"] = (int8, None, None)  # uncorrected, as the sensitivity search measures plain int8
-    return {name: _Row(*built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}",
+    return {name: Row(*built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}",
                                       float_ops))
             for name, (onnx_path, ir_dir, float_ops) in builds.items()}
 

@@ -112,37 +112,51 @@ def judged_with(ctx) -> dict:
 MEMORY_TWIN = "memory=default"  # target.memory=low: the same build loaded with the runtime's defaults
 
 
-class MemoryTwin:
-    """target.memory=low: the target's artifact in a worker of its own with options.memory
-    default, fed every validation sample beside the target (as a baseline row: submit,
-    receive, compare; its outputs never scored) so that its peak memory compares with the
-    target's."""
+class Row:
+    """One build in the side-by-side table: output agreement, top-1, latency, size."""
 
-    def __init__(self, worker: BackendWorker):
-        self.worker, self.error, self._pending = worker, None, False
+    def __init__(self, worker, size, stats=None):
+        self.worker, self.size = worker, size
+        self.stats = stats if stats is not None else {}
+        self.error: Optional[str] = None
 
     def wait_loaded(self) -> None:
         try:
             loaded(self.worker)
-        except (BackendCrashed, BackendUnavailable) as err:  # information only, as a side-by-side build
+        except (BackendCrashed, BackendUnavailable) as err:  # a side-by-side build is information only
             self.error = str(err)
 
-    def submit(self, sample) -> None:
-        self._pending = False
-        if self.error is None:
-            try:
-                self.worker.submit(sample.feeds)
-                self._pending = True
-            except BackendCrashed as err:
-                self.error = str(err)
+    def receive(self, answer) -> Optional[dict]:
+        """This build's outputs for the sample (side_by_side's answer); None once it failed."""
+        if self.error:
+            return None
+        if isinstance(answer, BackendCrashed):  # a side-by-side build is information, not the verdict
+            self.error = str(answer)
+            return None
+        return answer
 
-    def receive(self) -> None:
-        if self.error is None and self._pending:
-            self._pending = False
-            try:
-                self.worker.collect()
-            except BackendCrashed as err:
-                self.error = str(err)
+    def compare(self, expected: dict, actual: Optional[dict]) -> Optional[dict]:
+        """``actual`` (receive()'s) compared with the reference's outputs."""
+        if actual is not None:
+            for name in expected:
+                self.stats.setdefault(name, OutputStats()).update(expected[name], actual[name])
+        return actual
+
+    def result(self, timing: Optional[dict]) -> dict:
+        if self.error or (timing or {}).get("error"):
+            return {"error": self.error or timing["error"], "bytes": self.size}
+        first = next(iter(self.stats.values()), None)
+        return {"latency": timing, "bytes": self.size, "top1": None,
+                "cosine": first.result()["cosine"] if first and first.elements else None}
+
+
+class MemoryTwin(Row):
+    """target.memory=low: the target's artifact in a worker of its own with options.memory
+    default, fed every validation sample beside the target (as a baseline row; its outputs
+    never compared nor scored) so that its peak memory compares with the target's."""
+
+    def __init__(self, worker: BackendWorker):
+        super().__init__(worker, None)
 
     def compare(self, expected: dict, actual) -> None:
         return None
