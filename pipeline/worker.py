@@ -378,6 +378,14 @@ class BackendWorker:
             self._process.join(_JOIN_S)
 
 
+def answered(worker: BackendWorker, feeds: dict) -> Any:
+    """The worker's outputs for ``feeds``, or the BackendCrashed its run raised."""
+    try:
+        return worker.run(feeds)
+    except BackendCrashed as err:
+        return err
+
+
 def side_by_side(workers: Dict[str, BackendWorker], samples: Iterable, ahead: int = 4) -> Iterator[tuple]:
     """Every sample run by every worker, each from a thread of its own and at its own pace,
     at most ``ahead`` samples past the one being yielded: yields ``(sample, {name: outputs,
@@ -391,11 +399,10 @@ def side_by_side(workers: Dict[str, BackendWorker], samples: Iterable, ahead: in
     def run(name: str, sample) -> Any:
         if name in failed:
             return None
-        try:
-            return workers[name].call("run", sample.feeds)
-        except BackendCrashed as err:
+        answer = answered(workers[name], sample.feeds)
+        if isinstance(answer, BackendCrashed):
             failed.add(name)
-            return err
+        return answer
 
     threads = {name: ThreadPoolExecutor(1, thread_name_prefix=f"parity-feed-{name}") for name in workers}
     pending: deque = deque()

@@ -48,6 +48,14 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     # the candidates share the cached work: one convert for all, calibrate reused by mixed
     assert {s["stage"]: s["status"] for s in report["stages"]}["verify"] == "cached"
     assert (run_dir / "candidates" / "int8" / "stages" / "verify" / "result.json").is_file()
+    # beside a candidate fp32 is timed and its memory read, not run over the validation set
+    # (validation.baselines=timed): that would be its verification, paid only when it could ship
+    if shipped != "fp32":
+        fp32_row = report["verify"]["comparison"]["fp32"]
+        assert fp32_row["compared"] is False and fp32_row["cosine"] is None and fp32_row["latency"]["rounds"] >= 3
+        memory = report["verify"]["memory"]
+        assert memory["baseline_samples"] == 1 and memory["fp32"]["run_peak_mb"] > 0 and memory["samples"] > 1
+        assert "not compared" in (run_dir / "report.md").read_text()
 
 
 def test_fp32_is_verified_only_when_it_could_ship():

@@ -101,10 +101,19 @@ def test_resize_policies_keep_each_image_at_its_own_size():
 
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
 def test_int8_bundle_keeps_the_range_and_is_verified_per_shape(tmp_path, small, target):
+    # openvino_cpu also with the baselines only timed: fp32 then runs one sample per shape
+    baselines = "full" if target == "ort_cpu" else "timed"
     result, run_dir = _run(tmp_path, small, RANGE, f"target={target}", "precision=int8",
-                           "data.calibration_size=12", "data.validation_size=6", "validation.timing_rounds=3")
+                           "data.calibration_size=12", "data.validation_size=6", "validation.timing_rounds=3",
+                           f"validation.baselines={baselines}")
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dir)
+    fp32, memory = report["verify"]["comparison"]["fp32"], report["verify"]["memory"]
+    if baselines == "full":
+        assert fp32["cosine"] > 0.99 and "compared" not in fp32 and "baseline_samples" not in memory
+    else:  # one sample of each of the 3 shapes: what the peak depends on; timed all the same
+        assert fp32["compared"] is False and fp32["cosine"] is None and fp32["latency"]["median_ms"] > 0
+        assert memory["baseline_samples"] == 3 and memory["samples"] == 6 and memory["fp32"]["run_peak_mb"] > 0
     assert report["convert"]["dynamic_shapes"]["x"]["max"] == [1, 3, 64, 64]
     groups = report["verify"]["shapes"]
     assert [g["buckets"] for g in groups] == [["min"], ["opt"], ["max"]] and all(g["samples"] == 2 for g in groups)

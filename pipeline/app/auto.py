@@ -20,7 +20,8 @@ reasons and recommendations are the run's.
 auto decides, then explains once: candidates are verified for their verdict alone (no
 layerwise, no advice trials), fp32 only when it could ship (it is built and timed as every
 candidate's speed reference, and verified when no other candidate passes or it would win
-the timing); the shipped run's verify reuses that measurement (stored by
+the timing; beside a candidate it is timed and its memory read, not run on the validation
+set: validation.baselines=timed); the shipped run's verify reuses that measurement (stored by
 the build's files, not by the run's diagnosis settings) and diagnoses only when it fails.
 A candidate that cannot win is not built: mixed only when plain int8 fails (with int8
 passing, the search keeps nothing in float and mixed is the int8 build).
@@ -100,6 +101,8 @@ def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
         chosen["activation_ranges"] = "dynamic"
     candidate = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     candidate.precision = chosen
+    if candidate.validation.get("baselines") is None:  # fp32 is verified only when it could ship
+        candidate.validation.baselines = "timed"
     return candidate
 
 

@@ -60,6 +60,11 @@ class Layerwise(Enum):
     always = "always"
 
 
+class Baselines(Enum):
+    full = "full"  # every validation sample, compared and scored beside the build
+    timed = "timed"  # timed, and run on one sample per input shape for their peak memory
+
+
 class Tuning(Enum):
     """MNN GPU backends: how much to tune kernels at load (ScheduleConfig.mode bits)."""
     none = "none"
@@ -411,6 +416,10 @@ class ValidationConfig:
     max_memory_mb: Optional[float] = None
     # int8 ran partly (quantized ops the runtime has no int8 kernel for ran float): a warning, or a failing check
     fail_on_float_fallback: bool = False
+    # The side-by-side baselines (fp32 on the target; plain int8 beside mixed): full (every
+    # validation sample, compared), timed (timed and their memory read only); null: full,
+    # and timed for precision=auto's candidates, which verify fp32 only when it could ship
+    baselines: Optional[Baselines] = None
     advice_trials: int = 4  # keep-in-float candidates a failing int8/mixed verify builds and measures (0: none)
     # A failing verdict's diagnosis (layerwise, advice trials) may take this multiple of the
     # check's own time, and at least diagnosis_min_seconds (docs/verify.md, "Diagnosis budget")
@@ -433,6 +442,11 @@ class ValidationConfig:
         if self.min_cosine is None or not task_gated or self.task_min_cosine is None:
             return self.min_cosine
         return self.task_min_cosine
+
+    @property
+    def baselines_compared(self) -> bool:
+        """Whether the side-by-side baselines run every validation sample, compared."""
+        return self.baselines != Baselines.timed
 
     def judged(self) -> dict:
         """The keys a verdict depends on, without how a failing one is diagnosed: what a

@@ -161,8 +161,11 @@ def _comparison_blocks(comparison: dict, metric=None) -> list:
         row = as_dict(row)
         timing, speedup = as_dict(row.get("latency")), as_dict(row.get("speedup"))
         size = row.get("bytes")
-        rows.append([labels.get(str(precision), str(precision)), fmt_cosine(row.get("cosine")),
-                     fmt_ratio(row.get("task_metric", row.get("top1"))), fmt_number(timing.get("median_ms"), ".3f"),
+        compared = row.get("compared", True)
+        rows.append([labels.get(str(precision), str(precision)),
+                     fmt_cosine(row.get("cosine")) if compared else "not compared",
+                     fmt_ratio(row.get("task_metric", row.get("top1"))) if compared else "not compared",
+                     fmt_number(timing.get("median_ms"), ".3f"),
                      f"{fmt_number(timing.get('p25_ms'), '.3f')} - {fmt_number(timing.get('p75_ms'), '.3f')}",
                      fmt_speedup(speedup) if speedup else ("1.00x" if precision == "fp32" else "n/a"),
                      f"{size / 1024:.1f}" if is_number(size) else "n/a"])
@@ -173,6 +176,9 @@ def _comparison_blocks(comparison: dict, metric=None) -> list:
     how = (f"latency: one sample, {first.get('runs_per_round', '?')} runs a round, {first.get('rounds', '?')} "
            "rounds with every build timed in turn (order rotated); median of round medians. Speed-up: median of "
            "the per-round ratios (p25 - p75); a build counts as faster only when its p25 is above 1.00x.")
+    if not all(as_dict(row).get("compared", True) for row in comparison.values()):
+        how += (" Not compared: a baseline only timed and run on one sample per input shape for its memory "
+                "(validation.baselines=timed, precision=auto's default: fp32 is verified only when it could ship).")
     return [Heading(3, title), Table(headers, rows), Para(how)]
 
 

@@ -38,15 +38,21 @@ def reading(worker) -> Optional[dict]:
 
 
 def summary(target: Optional[dict], baselines: Dict[str, Optional[dict]], twin: Optional[dict], mode: str,
-            samples: int) -> dict:
+            samples: int, baseline_samples: Optional[int] = None) -> dict:
     """verify.memory from the readings of the target's worker, its side-by-side baselines
-    (fp32; plain int8 for mixed) and, for target.memory=low, its memory=default twin."""
+    (fp32; plain int8 for mixed) and, for target.memory=low, its memory=default twin.
+    ``baseline_samples``: the baselines ran one sample per input shape, this many
+    (validation.baselines=timed), not every validation sample."""
     if not target or target.get("peak_mb") is None:
         why = (target or {}).get("source") or "the worker could not report its memory"
         return {"measured": False, "reason": why, "mode": mode}
     found = {"measured": True, "method": method(target, samples), "source": target["source"], "mode": mode,
              "samples": samples, **_figures(target)}
     found["fp32"] = _figures(baselines.get("fp32"))
+    if baseline_samples is not None and baselines:
+        found["baseline_samples"] = baseline_samples
+        found["method"] += (f"; the side-by-side baselines ran one validation sample of each input shape "
+                            f"({baseline_samples}), what their run peak depends on (validation.baselines=timed)")
     others = {name: _figures(value) for name, value in baselines.items() if name != "fp32"}
     if others:
         found["baselines"] = others

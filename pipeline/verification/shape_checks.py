@@ -56,6 +56,13 @@ class ShapeAccuracy:
                                      for name, r in found.items()}})
         return rows
 
+    def first_feeds(self, read: Callable[[int], dict], last: Optional[dict]) -> List[dict]:
+        """The first sample of each input shape seen (re-read with ``read(index)``); for a
+        static model the last sample, where there was one."""
+        if not self.active or not self.first:
+            return [last] if last is not None else []
+        return [read(index) for index in self.first.values()]
+
     def curve_feeds(self, read: Callable[[int], dict], seed: int = 0) -> Dict[str, dict]:
         """{min, opt, max: feeds} to time: the range's shapes (a sample of that shape where the
         data has one, re-read with ``read(index)``, else seeded uniform values), or without a

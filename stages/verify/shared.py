@@ -119,6 +119,7 @@ class Row:
         self.worker, self.size = worker, size
         self.stats = stats if stats is not None else {}
         self.error: Optional[str] = None
+        self.compared = True  # False: timed and run for its memory only (validation.baselines=timed)
 
     def wait_loaded(self) -> None:
         try:
@@ -147,7 +148,8 @@ class Row:
             return {"error": self.error or timing["error"], "bytes": self.size}
         first = next(iter(self.stats.values()), None)
         return {"latency": timing, "bytes": self.size, "top1": None,
-                "cosine": first.result()["cosine"] if first and first.elements else None}
+                "cosine": first.result()["cosine"] if first and first.elements else None,
+                **({} if self.compared else {"compared": False})}
 
 
 class MemoryTwin(Row):
@@ -174,13 +176,15 @@ def memory_twin(live: Live) -> Optional[MemoryTwin]:
                                     f"{MEMORY_TWIN})", live.limits))
 
 
-def measure_memory(target: BackendWorker, rows: dict, twin: Optional[MemoryTwin], mode: str, samples: int) -> dict:
+def measure_memory(target: BackendWorker, rows: dict, twin: Optional[MemoryTwin], mode: str, samples: int,
+                   baseline_samples: Optional[int] = None) -> dict:
     """verify.memory (pipeline/verification/memory.py): read right after the validation
-    samples, before anything else runs in the workers; the twin is closed then."""
+    samples, before anything else runs in the workers; the twin is closed then.
+    ``baseline_samples``: the baselines ran only this many (validation.baselines=timed)."""
     from pipeline.verification import memory
 
     baselines = {name: memory.reading(row.worker) for name, row in rows.items() if not row.error}
     twin_reading = memory.reading(twin.worker) if twin is not None and twin.error is None else None
     if twin is not None:
         twin.worker.close()
-    return memory.summary(memory.reading(target), baselines, twin_reading, mode, samples)
+    return memory.summary(memory.reading(target), baselines, twin_reading, mode, samples, baseline_samples)
