@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import conf
 from pipeline import backends, shapes
+from pipeline.backends.protocol import memory_mode
 from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
 from pipeline.verification import speed
@@ -185,8 +186,7 @@ def _verified(config: Tuple[DictConfig, object], folder: Path) -> Tuple[RunOutco
 
 def _memory(config: Tuple[DictConfig, object]) -> str:
     """The candidate's target.memory."""
-    mode = config[1].target.memory
-    return getattr(mode, "value", mode)
+    return memory_mode(config[1].target)
 
 
 def _over_budget(outcome: RunOutcome) -> bool:
