@@ -49,13 +49,14 @@ def read_json(path: Path):
     return json.loads(Path(path).read_text())
 
 
-def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """A compressed .npz (np.load reads it) whose bytes depend only on the arrays: fixed
-    entry times and permissions, entries in the order given."""
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+def write_npz(path: Path, arrays: Mapping[str, np.ndarray], compress: bool = True) -> None:
+    """A .npz (np.load reads it), compressed unless asked not to, whose bytes depend only on
+    the arrays: fixed entry times and permissions, entries in the order given."""
+    method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", compression=method) as archive:
         for key, value in arrays.items():
             entry = zipfile.ZipInfo(f"{key}.npy", date_time=ZIP_EPOCH)
-            entry.compress_type = zipfile.ZIP_DEFLATED
+            entry.compress_type = method
             entry.external_attr = 0o644 << 16
             with archive.open(entry, "w", force_zip64=True) as handle:
                 np.lib.format.write_array(handle, np.asanyarray(value), allow_pickle=False)

@@ -46,7 +46,7 @@ import traceback
 from pathlib import Path
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from pipeline.errors import BackendCrashed, meaningful_line
 
@@ -138,6 +138,15 @@ def _main_module_hidden():
         yield
     finally:
         main.__dict__.update(saved)
+
+
+def start_process(target, args: tuple, name: str):
+    """A spawned daemon process running ``target(*args)``, started as the workers are."""
+    _restorable_start_method()
+    process = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
+    with _main_module_hidden():
+        process.start()
+    return process
 
 
 def _send(conn, reply: tuple) -> None:
@@ -378,40 +387,44 @@ class BackendWorker:
             self._process.join(_JOIN_S)
 
 
-def answered(worker: BackendWorker, feeds: dict) -> Any:
-    """The worker's outputs for ``feeds``, or the BackendCrashed its run raised."""
+def answered(run: Callable[[], Any]) -> Any:
+    """``run()``'s outputs, or the BackendCrashed it raised."""
     try:
-        return worker.run(feeds)
+        return run()
     except BackendCrashed as err:
         return err
 
 
-def side_by_side(workers: Dict[str, BackendWorker], samples: Iterable, ahead: int = 4) -> Iterator[tuple]:
+def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4) -> Iterator[tuple]:
     """Every sample run by every worker, each from a thread of its own and at its own pace,
     at most ``ahead`` samples past the one being yielded: yields ``(sample, {name: outputs,
     or the BackendCrashed that worker's run raised})`` in the samples' order. In lockstep
     (every worker waiting for the slowest on each sample) three workers on two cores took
     14.1 s for 200 PP-OCRv4 rec lines; each at its own pace 9.5 s (docs/time.md).
-    A worker once failed is not given more samples. When the loop ends, early or not,
-    every run in flight is awaited: no answer is left in a worker's pipe."""
+    A worker is a BackendWorker, or a function of (sample index, feeds) that answers like
+    one (verify's reference, read from its store where it can). A worker once failed is
+    not given more samples. When the loop ends, early or not, every run in flight is
+    awaited: no answer is left in a worker's pipe."""
     failed: set = set()
 
-    def run(name: str, sample) -> Any:
+    def run(name: str, index: int, sample) -> Any:
         if name in failed:
             return None
-        answer = answered(workers[name], sample.feeds)
+        worker = workers[name]
+        answer = answered(lambda: worker.run(sample.feeds) if isinstance(worker, BackendWorker)
+                          else worker(index, sample.feeds))
         if isinstance(answer, BackendCrashed):
             failed.add(name)
         return answer
 
     threads = {name: ThreadPoolExecutor(1, thread_name_prefix=f"parity-feed-{name}") for name in workers}
     pending: deque = deque()
-    stream = iter(samples)
+    stream = enumerate(samples)
 
     def give_next() -> None:
-        sample = next(stream, None)
+        index, sample = next(stream, (None, None))
         if sample is not None:
-            pending.append((sample, {name: pool.submit(run, name, sample) for name, pool in threads.items()}))
+            pending.append((sample, {name: pool.submit(run, name, index, sample) for name, pool in threads.items()}))
 
     try:
         for _ in range(max(1, ahead)):

@@ -56,6 +56,12 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
         memory = report["verify"]["memory"]
         assert memory["baseline_samples"] == 1 and memory["fp32"]["run_peak_mb"] > 0 and memory["samples"] > 1
         assert "not compared" in (run_dir / "report.md").read_text()
+    # one reference pass: what int8's verify did not find stored (the process that fills the
+    # store ahead may not have finished) it ran and stored; int8_dynamic's reads every sample
+    answered = {p: read_json(run_dir / "candidates" / p / "stages" / "verify" / "result.json")["summary"]["reference"]
+                for p in ("int8", "int8_dynamic")}
+    samples = report["verify"]["samples"]
+    assert sum(answered["int8"].values()) == samples and answered["int8_dynamic"] == {"from_store": samples, "run": 0}
 
 
 def test_fp32_is_verified_only_when_it_could_ship():

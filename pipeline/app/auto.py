@@ -115,38 +115,10 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     configs: Dict[str, Tuple[DictConfig, object]] = {}
     outcomes: Dict[str, RunOutcome] = {}
     requested = candidates(run_cfg)
-    for precision in _in_order(_with_reference(requested)):
-        raw = candidate_config(cfg, precision)
-        try:
-            checked = validate(raw)
-        except ConfigError as err:  # e.g. the backend's check_config: this target cannot build it
-            tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [str(err)]}
-            continue
-        configs[precision] = (raw, checked)
-        if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
-            tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
-                                "verdict": "same build as int8",
-                                "not_built": "int8 passes: the mixed search would keep nothing in float"}
-            continue
-        log.info("precision=auto: candidate %s", precision)
-        folder = run_dir / "candidates" / precision
-        try:
-            built = run_pipeline(_until_build(checked), folder)
-            twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
-            if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
-                tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
-                                    "same_as": twin, "run_folder": str(folder)}
-                continue
-            if precision == "fp32":  # the speed reference; verified only when it could ship (below)
-                outcomes[precision] = built
-                tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
-                continue
-            outcomes[precision], configs[precision] = _verified(configs[precision], folder)
-        except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
-            tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
-                                "reasons": [str(err)]}
-            continue
-        tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
+    with contextlib.ExitStack() as stack:
+        ahead = _ReferenceAhead()
+        stack.callback(ahead.stop)
+        _candidates(cfg, requested, run_dir, ahead, (tried, configs, outcomes))
     _time(outcomes, run_cfg, tried)
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
@@ -165,6 +137,82 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
                "reference_only": [p for p in tried if p not in requested]}
     return outcome, checked, section
 
+
+def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_ReferenceAhead", found: tuple) -> None:
+    """Every candidate built, and verified unless it is fp32 (into ``found``: tried,
+    configs, outcomes by precision)."""
+    tried, configs, outcomes = found
+    for precision in _in_order(_with_reference(requested)):
+        raw = candidate_config(cfg, precision)
+        try:
+            checked = validate(raw)
+        except ConfigError as err:  # e.g. the backend's check_config: this target cannot build it
+            tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [str(err)]}
+            continue
+        configs[precision] = (raw, checked)
+        if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
+            tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
+                                "verdict": "same build as int8",
+                                "not_built": "int8 passes: the mixed search would keep nothing in float"}
+            continue
+        log.info("precision=auto: candidate %s", precision)
+        folder = run_dir / "candidates" / precision
+        try:
+            built = run_pipeline(_until_build(checked), folder)
+            ahead.start(checked, built)  # the reference's answers, while the candidates calibrate and build
+            twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
+            if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
+                tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
+                                    "same_as": twin, "run_folder": str(folder)}
+                continue
+            if precision == "fp32":  # the speed reference; verified only when it could ship (below)
+                outcomes[precision] = built
+                tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
+                continue
+            ahead.stop()  # from here verify runs the reference itself where the store has no answer
+            outcomes[precision], configs[precision] = _verified(configs[precision], folder)
+        except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
+            tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
+                                "reasons": [str(err)]}
+            continue
+        tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
+
+
+
+class _ReferenceAhead:
+    """The reference's answers on the validation set, filled into its store by a process of
+    the lowest priority from the first candidate's convert until the first verify
+    (pipeline/verification/reference_store.py): started once, stopped by the caller."""
+
+    def __init__(self):
+        self.running = None
+        self.started = False
+
+    def start(self, checked, built: RunOutcome) -> None:
+        if self.started or not checked.pipeline.cache or "convert" not in built.results:
+            return
+        self.started = True
+        from pipeline.artifacts import hash_tree
+        from pipeline.data import TensorSpec, open_dataset
+        from pipeline.verification.reference_store import Ahead, ReferenceStore, store_key
+        from stages import REFERENCE_MODULE, reference_settings
+
+        convert = built.results["convert"]
+        inputs = [TensorSpec(**spec) for spec in convert.summary["inputs"]]
+        settings = reference_settings(convert)
+        try:
+            files = open_dataset(checked.data, inputs).files
+        except ParityError:  # the candidate's verify says what is wrong with the data
+            return
+        hashes = {path: digest for path, digest in hash_tree(convert.out_dir).items() if path != "result.json"}
+        store = ReferenceStore.of(Path(checked.pipeline.cache_dir).expanduser(),
+                                  store_key(hashes, checked.data, files, settings))
+        self.running = Ahead(store, REFERENCE_MODULE, convert.out_dir, settings, checked.data, inputs)
+
+    def stop(self) -> None:
+        if self.running is not None:
+            self.running.stop()
+            self.running = None
 
 def _verified(config: Tuple[DictConfig, object], folder: Path) -> Tuple[RunOutcome, Tuple[DictConfig, object]]:
     """A candidate verified, and the config it passed with: a build over

@@ -29,10 +29,11 @@ from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
 from pipeline.verification.metrics import OutputStats
 from pipeline.verification.shape_checks import ShapeAccuracy
+from pipeline.verification.reference_store import ReferenceStore, store_key
 from pipeline.worker import answered, side_by_side
 from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
 from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qdq
-from stages import StageContext, StageResult, deployable
+from stages import StageContext, StageResult, deployable, reference_settings
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
 from stages.verify.shared import (MEMORY_TWIN, Live, Row, built_worker, judge_output, judged_with,
@@ -184,7 +185,7 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
             truth = truth_check(ctx, live.reference, live.target, dataset, outputs)
     return {"samples": check.samples, "missing": check.missing, "outputs": outputs, "task": task,
             "effective": ran.effective, "comparison": ran.comparison, "timing": ran.timing, "crash": ran.crash,
-            "memory": ran.memory, "shapes": check.by_shape.result(),
+            "memory": ran.memory, "reference": ran.reference, "shapes": check.by_shape.result(),
             "data": dataset.summary(), "truth": truth, "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -218,6 +219,7 @@ class _Ran:
     timing: dict = field(default_factory=dict)
     crash: Optional[dict] = None
     memory: Optional[dict] = None  # verify.memory (pipeline/verification/memory.py)
+    reference: Optional[dict] = None  # the reference's samples read from its store, and run
 
 
 def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, reproduce: Path) -> _Ran:
@@ -234,7 +236,10 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
             row.wait_loaded()
         timed_only = bool(baselines) and not cfg.validation.baselines_compared  # validation.baselines=timed
         fed = {**({} if timed_only else baselines), **({MEMORY_TWIN: twin} if twin else {})}
-        check.run(reference, target, fed, dataset, progress, reproduce, f"verify {cfg.target.name}")
+        store = reference_store(ctx, dataset)
+        check.run(reference, target, fed, dataset, progress, reproduce, f"verify {cfg.target.name}", store)
+        if store is not None:
+            ran.reference = {"from_store": store.served, "run": store.ran}
         once = check.by_shape.first_feeds(dataset.validation.read, check.last) if timed_only else None
         if once is not None:
             _run_once_per_shape(baselines, once)
@@ -269,6 +274,7 @@ def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
         "comparison": measured["comparison"],
         "speed": measured["timing"],
         "memory": measured.get("memory"),  # peak resident memory of the build, fp32's beside (docs/verify.md)
+        "reference": measured.get("reference"),  # its samples read from the store (docs/verify.md "One reference pass")
         "shapes": measured.get("shapes"),  # a dynamic model: accuracy per input shape
         "data": measured["data"],
         "verdict": judged["verdict"],
@@ -376,16 +382,19 @@ class _Check:
         self.samples = 0
         self.last: Optional[dict] = None
 
-    def run(self, reference, target, baselines, dataset, progress, reproduce: Path, title: str) -> None:
+    def run(self, reference, target, baselines, dataset, progress, reproduce: Path, title: str,
+            store: Optional[ReferenceStore] = None) -> None:
         """Every validation sample on every worker, each worker at its own pace (side_by_side),
-        while this process scores the samples all of them answered."""
+        while this process scores the samples all of them answered; the reference's answers
+        read from ``store`` where it has them, and kept there where not."""
         self.missing = [name for name in self.stats if name not in target.outputs]
         recorded = {}
         task = progress.add_task(title, total=len(dataset.validation))
-        workers = {REFERENCE: reference, TARGET: target,
-                   **{name: row.worker for name, row in baselines.items() if not row.error}}
-        with contextlib.closing(side_by_side(workers, dataset.validation)) as answered:  # no run left in flight
-            for index, (sample, answers) in enumerate(answered):
+        workers = {REFERENCE: reference if store is None else lambda index, feeds: store.answer(index, feeds,
+                                                                                                reference.run),
+                   TARGET: target, **{name: row.worker for name, row in baselines.items() if not row.error}}
+        with contextlib.closing(side_by_side(workers, dataset.validation)) as given:  # no run left in flight
+            for index, (sample, answers) in enumerate(given):
                 expected, actual = _answer(answers[REFERENCE]), _answer(answers[TARGET])
                 others = {name: baseline.receive(answers.get(name)) for name, baseline in baselines.items()}
                 self._compare(index, sample, (expected, actual), baselines, others)
@@ -438,13 +447,22 @@ def _answer(answer) -> dict:
     return answer
 
 
+def reference_store(ctx: StageContext, dataset) -> Optional[ReferenceStore]:
+    """The store of this model's and data's reference outputs (None without a stage cache)."""
+    convert = ctx.output_hashes.get("convert")
+    if ctx.cache_root is None or convert is None:
+        return None
+    return ReferenceStore.of(ctx.cache_root, store_key(convert, ctx.cfg.data, dataset.files,
+                                                       reference_settings(ctx.results["convert"])))
+
+
 def _run_once_per_shape(rows: dict, samples: List[dict]) -> None:
     """validation.baselines=timed: each baseline runs one sample of each input shape (what
     its peak memory depends on), its outputs not compared; the row says so."""
     for row in rows.values():
         row.compared = False
         for feeds in samples:
-            row.receive(answered(row.worker, feeds))
+            row.receive(answered(lambda: row.worker.run(feeds)))
 
 
 def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name: str, validation):
