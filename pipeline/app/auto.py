@@ -178,7 +178,6 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
         tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
 
 
-
 class _ReferenceAhead:
     """The reference's answers on the validation set, filled into its store by a process of
     the lowest priority from the first candidate's convert until the first verify
@@ -213,6 +212,7 @@ class _ReferenceAhead:
         if self.running is not None:
             self.running.stop()
             self.running = None
+
 
 def _verified(config: Tuple[DictConfig, object], folder: Path) -> Tuple[RunOutcome, Tuple[DictConfig, object]]:
     """A candidate verified, and the config it passed with: a build over

@@ -10,6 +10,7 @@ becomes the verdict "backend crashed/hung" with exit code 4, never the end of th
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 import tempfile
@@ -390,9 +391,9 @@ class _Check:
         self.missing = [name for name in self.stats if name not in target.outputs]
         recorded = {}
         task = progress.add_task(title, total=len(dataset.validation))
-        workers = {REFERENCE: reference if store is None else lambda index, feeds: store.answer(index, feeds,
-                                                                                                reference.run),
-                   TARGET: target, **{name: row.worker for name, row in baselines.items() if not row.error}}
+        asked = reference if store is None else functools.partial(store.answer, run=reference.run)
+        workers = {REFERENCE: asked, TARGET: target,
+                   **{name: row.worker for name, row in baselines.items() if not row.error}}
         with contextlib.closing(side_by_side(workers, dataset.validation)) as given:  # no run left in flight
             for index, (sample, answers) in enumerate(given):
                 expected, actual = _answer(answers[REFERENCE]), _answer(answers[TARGET])
