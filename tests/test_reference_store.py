@@ -61,6 +61,8 @@ def test_an_unreadable_sample_is_not_an_answer(tmp_path):
     store.folder.mkdir()
     (store.folder / "0.npz").write_bytes(b"not a zip")
     assert store.get(0) is None
+    answer = store.answer(0, {"x": np.ones(2)}, lambda feeds: {"y": feeds["x"] + 1})  # run, and written again
+    assert np.array_equal(store.get(0)["y"], answer["y"]) and (store.served, store.ran) == (0, 1)
 
 
 def _data(tmp_path):

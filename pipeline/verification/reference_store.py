@@ -74,10 +74,11 @@ class ReferenceStore:
         except (OSError, ValueError, EOFError, zipfile.BadZipFile):
             return None
 
-    def put(self, index: int, outputs: Dict[str, np.ndarray]) -> None:
-        """Keep sample ``index``'s outputs, within MAX_BYTES; outputs numpy cannot store
-        without pickling (strings) are not kept."""
-        if self.full or self.has(index):
+    def put(self, index: int, outputs: Dict[str, np.ndarray], replace: bool = False) -> None:
+        """Keep sample ``index``'s outputs, within MAX_BYTES (``replace``: over a file that
+        is there but unreadable); outputs numpy cannot store without pickling (strings) are
+        not kept."""
+        if self.full or (self.has(index) and not replace):
             return
         if self._bytes is None:
             self._bytes = sum(p.stat().st_size for p in self.folder.glob("*.npz")) if self.folder.is_dir() else 0
@@ -101,7 +102,7 @@ class ReferenceStore:
             return found
         found = run(feeds)
         self.ran += 1
-        self.put(index, found)
+        self.put(index, found, replace=True)  # a broken file is written again, not kept
         return found
 
 
