@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 
 from pipeline.precision.calibration.single_node import session
 from pipeline import shapes
-from pipeline.precision.calibration.statistics import ACTIVATION_BUDGET, BatchRunner
+from pipeline.precision.calibration.statistics import ACTIVATION_BUDGET, BatchRunner, model_outputs
 from pipeline.data import pack
 
 CORRECTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -177,9 +177,7 @@ def measure(ops: List[_Op], quantized: onnx.ModelProto, prepared: onnx.ModelProt
 
 def reference_outputs(prepared: onnx.ModelProto, batches) -> List[Dict[str, np.ndarray]]:
     """The fp32 model's outputs per batch."""
-    names = [o.name for o in prepared.graph.output]
-    runner = BatchRunner(prepared, names, len(batches[0]))
-    return [runner.run(pack(batch), len(batch)) for batch in batches]
+    return model_outputs(prepared, [o.name for o in prepared.graph.output], batches)
 
 
 def output_cosine(model: onnx.ModelProto, batches, reference: List[Dict[str, np.ndarray]]) -> float:
@@ -189,7 +187,7 @@ def output_cosine(model: onnx.ModelProto, batches, reference: List[Dict[str, np.
     more than any cosine gain, and ids passed through unchanged cost nothing; in one
     cosine with the float outputs, a sentence embedder's token ids made every candidate 1.0)."""
     names = list(reference[0]) if reference else []
-    built = _outputs(model, names, batches)
+    built = model_outputs(model, names, batches)
     cosines, exact = [], 1.0
     for name in names:
         a = np.concatenate([values[name].ravel() for values in built])
@@ -373,23 +371,3 @@ def _shift_following_add(model, node, shift: np.ndarray) -> Optional[str]:
 def _replace(model, tensor: onnx.TensorProto, values: np.ndarray) -> None:
     tensor.CopyFrom(numpy_helper.from_array(values.astype(numpy_helper.to_array(tensor).dtype), tensor.name))
 
-
-def _outputs(model: onnx.ModelProto, names: List[str], batches) -> List[Dict[str, np.ndarray]]:
-    """The model's ``names`` (graph outputs) per batch, as BatchRunner packs them; a model
-    that takes no batch runs several samples at once, one thread each (PP-OCRv4 rec's int8
-    model, 32 lines: 0.9 -> 0.6 s, the same values)."""
-    runner = BatchRunner(model, names, len(batches[0]))
-    if runner.batch_size > 1 or not names or runner.fed:  # batched, or an input passed through
-        return [runner.run(pack(batch), len(batch)) for batch in batches]
-    import onnxruntime as ort
-
-    from pipeline.backends.onnxruntime import run_each, sample_parallel_options
-
-    options = sample_parallel_options()
-    options.log_severity_level = 4
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    found = []
-    for batch in batches:
-        rows = run_each(session, names, batch)
-        found.append({name: np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j, name in enumerate(names)})
-    return found

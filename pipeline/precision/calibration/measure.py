@@ -10,8 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import onnx
 
-from pipeline.precision.calibration.statistics import BatchRunner
-from pipeline.data import pack
+from pipeline.precision.calibration.statistics import model_outputs
 
 CHUNK = 32  # samples per ONNX Runtime run (bounded memory on large validation sets)
 
@@ -54,14 +53,8 @@ class OutputJudge:
     def _run(self, model: onnx.ModelProto) -> List[List[np.ndarray]]:
         """The outputs chunk by chunk; sample i of a chunk is the i-th of its equal slices
         along axis 0 (BatchRunner runs a model that takes no batch one sample at a time)."""
-        runner = BatchRunner(model, self.outputs, min(CHUNK, self.count))
-        chunks = []
-        for start in range(0, self.count, CHUNK):
-            part = self.samples[start:start + CHUNK]
-            feeds = pack(part)  # scalars count as [1]; BatchRunner unpacks them
-            values = runner.run(feeds, len(part))
-            chunks.append([values[name] for name in self.outputs])
-        return chunks
+        parts = [self.samples[start:start + CHUNK] for start in range(0, self.count, CHUNK)]
+        return [[values[name] for name in self.outputs] for values in model_outputs(model, self.outputs, parts)]
 
     def _top1(self, chunks) -> Optional[float]:
         if self.labels is None:
