@@ -104,6 +104,18 @@ def sample_parallel_options():
     return options
 
 
+def sample_parallel_session(model, entries: Optional[Dict[str, str]] = None):
+    """An ONNX Runtime CPU session of ``model`` (a ModelProto) for ``run_each``, quiet, with
+    these session config entries."""
+    import onnxruntime as ort
+
+    options = sample_parallel_options()
+    options.log_severity_level = 4
+    for key, value in (entries or {}).items():
+        options.add_session_config_entry(key, value)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def run_each(session, names, feeds: list) -> list:
     """``session.run(names, f)`` for each feeds dict, in order; with a session of
     sample_parallel_options, several at once (ONNX Runtime's run is thread-safe)."""

@@ -370,4 +370,3 @@ def _shift_following_add(model, node, shift: np.ndarray) -> Optional[str]:
 
 def _replace(model, tensor: onnx.TensorProto, values: np.ndarray) -> None:
     tensor.CopyFrom(numpy_helper.from_array(values.astype(numpy_helper.to_array(tensor).dtype), tensor.name))
-

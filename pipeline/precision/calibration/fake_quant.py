@@ -52,17 +52,12 @@ class FakeQuantModel:
         """Each sample's ``outputs`` under ``table``'s ranges (samples may differ in shape),
         several samples at once on a multi-core machine (onnxruntime.run_each)."""
         if self._session is None:
-            import onnxruntime as ort
-            from pipeline.backends.onnxruntime import sample_parallel_options
+            from pipeline.backends.onnxruntime import sample_parallel_session
 
-            options = sample_parallel_options()
-            options.log_severity_level = 4
             # ONNX Runtime's Q/DQ graph transformations change what Q/DQ pairs whose scales
             # are graph inputs compute (PP-OCRv4 rec: output cosine 0.987 -> 0.962); its other
             # optimizations stay on (twice as fast as none)
-            options.add_session_config_entry("session.disable_quant_qdq", "1")
-            self._session = ort.InferenceSession(self.model.SerializeToString(), options,
-                                                 providers=["CPUExecutionProvider"])
+            self._session = sample_parallel_session(self.model, {"session.disable_quant_qdq": "1"})
         ranges, names = self._ranges(table), list(outputs or self.outputs)
         return run_each(self._session, names, [{**sample, **ranges} for sample in samples])
 

@@ -359,13 +359,9 @@ def model_outputs(model: onnx.ModelProto, names: List[str], batches) -> List[Dic
     runner = BatchRunner(model, names, len(batches[0]))
     if runner.batch_size > 1 or not names or runner.fed:  # batched, or an input passed through
         return [runner.run(pack(batch), len(batch)) for batch in batches]
-    import onnxruntime as ort
+    from pipeline.backends.onnxruntime import run_each, sample_parallel_session
 
-    from pipeline.backends.onnxruntime import run_each, sample_parallel_options
-
-    options = sample_parallel_options()
-    options.log_severity_level = 4
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = sample_parallel_session(model)
     found = []
     for batch in batches:
         rows = run_each(session, names, batch)
