@@ -7,7 +7,7 @@ from conftest import read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import read_json
 from types import SimpleNamespace
 
-from pipeline.app.auto import UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
+from pipeline.app.auto import CUT, SCREEN_SLOWER, SLOWER, UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
 
 
 def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
@@ -19,25 +19,32 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     rows = all_rows = {row["precision"]: row for row in section["candidates"]}
     # ONNX Runtime's candidates (fp16 has no CPU kernels): int8 with static and with dynamic activation ranges
     assert list(rows) == ["fp32", "int8", "int8_dynamic", "mixed"]
-    assert rows["int8"]["verdict"] == "pass"
+    # each int8 build is timed against fp32 before it is verified: measurably slower (as on a
+    # 0.02 ms model without VNNI) it is reported so and never verified, else it is verified
+    for precision in ("int8", "int8_dynamic"):
+        row, verify = rows[precision], run_dir / "candidates" / precision / "stages" / "verify"
+        assert row["verdict"] in ("pass", SLOWER), row
+        assert verify.exists() == (row["verdict"] == "pass")
+        if row["verdict"] == SLOWER:
+            assert row["speedup"]["speedup_p75"] < SCREEN_SLOWER and "not verified" in row["reasons"][0]
     # fp32 is every candidate's speed reference, verified only when it could ship
     fp32_verified = rows["fp32"]["verdict"] == "pass"
     assert fp32_verified or rows["fp32"]["not_verified"].startswith("not verified: a faster build passes")
-    assert (run_dirs(cwd)[-1] / "candidates" / "fp32" / "stages" / "verify").exists() == fp32_verified
-    # plain int8 meets the mixed target here: the search keeps no op float, and the mixed build
-    # is the int8 build byte for byte, verified once
-    assert rows["mixed"]["verdict"] == "same build as int8" and rows["mixed"]["same_as"] == "int8"
-    # a candidate that cannot win is not built: with int8 passing, mixed is never calibrated, searched or built
-    assert rows["mixed"]["not_built"].startswith("int8 passes")
-    assert not (run_dirs(cwd)[-1] / "candidates" / "mixed").exists()
-    rows = {p: row for p, row in rows.items() if p != "mixed"}
-    # every passing build timed in the same interleaved rounds as fp32
-    assert all(row["latency"]["rounds"] >= 3 and row["latency"]["median_ms"] > 0 for row in rows.values())
-    assert "speedup" in rows["int8"]
+    assert (run_dir / "candidates" / "fp32" / "stages" / "verify").exists() == fp32_verified
+    # a candidate that cannot win is not built: with int8 passing, plain int8 meets the mixed
+    # target (the mixed build would be the int8 build); with int8 slower than fp32, mixed is too
+    assert not (run_dir / "candidates" / "mixed").exists()
+    if rows["int8"]["verdict"] == "pass":
+        assert rows["mixed"]["verdict"] == "same build as int8" and rows["mixed"]["not_built"].startswith("int8 passes")
+    else:
+        assert rows["mixed"]["verdict"] == "not built" and "int8 is slower than fp32" in rows["mixed"]["reasons"][0]
+    passing = {p: row for p, row in rows.items() if row["verdict"] == "pass"}
+    if len(passing) > 1:  # every passing build timed in the same interleaved rounds as fp32
+        assert all(row["latency"]["rounds"] >= 3 and row["latency"]["median_ms"] > 0 for row in passing.values())
     # the rule, re-applied to the measured rows, gives what was shipped
     assert section["chosen"] == choose(all_rows)[0] and section["why"] == choose(all_rows)[1]
-    if all(row["speedup"]["speedup_p75"] < 1.0 for p, row in rows.items() if p != "fp32"):
-        assert section["chosen"] == "fp32" and fp32_verified  # int8 measured slower than fp32 here: fp32 ships
+    if set(passing) == {"fp32"}:
+        assert "not verified (slower than fp32)" in section["why"]
     shipped = section["chosen"]
     built_as = "int8" if shipped == "int8_dynamic" else shipped  # precision=int8, activation_ranges=dynamic
     assert report["precision"] == built_as and report["verify"]["effective"]["precision"] in (built_as, "int8")
@@ -45,9 +52,9 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     assert f"precision=auto shipped {shipped}" in result.stdout
     assert "precision=auto candidates" in result.stdout
     assert "## precision=auto" in (run_dir / "report.md").read_text()
-    # the candidates share the cached work: one convert for all, calibrate reused by mixed
+    assert section["budget"]["seconds"] == 300 and section["budget"]["cut"] == []
+    # the shipped run reuses its candidate's verification
     assert {s["stage"]: s["status"] for s in report["stages"]}["verify"] == "cached"
-    assert (run_dir / "candidates" / "int8" / "stages" / "verify" / "result.json").is_file()
     # beside a candidate fp32 is timed and its memory read, not run over the validation set
     # (validation.baselines=timed): that would be its verification, paid only when it could ship
     if shipped != "fp32":
@@ -56,12 +63,29 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
         memory = report["verify"]["memory"]
         assert memory["baseline_samples"] == 1 and memory["fp32"]["run_peak_mb"] > 0 and memory["samples"] > 1
         assert "not compared" in (run_dir / "report.md").read_text()
-    # one reference pass: what int8's verify did not find stored (the process that fills the
-    # store ahead may not have finished) it ran and stored; int8_dynamic's reads every sample
+    # one reference pass: what the first verify did not find stored (the process that fills the
+    # store ahead may not have finished) it ran and stored; every later verify reads every sample
+    verified = [p for p in ("fp32", "int8", "int8_dynamic") if rows[p]["verdict"] == "pass"]
     answered = {p: read_json(run_dir / "candidates" / p / "stages" / "verify" / "result.json")["summary"]["reference"]
-                for p in ("int8", "int8_dynamic")}
+                for p in verified}
     samples = report["verify"]["samples"]
-    assert sum(answered["int8"].values()) == samples and answered["int8_dynamic"] == {"from_store": samples, "run": 0}
+    assert all(sum(found.values()) == samples for found in answered.values())
+    assert all(answered[p] == {"from_store": samples, "run": 0} for p in verified[1:])
+
+
+def test_the_budget_cuts_the_candidates_not_started_and_names_them(tmp_path):
+    """precision.budget_s: once spent, no candidate starts (fp32, the reference, always
+    does: 0 builds fp32 alone); each cut one is named in the table and in the why line."""
+    result = run_cli(["precision.budget_s=0"], tmp_path, default_precision=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    section = read_report(run_dirs(tmp_path)[-1])["auto"]
+    rows = {row["precision"]: row for row in section["candidates"]}
+    assert section["chosen"] == "fp32" and rows["fp32"]["verdict"] == "pass"
+    assert section["budget"]["cut"] == ["int8", "int8_dynamic", "mixed"]
+    assert all(rows[p]["verdict"] == CUT and "precision.budget_s=0 s" in rows[p]["reasons"][0]
+               for p in ("int8", "int8_dynamic", "mixed"))
+    assert "cut by precision.budget_s: int8, int8_dynamic, mixed" in section["why"]
+    assert "cut by the budget" in result.stdout
 
 
 def test_fp32_is_verified_only_when_it_could_ship():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -61,6 +62,13 @@ FIDELITY = ("fp32", "bf16", "fp16", "mixed", DYNAMIC_INT8, "int8")
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
 # bf16 on a CPU is a candidate only where the CPU computes it (elsewhere it is emulated)
 NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
+AUTO_ONLY = ("name", "candidates", "budget_s")  # precision keys of auto itself, not of its candidates
+# screening: a candidate whose speed-up over fp32 stays below this in three timing rounds of
+# four (p75) is measurably slower; it is reported as such and not verified (it cannot win)
+SCREEN_SLOWER = 0.8
+SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
+SLOWER = "slower than fp32"
+CUT = "cut by the budget"
 
 
 def candidates(run_cfg) -> List[str]:
@@ -96,7 +104,7 @@ def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
     auto_defaults = OmegaConf.load(PRECISION_FILES / "auto.yaml")
     chosen = OmegaConf.load(PRECISION_FILES / f"{'int8' if precision == DYNAMIC_INT8 else precision}.yaml")
     for key, value in cfg.precision.items():
-        if key not in ("name", "candidates") and (key not in auto_defaults or auto_defaults[key] != value):
+        if key not in AUTO_ONLY and (key not in auto_defaults or auto_defaults[key] != value):
             chosen[key] = value
     if precision == DYNAMIC_INT8:
         chosen["activation_ranges"] = "dynamic"
@@ -115,10 +123,11 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     configs: Dict[str, Tuple[DictConfig, object]] = {}
     outcomes: Dict[str, RunOutcome] = {}
     requested = candidates(run_cfg)
+    budget = Budget(run_cfg.precision.budget_s)
     with contextlib.ExitStack() as stack:
         ahead = _ReferenceAhead()
         stack.callback(ahead.stop)
-        _candidates(cfg, requested, run_dir, ahead, (tried, configs, outcomes))
+        _candidates(cfg, requested, run_dir, ahead, (tried, configs, outcomes), budget)
     _time(outcomes, run_cfg, tried)
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
@@ -134,15 +143,42 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     raw, checked = configs[winner]
     outcome = run_pipeline(checked, run_dir)
     section = {"requested": "auto", "candidates": [tried[p] for p in tried], "chosen": winner, "why": why,
-               "reference_only": [p for p in tried if p not in requested]}
+               "reference_only": [p for p in tried if p not in requested], "budget": budget.record(tried)}
     return outcome, checked, section
 
 
-def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_ReferenceAhead", found: tuple) -> None:
-    """Every candidate built, and verified unless it is fp32 (into ``found``: tried,
-    configs, outcomes by precision)."""
+class Budget:
+    """precision.budget_s: the seconds auto's candidates may take, from its start. A
+    candidate is started only while some are left; the ones never started are named."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.seconds, self.started = seconds, time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def spent(self) -> bool:
+        return self.seconds is not None and self.elapsed() >= self.seconds
+
+    def cut(self, precision: str) -> dict:
+        return {"precision": precision, "verdict": CUT,
+                "reasons": [f"not tried: precision.budget_s={self.seconds:g} s was spent after "
+                            f"{self.elapsed():.0f} s on the candidates before it"]}
+
+    def record(self, tried: Dict[str, dict]) -> dict:
+        return {"seconds": self.seconds, "elapsed_s": round(self.elapsed(), 1),
+                "cut": [p for p, row in tried.items() if row["verdict"] == CUT]}
+
+
+def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_ReferenceAhead", found: tuple,
+                budget: Budget) -> None:
+    """Every candidate built, screened against fp32's speed and verified unless it is fp32
+    (into ``found``: tried, configs, outcomes by precision), while the budget lasts."""
     tried, configs, outcomes = found
     for precision in _in_order(_with_reference(requested)):
+        if precision != "fp32" and budget.spent():  # fp32 is every candidate's reference, and the fallback
+            tried[precision] = budget.cut(precision)
+            continue
         raw = candidate_config(cfg, precision)
         try:
             checked = validate(raw)
@@ -154,6 +190,10 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
             tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
                                 "verdict": "same build as int8",
                                 "not_built": "int8 passes: the mixed search would keep nothing in float"}
+            continue
+        if precision == "mixed" and tried.get("int8", {}).get("verdict") == SLOWER:
+            tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [
+                "not built: int8 is slower than fp32 here, and mixed is int8 with some ops in float"]}
             continue
         log.info("precision=auto: candidate %s", precision)
         folder = run_dir / "candidates" / precision
@@ -168,6 +208,10 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
             if precision == "fp32":  # the speed reference; verified only when it could ship (below)
                 outcomes[precision] = built
                 tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
+                continue
+            slower = _screened(outcomes.get("fp32"), built, checked)
+            if slower:
+                tried[precision] = {**_row(precision, built), **slower}
                 continue
             ahead.stop()  # from here verify runs the reference itself where the store has no answer
             outcomes[precision], configs[precision] = _verified(configs[precision], folder)
@@ -243,6 +287,27 @@ def _over_budget(outcome: RunOutcome) -> bool:
     return any(c.get("check") == "memory" and c.get("severity") == "fail" for c in checks)
 
 
+def _screened(fp32: Optional[RunOutcome], built: RunOutcome, checked) -> Optional[dict]:
+    """The row of a candidate measurably slower than fp32 on a short interleaved timing of one
+    validation sample (SCREEN_SLOWER), or None: it is then verified. A candidate that cannot
+    win on speed is not verified in full (int8 with dynamic ranges ran 6x slower than fp32 on
+    a convolutional network, and its verify took 155 s). Not screened: a run with a memory
+    budget (a slower build may be the one that fits) and a model of several input shapes
+    (speed as served is a stream, timed after verify)."""
+    if fp32 is None or checked.validation.max_memory_mb is not None:
+        return None
+    found = _time_builds({"fp32": fp32, "candidate": built}, checked, one_sample_only=True,
+                         rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
+    timings = found[0] if found else {}
+    up = speed.speedups(timings).get("candidate")
+    if up is None or up["speedup_p75"] >= SCREEN_SLOWER:
+        return None
+    return {"verdict": SLOWER, "speedup": up, "latency": timings["candidate"], "timed_on": "one validation sample",
+            "reasons": [f"{up['speedup']:.2f}x fp32 (rounds {up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}x) on a "
+                        f"short timing before verification: slower than fp32 in three rounds of four, so it "
+                        f"cannot ship and was not verified"]}
+
+
 def _candidate_stages(checked):
     """The candidate's stages up to verify, verified for the verdict alone: the diagnosis
     (layerwise, advice trials) is the shipped run's, and only when it fails."""
@@ -306,49 +371,63 @@ def _row(precision: str, outcome: RunOutcome) -> dict:
 
 
 def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> None:
-    """Every passing build and fp32, timed interleaved on one validation sample; speed-ups
-    vs fp32 into the rows."""
+    """Every passing build and fp32, timed interleaved on one validation sample (on the
+    stream of samples in order where their shapes differ); speed-ups vs fp32 into the rows."""
     timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == "fp32")]
     if "fp32" not in timed or len(timed) < 2:
         return
     if _timed_by_verify(outcomes, timed, tried):
         return
+    found = _time_builds({p: outcomes[p] for p in timed}, run_cfg)
+    if found is None:
+        return
+    timings, timed_on = found
+    ups = speed.speedups(timings, tight=run_cfg.validation.timing_tight_spread)
+    for precision in timed:
+        tried[precision]["latency"] = timings[precision]
+        tried[precision]["timed_on"] = timed_on
+        if precision in ups:
+            tried[precision]["speedup"] = ups[precision]
+
+
+def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool = False, **overrides):
+    """(timings by name, what they were timed on) of the builds interleaved in their own
+    workers, or None when a worker crashed. ``overrides``: speed.interleaved's options
+    (a screening's shorter timing). A model whose samples differ in shape is timed on the
+    stream of samples in order (speed as served), except with ``one_sample_only``, which
+    then times nothing (None)."""
     from pipeline.data import TensorSpec, open_dataset
     from pipeline.worker import BackendWorker
 
     validation = run_cfg.validation
     with contextlib.ExitStack() as stack:
         workers = {}
-        for precision in timed:
-            build = outcomes[precision].results["build"]
+        for name, outcome in builds.items():
+            build = outcome.results["build"]
             settings = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
             worker = BackendWorker(backends.spec(settings["backend"]).__name__, build.out_dir, settings,
-                                   label=f"{settings['backend']} {precision}", timeout_s=validation.worker_timeout_s,
+                                   label=f"{settings['backend']} {name}", timeout_s=validation.worker_timeout_s,
                                    memory_mb=validation.worker_memory_mb)
             stack.callback(worker.close)
             worker.launch()
-            workers[precision] = worker
+            workers[name] = worker
         try:
             for worker in workers.values():
                 worker.wait_loaded()
-            inputs = [TensorSpec(**spec) for spec in outcomes["fp32"].results["convert"].summary["inputs"]]
+            first = next(iter(builds.values()))
+            inputs = [TensorSpec(**spec) for spec in first.results["convert"].summary["inputs"]]
             split = open_dataset(run_cfg.data, inputs).validation
             stream = speed.stream_samples(split, validation.timing_stream_samples)
             if len({shapes.shape_key(feeds) for feeds in stream}) > 1:  # decide on speed as served
-                timings = speed.stream_interleaved(workers, stream, **speed.options(validation, stream=True))
-                timed_on = f"stream of {len(stream)} validation samples in order"
-            else:
-                timings = speed.interleaved(workers, split.read(0), **speed.options(validation))
-                timed_on = "one validation sample"
+                if one_sample_only:
+                    return None
+                return (speed.stream_interleaved(workers, stream, **speed.options(validation, stream=True)),
+                        f"stream of {len(stream)} validation samples in order")
+            return (speed.interleaved(workers, split.read(0), **{**speed.options(validation), **overrides}),
+                    "one validation sample")
         except BackendCrashed as err:
             log.warning("precision=auto: timing stopped: %s", first_line(err))
-            return
-    ups = speed.speedups(timings, tight=validation.timing_tight_spread)
-    for precision in timed:
-        tried[precision]["latency"] = timings[precision]
-        tried[precision]["timed_on"] = timed_on
-        if precision in ups:
-            tried[precision]["speedup"] = ups[precision]
+            return None
 
 
 def _timed_by_verify(outcomes: Dict[str, RunOutcome], timed: List[str], tried: Dict[str, dict]) -> bool:
@@ -409,9 +488,9 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
         best = max(built, key=lambda p: rows[p]["cosine"])
         if len([p for p, r in rows.items() if r["verdict"] == "pass"]) == 1:  # one passing build, nothing timed
             only = next(p for p, r in rows.items() if r["verdict"] == "pass")
-            return only, f"{only} is the only candidate that passes"
+            return only, f"{only} is the only candidate that passes" + _not_passing(rows)
         return best, (f"no candidate passes: {best} comes closest (output cosine {rows[best]['cosine']:.6f}); "
-                      "its reasons and recommendations follow")
+                      "its reasons and recommendations follow" + _not_passing(rows))
     latency = {p: rows[p]["latency"] for p in passing}
     fastest = min(passing, key=lambda p: latency[p]["median_ms"])
     calls = {p: _against(latency[p], latency[fastest], tight) for p in passing if p != fastest}
@@ -433,11 +512,20 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
             why = (f"{winner}: as fast as {fastest} within the timing spread ({_ratio(rows[winner])} against "
                    f"{_ratio(rows[fastest])}), and {_tie_edge(winner, tied, rows)}")
     others = ", ".join(f"{p} {_ratio(rows[p])}" for p in passing if p != winner)
-    failed = [p for p, r in rows.items() if r["verdict"] not in ("pass", UNVERIFIED) and not r.get("same_as")]
-    unverified = [p for p, r in rows.items() if r["verdict"] == UNVERIFIED]
-    return winner, why + (f"; other passing: {others}" if others else "") + (
-        f"; failed: {', '.join(failed)}" if failed else "") + (
-        f"; not verified (could not ship): {', '.join(unverified)}" if unverified else "")
+    return winner, why + (f"; other passing: {others}" if others else "") + _not_passing(rows)
+
+
+def _not_passing(rows: Dict[str, dict]) -> str:
+    """The candidates that did not pass, by why: failed, not verified, slower, cut."""
+    groups = (("failed", lambda r: r["verdict"] not in ("pass", UNVERIFIED, SLOWER, CUT) and not r.get("same_as")),
+              ("not verified (could not ship)", lambda r: r["verdict"] == UNVERIFIED),
+              ("not verified (slower than fp32)", lambda r: r["verdict"] == SLOWER),
+              ("cut by precision.budget_s", lambda r: r["verdict"] == CUT))
+    text = ""
+    for label, belongs in groups:
+        found = [p for p, r in rows.items() if belongs(r)]
+        text += f"; {label}: {', '.join(found)}" if found else ""
+    return text
 
 
 def _against(candidate: dict, fastest: dict, tight: float) -> Tuple[str, float]:

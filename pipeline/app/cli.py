@@ -354,7 +354,8 @@ def _verify_table(report: dict, verify: dict) -> Table:
         row(task["output"], *_task_cells(task), passed)
         agreement = f", agreement {task['agreement']:.4f}" if task.get("agreement") is not None else ""
         table.caption = (f"{'top-1' if task['metric'] == 'top1' else escape(task['metric'])}: reference "
-                         f"{task['reference']:.4f}, target {task['target']:.4f}{agreement}")
+                         f"{task['reference']:.4f}, target {task['target']:.4f}{agreement}"
+                         + (f"; passes as {escape(task['float_noise'])}" if task.get("float_noise") else ""))
     if verify.get("crash"):
         row("-", "backend", verify["crash"]["kind"], "runs to the end", False)
         return table

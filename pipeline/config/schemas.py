@@ -320,6 +320,9 @@ class PrecisionConfig:
     keep_float: List[str] = field(default_factory=list)
     # precision=auto only: the precisions tried (null: the target backend's AUTO_CANDIDATES)
     candidates: Optional[List[str]] = None
+    # precision=auto only: seconds the candidates may take; once spent, the candidates not yet
+    # tried are named as cut and the best of those tried ships (null: no budget)
+    budget_s: Optional[float] = 300.0
 
     @property
     def dynamic_ranges(self) -> bool:

@@ -141,6 +141,7 @@ DROP = (-1.0, 1.0)  # a task metric's drop, as a fraction; negative: the target 
 # take any real number (dB); a value that is None in the config is not checked.
 RANGES = {
     "precision.min_cosine": COSINE, "precision.layer_min_cosine": COSINE, "precision.max_metric_drop": DROP,
+    "precision.budget_s": (0.0, None),
     "validation.min_cosine": COSINE, "validation.layer_min_cosine": COSINE,
     "precision.task_min_cosine": COSINE, "validation.task_min_cosine": COSINE,
     "validation.max_abs_error": (0.0, None), "validation.max_mean_abs_error": (0.0, None),

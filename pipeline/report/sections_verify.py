@@ -358,6 +358,8 @@ def _task_blocks(task: dict) -> list:
     row_class = "row-fail" if task.get("passed") is False else ""
     notes = [f"{key}: reference {fmt_ratio(as_dict(v).get('reference'))}, target {fmt_ratio(as_dict(v).get('target'))}"
              for key, v in as_dict(task.get("extras")).items()]
+    if task.get("float_noise"):
+        notes.append(f"passes as {task['float_noise']}")
     if task.get("uncertain"):
         needed = task.get("samples_to_resolve")
         notes.append(f"uncertain: the drop passes but {uncertainty(task)} reaches past the allowed "

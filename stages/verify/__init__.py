@@ -23,7 +23,7 @@ import onnx
 import yaml
 
 from pipeline import backends, environment, shapes
-from pipeline.verification import diagnosis, speed, verdict
+from pipeline.verification import diagnosis, float_noise, speed, verdict
 from pipeline.artifacts import hash_files, read_json, write_json, write_npz
 from pipeline.config.schemas import plain
 from pipeline.console import progress_bar
@@ -54,6 +54,7 @@ VERSION += 1  # task-first verdicts (task_min_cosine), bootstrap intervals, inte
 VERSION += 1  # a dynamic model: accuracy per input shape, latency at min/opt/max (issue 29)
 VERSION += 1  # the disagreement rate's Clopper-Pearson interval bounds a passing drop (issue 37 item 2)
 VERSION += 1  # verify.memory: every build's peak resident memory, the memory=default twin of a low build (issue 39)
+VERSION += 1  # a fp32 build's drop from float reordering alone passes as float noise (issue 45)
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -175,6 +176,7 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
     task = check.task_result(cfg.validation.max_metric_drop, cfg.validation.require_confidence)
     outputs = [judge_output(name, check.stats[name], cfg.validation, task) for name in output_names
                if name not in check.missing and check.stats[name].elements]
+    task = float_noise.judged(task, outputs, cfg.precision.kind)
     if metric and task is None and check.samples and ran.crash is None:
         dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
                                 "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
