@@ -14,7 +14,7 @@ import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
 from pipeline import backends, shapes
-from pipeline.precision import fp16, smoothing
+from pipeline.precision import equalization, fp16, smoothing
 from pipeline.precision.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
@@ -30,6 +30,7 @@ VERSION += 1  # int8/mixed measure the tensors of precision.quantize_ops only; a
 VERSION += 1  # batches hold samples of one shape; the kept samples and auto's table choice one shape
 VERSION += 1  # precision.smoothing: SmoothQuant folded into prepared.onnx before the statistics
 VERSION += 1  # auto's table and smoothing judged without precision.keep_float
+VERSION += 1  # precision.equalization: outlier channels scaled across Conv pairs before the statistics (issue 45)
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
@@ -59,7 +60,7 @@ def key_config(cfg):
             # auto's choice measures int8 models built with these (_auto_at_outputs); never with
             # precision.keep_float: a rerun applying advice gets the table its trial was built with
             "auto": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if _judged_at_outputs(cfg) else None,
-            "smoothing": _smoothing_key(cfg)}
+            "smoothing": _smoothing_key(cfg), "equalization": _equalization_key(cfg)}
 
 
 def _calibrated_as(cfg) -> str:
@@ -98,13 +99,16 @@ def run(ctx: StageContext) -> StageResult:
     except Exception as err:  # noqa: BLE001 - ORT's optimizer rejects the graph
         raise BackendUnavailable(f"int8: ONNX Runtime cannot prepare the model for quantization: "
                                  f"{first_line(err)}") from err
-    smoothed = _smooth(ctx, model_path)  # the statistics, the table and the build use the smoothed model
+    equalized = _equalize(ctx, model_path)  # the statistics, the table and the build use the model
+    smoothed = _smooth(ctx, model_path)  # rewritten by both
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
         table, summary = _computed_table(ctx, model_path)
     if smoothed is not None:
         summary["smoothing"] = smoothed
+    if equalized is not None:
+        summary["equalization"] = equalized
     activations = cfg.precision.activations.value
     write_json(ctx.out_dir / "calibration.json", {"method": summary["method"], "tensors": table})
     exports = tables.write_exports(table, ctx.out_dir)  # TPU-MLIR; ORT's write_calibration_table files
@@ -127,6 +131,47 @@ def _smoothing_key(cfg):
             "judged": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if setting == "auto" else None}
 
 
+def _equalization_key(cfg):
+    """What equalization depends on: on or off, and how it is judged (the reference's Q/DQ
+    placement, the judge's method)."""
+    if _calibrated_as(cfg) != "int8" or cfg.calibration.table:
+        return None
+    return {"enabled": cfg.precision.equalization,
+            "judged": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if cfg.precision.equalization else None}
+
+
+def _equalize(ctx: StageContext, model_path: Path):
+    """precision.equalization for int8 and mixed (pipeline/precision/equalization.py):
+    prepared.onnx rewritten with outlier channels scaled across Conv pairs, where the int8
+    model does better with it; the summary, or None where it does not apply."""
+    cfg = ctx.cfg
+    if _equalization_key(cfg) is None:
+        return None
+    prepared = onnx.load(str(model_path))
+    model, summary = equalization.choose(prepared, ctx.dataset().calibration, cfg.precision.equalization,
+                                         QdqSettings.resolve(cfg.precision, backends.REFERENCE),
+                                         _judge_tables(cfg, prepared))
+    if summary["applied"]:
+        onnx.save(model, str(model_path))
+    return summary
+
+
+def _judge_tables(cfg, prepared):
+    """make_table(statistics) of the int8 judges (equalization, smoothing): every tensor at
+    the calibration method when it is one method, else smoothing.JUDGE_METHOD; model inputs
+    at calibration.inputs."""
+    options, inputs = _method_options(cfg.calibration), {i.name for i in prepared.graph.input}
+    method = cfg.calibration.method.value if cfg.calibration.method.value in thresholds.METHODS \
+        else smoothing.JUDGE_METHOD
+
+    def make_table(stats) -> Dict[str, dict]:
+        chosen = {name: cfg.calibration.inputs.value if name in inputs and cfg.calibration.inputs
+                  and cfg.calibration.inputs.value in thresholds.METHODS else method for name in stats.histograms}
+        return {name: _entry(stats, name, chosen[name], options) for name in stats.histograms}
+
+    return make_table
+
+
 def _smooth(ctx: StageContext, model_path: Path):
     """precision.smoothing for int8 and mixed (pipeline/precision/smoothing.py): prepared.onnx
     rewritten with the activations' outlier channels moved into the weights, when a fixed
@@ -137,17 +182,9 @@ def _smooth(ctx: StageContext, model_path: Path):
         return None
     setting = smoothing.parse(cfg.precision.smoothing)
     prepared = onnx.load(str(model_path))
-    options, inputs = _method_options(cfg.calibration), {i.name for i in prepared.graph.input}
-    method = cfg.calibration.method.value if cfg.calibration.method.value in thresholds.METHODS \
-        else smoothing.JUDGE_METHOD
-
-    def make_table(stats) -> Dict[str, dict]:
-        chosen = {name: cfg.calibration.inputs.value if name in inputs and cfg.calibration.inputs
-                  and cfg.calibration.inputs.value in thresholds.METHODS else method for name in stats.histograms}
-        return {name: _entry(stats, name, chosen[name], options) for name in stats.histograms}
-
     model, summary = smoothing.choose(prepared, ctx.dataset().calibration, setting,
-                                      QdqSettings.resolve(cfg.precision, backends.REFERENCE), (), make_table)
+                                      QdqSettings.resolve(cfg.precision, backends.REFERENCE), (),
+                                      _judge_tables(cfg, prepared))
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary

@@ -312,6 +312,10 @@ class PrecisionConfig:
     # [0, 1]; auto: the alpha (or none) measured best at the outputs on calibration samples,
     # searched only where a normalization (LayerNorm) feeds a MatMul/Gemm with a constant weight.
     smoothing: Optional[str] = "auto"
+    # Outlier activation channels of a convolutional network scaled down in the Conv making
+    # them and up in the Convs reading them (cross-layer equalization), kept where the int8
+    # model does better with it (pipeline/precision/equalization.py)
+    equalization: bool = True
     # Keep in float the quantized ops that are not faster in int8 than in fp32 on this
     # machine, each measured by the target's own runtime (docs/calibration.md: placement).
     int8_where_faster: bool = False

@@ -303,9 +303,16 @@ class Judge:
         return table
 
     def loss(self, model: onnx.ModelProto, ready: Sequence[Group] = ()) -> dict:
+        return self._loss(model, self.table(model, ready))
+
+    def recollected_loss(self, model: onnx.ModelProto) -> dict:
+        """``model``'s loss with a table recollected on it: a model whose activations changed
+        beyond smoothed ones (pipeline/precision/equalization.py)."""
+        return self._loss(model, self.make_table(self._statistics(model)))
+
+    def _loss(self, model: onnx.ModelProto, table: Dict[str, dict]) -> dict:
         from pipeline.precision.calibration.fake_quant import FakeQuantModel
 
-        table = self.table(model, ready)
         fake = FakeQuantModel(model, table, self.settings, self.keep_float)
         actual = fake.run_each(table, [sample.feeds for sample in self.samples], self.outputs)
         return agreement(self.reference, actual)

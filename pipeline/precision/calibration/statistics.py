@@ -142,17 +142,19 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
 
 
 def channel_maxima(model: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]], names: List[str],
-                   batch_size: int = 16) -> Dict[str, np.ndarray]:
-    """max |x| per channel (the last axis) of each named tensor over the samples: what
-    SmoothQuant divides an activation by (pipeline/precision/smoothing.py)."""
+                   batch_size: int = 16, axis: int = -1) -> Dict[str, np.ndarray]:
+    """max |x| per channel (the last axis, or ``axis``) of each named tensor over the samples:
+    what SmoothQuant divides an activation by (pipeline/precision/smoothing.py), and what
+    equalization scales a convolution's output channels by (pipeline/precision/equalization.py)."""
     return {name: np.maximum(-low, high) for name, (low, high) in
-            channel_ranges(model, samples, names, batch_size).items()}
+            channel_ranges(model, samples, names, batch_size, axis).items()}
 
 
 def channel_ranges(model: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarray]], names: List[str],
-                   batch_size: int = 16) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
-    """(min, max) per channel (the last axis) of each named tensor over the samples, float64.
-    One light pass: only these tensors are fetched, samples of one shape run together."""
+                   batch_size: int = 16, axis: int = -1) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """(min, max) per channel (the last axis, or ``axis``: 1 for NCHW) of each named tensor
+    over the samples, float64. One light pass: only these tensors are fetched, samples of
+    one shape run together."""
     from pipeline.shapes import uniform_groups
 
     runner = BatchRunner(model, names, batch_size)
@@ -165,7 +167,7 @@ def channel_ranges(model: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarra
                 continue
             if not np.isfinite(value).all():
                 raise InputError(f"calibration: tensor '{name}' holds non-finite values")
-            rows = value.reshape(-1, value.shape[-1])
+            rows = np.moveaxis(value, axis, -1).reshape(-1, value.shape[axis])
             low, high = rows.min(axis=0).astype(np.float64), rows.max(axis=0).astype(np.float64)
             if name in found:
                 low, high = np.minimum(found[name][0], low), np.maximum(found[name][1], high)

@@ -1,0 +1,106 @@
+"""Cross-layer equalization of outlier channels (pipeline/precision/equalization.py): the
+pairs it finds through Relu, MaxPool, Resize and a channel Concat, the float model
+unchanged, the int8 model judged better, and a tensor a non-absorbing op reads left alone.
+The CLI side, on the real segmenter: tests/test_segmenter.py."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.config.schemas import Precision, PrecisionConfig
+from pipeline.precision import equalization
+from pipeline.precision.quantize import QdqSettings
+
+OUTLIER = 3  # the channel of conv1 that a saturated folded batch norm holds at 228
+
+
+def _model(add_reader: bool = False) -> onnx.ModelProto:
+    """conv1 (3->8) relu -> maxpool (ceil) -> conv2 (8->8) relu -> resize x2 -> concat with
+    conv1's relu -> conv3 (16->1) -> sigmoid; conv1's channel OUTLIER is constant 228."""
+    rng = np.random.default_rng(0)
+    w1 = rng.normal(0, 0.4, (8, 3, 3, 3)).astype(np.float32)
+    b1 = rng.normal(0, 0.1, 8).astype(np.float32)
+    w1[OUTLIER], b1[OUTLIER] = 0.0, 228.0
+    w2 = rng.normal(0, 0.2, (8, 8, 3, 3)).astype(np.float32)
+    w2[:, OUTLIER] *= 0.01  # the model uses the constant channel as a small bias
+    w3 = rng.normal(0, 0.2, (1, 16, 3, 3)).astype(np.float32)
+    w3[:, 8 + OUTLIER] *= 0.01
+    weights = [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"), (np.zeros(8, np.float32), "b2"),
+                                                          (w3, "w3"), (np.zeros(1, np.float32), "b3"),
+                                                          (np.array([1, 1, 2, 2], np.float32), "scales"))]
+    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", **conv),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("MaxPool", ["r1"], ["p1"], name="pool", kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+             helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2", **conv),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Resize", ["r2", "", "scales"], ["u2"], name="up", mode="linear"),
+             helper.make_node("Concat", ["u2", "r1"], ["cat"], name="cat", axis=1),
+             helper.make_node("Conv", ["cat", "w3", "b3"], ["c3"], name="conv3", **conv),
+             helper.make_node("Sigmoid", ["c3"], ["1959"], name="map")]
+    outputs = [helper.make_tensor_value_info("1959", TensorProto.FLOAT, [1, 1, 16, 16])]
+    if add_reader:  # a reader that cannot absorb a per-channel scale
+        nodes.append(helper.make_node("ReduceSum", ["r1"], ["total"], name="sum", keepdims=0))
+        outputs.append(helper.make_tensor_value_info("total", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "outlier", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                              outputs, weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _samples(count: int):
+    rng = np.random.default_rng(1)
+    return [SimpleNamespace(feeds={"x": rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32)}) for _ in range(count)]
+
+
+def _run(model, samples):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [session.run(None, s.feeds)[0] for s in samples]
+
+
+def test_pairs_follow_pass_through_ops_and_the_concat_offset():
+    found = {p.producer: p.consumers for p in equalization.pairs(_model())}
+    assert found["conv1"] == [("conv2", 0), ("conv3", 8)]  # through MaxPool, and at offset 8 of the Concat
+    assert found["conv2"] == [("conv3", 0)]  # through Relu and Resize
+    assert "conv3" not in found  # its output is the Sigmoid's
+
+
+def test_a_reader_that_cannot_absorb_the_scale_leaves_the_pair_out():
+    assert "conv1" not in {p.producer for p in equalization.pairs(_model(add_reader=True))}
+
+
+def test_the_outlier_channel_is_scaled_and_the_float_model_is_unchanged():
+    model, samples = _model(), _samples(8)
+    found = equalization.pairs(model)
+    from pipeline.precision.calibration import statistics
+
+    maxima = statistics.channel_maxima(model, (s.feeds for s in samples), [p.tensor for p in found], axis=1)
+    assert maxima["c1"][OUTLIER] == 228.0 and np.delete(maxima["c1"], OUTLIER).max() < 20
+    (ready,) = [p for p in equalization.with_scales(found, maxima) if p.producer == "conv1"]
+    assert np.flatnonzero(ready.scale > 1.0).tolist() == [OUTLIER]
+    assert abs(maxima["c1"][OUTLIER] / ready.scale[OUTLIER] - np.delete(maxima["c1"], OUTLIER).max()) < 1e-6
+    equalized = equalization.equalized(model, [ready])
+    for before, after in zip(_run(model, samples), _run(equalized, samples)):
+        np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
+
+
+def test_choose_keeps_equalization_only_where_the_int8_model_does_better():
+    from pipeline.precision.calibration import tables
+
+    def make_table(stats):
+        return {name: tables.table_entry(histogram, "max") for name, histogram in stats.histograms.items()}
+
+    samples = _samples(16)
+    precision = PrecisionConfig(name=Precision.int8)
+    model, summary = equalization.choose(_model(), samples, True, QdqSettings.resolve(precision, "onnxruntime"),
+                                         make_table)
+    scores = summary["candidates"]
+    assert summary["applied"] is True and summary["alpha"] in equalization.ALPHAS
+    assert scores[f"alpha {summary['alpha']:g}"]["loss"] < scores["none"]["loss"]
+    assert summary["outlier_pairs"][0]["producer"] == "conv1" and summary["outlier_pairs"][0]["channels"] == [OUTLIER]
+    off, why = equalization.choose(_model(), samples, False, None, make_table)
+    assert why == {"applied": False, "reason": "off (precision.equalization=false)"}
