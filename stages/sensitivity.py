@@ -35,6 +35,7 @@ VERSION += 1  # fake quantization with the build's own zero points (quantize.sca
 # the selection's prefix found by doubling and halving, not one measurement per op joined
 VERSION += 1  # the prune skips ops under 1 % of int8's gain; the task floor and exact outputs in the goal
 VERSION += 1  # samples of one shape (the most common) when the data's shapes differ
+VERSION += 1  # with more ops than sensitivity.max_ranked, only the worst by op-level SQNR measured in full (issue 45)
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -102,16 +103,23 @@ def run(ctx: StageContext) -> StageResult:
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
     started = time.perf_counter()
+    ranked = ranked_ops(cfg)
     with progress_bar() as progress:
         task = progress.add_task("sensitivity search", total=len(search.quantizable_ops(prepared, candidates,
                                                                                     _settings(cfg).quantize_ops)))
         trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
                                   _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n),
-                                  scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg))
+                                  scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg),
+                                  ranked=ranked)
     # an op float in every model anyway is no candidate (it would take a place and change nothing)
     ranking = [row for row in _ranking(trials, cfg) if row["op"] not in measure.always_float]
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
+    screened_ops = len({t.op for t in trials}) - len({t.op for t in trials if t.loss is not None})
+    if screened_ops:
+        summary["op_screen"] = (f"{screened_ops} of {len({t.op for t in trials})} ops were ranked by their op-level "
+                                f"SQNR alone and stay int8: only the {ranked} worst were measured in full "
+                                "(sensitivity.max_ranked)")
     best_table = _best_method_table(prepared, table, candidates, ranking)
     # Each op's best method was found with only that op in int8; together they can do worse
     # than calibrate's table (measured on PP-OCR): the better of the two is the base.
@@ -148,6 +156,13 @@ def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[di
                                           latency.quantizable_neighbours(measure.prepared, costs))
     seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
     return float_ops, curve, costs
+
+
+def ranked_ops(cfg) -> int:
+    """How many ops the per-layer ranking measures in full: sensitivity.max_ranked, or
+    max_float_ops (top_n at least with select=top_n)."""
+    ranked = cfg.sensitivity.max_ranked or cfg.sensitivity.max_float_ops
+    return max(ranked, cfg.sensitivity.top_n) if cfg.sensitivity.select.value == "top_n" else ranked
 
 
 def goal(cfg, task: bool = False) -> tuple:

@@ -41,8 +41,11 @@ def sensitivity_summary(run_dir):
 
 
 def test_fragile_layer_ranks_first_and_stays_float(tmp_path):
+    """The search itself: equalization, which would move the outlier channel into conv3's
+    weights and let plain int8 pass (the next test), is off."""
     model = fragile_model(tmp_path / "fragile.onnx")
-    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max"], tmp_path)
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max",
+                      "precision.equalization=false"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]
     summary = sensitivity_summary(run_dir)
@@ -56,6 +59,24 @@ def test_fragile_layer_ranks_first_and_stays_float(tmp_path):
     report = read_report(run_dir)
     assert report["verify"]["verdict"] == "pass"
     assert report["verify"]["effective"]["precision"] == "mixed"
+
+
+def test_equalization_moves_the_fragile_channel_and_plain_int8_meets_the_target(tmp_path):
+    """conv2's outlier channel scaled down in conv2 and up in conv3 (pipeline/precision/
+    equalization.py): the int8 model does better, plain int8 meets the mixed target, and
+    the search is skipped."""
+    model = fragile_model(tmp_path / "fragile.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    equalized = read_report(run_dir)["calibration"]["equalization"]
+    assert equalized["applied"] is True
+    assert [(p["producer"], p["consumers"], p["channels"]) for p in equalized["outlier_pairs"]] == \
+        [("conv2", ["conv3"], [0])]
+    scores = equalized["candidates"]
+    assert scores[f"alpha {equalized['alpha']:g}"]["loss"] < scores["none"]["loss"]
+    summary = sensitivity_summary(run_dir)
+    assert summary["skipped"] == "plain int8 already meets the target" and summary["int8"]["cosine"] >= 0.999
 
 
 def tokens_model(path):
@@ -204,3 +225,24 @@ def test_qtable_round_trip_and_errors():
 def test_unknown_search_method_is_a_config_error(tmp_path):
     result = run_cli(["precision=mixed", "sensitivity.methods=[kl,entropy]"], tmp_path)
     assert result.returncode == 2 and "sensitivity.methods" in result.stderr
+
+
+def test_with_more_ops_than_max_ranked_only_the_worst_by_op_sqnr_are_measured_in_full(tmp_path):
+    """The search's cost follows sensitivity.max_ranked, not the op count: the other ops get
+    their op-level SQNR alone (a single-node run), stay int8, and the summary says so. Here
+    the two ops quantizing the fragile tensor are the two worst at the op itself."""
+    model = fragile_model(tmp_path / "fragile.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max",
+                      "precision.equalization=false", "sensitivity.max_ranked=2"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    assert {row["op"] for row in summary["ranking"]} == {"conv2", "conv3"}
+    assert summary["op_screen"].startswith("1 of 3 ops were ranked by their op-level SQNR alone")
+    losses = json.loads((run_dir / "stages" / "sensitivity" / "losses.json").read_text())
+    conv1 = [t for t in losses if t["op"] == "conv1"]
+    assert conv1 and all(t["loss"] is None and t["op_sqnr_db"] is not None for t in conv1)
+    worst_kept = min(max(t["op_sqnr_db"] for t in losses if t["op"] == op) for op in ("conv2", "conv3"))
+    assert max(t["op_sqnr_db"] for t in conv1) > worst_kept
+    assert set(summary["float_ops"]) <= {"conv2", "conv3"} and summary["float_ops"]
+    assert read_report(run_dir)["verify"]["verdict"] == "pass"

@@ -364,6 +364,10 @@ class SensitivityConfig:
     samples: int = 8  # validation samples the per-layer ranking measures on (the selection: all of them)
     screen: int = 2  # methods measured in full per op after the SQNR screen (0: all)
     max_float_ops: int = 32  # select=target gives up beyond this many float ops
+    # ops measured in full (each op int8 alone, the rest of the graph run on its output):
+    # with more quantizable ops than this, the ones whose int8 output is worst at the op
+    # itself (op-level SQNR) only; null: max_float_ops (no more ops can stay float anyway)
+    max_ranked: Optional[int] = None
     # select=target: weigh each op's accuracy against its latency cost on the target (ONNX
     # Runtime, OpenVINO: per-op profiles of the fp32 and int8 builds); false: accuracy alone
     latency_aware: bool = True

@@ -151,7 +151,7 @@ RANGES = {
     "validation.timing_round_ms": (0.0, None), "validation.timing_tight_spread": (1.0, None),
     "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
     "calibration.kl_max_clipped": (0.0, 1.0),
-    "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None),
+    "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None), "sensitivity.max_ranked": (1, None),
     "sensitivity.top_n": (0, None), "sensitivity.screen": (0, None), "sensitivity.max_float_ops": (0, None),
     "tuning.verify_samples": (1, None),
 }

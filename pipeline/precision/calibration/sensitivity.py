@@ -68,10 +68,13 @@ def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_type
 def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], feeds: Dict[str, np.ndarray],
               count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
               screen: int = 2, progress: Optional[Callable[[int], None]] = None,
-              scorer_for: Optional[Callable[[List[np.ndarray]], Optional[Callable]]] = None) -> List[Trial]:
+              scorer_for: Optional[Callable[[List[np.ndarray]], Optional[Callable]]] = None,
+              ranked: Optional[int] = None) -> List[Trial]:
     """Every (op, method) trial; screen = methods measured in full per op (0: all);
     ``scorer_for(reference)``: given the float outputs (in graph order), a ``score(outputs)``
-    giving the task metric's drop, or None without a metric."""
+    giving the task metric's drop, or None without a metric. ``ranked``: with more ops than
+    this, only the ``ranked`` ops whose int8 output is worst at the op itself (op-level SQNR,
+    ``op_screen``) are measured in full; the others' trials keep their op SQNR, loss None."""
     nodes = list(model.graph.node)
     outputs = [o.name for o in model.graph.output]
     reference = BatchRunner(model, outputs, count).run(feeds, count)
@@ -83,6 +86,13 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
     # One op per core at a time, each in single-threaded sessions: the op's trials are small
     # graphs on a small batch, where ORT's intra-op threads cost more than they give.
     with ThreadPoolExecutor(max_workers=workers()) as pool:
+        if ranked is not None and len(ops) > ranked:
+            screened = op_screen(model, ops, candidates, feeds, count, methods, settings, pool)
+            worst = sorted(ops, key=lambda i: _best_sqnr(screened[i]))[:ranked]
+            trials += [trial for i in ops if i not in worst for trial in screened[i]]
+            if progress:
+                progress(len(ops) - len(worst))
+            ops = sorted(worst)
         for start in range(0, len(ops), CHUNK_OPS):
             chunk = ops[start:start + CHUNK_OPS]
             needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
@@ -103,8 +113,31 @@ def workers() -> int:
     return min(MAX_WORKERS, own_threads())
 
 
-def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
-                   screen, count, one_by_one: bool, input_shapes: Dict[str, List[int]], score=None) -> List[Trial]:
+def op_screen(model: onnx.ModelProto, ops: List[int], candidates, feeds, count: int, methods: Sequence[str],
+              settings: QdqSettings, pool) -> Dict[int, List[Trial]]:
+    """Per op, its trials with only the op-level SQNR measured (the op alone in int8 against
+    its float output): a single-node run per method, no suffix. What the full measure costs
+    grows with the graph after each op; this stays small."""
+    nodes = list(model.graph.node)
+    found: Dict[int, List[Trial]] = {}
+    for start in range(0, len(ops), CHUNK_OPS):
+        chunk = ops[start:start + CHUNK_OPS]
+        needed = sorted({t for i in chunk for t in _op_tensors(model, i)})
+        floats = BatchRunner(model, needed, count).run(feeds, count)
+        jobs = {index: pool.submit(_op_trials, model, nodes[index], candidates, floats, methods, settings)
+                for index in chunk}
+        found.update({index: [trial for trial, _ in job.result()] for index, job in jobs.items()})
+    return found
+
+
+def _best_sqnr(trials: List[Trial]) -> float:
+    """The op's best op-level SQNR over its methods (inf where no error was measured)."""
+    return max((t.op_sqnr_db if t.op_sqnr_db is not None else math.inf) for t in trials)
+
+
+def _op_trials(model, node, candidates, floats, methods, settings: QdqSettings) -> List[tuple]:
+    """(Trial with its op-level SQNR, the op's int8 output) per method: the op alone run on
+    its fake-quantized inputs and weights, its output fake-quantized where the build does."""
     initializers = {t.name: t for t in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
     single = node_session(model, node)
@@ -123,6 +156,12 @@ def _trials_for_op(model, node, index, candidates, floats, reference, methods, s
         if settings.quantizes_output(node.op_type) and node.output[0] in candidates and node.output[0] not in graph_outputs:
             output = fake_quantize(output, candidates[node.output[0]][method], settings.activations)
         trials.append((Trial(node.name, node.op_type, method, _sqnr(expected, output)), output))
+    return trials
+
+
+def _trials_for_op(model, node, index, candidates, floats, reference, methods, settings: QdqSettings,
+                   screen, count, one_by_one: bool, input_shapes: Dict[str, List[int]], score=None) -> List[Trial]:
+    trials = _op_trials(model, node, candidates, floats, methods, settings)
     ranked = sorted(trials, key=lambda t: -(t[0].op_sqnr_db if t[0].op_sqnr_db is not None else math.inf))
     measured = ranked if screen <= 0 else ranked[:screen]
     suffix = _suffix_session(model, index, one_by_one)
