@@ -69,6 +69,7 @@ SCREEN_SLOWER = 0.8
 SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
 SLOWER = "slower than fp32"
 CUT = "cut by the budget"
+NOT_BUILT = "not built"
 
 
 def candidates(run_cfg) -> List[str]:
@@ -183,7 +184,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
         try:
             checked = validate(raw)
         except ConfigError as err:  # e.g. the backend's check_config: this target cannot build it
-            tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [str(err)]}
+            tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [str(err)]}
             continue
         configs[precision] = (raw, checked)
         if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
@@ -192,7 +193,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
                                 "not_built": "int8 passes: the mixed search would keep nothing in float"}
             continue
         if precision == "mixed" and tried.get("int8", {}).get("verdict") == SLOWER:
-            tried[precision] = {"precision": precision, "verdict": "not built", "reasons": [
+            tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [
                 "not built: int8 is slower than fp32 here, and mixed is int8 with some ops in float"]}
             continue
         log.info("precision=auto: candidate %s", precision)
@@ -216,7 +217,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
             ahead.stop()  # from here verify runs the reference itself where the store has no answer
             outcomes[precision], configs[precision] = _verified(configs[precision], folder)
         except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
-            tried[precision] = {"precision": precision, "verdict": "not built", "exit_code": int(err.exit_code),
+            tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
                                 "reasons": [str(err)]}
             continue
         tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
@@ -517,7 +518,9 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
 
 def _not_passing(rows: Dict[str, dict]) -> str:
     """The candidates that did not pass, by why: failed, not verified, slower, cut."""
-    groups = (("failed", lambda r: r["verdict"] not in ("pass", UNVERIFIED, SLOWER, CUT) and not r.get("same_as")),
+    groups = (("failed", lambda r: r["verdict"] not in ("pass", UNVERIFIED, SLOWER, CUT, NOT_BUILT)
+               and not r.get("same_as")),
+              ("not built", lambda r: r["verdict"] == NOT_BUILT),
               ("not verified (could not ship)", lambda r: r["verdict"] == UNVERIFIED),
               ("not verified (slower than fp32)", lambda r: r["verdict"] == SLOWER),
               ("cut by precision.budget_s", lambda r: r["verdict"] == CUT))
