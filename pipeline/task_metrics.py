@@ -333,7 +333,8 @@ def load_metric(config: Optional[Dict[str, Any]], root: Optional[str] = None) ->
         value = config.get(key)
         return bool(getattr(score, key, getattr(target, key, default)) if value is None else value)
 
-    return TaskMetric(name=name, score=score, output=config.get("output"),
+    output = config.get("output")
+    return TaskMetric(name=name, score=score, output=None if output is None else str(output),
                       higher_is_better=declared("higher_is_better", True),
                       needs_labels=declared("needs_labels", False), config=config,
                       set_level=declared("set_level", False))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import fields
+from pathlib import Path
 from typing import List, Optional, get_type_hints
 
 from hydra.errors import OverrideParseException
@@ -217,10 +218,42 @@ def _check_data(data: DataConfig) -> None:
 
 def _check_metric(run: RunConfig) -> None:
     """Instantiating the metric at start: a wrong _target_, path or argument is a one-line
-    error before any work (a metric's import loads no model)."""
+    error before any work (a metric's import loads no model). An output name is a string
+    however it looks (Hydra reads ``metric.output=461`` as an int; torch.onnx.export names
+    outputs by number), and every output the config names must be the model's."""
     from pipeline.task_metrics import load_metric
 
+    if run.metric and run.metric.get("output") is not None:
+        run.metric["output"] = str(run.metric["output"])
     load_metric(run.metric)
+    outputs = model_outputs(run.model.path)
+    if outputs is None:  # convert says what is wrong with the file
+        return
+    named = [("metric.output", (run.metric or {}).get("output")), ("validation", run.validation.task_output),
+             *(("validation", name) for name in run.validation.outputs)]
+    for key, name in named:
+        if name is not None and name not in outputs:
+            raise ConfigError(f"{key}: the model has no output {name!r}; outputs: {', '.join(outputs)}")
+
+
+def model_outputs(path: str) -> Optional[List[str]]:
+    """The ONNX file's graph output names, or None when it cannot be read here."""
+    file = Path(str(path)).expanduser()
+    try:
+        return _outputs_of(str(file.resolve()), file.stat().st_mtime_ns, file.stat().st_size)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _outputs_of(path: str, mtime_ns: int, size: int) -> Optional[List[str]]:
+    """(cached by the file's path, time and size: auto validates each candidate's config)"""
+    import onnx
+
+    try:
+        return [o.name for o in onnx.load(path, load_external_data=False).graph.output]
+    except Exception:  # noqa: BLE001 - not an ONNX file: convert's error names it
+        return None
 
 
 def _check_tuning(tuning: TuningConfig, backend) -> None:
