@@ -63,10 +63,12 @@ def _run(model, samples):
 
 
 def test_pairs_follow_pass_through_ops_and_the_concat_offset():
-    found = {p.producer: p.consumers for p in equalization.pairs(_model())}
-    assert found["conv1"] == [("conv2", 0), ("conv3", 8)]  # through MaxPool, and at offset 8 of the Concat
-    assert found["conv2"] == [("conv3", 0)]  # through Relu and Resize
-    assert "conv3" not in found  # its output is the Sigmoid's
+    pairs = {p.producer: p for p in equalization.pairs(_model())}
+    assert pairs["conv1"].consumers == [("conv2", 0), ("conv3", 8)]  # through MaxPool, and at offset 8 of the Concat
+    assert pairs["conv2"].consumers == [("conv3", 0)]  # through Relu and Resize
+    assert "conv3" not in pairs  # its output is the Sigmoid's
+    # every tensor between a producer and its consumers is scaled too: layerwise leaves them out
+    assert pairs["conv1"].rescaled == ["c1", "r1", "p1", "cat"] and pairs["conv2"].rescaled == ["c2", "r2", "u2", "cat"]
 
 
 def test_a_reader_that_cannot_absorb_the_scale_leaves_the_pair_out():

@@ -50,6 +50,7 @@ class Pair:
     producer: str  # the Conv node making the equalized activation
     tensor: str  # its output
     consumers: List[Tuple[str, int]]  # (Conv node, the offset of the producer's channels in its input)
+    rescaled: List[str] = field(default_factory=list)  # the tensors from it to the consumers: scaled too
     scale: Optional[np.ndarray] = field(default=None, repr=False)
 
 
@@ -70,10 +71,11 @@ def pairs(model: onnx.ModelProto) -> List[Pair]:
     for node in graph.node:
         if node.op_type != "Conv" or not _own_weights(node, initializers, uses):
             continue
+        rescaled: List[str] = []
         consumers = _consumers(node.output[0], 0, readers, channels, initializers, uses,
-                               {o.name for o in graph.output})
+                               {o.name for o in graph.output}, rescaled)
         if consumers:
-            found.append(Pair(node.name, node.output[0], consumers))
+            found.append(Pair(node.name, node.output[0], consumers, list(dict.fromkeys(rescaled))))
     return found
 
 
@@ -84,11 +86,13 @@ def _own_weights(node: onnx.NodeProto, initializers: set, uses: Dict[str, int]) 
 
 
 def _consumers(tensor: str, offset: int, readers, channels: Dict[str, int], initializers: set,
-               uses: Dict[str, int], outputs: set) -> Optional[List[Tuple[str, int]]]:
+               uses: Dict[str, int], outputs: set, rescaled: List[str]) -> Optional[List[Tuple[str, int]]]:
     """The Convs absorbing ``tensor``'s channels (at ``offset`` in their input), or None when
-    any reader cannot take a per-channel scale (or the tensor is a graph output)."""
+    any reader cannot take a per-channel scale (or the tensor is a graph output); the
+    tensors on the way are added to ``rescaled``."""
     if tensor in outputs or not readers[tensor]:
         return None
+    rescaled.append(tensor)
     found: List[Tuple[str, int]] = []
     for node in readers[tensor]:
         if node.op_type in SHAPE_ONLY:
@@ -98,14 +102,14 @@ def _consumers(tensor: str, offset: int, readers, channels: Dict[str, int], init
             found.append((node.name, offset))
             continue
         if node.op_type in PASS_THROUGH and node.input[0] == tensor and tensor not in node.input[1:]:
-            deeper = _consumers(node.output[0], offset, readers, channels, initializers, uses, outputs)
+            deeper = _consumers(node.output[0], offset, readers, channels, initializers, uses, outputs, rescaled)
         elif node.op_type == "Concat" and _axis(node) in (1, -3) and all(i in channels for i in node.input):
             deeper = []
             for position, name in enumerate(node.input):
                 if name == tensor:
                     before = sum(channels[i] for i in node.input[:position])
                     more = _consumers(node.output[0], offset + before, readers, channels, initializers, uses,
-                                      outputs)
+                                      outputs, rescaled)
                     deeper = None if more is None or deeper is None else deeper + more
         else:
             return None
@@ -166,7 +170,7 @@ def with_scales(found: Sequence[Pair], maxima: Dict[str, np.ndarray], alpha: flo
         typical = float(m[~outliers].max())
         if typical <= 0.0:
             continue
-        ready.append(Pair(pair.producer, pair.tensor, pair.consumers,
+        ready.append(Pair(pair.producer, pair.tensor, pair.consumers, pair.rescaled,
                           np.where(outliers, (m / typical) ** alpha, 1.0)))
     return ready
 
@@ -200,7 +204,7 @@ def _replace(initializer: onnx.TensorProto, values: np.ndarray) -> None:
 def describe(ready: Sequence[Pair]) -> List[dict]:
     """Per pair what the report records: the producer, its consumers, the channels scaled."""
     return [{"producer": p.producer, "activation": p.tensor, "consumers": [c for c, _ in p.consumers],
-             "channels": [int(c) for c in np.flatnonzero(p.scale > 1.0)],
+             "channels": [int(c) for c in np.flatnonzero(p.scale > 1.0)], "rescaled": list(p.rescaled),
              "scale_max": round(float(p.scale.max()), 4)} for p in ready]
 
 

@@ -161,6 +161,7 @@ class Comparison:
     seconds: float = 0.0
     stopped: Optional[dict] = None  # where compare stopped at the first divergence (stop_at_divergence)
     cut: Optional[str] = None  # what the diagnosis budget's deadline left out
+    rescaled: List[str] = field(default_factory=list)  # scaled on purpose by the build (equalization): not compared
 
     def metrics(self, name: str) -> dict:
         result = self.stats[name].result()
@@ -264,7 +265,7 @@ class Comparison:
                 "depth": depth, "worst": [_row_brief(r) for r in worst],
                 "first_divergence": self.first_divergence(), "nan_origin": self.nan_origin(),
                 "local_losses": self.local_losses(), "stopped": self.stopped, "cut": self.cut,
-                "side_file": side_file}
+                "rescaled": self.rescaled, "side_file": side_file}
 
     def write_side_file(self, path: Path) -> None:
         """Every compared tensor, gzip-compressed JSON (mtime 0: same content, same bytes)."""
@@ -293,7 +294,7 @@ def _json_default(value):
 
 def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold: float,
             budget: int = CHUNK_BYTES, progress=None, stop_at_divergence: bool = False,
-            deadline: Optional[float] = None) -> Comparison:
+            deadline: Optional[float] = None, rescaled: Sequence[str] = ()) -> Comparison:
     """Run every sample through both sides chunk by chunk (network order) and accumulate
     per-tensor stats. ``reference`` and ``target`` answer ``call("probe", names)`` and
     ``call("run_probe", feeds)``; they run side by side, the next sample while this one's
@@ -301,11 +302,14 @@ def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold:
     first (every CHECKPOINT_STEP-th tensor), then every tensor between the last
     checkpoint that agrees and the first that does not; the whole table otherwise.
     ``deadline`` (time.perf_counter()): no chunk is started after it, and the chunk in
-    flight stops at the sample it reached; ``cut`` says what was left out."""
+    flight stops at the sample it reached; ``cut`` says what was left out. ``rescaled``:
+    tensors the build scaled per channel on purpose (equalization: the consumers undo it),
+    which would read as diverging; not compared."""
     started = time.perf_counter()
-    probing = _Probing(reference, target, graph, Comparison(graph, threshold, samples=len(samples)), samples)
+    comparison = Comparison(graph, threshold, samples=len(samples), rescaled=list(rescaled))
+    probing = _Probing(reference, target, graph, comparison, samples)
     probing.deadline = deadline
-    wanted = [t.name for t in graph.tensors]
+    wanted = [t.name for t in graph.tensors if t.name not in set(rescaled)]
     with ThreadPoolExecutor(max_workers=2) as probing.pool:
         if stop_at_divergence and graph.nbytes(wanted) > STOP_BYTES:
             probing.bracket(wanted, budget, progress)

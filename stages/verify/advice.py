@@ -51,13 +51,23 @@ def run_layerwise(ctx, live: Live, dataset, progress, budget: "diagnosis.Budget"
         reference, target = live.workers()
         result = layerwise.compare(reference, target, graph, samples, validation.layer_min_cosine,
                                    progress=progress, stop_at_divergence=not always,
-                                   deadline=None if always else budget.deadline)
+                                   deadline=None if always else budget.deadline, rescaled=_rescaled(ctx))
     except BackendCrashed as err:
         return {"mode": mode, "ran": False, "reason": f"layerwise probing failed: {err}"}
     budget.spent("layerwise", result.seconds, cut=result.cut)
     side_file = "layerwise.json.gz"
     result.write_side_file(ctx.out_dir / side_file)
     return result.summary(mode, reason, side_file)
+
+
+def _rescaled(ctx) -> List[str]:
+    """The activations calibrate's equalization scaled per channel (the build's model
+    differs from the reference there by design; the consumers' outputs agree again)."""
+    calibrate = ctx.results.get("calibrate")
+    equalized = (calibrate.summary.get("equalization") or {}) if calibrate else {}
+    if not equalized.get("applied"):
+        return []
+    return [name for pair in equalized.get("outlier_pairs") or [] for name in pair.get("rescaled") or []]
 
 
 ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
