@@ -1,9 +1,12 @@
 """Time to a verified bundle: the `parity` CLI end to end on a cold cache, next to NNCF's
 MIXED quantize time on the same data in the same run, for the PP-OCRv4 text detector and
-recognizer of the rapidocr wheel on openvino_cpu with their task metrics.
+recognizer of the rapidocr wheel on openvino_cpu with their task metrics, and for the
+salient-object segmenter (pipeline/assets/segmenter.onnx, 16 calibration and 40 validation
+photos from scikit-image's wheel, map IoU at 0.5 of the fused map '162') on ort_cpu and
+openvino_cpu (issue 45).
 
     pip install -e .[test,bench]      # nncf is a benchmark-only extra
-    python benchmarks/time_to_bundle.py [--models rec det] [--isa native AVX2]
+    python benchmarks/time_to_bundle.py [--models rec det seg] [--isa native AVX2]
 
 Rows per model (each a fresh folder, no stage cache):
 - `parity` with the default `precision=auto` (verified bundle and report at the end);
@@ -19,7 +22,11 @@ Rows per model (each a fresh folder, no stage cache):
 - NNCF `quantize_with_accuracy_control` (MIXED, max_drop 0.01 absolute, the task metric as its
   validation function: rec's CTC character accuracy, det's map IoU with fp32's map), the peer
   that verifies (issue 38's anchor: parity's auto wall at most 3x it);
-- by hand: that quantize plus the user's own evaluation of fp32 and int8 on the validation set.
+- by hand: that quantize plus the user's own evaluation of fp32 and int8 on the validation set;
+- seg only: ONNX Runtime's `quantize_static` (QDQ, MinMax, per-channel weights) and NNCF's
+  default `quantize` (the by-hand row), each with its map IoU drop against fp32: the peers
+  parity's int8 is compared with on a model with an outlier channel; and parity's goals
+  there: auto at most 3x NNCF's accuracy control and 300 s, its shipped drop within 0.01.
 Printed: each stage's seconds (candidates too), each figure next to its goal, and the CPU
 flags. `--isa AVX2` reruns everything with oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA and
 OV_CPU_MAX_ISA); the executed kernel names of one int8 build are printed to show what
@@ -43,8 +50,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mixed import FILES, MODELS, SHAPES, det_samples, metric_args, rec_samples  # noqa: E402
 
-SIZES = {"rec": (64, 200), "det": (64, 100)}  # (calibration, validation), the issue's
-GOALS = {"auto_vs_accuracy_control": 3.0, "auto_vs_nncf": 2.0, "failing_vs_passing_verify": 2.0, "digits_warm_s": 4.0, "rec_search_s": 60.0}
+SIZES = {"rec": (64, 200), "det": (64, 100), "seg": (16, 40)}  # (calibration, validation), the issues'
+GOALS = {"auto_vs_accuracy_control": 3.0, "auto_vs_nncf": 2.0, "failing_vs_passing_verify": 2.0, "digits_warm_s": 4.0,
+         "rec_search_s": 60.0, "seg_auto_s": 300.0, "seg_drop": 0.01}
+TARGETS = {"rec": ["openvino_cpu"], "det": ["openvino_cpu"], "seg": ["ort_cpu", "openvino_cpu"]}
+SEG_THRESHOLD = 0.5
 PASSING = ["validation.min_cosine=0", "validation.max_metric_drop=1"]
 COSINE_GATED = ["validation.task_min_cosine=null"]  # min_cosine (0.995) gates, as before issue 27
 
@@ -86,10 +96,51 @@ NNCF_RUN = """
 import sys, numpy as np
 sys.path.insert(0, sys.argv[1])
 from mixed import nncf_build
-calibration = np.load(sys.argv[3])["calibration/x"]
+data = np.load(sys.argv[3])
+calibration = data[next(k for k in data.files if k.startswith("calibration/"))]
 _, seconds, version = nncf_build(sys.argv[2], calibration, sys.argv[4])
 print(f"{seconds:.3f}", version.replace(" ", "-"))
 """
+
+
+def seg_samples(work: Path, calibration: int, validation: int) -> tuple:
+    """The segmenter's photos (tests/segmenter_data.py), normalized as the model expects:
+    (calibration [N,3,96,96], validation [M,3,96,96])."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from segmenter_data import MEAN, STD, crops, photos, CALIBRATION_SEED, VALIDATION_SEED
+
+    images = photos()
+
+    def normalized(seed: int, count: int) -> np.ndarray:
+        return np.stack([((crop / 255.0 - np.array(MEAN)) / np.array(STD)).transpose(2, 0, 1).astype(np.float32)
+                         for crop in crops(images, count, seed)])
+
+    return normalized(CALIBRATION_SEED, calibration), normalized(VALIDATION_SEED, validation)
+
+
+def model_data(kind: str, work: Path) -> tuple:
+    """(the data .npz every row reads, the model file, its input's name, parity's model args)."""
+    calibration_size, validation_size = SIZES[kind]
+    truth = None
+    if kind == "rec":
+        calibration, _ = rec_samples(calibration_size, seed=1)
+        validation, truth = rec_samples(validation_size, seed=2)
+    elif kind == "det":
+        calibration, validation = det_samples(calibration_size, 1), det_samples(validation_size, 2)
+    else:
+        calibration, validation = seg_samples(work, calibration_size, validation_size)
+    name = "input" if kind == "seg" else "x"
+    data = work / "data.npz"
+    labels = {"validation/labels": np.array(truth)} if truth is not None else {}
+    np.savez(data, **{f"calibration/{name}": calibration, f"validation/{name}": validation, **labels})
+    if kind == "seg":
+        from segmenter_data import FUSED_OUTPUT, MODEL
+
+        return data, MODEL, name, [f"model.path={MODEL}", "metric=map_iou", f"metric.threshold={SEG_THRESHOLD}",
+                                   f"metric.output={FUSED_OUTPUT}"]
+    return data, MODELS / FILES[kind], name, [f"model.path={MODELS / FILES[kind]}",
+                                              f"+model.input_shapes.x={SHAPES[kind]}".replace(" ", ""),
+                                              *metric_args(kind, work)]
 
 
 def model_rows(kind: str, scratch: Path, env: dict, auto_only: bool = False,
@@ -97,32 +148,26 @@ def model_rows(kind: str, scratch: Path, env: dict, auto_only: bool = False,
     calibration_size, validation_size = SIZES[kind]
     work = scratch / kind
     work.mkdir(parents=True)
-    if kind == "rec":
-        calibration, _ = rec_samples(calibration_size, seed=1)
-        validation, truth = rec_samples(validation_size, seed=2)
-    else:
-        calibration, validation, truth = det_samples(calibration_size, 1), det_samples(validation_size, 2), None
-    data = work / "data.npz"
-    labels = {"validation/labels": np.array(truth)} if truth is not None else {}
-    np.savez(data, **{"calibration/x": calibration, "validation/x": validation, **labels})
-    base = [f"model.path={MODELS / FILES[kind]}", f"+model.input_shapes.x={SHAPES[kind]}".replace(" ", ""),
-            "data.kind=tensors", f"data.path={data}", f"data.calibration_size={calibration_size}",
-            f"data.validation_size={validation_size}", "target=openvino_cpu", "target.threads=2",
-            *metric_args(kind, work)]
+    data, model, input_name, model_args = model_data(kind, work)
     rows = {}
-    jobs = (("auto", [], "auto"), ("int8", ["precision=int8", *COSINE_GATED], "int8"),
-            ("mixed", ["precision=mixed"], "mixed"))
-    for name, extra, folder in jobs[:1] if auto_only else jobs:
-        cwd = work / folder
-        cwd.mkdir()
-        seconds, code, report, run = parity(base + extra, cwd, env)
-        rows[name] = {"seconds": seconds, "exit": code, "report": report, "run": run}
-    if not auto_only:
-        cwd = work / "int8"
-        seconds, code, report, run = parity(base + ["precision=int8", *COSINE_GATED, *PASSING], cwd, env)
-        rows["int8 passing"] = {"seconds": seconds, "exit": code, "report": report, "run": run}
-    fp32 = next((rows["auto"]["run"] / "candidates").glob("*/stages/convert/model.onnx"), None) or \
-        rows["auto"]["run"] / "stages" / "convert" / "model.onnx"
+    for target in TARGETS[kind]:
+        base = [*model_args, "data.kind=tensors", f"data.path={data}", f"data.calibration_size={calibration_size}",
+                f"data.validation_size={validation_size}", f"target={target}", "target.threads=2"]
+        suffix = "" if target == "openvino_cpu" else f" {target}"
+        jobs = (("auto", [], "auto"), ("int8", ["precision=int8", *COSINE_GATED], "int8"),
+                ("mixed", ["precision=mixed"], "mixed"))
+        for name, extra, folder in jobs[:1] if auto_only else jobs:
+            cwd = work / f"{folder}{suffix.replace(' ', '_')}"
+            cwd.mkdir()
+            seconds, code, report, run = parity(base + extra, cwd, env)
+            rows[name + suffix] = {"seconds": seconds, "exit": code, "report": report, "run": run}
+        if not auto_only and target == "openvino_cpu":
+            cwd = work / "int8"
+            seconds, code, report, run = parity(base + ["precision=int8", *COSINE_GATED, *PASSING], cwd, env)
+            rows["int8 passing"] = {"seconds": seconds, "exit": code, "report": report, "run": run}
+    auto = rows.get("auto") or rows[f"auto {TARGETS[kind][0]}"]
+    fp32 = next((auto["run"] / "candidates").glob("*/stages/convert/model.onnx"), None) or \
+        auto["run"] / "stages" / "convert" / "model.onnx"
     started = time.perf_counter()  # cold: in a fresh process, as the parity runs are
     done = subprocess.run([sys.executable, "-c", NNCF_RUN, str(REPO / "benchmarks"), str(fp32), str(data),
                            str(work / "nncf.xml")], capture_output=True, text=True, env=env)
@@ -134,6 +179,8 @@ def model_rows(kind: str, scratch: Path, env: dict, auto_only: bool = False,
     for how in ("accuracy_control", "by_hand"):
         rows[f"nncf {how}"] = nncf_peer(how, fp32, data, work / f"nncf_{how}.xml", kind, env) if how in peers \
             else {"seconds": float("nan"), "version": "-", "drop": None}
+    if kind == "seg":
+        rows["ort static"] = nncf_peer("ort_static", fp32, data, work / "ort_static.onnx", kind, env)
     rows["kernels"] = kernels(rows["int8"]["run"], env) if "int8" in rows else "-"
     return rows
 
@@ -148,7 +195,8 @@ sys.path.insert(0, sys.argv[1])
 from mixed import binary_iou, char_accuracy, charset
 how, fp32_path, data_path, out, kind = sys.argv[2:7]
 data = np.load(data_path)
-calibration, validation = data["calibration/x"], data["validation/x"]
+calibration = data[next(k for k in data.files if k.startswith("calibration/"))]
+validation = data[next(k for k in data.files if k.startswith("validation/") and not k.endswith("labels"))]
 truth = list(data["validation/labels"]) if kind == "rec" else None
 characters = charset() if kind == "rec" else None
 core = ov.Core()
@@ -160,13 +208,42 @@ def outputs_of(compiled, items):
     return [compiled(x[None] if x.ndim == 3 else x)[0] for x in items]
 
 
-reference = outputs_of(core.compile_model(model, "CPU", config), validation) if kind == "det" else None
+reference = outputs_of(core.compile_model(model, "CPU", config), validation) if kind != "rec" else None
 
 
-def score(outputs):  # the user's own task metric: CTC character accuracy, or the det map's IoU with fp32's
-    return char_accuracy(outputs, truth, characters) if kind == "rec" else binary_iou(outputs, reference)
+def mean_iou(outputs, threshold=0.5):  # parity's map_iou (pooled=false): the mean of each map's IoU with fp32's
+    scores = []
+    for built, fp32 in zip(outputs, reference):
+        a, b = built.ravel() > threshold, fp32.ravel() > threshold
+        union = (a | b).sum()
+        scores.append(1.0 if union == 0 else (a & b).sum() / union)
+    return float(np.mean(scores))
 
 
+def score(outputs):  # the user's own task metric: CTC character accuracy, or the map's IoU with fp32's
+    if kind == "rec":
+        return char_accuracy(outputs, truth, characters)
+    return mean_iou(outputs) if kind == "seg" else binary_iou(outputs, reference)
+
+
+if how == "ort_static":  # ONNX Runtime's static quantizer: QDQ, MinMax, per-channel weights
+    import onnxruntime as ort
+    from onnxruntime import quantization as q
+
+    class Reader(q.CalibrationDataReader):
+        def __init__(self):
+            self.items = iter([{"input": sample[None]} for sample in calibration])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    q.quantize_static(fp32_path, out, Reader(), quant_format=q.QuantFormat.QDQ, per_channel=True,
+                      activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
+                      calibrate_method=q.CalibrationMethod.MinMax)
+    session = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    drop = 1.0 - score([session.run(None, {"input": x[None]})[0] for x in validation])
+    print(f"{time.perf_counter() - started:.3f}", "onnxruntime-" + ort.__version__, drop)
+    sys.exit(0)
 calibration_set = nncf.Dataset([sample[None] for sample in calibration])
 if how == "accuracy_control":  # NNCF verifies: its validation function is the user's metric
     validation_set = nncf.Dataset([sample[None] for sample in validation])
@@ -226,26 +303,40 @@ def digits_warm(scratch: Path, env: dict) -> float:
 
 
 def print_model(kind: str, rows: dict) -> list:
-    auto, nncf = rows["auto"], rows["nncf"]
-    section = auto["report"].get("auto") or {}
-    print(f"\n## {kind}: auto shipped {section.get('chosen')} (exit {auto['exit']}) in {auto['seconds']:.1f} s; "
-          f"NNCF MIXED ({nncf['version']}) quantize {nncf['seconds']:.1f} s ({nncf['process_seconds']:.1f} s "
+    nncf, control, by_hand = rows["nncf"], rows["nncf accuracy_control"], rows["nncf by_hand"]
+    print(f"\n## {kind}: NNCF MIXED ({nncf['version']}) quantize {nncf['seconds']:.1f} s ({nncf['process_seconds']:.1f} s "
           f"with its imports, in a fresh process)")
     print(f"  int8 build's conv/matmul kernels (OpenVINO): {rows['kernels']}")
-    for row in section.get("candidates", []):
-        print(f"  candidate {row['precision']:<6} {row['verdict'][:40]:<40} cosine {row.get('cosine')} "
-              f"speed-up {(row.get('speedup') or {}).get('speedup')}")
-    print(f"  auto stages: {run_stage_seconds(auto['report'])}\n{stage_table(auto['run'])}")
-    control, by_hand = rows["nncf accuracy_control"], rows["nncf by_hand"]
     print(f"  NNCF quantize_with_accuracy_control (max_drop 0.01, the task metric as validation function) "
           f"{control['seconds']:.1f} s; by hand (quantize + the user's evaluation of fp32 and int8) "
           f"{by_hand['seconds']:.1f} s, drop {by_hand['drop']}")
-    shipped_drop = (auto["report"]["verify"].get("task") or {}).get("drop")
-    print(f"  parity's shipped build: task metric drop {shipped_drop}")
-    figures = [(f"{kind} auto wall / NNCF quantize_with_accuracy_control", auto["seconds"] / control["seconds"],
-                GOALS["auto_vs_accuracy_control"]),
-               (f"{kind} auto wall / NNCF MIXED quantize", auto["seconds"] / nncf["seconds"], GOALS["auto_vs_nncf"])]
-    if "int8" in rows:
+    if "ort static" in rows:
+        print(f"  ONNX Runtime quantize_static (QDQ, MinMax, per-channel; {rows['ort static']['version']}) "
+              f"{rows['ort static']['seconds']:.1f} s, drop {rows['ort static']['drop']}")
+    figures = []
+    for target in TARGETS[kind]:
+        name = "auto" if target == "openvino_cpu" else f"auto {target}"
+        auto = rows[name]
+        section = auto["report"].get("auto") or {}
+        shipped_drop = (auto["report"]["verify"].get("task") or {}).get("drop")
+        print(f"\n  {kind} on {target}: auto shipped {section.get('chosen')} (exit {auto['exit']}) in "
+              f"{auto['seconds']:.1f} s; its task metric drop {shipped_drop}; {section.get('why')}")
+        for row in section.get("candidates", []):
+            print(f"    candidate {row['precision']:<12} {row['verdict'][:24]:<24} cosine {row.get('cosine')} "
+                  f"metric {row.get('metric_value')} speed-up {(row.get('speedup') or {}).get('speedup')}")
+        print(f"    auto stages: {run_stage_seconds(auto['report'])}\n{stage_table(auto['run'])}")
+        figures += [(f"{kind} {target} auto wall / NNCF quantize_with_accuracy_control",
+                     auto["seconds"] / control["seconds"], GOALS["auto_vs_accuracy_control"]),
+                    (f"{kind} {target} auto wall / NNCF MIXED quantize", auto["seconds"] / nncf["seconds"],
+                     GOALS["auto_vs_nncf"])]
+        if kind == "seg":
+            figures += [(f"seg {target} auto wall s", auto["seconds"], GOALS["seg_auto_s"]),
+                        (f"seg {target} shipped map_iou drop", shipped_drop if shipped_drop is not None else 1.0,
+                         GOALS["seg_drop"])]
+            int8 = rows.get("int8" if target == "openvino_cpu" else f"int8 {target}")
+            if int8:
+                print(f"    parity precision=int8 drop {(int8['report']['verify'].get('task') or {}).get('drop')}")
+    if "int8" in rows and kind != "seg":
         figures += other_rows(kind, rows)
     return figures
 
@@ -273,7 +364,7 @@ def other_rows(kind: str, rows: dict) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["rec", "det"], choices=["rec", "det"])
+    parser.add_argument("--models", nargs="+", default=["rec", "det", "seg"], choices=["rec", "det", "seg"])
     parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "AVX2"])
     parser.add_argument("--peers", nargs="+", default=["accuracy_control", "by_hand"],
                         choices=["accuracy_control", "by_hand"],

@@ -100,20 +100,27 @@ class StageContext:
         same ``material`` (JSON) produced it before: for work a stage shares between its
         config variants (e.g. calibration statistics for every threshold method).
         Returns (folder, reused)."""
-        key = sha256_json({"memo": name, "material": material})[:32]
-        if self.cache_root is None:
-            folder = self.out_dir / f"{name}-{key}"
-            folder.mkdir(parents=True, exist_ok=True)
-            produce(folder)
-            return folder, False
-        entry = self.cache_root / "memo" / name / key
-        with cache_lock(self.cache_root, "memo", f"{name}-{key}"):  # a sweep's parallel jobs compute it once
-            if (entry / COMPLETE).is_file():
-                return entry, True
-            with atomic_directory(entry, replace=True) as temp:
-                produce(temp)
-                (temp / COMPLETE).touch()
-        return entry, False
+        return memo(self.cache_root, self.out_dir, name, material, produce)
+
+
+def memo(cache_root: Optional[Path], out_dir: Path, name: str, material: dict,
+         produce: Callable[[Path], None]) -> Tuple[Path, bool]:
+    """StageContext.memo for callers outside a stage (precision=auto's screening timing):
+    without a cache, ``produce`` writes into a fresh folder under ``out_dir``."""
+    key = sha256_json({"memo": name, "material": material})[:32]
+    if cache_root is None:
+        folder = out_dir / f"{name}-{key}"
+        folder.mkdir(parents=True, exist_ok=True)
+        produce(folder)
+        return folder, False
+    entry = cache_root / "memo" / name / key
+    with cache_lock(cache_root, "memo", f"{name}-{key}"):  # a sweep's parallel jobs compute it once
+        if (entry / COMPLETE).is_file():
+            return entry, True
+        with atomic_directory(entry, replace=True) as temp:
+            produce(temp)
+            (temp / COMPLETE).touch()
+    return entry, False
 
 
 REFERENCE_MODULE = backends.MODULES[backends.REFERENCE]  # THE reference: ONNX Runtime

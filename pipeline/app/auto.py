@@ -132,9 +132,11 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     _time(outcomes, run_cfg, tried)
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
+        started = time.monotonic()
         outcomes["fp32"], configs["fp32"] = _verified(configs["fp32"], run_dir / "candidates" / "fp32")
         timing = {k: tried["fp32"][k] for k in ("latency", "timed_on", "speedup") if k in tried["fp32"]}
-        tried["fp32"] = {**_row("fp32", outcomes["fp32"]), **timing, "target_memory": _memory(configs["fp32"])}
+        tried["fp32"] = {**_row("fp32", outcomes["fp32"]), **timing, "target_memory": _memory(configs["fp32"]),
+                         "seconds": round(tried["fp32"].get("seconds", 0.0) + time.monotonic() - started, 1)}
     elif tried.get("fp32", {}).get("verdict") == UNVERIFIED:
         tried["fp32"]["not_verified"] = ("not verified: only the speed reference here" if "fp32" not in requested
                                          else "not verified: a faster build passes, so fp32 could not ship")
@@ -174,53 +176,64 @@ class Budget:
 def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_ReferenceAhead", found: tuple,
                 budget: Budget) -> None:
     """Every candidate built, screened against fp32's speed and verified unless it is fp32
-    (into ``found``: tried, configs, outcomes by precision), while the budget lasts."""
-    tried, configs, outcomes = found
+    (into ``found``: tried, configs, outcomes by precision), while the budget lasts; each
+    row says how many seconds its candidate took."""
+    tried = found[0]
     for precision in _in_order(_with_reference(requested)):
-        if precision != "fp32" and budget.spent():  # fp32 is every candidate's reference, and the fallback
-            tried[precision] = budget.cut(precision)
-            continue
-        raw = candidate_config(cfg, precision)
-        try:
-            checked = validate(raw)
-        except ConfigError as err:  # e.g. the backend's check_config: this target cannot build it
-            tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [str(err)]}
-            continue
-        configs[precision] = (raw, checked)
-        if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
-            tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
-                                "verdict": "same build as int8",
-                                "not_built": "int8 passes: the mixed search would keep nothing in float"}
-            continue
-        if precision == "mixed" and tried.get("int8", {}).get("verdict") == SLOWER:
-            tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [
-                "not built: int8 is slower than fp32 here, and mixed is int8 with some ops in float"]}
-            continue
-        log.info("precision=auto: candidate %s", precision)
-        folder = run_dir / "candidates" / precision
-        try:
-            built = run_pipeline(_until_build(checked), folder)
-            ahead.start(checked, built)  # the reference's answers, while the candidates calibrate and build
-            twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
-            if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
-                tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
-                                    "same_as": twin, "run_folder": str(folder)}
-                continue
-            if precision == "fp32":  # the speed reference; verified only when it could ship (below)
-                outcomes[precision] = built
-                tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
-                continue
-            slower = _screened(outcomes.get("fp32"), built, checked)
-            if slower:
-                tried[precision] = {**_row(precision, built), **slower}
-                continue
-            ahead.stop()  # from here verify runs the reference itself where the store has no answer
-            outcomes[precision], configs[precision] = _verified(configs[precision], folder)
-        except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
-            tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
-                                "reasons": [str(err)]}
-            continue
-        tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
+        started = time.monotonic()
+        _candidate(cfg, precision, run_dir, ahead, found, budget)
+        tried[precision]["seconds"] = round(time.monotonic() - started, 1)
+
+
+def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_ReferenceAhead", found: tuple,
+               budget: Budget) -> None:
+    """One candidate: cut by the budget, not buildable, not worth building, built and
+    screened slower than fp32, or verified (fp32: built only, its verification comes later)."""
+    tried, configs, outcomes = found
+    if precision != "fp32" and budget.spent():  # fp32 is every candidate's reference, and the fallback
+        tried[precision] = budget.cut(precision)
+        return
+    raw = candidate_config(cfg, precision)
+    try:
+        checked = validate(raw)
+    except ConfigError as err:  # e.g. the backend's check_config: this target cannot build it
+        tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [str(err)]}
+        return
+    configs[precision] = (raw, checked)
+    if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
+        tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
+                            "verdict": "same build as int8",
+                            "not_built": "int8 passes: the mixed search would keep nothing in float"}
+        return
+    if precision == "mixed" and tried.get("int8", {}).get("verdict") == SLOWER:
+        tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [
+            "not built: int8 is slower than fp32 here, and mixed is int8 with some ops in float"]}
+        return
+    log.info("precision=auto: candidate %s", precision)
+    folder = run_dir / "candidates" / precision
+    try:
+        built = run_pipeline(_until_build(checked), folder)
+        ahead.start(checked, built)  # the reference's answers, while the candidates calibrate and build
+        twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
+        if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
+            tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
+                                "same_as": twin, "run_folder": str(folder)}
+            return
+        if precision == "fp32":  # the speed reference; verified only when it could ship (below)
+            outcomes[precision] = built
+            tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
+            return
+        slower = _screened(outcomes.get("fp32"), built, checked)
+        if slower:
+            tried[precision] = {**_row(precision, built), **slower}
+            return
+        ahead.stop()  # from here verify runs the reference itself where the store has no answer
+        outcomes[precision], configs[precision] = _verified(configs[precision], folder)
+    except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
+        tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
+                            "reasons": [str(err)]}
+        return
+    tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
 
 
 class _ReferenceAhead:
@@ -297,9 +310,7 @@ def _screened(fp32: Optional[RunOutcome], built: RunOutcome, checked) -> Optiona
     (speed as served is a stream, timed after verify)."""
     if fp32 is None or checked.validation.max_memory_mb is not None:
         return None
-    found = _time_builds({"fp32": fp32, "candidate": built}, checked, one_sample_only=True,
-                         rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
-    timings = found[0] if found else {}
+    timings = _screen_timings(fp32, built, checked)
     up = speed.speedups(timings).get("candidate")
     if up is None or up["speedup_p75"] >= SCREEN_SLOWER:
         return None
@@ -307,6 +318,25 @@ def _screened(fp32: Optional[RunOutcome], built: RunOutcome, checked) -> Optiona
             "reasons": [f"{up['speedup']:.2f}x fp32 (rounds {up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}x) on a "
                         f"short timing before verification: slower than fp32 in three rounds of four, so it "
                         f"cannot ship and was not verified"]}
+
+
+def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> dict:
+    """The screening's timings of fp32 and the candidate, taken once per pair of builds,
+    runtime versions and machine: a warm rerun reads them from the stage cache."""
+    from pipeline import environment
+    from pipeline.artifacts import read_json, write_json
+    from stages import memo
+
+    def produce(folder: Path) -> None:
+        found = _time_builds({"fp32": fp32, "candidate": built}, checked, one_sample_only=True,
+                             rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
+        write_json(folder / "timings.json", found[0] if found else {})
+
+    material = {"builds": [_artifact(fp32), _artifact(built)], "threads": checked.target.threads,
+                "data": str(checked.data), "machine": environment.fingerprint(), "runtimes": environment.versions()}
+    cache = Path(checked.pipeline.cache_dir).expanduser() if checked.pipeline.cache else None
+    folder, _ = memo(cache, built.run_dir, "auto-screen", material, produce)
+    return read_json(folder / "timings.json")
 
 
 def _candidate_stages(checked):

@@ -209,7 +209,8 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
 def _auto_table(section: dict) -> Table:
     """precision=auto's candidates: what each reached, how fast, how big."""
     table = Table(title="precision=auto candidates", title_justify="left")
-    for column in ("precision", "cosine", "task metric", "speed-up vs fp32", "size", "peak memory", "verdict"):
+    for column in ("precision", "cosine", "task metric", "speed-up vs fp32", "size", "peak memory", "seconds",
+                   "verdict"):
         table.add_column(column)
     for row in section["candidates"]:
         up = row.get("speedup")
@@ -220,8 +221,9 @@ def _auto_table(section: dict) -> Table:
             " (shipped)" if row["precision"] == section["chosen"] else "") + (
             " (reference only)" if row["precision"] in section.get("reference_only", []) else "")
         size = f"{row['bytes'] / 1e6:.2f} MB" if row.get("bytes") else "-"
+        seconds = f"{row['seconds']:.1f}" if row.get("seconds") is not None else "-"
         table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-", metric,
-                      speedup, size, escape(candidate_peak(row, section["candidates"])), escape(verdict))
+                      speedup, size, escape(candidate_peak(row, section["candidates"])), seconds, escape(verdict))
     return table
 
 

@@ -200,13 +200,19 @@ def auto_section(section: dict) -> list:
         rows.append([str(row.get("precision")), fmt_cosine(row.get("cosine")), metric, speedup,
                      fmt_number((row.get("bytes") or 0) / 1e6, ".2f") + " MB" if row.get("bytes") else "-",
                      candidate_peak(row, [r for r in as_list(section.get("candidates")) if isinstance(r, dict)]),
+                     fmt_number(row.get("seconds"), ".1f") if row.get("seconds") is not None else "-",
                      f"{row.get('verdict')}{shipped}", "; ".join(map(str, as_list(row.get("reasons"))))[:200]])
     charts = [(str(r.get("precision")), as_dict(r.get("speedup")).get("speedup", 1.0 if r.get("latency") else None))
               for r in as_list(section.get("candidates")) if isinstance(r, dict)]
     charts = [(name, value) for name, value in charts if value is not None]
-    blocks = [Heading(2, "precision=auto"), Para(f"Shipped {section.get('why')}."),
-              Table(["precision", "cosine", "task metric", "speed-up vs fp32", "size", "peak memory", "verdict",
-                     "reasons"], rows)]
+    budget = as_dict(section.get("budget"))
+    allowed = (f"of precision.budget_s {fmt_number(budget.get('seconds'), '.0f')} s" if budget.get("seconds")
+               is not None else "(no precision.budget_s)")
+    spent = (f" The candidates took {fmt_number(budget.get('elapsed_s'), '.1f')} s {allowed}"
+             + (f"; cut: {', '.join(budget['cut'])}" if budget.get("cut") else "") + "." if budget else "")
+    blocks = [Heading(2, "precision=auto"), Para(f"Shipped {section.get('why')}.{spent}"),
+              Table(["precision", "cosine", "task metric", "speed-up vs fp32", "size", "peak memory", "seconds",
+                     "verdict", "reasons"], rows)]
     if charts:
         blocks.append(Charts([bar_chart([n for n, _ in charts], [v for _, v in charts],
                                             title="speed-up over fp32 (interleaved rounds)", x_label="x fp32",
