@@ -43,7 +43,10 @@ def external_files(ctx: StageContext) -> List[Path]:
 
 
 def bundle_name(cfg) -> str:
-    return cfg.package.name or f"{model_name(cfg)}-{cfg.target.name}-{cfg.precision.kind}"
+    """package.name, or model-target-precision; int8 with ranges computed per call says so
+    (``-int8_dynamic``: a different build from static int8, with other speed and accuracy)."""
+    precision = "int8_dynamic" if cfg.precision.kind == "int8" and cfg.precision.dynamic_ranges else cfg.precision.kind
+    return cfg.package.name or f"{model_name(cfg)}-{cfg.target.name}-{precision}"
 
 
 def run(ctx: StageContext) -> StageResult:

@@ -54,6 +54,7 @@ def test_a_dynamic_build_runs_int8_without_calibration(dynamic_run):
     assert report["verdict"] == "pass"
     # the shipped model: activations quantized per call, weights int8
     bundle = single_bundle(run_dir)
+    assert bundle.name.endswith("-ort_cpu-int8_dynamic")  # named apart from a static int8 bundle
     ops = Counter(node.op_type for node in onnx.load(str(bundle / "model.onnx")).graph.node)
     assert ops["DynamicQuantizeLinear"] > 0 and ops["MatMulInteger"] == 12 and not ops["QuantizeLinear"]
     assert yaml.safe_load((bundle / "runtime.yaml").read_text())["activation_ranges"] == "dynamic"

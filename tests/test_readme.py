@@ -157,8 +157,7 @@ def test_default_job_prints_what_the_readme_describes(default_job):
     assert not missing, f"the README says the default job prints {missing}; it printed:\n{stdout}"
     shipped = re.search(r"precision=auto shipped (\w+)", stdout).group(1)
     assert shipped in ("int8", "int8_dynamic", "fp32"), shipped  # what the README says can ship
-    bundle = "int8" if shipped == "int8_dynamic" else shipped  # both int8 builds ship as -int8
-    assert re.search(rf"bundle: .*digits_cnn-ort_cpu-{bundle}$", stdout, re.M)
+    assert re.search(rf"bundle: .*digits_cnn-ort_cpu-{shipped}$", stdout, re.M)  # int8_dynamic too
 
 
 # (d) the README's parity commands use groups and options that exist
