@@ -54,3 +54,9 @@ def test_a_passing_task_is_left_alone():
     task = _task(0.0, [0.0, 0.0], passed=True)
     assert float_noise.judged(task, [_output()], "fp32") is task
     assert float_noise.judged(None, [], "fp32") is None
+
+
+def test_a_negative_allowed_drop_is_never_met_by_noise():
+    """max_drop < 0 asks the build to beat the reference: a drop of 0 fails as before."""
+    task = {**_task(0.0, [0.0, 0.0]), "max_drop": -0.01}
+    assert float_noise.judged(task, [_output()], "fp32") is task

@@ -62,7 +62,7 @@ FIDELITY = ("fp32", "bf16", "fp16", "mixed", DYNAMIC_INT8, "int8")
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
 # bf16 on a CPU is a candidate only where the CPU computes it (elsewhere it is emulated)
 NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
-AUTO_ONLY = ("name", "candidates", "budget_s")  # precision keys of auto itself, not of its candidates
+AUTO_ONLY = ("name", "candidates", "budget_s", "screen")  # precision keys of auto itself, not of its candidates
 # screening: a candidate whose speed-up over fp32 stays below this in three timing rounds of
 # four (p75) is measurably slower; it is reported as such and not verified (it cannot win)
 SCREEN_SLOWER = 0.8
@@ -128,7 +128,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     with contextlib.ExitStack() as stack:
         ahead = _ReferenceAhead()
         stack.callback(ahead.stop)
-        _candidates(cfg, requested, run_dir, ahead, (tried, configs, outcomes), budget)
+        _candidates(cfg, requested, run_dir, ahead, (tried, configs, outcomes), budget, run_cfg.precision.screen)
     _time(outcomes, run_cfg, tried)
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
@@ -174,19 +174,19 @@ class Budget:
 
 
 def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_ReferenceAhead", found: tuple,
-                budget: Budget) -> None:
+                budget: Budget, screen: bool = True) -> None:
     """Every candidate built, screened against fp32's speed and verified unless it is fp32
     (into ``found``: tried, configs, outcomes by precision), while the budget lasts; each
     row says how many seconds its candidate took."""
     tried = found[0]
     for precision in _in_order(_with_reference(requested)):
         started = time.monotonic()
-        _candidate(cfg, precision, run_dir, ahead, found, budget)
+        _candidate(cfg, precision, run_dir, ahead, found, budget, screen)
         tried[precision]["seconds"] = round(time.monotonic() - started, 1)
 
 
 def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_ReferenceAhead", found: tuple,
-               budget: Budget) -> None:
+               budget: Budget, screen: bool = True) -> None:
     """One candidate: cut by the budget, not buildable, not worth building, built and
     screened slower than fp32, or verified (fp32: built only, its verification comes later)."""
     tried, configs, outcomes = found
@@ -223,7 +223,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
             outcomes[precision] = built
             tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
             return
-        slower = _screened(outcomes.get("fp32"), built, checked)
+        slower = _screened(outcomes.get("fp32"), built, checked) if screen else None
         if slower:
             tried[precision] = {**_row(precision, built), **slower}
             return

@@ -327,6 +327,9 @@ class PrecisionConfig:
     # precision=auto only: seconds the candidates may take; once spent, the candidates not yet
     # tried are named as cut and the best of those tried ships (null: no budget)
     budget_s: Optional[float] = 300.0
+    # precision=auto only: time each candidate against fp32 before verifying it and leave one
+    # measurably slower unverified; false verifies every candidate, however slow
+    screen: bool = True
 
     @property
     def dynamic_ranges(self) -> bool:

@@ -240,6 +240,8 @@ def model_outputs(path: str) -> Optional[List[str]]:
     """The ONNX file's graph output names, or None when it cannot be read here."""
     file = Path(str(path)).expanduser()
     try:
+        if not file.is_file():  # a FIFO or a device would block or never end: convert names it
+            return None
         return _outputs_of(str(file.resolve()), file.stat().st_mtime_ns, file.stat().st_size)
     except OSError:
         return None

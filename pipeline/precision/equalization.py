@@ -15,12 +15,13 @@ Quantization Through Weight Equalization and Bias Correction") with the scales t
 the calibration data's activation ranges, as SmoothQuant takes them for a transformer's
 MatMuls (pipeline/precision/smoothing.py): only outlier channels move,
 
-    s_c = m_c / typical   for m_c > OUTLIER_RATIO * median(m),
+    s_c = m_c / typical   for m_c > OUTLIER_RATIO * median(m) and m_c >= MIN_SPREAD * typical,
 
 m the channel maxima of P's output and typical the largest of its other channels. The
 weights of C take the spread (quantized per output channel, they absorb it far better).
-The equalized model is kept only where its int8 model, recalibrated, does better at the
-network outputs on calibration samples (smoothing.Judge): equalization has to pay."""
+The equalized model is kept only where its int8 model, recalibrated, does at least MIN_GAIN
+better at the network outputs on calibration samples (smoothing.Judge): equalization has
+to pay."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ from onnx import numpy_helper
 PASS_THROUGH = ("Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool",
                 "Resize", "Upsample", "Identity", "Dropout")
 SHAPE_ONLY = ("Shape", "Size")  # readers that see the tensor's shape, not its values
-OUTLIER_RATIO = 2.5  # a channel whose maximum is this far above the tensor's median channel maximum
+OUTLIER_RATIO = 2.5  # a channel whose maximum is this far above the tensor's median channel maximum ...
+MIN_SPREAD = 2.0  # ... and this far above the largest of the other channels (a tail of large channels is no outlier)
+MIN_GAIN = 0.1  # the int8 loss must fall by this share at least (a judge on 16 samples moves by less on noise)
 JUDGE_SAMPLES = 16  # calibration samples the int8 models with and without are judged on
 ALPHAS = (0.5, 1.0)  # how much of an outlier's spread moves into the consumers' weights
 
@@ -168,7 +171,8 @@ def with_scales(found: Sequence[Pair], maxima: Dict[str, np.ndarray], alpha: flo
         if not outliers.any() or outliers.all():
             continue
         typical = float(m[~outliers].max())
-        if typical <= 0.0:
+        outliers &= m >= MIN_SPREAD * typical
+        if typical <= 0.0 or not outliers.any():
             continue
         ready.append(Pair(pair.producer, pair.tensor, pair.consumers, pair.rescaled,
                           np.where(outliers, (m / typical) ** alpha, 1.0)))
@@ -235,6 +239,7 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     summary = {"pairs": len(found), "outlier_pairs": describe(with_scales(found, maxima, best)),
                "judged_on": len(judge.samples), "candidates": scores,
                "seconds": round(time.perf_counter() - started, 3)}
-    if scores[f"alpha {best:g}"]["loss"] < scores["none"]["loss"]:
+    if scores[f"alpha {best:g}"]["loss"] < (1.0 - MIN_GAIN) * scores["none"]["loss"]:
         return models[best], {"applied": True, "alpha": best, **summary}
-    return prepared, {"applied": False, "reason": "the int8 model did no better with it", **summary}
+    return prepared, {"applied": False, "reason": f"the int8 model did not do {MIN_GAIN:.0%} better with it",
+                      **summary}
