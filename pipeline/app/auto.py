@@ -431,6 +431,13 @@ def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool =
     from pipeline.worker import BackendWorker
 
     validation = run_cfg.validation
+    first = next(iter(builds.values()))
+    inputs = [TensorSpec(**spec) for spec in first.results["convert"].summary["inputs"]]
+    split = open_dataset(run_cfg.data, inputs).validation
+    stream = speed.stream_samples(split, validation.timing_stream_samples)
+    several_shapes = len({shapes.shape_key(feeds) for feeds in stream}) > 1  # decide on speed as served
+    if several_shapes and one_sample_only:  # decided before any build is loaded
+        return None
     with contextlib.ExitStack() as stack:
         workers = {}
         for name, outcome in builds.items():
@@ -445,13 +452,7 @@ def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool =
         try:
             for worker in workers.values():
                 worker.wait_loaded()
-            first = next(iter(builds.values()))
-            inputs = [TensorSpec(**spec) for spec in first.results["convert"].summary["inputs"]]
-            split = open_dataset(run_cfg.data, inputs).validation
-            stream = speed.stream_samples(split, validation.timing_stream_samples)
-            if len({shapes.shape_key(feeds) for feeds in stream}) > 1:  # decide on speed as served
-                if one_sample_only:
-                    return None
+            if several_shapes:
                 return (speed.stream_interleaved(workers, stream, **speed.options(validation, stream=True)),
                         f"stream of {len(stream)} validation samples in order")
             return (speed.interleaved(workers, split.read(0), **{**speed.options(validation), **overrides}),
