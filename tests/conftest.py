@@ -36,6 +36,14 @@ def run_cli(args, cwd, program="parity", timeout=300, env=None,
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def cpu_note() -> str:
+    """The CPU's int8-relevant flags, for the failure message of an assertion whose figure
+    depends on the int8 kernels (VNNI kernels round otherwise than AVX2's)."""
+    from pipeline.environment import cpu
+
+    return f"CPU {cpu()['model']}: flags {' '.join(cpu()['flags'])}"
+
+
 def composed(*overrides):
     """The config `parity OVERRIDES` composes to, in this process (what `parity ... --cfg
     job` prints, without a process per config)."""

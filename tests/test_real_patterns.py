@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import read_report, run_cli, run_dirs
+from conftest import cpu_note, read_report, run_cli, run_dirs
 from side_by_side import QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, run_sweep, selected, stages
 from pipeline.precision.quantize import QdqSettings, QuantizerFailed, build_qdq, gemm_bias_fixes, needs_reduce_range
 
@@ -128,10 +128,17 @@ def token_classifier_run(tmp_path, precision):
 @pytest.mark.parametrize("precision", ["int8", "mixed"])
 def test_token_classifier_builds_and_passes(pattern_jobs, precision):
     """int8 and mixed with defaults: no internal error, the reshaped biases named; mixed
-    decides its skip on every validation sample (40), not on sensitivity.samples (8)."""
+    decides its skip on every validation sample (40), not on sensitivity.samples (8).
+    Plain int8's cosine depends on the CPU's int8 kernels (0.993 with VNNI, above 0.995 on
+    AVX2): a verdict is reached either way, and a failing one fails on the cosine alone;
+    mixed passes on every CPU."""
     result, run_dir = pattern_jobs[f"tokens-{precision}"]
-    assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dir)
+    note = f"{cpu_note()}\n{result.stdout}{result.stderr}"
+    if precision == "int8" and result.returncode == 3:
+        assert report["reasons"] and all(": cosine 0.9" in r for r in report["reasons"]), note
+    else:
+        assert result.returncode == 0, note
     assert [f["op"] for f in report["build"]["quantization"]["gemm_bias_reshaped"]] == ["dense", "head"]
     if precision == "mixed":
         assert report["sensitivity"]["samples"] == 8

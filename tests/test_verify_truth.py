@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+from conftest import cpu_note, read_report, run_cli, run_dirs, single_bundle
 from textlines import NEEDS_FONTS_SKIPPED, write_dataset
 
 CLS = importlib.resources.files("rapidocr_onnxruntime") / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
@@ -112,11 +112,18 @@ def test_classifier_kl_int8_on_ort_fails_on_cosine_with_advice_that_works(tmp_pa
     # screened on ONNX Runtime itself, as the build was refined: predicted next to measured
     diagnosis = report["verify"]["diagnosis"]
     assert diagnosis["screening"]["on"] == "target" and diagnosis["screening"]["predicts_target"], diagnosis
+    # predicted within what the int8 kernels' rounding allows (VNNI's differs from AVX2's):
+    # the cosine's distance from 1 within a factor 3 of the measured one (AVX2: within 0.002)
     confirmed = [s for s in diagnosis["screened"] if "measured_cosine" in s]
-    assert confirmed and all(abs(s["measured_cosine"] - s["predicted_cosine"]) < 0.002 for s in confirmed), confirmed
+    assert confirmed and all(_predicted_within_rounding(s) for s in confirmed), f"{cpu_note()}: {confirmed}"
     assert f"predicted cosine {confirmed[0]['predicted_cosine']:.6f}, measured" in result.stdout
     assert "predicted on the target" in (run_dirs(tmp_path)[-1] / "report.md").read_text()
     assert_applying_it_gives_what_was_printed(args, tmp_path, report["verify"]["recommendations"][0])
+
+
+def _predicted_within_rounding(screened: dict) -> bool:
+    predicted, measured = screened["predicted_cosine"], screened["measured_cosine"]
+    return abs(predicted - measured) < 0.002 or 1 / 3 <= (1 - measured) / max(1 - predicted, 1e-9) <= 3
 
 
 @pytest.fixture(scope="module")
