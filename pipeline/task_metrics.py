@@ -13,8 +13,12 @@ or the metric's ``aggregate``) for the reference (``metric(reference, reference,
 and for each build, and gates on the drop. A metric declares ``higher_is_better``
 (default True) and ``needs_labels`` (default False); it may define ``decode(output)`` (one
 sample's output as text: ``parity-bundle run`` prints it), ``agreement(outputs,
-reference)`` (per-sample 0/1: the build's prediction equals the reference's) and
-``extras(outputs, reference, labels)`` (named secondary per-sample scores, reported).
+reference)`` (per-sample 0/1: the build's prediction equals the reference's),
+``extras(outputs, reference, labels)`` (named secondary per-sample scores, reported) and,
+for a metric that needs labels, ``without_labels(shape, output)`` (what it measures on a
+split without labels for one sample's output of that shape and name, called then with
+labels None, its scores the agreement with the reference; None: nothing. top1: on class
+scores).
 A ``set_level`` metric (nearest neighbours: pipeline/embedding_metric.py) is called once on
 every sample's ``features``. Samples whose outputs differ in shape are scored per shape.
 """
@@ -46,14 +50,35 @@ class MetricError(ConfigError):
 
 # --- built-in metrics ---------------------------------------------------------------
 
+# Top-1 without labels: the build's class agrees with the reference's when the reference's
+# score of that class is within float noise of its top score (a tie the reference itself
+# breaks by float rounding is no disagreement): a relative tolerance of the sample's
+# largest |score| (float32 sums of a few thousand terms reorder at about this level) plus
+# a tiny absolute one for all-zero scores.
+TIE_RTOL = 1e-5
+TIE_ATOL = 1e-12
+UNLABELED_TOP1 = "top-1 agreement with the reference (no labels)"
+
+
 class Top1:
-    """Top-1 accuracy: the argmax of each sample's output against its class label."""
+    """Top-1 accuracy: the argmax of each sample's output against its class label. Without
+    labels, on class scores (``class_scores``: one dimension larger than 1 per sample, not
+    named as an embedding), the agreement of the build's argmax with the reference's,
+    float-noise ties agreeing (``tie_agreement``); on any other output (masks, token
+    tensors, embeddings) nothing."""
 
     needs_labels = True
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
+        if labels is None:  # the scorer asks for this only on class scores (without_labels)
+            return tie_agreement(outputs, reference)
         classes = np.asarray([_class_index(label) for label in labels])
         return (_argmax(outputs) == classes).astype(np.float64)
+
+    def without_labels(self, shape: Sequence[int], output: str = "") -> Optional[str]:
+        """What top-1 measures without labels on output ``output`` of this per-sample shape,
+        or None where it measures nothing (not class scores)."""
+        return UNLABELED_TOP1 if class_scores(shape, output) else None
 
     def agreement(self, outputs: np.ndarray, reference: np.ndarray) -> np.ndarray:
         return (_argmax(outputs) == _argmax(reference)).astype(np.float64)
@@ -64,6 +89,34 @@ class Top1:
 
 def _argmax(batch: np.ndarray) -> np.ndarray:
     return np.argmax(batch.reshape(len(batch), -1), axis=1)
+
+
+# outputs shaped like class scores ([1, dim]) whose names say they are embeddings (a sentence
+# embedder's sentence_embedding, BERT's pooler_output, CLIP's image_embeds): the argmax of an
+# embedding is no class (metric=embedding judges those)
+EMBEDDING_NAMES = ("embed", "pooler", "hidden")
+
+
+def class_scores(shape: Sequence[int], output: str = "") -> bool:
+    """Whether one sample's output of this shape holds class scores: exactly one dimension
+    larger than 1 ([C], [1, C]; C >= 2), not a map or a sequence an argmax would flatten,
+    and not named as an embedding (EMBEDDING_NAMES)."""
+    if any(word in str(output).lower() for word in EMBEDDING_NAMES):
+        return False
+    return sum(int(size) > 1 for size in shape) == 1
+
+
+def tie_agreement(outputs: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Per sample 1.0 where the build's argmax is the reference's, or a class whose reference
+    score is within float noise (TIE_RTOL of the sample's largest |score|, plus TIE_ATOL)
+    of the reference's top score; 0.0 else, and for a build sample that is not finite."""
+    mine = outputs.reshape(len(outputs), -1)
+    theirs = reference.reshape(len(reference), -1).astype(np.float64)
+    chosen = np.argmax(mine, axis=1)
+    top = theirs.max(axis=1)
+    noise = TIE_RTOL * np.abs(theirs).max(axis=1) + TIE_ATOL
+    agree = theirs[np.arange(len(theirs)), chosen] >= top - noise
+    return (agree & np.isfinite(mine).all(axis=1)).astype(np.float64)
 
 
 LABEL_HINT = "top1 needs class indices in labels.csv (texts: metric=ctc, numbers: metric=regression, none: metric=none)"
@@ -256,8 +309,16 @@ class TaskMetric:
         return float(own(scores)) if own else float(np.mean(scores))
 
     def hook(self, name: str) -> Optional[Callable]:
-        """The metric's optional ``decode``, ``agreement`` or ``extras``."""
+        """The metric's optional ``decode``, ``agreement``, ``extras`` or ``without_labels``."""
         return getattr(self.score, name, None)
+
+    def without_labels(self, shape: Sequence[int], output: str) -> Optional[str]:
+        """What a metric that needs labels measures on a split without them, for one
+        sample's output ``output`` of this shape (its ``without_labels`` hook: top1 on class
+        scores, the agreement with the reference's argmax), or None: it measures nothing there."""
+        hook = self.hook("without_labels")
+        found = self.call(hook, tuple(int(size) for size in shape), str(output)) if hook else None
+        return str(found) if found else None
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
         """Per-sample scores, checked: one finite number per sample, or a MetricError
@@ -430,14 +491,33 @@ class TaskScorer:
         self.agreement: Dict[str, List[np.ndarray]] = {}
         self.weights: Dict[str, List[np.ndarray]] = {}  # per-sample weights of a pooled metric
         self.labeled: Optional[bool] = None
+        # a metric that needs labels on a split without them: what it measures instead (top1
+        # on class scores: the agreement with the reference), and whether some sample's output
+        # was not such (then nothing is scored: a flattened argmax of a map judges nothing)
+        self.unlabeled: Optional[str] = None
+        self.refused = False
+        self._without: Dict[tuple, Optional[str]] = {}  # without_labels by output shape
         self.sets: Dict[str, List[tuple]] = {}  # set-level: per build, (features, reference's, labels) per batch
         self._batch: tuple = ()  # the ids of the current batch's reference outputs
         self._stacks: Dict[tuple, tuple] = {}  # its stacks by the arrays' ids, shared by the builds
 
-    def active(self, label) -> bool:
-        """Whether samples with this label can be scored (a metric that needs labels gets none)."""
+    def active(self, label, reference: Optional[np.ndarray] = None) -> bool:
+        """Whether a sample with this label can be scored. A metric that needs labels scores
+        an unlabeled sample only where it measures something without them on the sample's
+        ``reference`` output (its ``without_labels``: top1 on class scores); one unlabeled
+        sample it cannot score leaves the whole split unscored (``refused``)."""
         self.labeled = label is not None if self.labeled is None else self.labeled and label is not None
-        return not self.metric.needs_labels or self.labeled
+        if not self.metric.needs_labels or self.labeled:
+            return True
+        shape = None if reference is None else tuple(np.shape(reference))
+        if shape not in self._without:
+            self._without[shape] = None if shape is None else self.metric.without_labels(shape, self.output)
+        measures = self._without[shape]
+        if measures is None:
+            self.refused = True
+            return False
+        self.unlabeled = measures
+        return True
 
     def add(self, build: str, output: np.ndarray, reference: np.ndarray, label) -> None:
         pending = self.pending.setdefault(build, [])
@@ -501,7 +581,10 @@ class TaskScorer:
         for key, values in (self.metric.call(extras, outputs, reference, labels) if extras else {}).items():
             found[f"extras/{key}"] = check_scores(name, values, count, f"extras[{key!r}]")
         agreement = self.metric.hook("agreement")
-        if agreement and build != "reference":
+        if labels is None and self.metric.needs_labels:  # scored without labels: the scores are the agreement
+            if build != "reference":
+                found["agreement"] = found["scores"]
+        elif agreement and build != "reference":
             found["agreement"] = check_scores(name, self.metric.call(agreement, outputs, reference), count,
                                               "agreement")
         return found
@@ -530,7 +613,7 @@ class TaskScorer:
 
     def value(self, build: str) -> Optional[float]:
         parts = self.scores.get(build)
-        if not parts:
+        if not parts or self.refused:
             return None
         if build in self.weights:
             return weighted_mean(np.concatenate(parts), np.concatenate(self.weights[build]))
@@ -560,6 +643,8 @@ class TaskScorer:
                 "drop": drop, "agreement": float(np.mean(np.concatenate(agreement))) if agreement else None,
                 "max_drop": max_drop, "passed": drop <= max_drop + 1e-12,
                 "higher_is_better": self.metric.higher_is_better, "labeled": bool(self.labeled), "extras": extras}
+        if not self.labeled and self.unlabeled:
+            task["judged_as"] = self.unlabeled  # a metric that needs labels, measuring what it can without
         if not task["passed"] and self.metric.name != "top1":  # top-1 keeps its points wording (pipeline/verification/verdict.py)
             worse = "dropped" if self.metric.higher_is_better else "rose"
             task["reason"] = (f"task metric {self.metric.name} {worse} by {abs(drop):.4g} ({reference:.4f} -> "

@@ -36,6 +36,7 @@ VERSION += 1  # fake quantization with the build's own zero points (quantize.sca
 VERSION += 1  # the prune skips ops under 1 % of int8's gain; the task floor and exact outputs in the goal
 VERSION += 1  # samples of one shape (the most common) when the data's shapes differ
 VERSION += 1  # with more ops than sensitivity.max_ranked, only the worst by op-level SQNR measured in full (issue 45)
+VERSION += 1  # top1 without labels on class scores: the agreement with the reference's argmax (issue 46 item 2)
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"
@@ -326,7 +327,8 @@ class _MixedMeasure:
 class TaskDrop:
     """The task metric's drop (cfg.metric, as verify scores it) of outputs against the float
     reference outputs of the same ``count`` samples; None without a metric, or when it needs
-    labels the samples lack."""
+    labels the samples lack and measures nothing without them (top1 without labels: the
+    agreement with the reference's argmax, on class scores only)."""
 
     def __init__(self, cfg, output_names: List[str], reference: List[np.ndarray], labels, count: int):
         self.metric, self.labels, self.count = load_metric(cfg.metric), labels, count
@@ -334,11 +336,16 @@ class TaskDrop:
         # a metric of the whole set (embedding's neighbours) needs two samples at least; the
         # search's samples are those of one input shape, which text of natural lengths may not have
         too_few = getattr(self.metric, "set_level", False) and count < 2
-        if self.metric is not None and not too_few and not (self.metric.needs_labels and labels is None):
+        if self.metric is not None and not too_few:
             name = self.metric.output or cfg.validation.task_output or output_names[0]
             if name not in output_names:
                 raise ConfigError(f"metric.output: the model has no output {name!r}; outputs: {', '.join(output_names)}")
-            self.index = output_names.index(name)
+            index = output_names.index(name)
+            # a metric that needs labels counts on samples without them only where it measures something
+            # there, as verify scores it (top1 on class scores: the agreement with the reference's argmax)
+            shape = per_sample(reference[index], count).shape[1:]
+            if labels is not None or not self.metric.needs_labels or self.metric.without_labels(shape, name):
+                self.index = index
         self.reference = reference
         self.reference_value = self._value(reference)
 

@@ -122,7 +122,11 @@ def test_random_data_warns_in_report(tmp_path):
     result = run_cli(["data=random"], tmp_path)
     assert result.returncode == 0, result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
-    assert report["verify"]["task"] is None  # no labels, no task metric
+    # no labels: the digits classifier's class scores are judged by their agreement with the reference
+    task = report["verify"]["task"]
+    assert task["metric"] == "top1" and task["labeled"] is False and task["reference"] == 1.0
+    assert task["judged_as"] == "top-1 agreement with the reference (no labels)" and len(task["interval"]) == 2
+    assert any("top-1 agreement with the reference (no labels), not accuracy" in w for w in report["warnings"])
     assert any("not representative" in w for w in report["warnings"])
     assert "not representative" in result.stdout
 

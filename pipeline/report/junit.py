@@ -161,7 +161,8 @@ def _task_case(suite: _Suite, task: dict) -> None:
         if task.get("reason"):  # metrics other than top-1 word their own failure
             message = str(task["reason"])
         elif all(_is_number(v) for v in (drop, reference, target)):
-            message = (f"{metric} dropped {drop * 100:.2f} points ({reference:.4f} -> {target:.4f}), "
+            what = task.get("judged_as") or metric  # top1 without labels: the agreement with the reference
+            message = (f"{what} dropped {drop * 100:.2f} points ({reference:.4f} -> {target:.4f}), "
                        f"allowed {_fmt(task.get('max_drop'))}")
         else:
             message = f"{metric} dropped more than allowed"

@@ -364,6 +364,10 @@ def _task_blocks(task: dict) -> list:
     row_class = "row-fail" if task.get("passed") is False else ""
     notes = [f"{key}: reference {fmt_ratio(as_dict(v).get('reference'))}, target {fmt_ratio(as_dict(v).get('target'))}"
              for key, v in as_dict(task.get("extras")).items()]
+    if task.get("judged_as"):  # a metric that needs labels on a split without them (top1: agreement)
+        what = (", so reference and target are the share of samples whose class is the reference's (ties within "
+                "float noise agree), not accuracy" if task.get("metric") == "top1" else "")
+        notes.insert(0, f"{task['judged_as']}: the validation split has no labels (labels.csv){what}")
     if task.get("float_noise"):
         notes.append(f"passes as {task['float_noise']}")
     if task.get("uncertain"):

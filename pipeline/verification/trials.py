@@ -159,7 +159,7 @@ def _measure_sample(sample, reference, workers: dict, stats: dict, scorer, tried
 
 
 def _score(scorer, build: str, expected: dict, actual: dict, label) -> None:
-    if scorer is not None and scorer.output in actual and scorer.active(label):
+    if scorer is not None and scorer.output in actual and scorer.active(label, expected.get(scorer.output)):
         scorer.add(build, actual[scorer.output], expected[scorer.output], label)
 
 

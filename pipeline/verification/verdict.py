@@ -76,7 +76,9 @@ def _task(task: Optional[dict]) -> List[dict]:
         return []
     if task.get("reason"):
         return [_check("task", str(task["reason"]))]
-    metric = "top-1 accuracy" if task.get("metric", "top1") == "top1" else str(task["metric"])
+    metric = str(task.get("metric", "top1"))
+    if metric == "top1":  # without labels: the agreement with the reference's argmax (pipeline/task_metrics.py)
+        metric = "top-1 accuracy" if task.get("labeled", True) else "top-1 agreement with the reference"
     return [_check("task", f"{metric} dropped {task['drop'] * 100:.2f} points ({task['reference']:.4f} -> "
                            f"{task['target']:.4f}), allowed {task['max_drop'] * 100:.2f}")]
 

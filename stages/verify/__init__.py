@@ -55,6 +55,7 @@ VERSION += 1  # a dynamic model: accuracy per input shape, latency at min/opt/ma
 VERSION += 1  # the disagreement rate's Clopper-Pearson interval bounds a passing drop (issue 37 item 2)
 VERSION += 1  # verify.memory: every build's peak resident memory, the memory=default twin of a low build (issue 39)
 VERSION += 1  # a fp32 build's drop from float reordering alone passes as float noise (issue 45)
+VERSION += 1  # top1 without labels on class scores: the agreement with the reference's argmax (issue 46 item 2)
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -178,8 +179,15 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
                if name not in check.missing and check.stats[name].elements]
     task = float_noise.judged(task, outputs, cfg.precision.kind)
     if metric and task is None and check.samples and ran.crash is None:
+        scope = (f" ({metric.name} without labels judges class scores only: one dimension larger than 1 per sample, "
+                 f"not named as an embedding; output {task_output} is not)"
+                 if check.scorer.refused and metric.hook("without_labels") else "")
         dataset.warnings.append(f"metric {metric.name} needs labels and the validation split has none "
-                                "(labels.csv): no task metric (set metric=none, or a metric that compares with the reference)")
+                                f"(labels.csv): no task metric{scope} (set metric=none, or a metric that compares "
+                                "with the reference)")
+    elif task and task.get("judged_as") and ran.crash is None:
+        dataset.warnings.append(f"metric {metric.name}: the validation split has no labels (labels.csv): the task "
+                                f"verdict is {task['judged_as']}, not accuracy")
     check.add_task_values(ran.comparison)
     truth = None
     if ran.crash is None:
@@ -422,7 +430,8 @@ class _Check:
             self._score(name, expected, baseline.compare(expected, others[name]), sample.label)
 
     def _score(self, build: str, expected: dict, actual: Optional[dict], label) -> None:
-        if self.scorer and actual is not None and self.task_output in actual and self.scorer.active(label):
+        if self.scorer and actual is not None and self.task_output in actual \
+                and self.scorer.active(label, expected.get(self.task_output)):
             self.scorer.add(build, actual[self.task_output], expected[self.task_output], label)
 
     def task_result(self, max_drop: float, require_confidence: bool) -> Optional[dict]:
