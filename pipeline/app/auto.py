@@ -51,8 +51,10 @@ from pipeline.config.validation import validate
 from pipeline.verification import speed
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
 from pipeline.app.runner import RunOutcome, run_pipeline
+from pipeline.console import PROGRESS, job_phase, job_step
 
 log = logging.getLogger("parity")
+progress_log = logging.getLogger(PROGRESS)  # parity.log's record of the candidates (pipeline/console.py)
 PRECISION_FILES = Path(conf.__file__).parent / "precision"
 # int8 with activation ranges computed per call (precision.activation_ranges=dynamic), where declared
 DYNAMIC_INT8 = "int8_dynamic"
@@ -133,6 +135,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
         started = time.monotonic()
+        job_phase("precision=auto: verifying fp32")
         outcomes["fp32"], configs["fp32"] = _verified(configs["fp32"], run_dir / "candidates" / "fp32")
         timing = {k: tried["fp32"][k] for k in ("latency", "timed_on", "speedup") if k in tried["fp32"]}
         tried["fp32"] = {**_row("fp32", outcomes["fp32"]), **timing, "target_memory": _memory(configs["fp32"]),
@@ -144,6 +147,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     if winner is None:
         raise _none_built(run_cfg.target.name, tried)
     raw, checked = configs[winner]
+    job_phase(f"precision=auto: shipping {winner}")
     outcome = run_pipeline(checked, run_dir)
     section = {"requested": "auto", "candidates": [tried[p] for p in tried], "chosen": winner, "why": why,
                "reference_only": [p for p in tried if p not in requested], "budget": budget.record(tried)}
@@ -179,8 +183,10 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
     (into ``found``: tried, configs, outcomes by precision), while the budget lasts; each
     row says how many seconds its candidate took."""
     tried = found[0]
-    for precision in _in_order(_with_reference(requested)):
+    order = _in_order(_with_reference(requested))
+    for number, precision in enumerate(order, 1):
         started = time.monotonic()
+        job_phase(f"precision=auto: candidate {precision} ({number} of {len(order)})")
         _candidate(cfg, precision, run_dir, ahead, found, budget, screen)
         tried[precision]["seconds"] = round(time.monotonic() - started, 1)
 
@@ -209,7 +215,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [
             "not built: int8 is slower than fp32 here, and mixed is int8 with some ops in float"]}
         return
-    log.info("precision=auto: candidate %s", precision)
+    progress_log.info("precision=auto: candidate %s", precision)
     folder = run_dir / "candidates" / precision
     try:
         built = run_pipeline(_until_build(checked), folder)
@@ -328,6 +334,7 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> dict:
     from stages import memo
 
     def produce(folder: Path) -> None:
+        job_step("timing against fp32")
         found = _time_builds({"fp32": fp32, "candidate": built}, checked, one_sample_only=True,
                              rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
         write_json(folder / "timings.json", found[0] if found else {})
@@ -409,6 +416,7 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
         return
     if _timed_by_verify(outcomes, timed, tried):
         return
+    job_phase(f"precision=auto: timing {', '.join(timed)} interleaved")
     found = _time_builds({p: outcomes[p] for p in timed}, run_cfg)
     if found is None:
         return

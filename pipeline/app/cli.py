@@ -16,13 +16,14 @@ from hydra.types import RunMode
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
 import conf
 from pipeline.config import resolvers, validation
 from pipeline.app import auto
-from pipeline.console import set_plain_progress, stderr_console, stdout_console
+from pipeline.console import job_display, set_plain_progress, stderr_console, stdout_console
 from pipeline.environment import cores, share_cores
 from pipeline.errors import (EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault,
                              worst_exit_code, writing)
@@ -103,11 +104,13 @@ def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
     try:
         run_cfg = validation.validate(cfg)
         chosen = None
-        if run_cfg.precision.kind == "auto":
-            outcome, run_cfg, chosen = auto.run(cfg, run_cfg, run_dir)
-        else:
-            outcome = run_pipeline(run_cfg, run_dir)
-        report = assemble(run_cfg, outcome.records, outcome.results)
+        with job_display():  # one live line on a terminal; each stage's lines go to parity.log
+            if run_cfg.precision.kind == "auto":
+                outcome, run_cfg, chosen = auto.run(cfg, run_cfg, run_dir)
+            else:
+                outcome = run_pipeline(run_cfg, run_dir)
+        report = assemble(run_cfg, outcome.records, outcome.results,
+                          considered=[row["precision"] for row in chosen["candidates"]] if chosen else None)
         if chosen:
             report["auto"] = chosen
         _write_run_report(run_dir, report)
@@ -207,23 +210,35 @@ def _print_summary(outcome: RunOutcome, report: dict) -> None:
 
 
 def _auto_table(section: dict) -> Table:
-    """precision=auto's candidates: what each reached, how fast, how big."""
-    table = Table(title="precision=auto candidates", title_justify="left")
-    for column in ("precision", "cosine", "task metric", "speed-up vs fp32", "size", "peak memory", "seconds",
-                   "verdict"):
+    """precision=auto's candidates: what each reached, how fast, how big. Made to fit 100
+    columns: no column rules, two spaces between columns, the task metric's name in the
+    header (one metric for every candidate); the speed-up column never wraps, so
+    "1.00x (reference)" stays whole, and "(shipped)" is one word of the verdict."""
+    table = Table(title="precision=auto candidates", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 1, 0, 0))
+    rows = section["candidates"]
+    metrics = {row["metric"] for row in rows if row.get("metric_value") is not None}
+    one_metric = next(iter(metrics)) if len(metrics) == 1 else None
+    timed = any(row.get("speedup") or row.get("latency") for row in rows)
+    for column in ("precision", "cosine", one_metric or "task metric"):
+        table.add_column(escape(column))
+    table.add_column("speed-up vs fp32", no_wrap=True)
+    for column in ("size", "peak memory", "seconds", "verdict"):
         table.add_column(column)
-    for row in section["candidates"]:
+    for row in rows:
         up = row.get("speedup")
+        # fp32 is every speed-up's reference, a screening's too (fp32 then timed beside the candidate only)
         speedup = (f"{up['speedup']:.2f}x ({up['speedup_p25']:.2f}-{up['speedup_p75']:.2f})" if up
-                   else "1.00x (reference)" if row["precision"] == "fp32" and row.get("latency") else "-")
-        metric = f"{row['metric']} {row['metric_value']:.4f}" if row.get("metric_value") is not None else "-"
+                   else "1.00x (reference)" if row["precision"] == "fp32" and timed else "-")
+        metric = "-" if row.get("metric_value") is None else f"{row['metric_value']:.4f}" if one_metric else \
+            f"{row['metric']} {row['metric_value']:.4f}"
         verdict = row["verdict"] + (f" (exit {row['exit_code']})" if row.get("exit_code") else "") + (
             " (shipped)" if row["precision"] == section["chosen"] else "") + (
             " (reference only)" if row["precision"] in section.get("reference_only", []) else "")
         size = f"{row['bytes'] / 1e6:.2f} MB" if row.get("bytes") else "-"
         seconds = f"{row['seconds']:.1f}" if row.get("seconds") is not None else "-"
-        table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-", metric,
-                      speedup, size, escape(candidate_peak(row, section["candidates"])), seconds, escape(verdict))
+        table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-",
+                      escape(metric), speedup, size, escape(candidate_peak(row, rows)), seconds, escape(verdict))
     return table
 
 

@@ -22,10 +22,14 @@ from pipeline import environment
 from pipeline.artifacts import (atomic_directory, cache_lock, hash_files, hash_tree, read_json, remove_stale_temps,
                                 sha256_json, write_json)
 from pipeline.config.schemas import RunConfig, plain
+from pipeline.console import PROGRESS, job_step
 from pipeline.errors import ExitCode, writing
 from stages import StageContext, StageResult
 
 log = logging.getLogger("parity")
+# "stage X: running / computed / cached": parity.log's record of each stage; on a terminal
+# the job's live line shows the stage instead (pipeline/console.py)
+progress_log = logging.getLogger(PROGRESS)
 
 
 @dataclass
@@ -50,6 +54,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
     output_hashes: Dict[str, dict] = {}  # each finished stage's files, hashed once
     for name in cfg.pipeline.stages:
         stage = stages.load(name)
+        job_step(f"stage {name}")
         out_dir = outcome.run_dir / "stages" / name
         ctx = StageContext(cfg, outcome.run_dir, out_dir, outcome.results, outcome.records, cache_root, output_hashes)
         started = time.perf_counter()
@@ -68,12 +73,13 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
                     _to_cache(out_dir, cache_root / name / key)
                 status = "cached" if result.reused else "computed"
         seconds = time.perf_counter() - started
-        log.info("stage %s: %s in %.2f s", name, status, seconds)
+        progress_log.info("stage %s: %s in %.2f s", name, status, seconds)
         outcome.results[name] = result
         if cache_root:
             output_hashes[name] = {path: digest for path, digest in hash_tree(out_dir).items() if path != "result.json"}
         outcome.records.append({"stage": name, "status": status, "seconds": round(seconds, 4),
                                 "computed_seconds": round(computed_seconds, 4), "key": key})
+    job_step("")
     return outcome
 
 
@@ -89,7 +95,7 @@ def _locked_entry(cache_root: Optional[Path], name: str, key: Optional[str]):
 
 
 def _compute(stage, ctx: StageContext, out_dir: Path, started: float):
-    log.info("stage %s: running", stage.NAME)
+    progress_log.info("stage %s: running", stage.NAME)
     with writing(out_dir):
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -4,7 +4,7 @@ Renderers (render.py) turn it into Markdown and HTML."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pipeline
 from pipeline import environment
@@ -18,7 +18,9 @@ def model_name(cfg: RunConfig) -> str:
     return cfg.model.name or Path(cfg.model.path).stem
 
 
-def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
+def assemble(cfg: RunConfig, records: List[dict], results: Dict, considered: Optional[List[str]] = None) -> dict:
+    """``considered``: the precisions the job built or weighed (precision=auto's candidates);
+    None: the run's own precision."""
     verify = results["verify"].summary if "verify" in results else None
     convert = results["convert"].summary if "convert" in results else None
     warnings = list(verify["data"]["warnings"]) if verify else []
@@ -32,7 +34,8 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict) -> dict:
         warnings.append(f"precision.keep_float: op {name} is not in the prepared graph (folded into another op), "
                         "nothing to keep in float")
     if convert:
-        warnings += preflight_warnings(convert["preflight"])
+        warnings += preflight_warnings(convert["preflight"],
+                                       half=bool(HALF & set(considered or [cfg.precision.kind])))
         warnings += [f"convert: output {m['output']!r} is declared {m['declared']} but the model returns "
                      f"{m['returned']}; runtime.yaml lists the declared shape"
                      for m in (convert.get("output_shapes") or {}).get("mismatches", [])]
@@ -72,11 +75,18 @@ PREFLIGHT_SAID = {"nan_inf": "hold NaN or Inf", "fp16_overflow": "exceed fp16's 
 PREFLIGHT_LISTED = 3  # findings of one kind named one per line; more are summed up in one
 
 
-def preflight_warnings(findings: List[dict]) -> List[str]:
+HALF = {"fp16", "bf16"}  # the precisions fp16_overflow concerns: their builds, or auto weighing one
+
+
+def preflight_warnings(findings: List[dict], half: bool = True) -> List[str]:
     """One line per warning finding; a kind found in many tensors (a model's weights full
-    of denormals) is one line naming the first few, the report lists them all."""
+    of denormals) is one line naming the first few, the report lists them all. Without
+    ``half`` (no fp16 or bf16 build made or weighed) constants beyond fp16's range warn of
+    nothing: the report's pre-flight table still lists them."""
     lines = []
     for check, said in PREFLIGHT_SAID.items():
+        if check == "fp16_overflow" and not half:
+            continue
         found = [f for f in findings if f["check"] == check and f["severity"] != "info"]
         if len(found) <= PREFLIGHT_LISTED:
             lines += [f"pre-flight: {f['tensor']}: {f['detail']}" for f in found]
