@@ -3,7 +3,7 @@ fastest passing one shipped (pipeline/app/auto.py)."""
 
 from __future__ import annotations
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+from conftest import cpu_note, read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import read_json
 from types import SimpleNamespace
 
@@ -19,8 +19,8 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     rows = all_rows = {row["precision"]: row for row in section["candidates"]}
     # ONNX Runtime's candidates (fp16 has no CPU kernels): int8 with static and with dynamic activation ranges
     assert list(rows) == ["fp32", "int8", "int8_dynamic", "mixed"]
-    # each int8 build is timed against fp32 before it is verified: measurably slower (as on a
-    # 0.02 ms model without VNNI) it is reported so and never verified, else it is verified
+    # each int8 build is timed against fp32 before it is verified: measurably slower (as
+    # int8_dynamic, quantizing at run time) it is reported so and never verified, else it is verified
     for precision in ("int8", "int8_dynamic"):
         row, verify = rows[precision], run_dir / "candidates" / precision / "stages" / "verify"
         assert row["verdict"] in ("pass", SLOWER), row
@@ -46,6 +46,9 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     if set(passing) == {"fp32"}:
         assert "not verified (slower than fp32)" in section["why"]
     shipped = section["chosen"]
+    # the default model shows what parity is for: a quantized build, faster than fp32 in the
+    # interleaved rounds, ships with the task kept (AVX2: int8 1.3-1.6x; VNNI kernels are faster)
+    assert shipped != "fp32" and rows[shipped]["speedup"]["speedup"] > 1.0, f"{cpu_note()}: {rows[shipped]}"
     built_as = "int8" if shipped == "int8_dynamic" else shipped  # precision=int8, activation_ranges=dynamic
     assert report["precision"] == built_as and report["verify"]["effective"]["precision"] in (built_as, "int8")
     assert single_bundle(run_dir).name == f"digits_cnn-ort_cpu-{shipped}"  # -int8_dynamic apart from -int8

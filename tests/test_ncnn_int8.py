@@ -104,17 +104,22 @@ def test_read_back_is_true_the_first_conv_computes_in_int8(int8_run):
     _, run_dir, _ = int8_run
     bundle = single_bundle(run_dir)
     data = (bundle / "model.bin").read_bytes()
-    layer = backend.Param.read(bundle / "model.param").layers[1]  # conv1 + relu: 8 outputs, 1x3x3, pad 1
+    layer = backend.Param.read(bundle / "model.param").layers[1]  # conv1 + relu: C outputs, 1x3x3, pad 1
     assert layer.type == "Convolution" and int.from_bytes(data[:4], "little") == INT8_TAG
     assert layer.param(8) == "102"  # per-channel weight scales (2) + requantize (100)
-    weights = np.frombuffer(data, np.int8, 72, 4).reshape(8, 1, 3, 3).astype(np.int64)
-    bias, weight_scales, (bottom_scale,), (top_scale,) = (np.frombuffer(data, "<f4", n, 76 + 4 * at) for n, at in
-                                                          ((8, 0), (8, 8), (1, 16), (1, 17)))
+    channels = int(layer.param(0))
+    # the bin: the int8 tag, C x 1x3x3 int8 weights, then float32 bias (C), weight scales (C),
+    # bottom scale and top scale
+    weights = np.frombuffer(data, np.int8, 9 * channels, 4).reshape(channels, 1, 3, 3).astype(np.int64)
+    floats = 4 + 9 * channels
+    bias, weight_scales, (bottom_scale,), (top_scale,) = (
+        np.frombuffer(data, "<f4", n, floats + 4 * at)
+        for n, at in ((channels, 0), (channels, channels), (1, 2 * channels), (1, 2 * channels + 1)))
     x = digits_inputs(1)[0]
     scaled = x[0, 0].astype(np.float64) * bottom_scale
     quantized = np.pad(np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), -127, 127), 1).astype(np.int64)
     sums = np.array([[[np.sum(quantized[i:i + 3, j:j + 3] * weights[o, 0]) for j in range(x.shape[3])]
-                      for i in range(x.shape[2])] for o in range(8)])
+                      for i in range(x.shape[2])] for o in range(channels)])
     expected = np.maximum(sums / (bottom_scale * weight_scales[:, None, None]) + bias[:, None, None], 0)
 
     net = ncnn.Net()
