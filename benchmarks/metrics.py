@@ -85,7 +85,8 @@ def time_scoring(run: Path, folder: Path, keys: Path, builds: int) -> float:
 
     from pipeline.config.schemas import Color, PreprocessConfig
     from pipeline.data import TensorSpec, load_image
-    from pipeline.task_metrics import TaskScorer, load_metric
+    from pipeline.task_metrics import load_metric
+    from pipeline.verification.scoring import TaskScorer
 
     session = ort.InferenceSession(str(run / "stages" / "convert" / "model.onnx"), providers=["CPUExecutionProvider"])
     spec = TensorSpec("x", [1, 3, 48, 320], "float32")

@@ -80,7 +80,7 @@ class Build:
 
 
 def validation_feeds(conf: Path) -> list:
-    """The validation lines, preprocessed as the data config declares (pipeline/data.py)."""
+    """The validation lines, preprocessed as the data config declares (pipeline/data/__init__.py)."""
     from pipeline.config.schemas import Color, PreprocessConfig
     from pipeline.data import TensorSpec, load_image
 

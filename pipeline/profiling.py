@@ -34,7 +34,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
-from pipeline.tensor_names import onnx_name
+from pipeline.backends.tensor_names import onnx_name
 
 FORMAT = 1
 # ops a runtime fuses into the op before them (one activation input, constants otherwise)

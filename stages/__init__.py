@@ -63,11 +63,11 @@ class StageContext:
 
     def dataset(self):
         """The run's calibration and validation data, checked against the converted model's inputs."""
-        from pipeline import memory
+        from pipeline.data import memory
         from pipeline.data import open_dataset
 
         inputs = self.inputs()
-        memory.check(self.cfg.data, inputs)  # before a byte is loaded (pipeline/memory.py)
+        memory.check(self.cfg.data, inputs)  # before a byte is loaded (pipeline/data/memory.py)
         return open_dataset(self.cfg.data, inputs)
 
     def traceable(self, backend: ModuleType, onnx_path: Path, folder: Path) -> Path:

@@ -23,7 +23,7 @@ from pipeline.errors import writing
 from pipeline.report import write_reports
 from pipeline.report.assemble import assemble, model_name
 from pipeline.data import preprocess_record
-from pipeline.text_data import text_record
+from pipeline.data.text import text_record
 from pipeline.task_metrics import bundle_record
 from stages import StageContext, StageResult, deployable
 
@@ -80,7 +80,7 @@ def _write_bundle(ctx: StageContext, folder: Path, name: str) -> None:
     runtime = yaml.safe_load(artifact.path("runtime").read_text())
     # what parity-bundle run applies: the declared preprocessing, the metric (its decoder)
     preprocess, metric = preprocess_record(cfg.data.kind, cfg.data.preprocess), bundle_record(cfg.metric, folder)
-    if cfg.data.kind is DataKind.text:  # the tokenizer travels with the bundle (pipeline/text_data.py)
+    if cfg.data.kind is DataKind.text:  # the tokenizer travels with the bundle (pipeline/data/text.py)
         preprocess = text_record(cfg.data)
         shutil.copyfile(Path(cfg.data.tokenizer).expanduser(), folder / preprocess["tokenizer"])
     runtime.update({key: value for key, value in (("preprocess", preprocess), ("metric", metric)) if value})

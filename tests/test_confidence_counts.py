@@ -13,7 +13,8 @@ import pytest
 from conftest import read_report, run_cli, run_dirs
 
 from pipeline.errors import ExitCode
-from pipeline.task_metrics import TaskScorer, load_metric
+from pipeline.task_metrics import load_metric
+from pipeline.verification.scoring import TaskScorer
 from pipeline.verification import confidence, verdict
 
 # (k, n): [low, high] of the two-sided 95 % Clopper-Pearson interval, from scipy.stats.beta.ppf

@@ -10,7 +10,8 @@ import pytest
 from conftest import composed, read_report, run_cli, run_dirs, text_args
 
 from pipeline.embedding_metric import Embedding
-from pipeline.task_metrics import BATCH, MetricError, TaskScorer, load_metric
+from pipeline.task_metrics import BATCH, MetricError, load_metric
+from pipeline.verification.scoring import TaskScorer
 
 CONFIG = {"_target_": "pipeline.task_metrics.Embedding", "output": "sentence_embedding", "k": 2}
 

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from conftest import run_cli
 
-from pipeline import memory
+from pipeline.data import memory
 from pipeline.data import TensorSpec
 from pipeline.errors import ConfigError, ExitCode, environment_fault
 

@@ -19,7 +19,7 @@ from pipeline.verification import layerwise
 from pipeline.backends import onnxruntime as ort_backend
 from pipeline.backends import openvino as ov_backend
 from pipeline.verification.recommend import recommend
-from pipeline.tensor_names import onnx_name
+from pipeline.backends.tensor_names import onnx_name
 
 SHAPE = (1, 4, 16, 16)
 

@@ -8,7 +8,8 @@ import pytest
 
 from test_task_metrics import custom_metrics  # noqa: F401 - the fixture: the custom metric's file
 
-from pipeline.task_metrics import MetricError, TaskMetric, TaskScorer, load_metric
+from pipeline.task_metrics import MetricError, TaskMetric, load_metric
+from pipeline.verification.scoring import TaskScorer
 
 # --- samples of mixed shapes (issue 37 item 3) ------------------------------------------------
 

@@ -20,7 +20,8 @@ from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new
 from pipeline.verification import confidence, verdict
 from pipeline.config.schemas import ValidationConfig
 from pipeline.errors import ExitCode
-from pipeline.task_metrics import TaskScorer, load_metric
+from pipeline.task_metrics import load_metric
+from pipeline.verification.scoring import TaskScorer
 
 
 def test_the_paired_interval_is_about_the_difference_and_reproducible():

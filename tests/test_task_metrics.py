@@ -20,8 +20,8 @@ from textlines import FONTS, NEEDS_FONTS_SKIPPED, render, write_dataset
 
 from pipeline.config.schemas import DataConfig, DataKind
 from pipeline.data import TensorSpec, open_dataset
-from pipeline.task_metrics import (CTC, MapIoU, MetricError, Regression, TaskScorer, char_accuracy,
-                                   load_metric)
+from pipeline.task_metrics import CTC, MapIoU, MetricError, Regression, char_accuracy, load_metric
+from pipeline.verification.scoring import TaskScorer
 
 MODELS = importlib.resources.files("rapidocr_onnxruntime") / "models"
 REC = MODELS / "ch_PP-OCRv4_rec_infer.onnx"

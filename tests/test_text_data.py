@@ -17,7 +17,7 @@ from conftest import REPO, read_report, run_cli, run_dirs, single_bundle
 from pipeline.config.schemas import DataConfig, DataKind
 from pipeline.data import TensorSpec, open_dataset
 from pipeline.errors import ConfigError, ExitCode, InputError
-from pipeline import text_data
+from pipeline.data import text as text_data
 
 ASSETS = REPO / "pipeline" / "assets"
 MODEL = ASSETS / "tiny_bert.onnx"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_BERT, composed, read_report, run_cli, run_dirs, text_args
-from pipeline.task_metrics import (TIE_RTOL, UNLABELED_TOP1, TaskScorer, Top1, class_scores, load_metric,
-                                   tie_agreement)
+from pipeline.task_metrics import TIE_RTOL, UNLABELED_TOP1, Top1, class_scores, load_metric, tie_agreement
+from pipeline.verification.scoring import TaskScorer
 from pipeline.verification import verdict
 
 TOP1 = {"_target_": "pipeline.task_metrics.Top1"}

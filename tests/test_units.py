@@ -13,7 +13,8 @@ from pipeline.config.schemas import Color, DataConfig, DataKind, PreprocessConfi
 from pipeline.data import TensorSpec, load_image, open_dataset
 from pipeline.errors import InputError
 from pipeline.verification.metrics import OutputStats, cosine, failures
-from pipeline.task_metrics import TaskScorer, load_metric
+from pipeline.task_metrics import load_metric
+from pipeline.verification.scoring import TaskScorer
 
 SPEC = TensorSpec("x", [1, 2, 3], "float32")
 

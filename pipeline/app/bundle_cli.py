@@ -161,7 +161,7 @@ def _samples(argument: str, settings: dict, bundle: Path) -> list:
     """[(key, title, feeds)] of INPUT: one file's feeds, or on a bundle packaged from text
     data each text (a quoted text, or every line of a text file: key its line number,
     titled "<file>:<line> '<text>'")."""
-    from pipeline import text_data
+    from pipeline.data import text as text_data
 
     record = settings.get("preprocess") or {}
     if record.get("kind") == "text":

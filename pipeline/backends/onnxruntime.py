@@ -399,7 +399,7 @@ def map_tensors(graph, names: List[str]):
     from onnx import numpy_helper
 
     from pipeline.verification.layerwise import dynamic_outputs
-    from pipeline.tensor_names import onnx_name
+    from pipeline.backends.tensor_names import onnx_name
 
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     producers = {out: node for node in graph.node for out in node.output}

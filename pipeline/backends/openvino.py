@@ -181,7 +181,7 @@ class Session:
         """Prepare to expose these ONNX tensors as extra model outputs (by tensor name; for
         int8 IRs the dequantized value of x_DequantizeLinear_Output stands for x). Extra
         outputs keep the tensors alive, which can stop some fusions around them."""
-        from pipeline.tensor_names import onnx_name
+        from pipeline.backends.tensor_names import onnx_name
 
         model = self._core.read_model(str(self._model_path))
         ports, tensors = {}, set()

@@ -111,7 +111,7 @@ class DataKind(Enum):
     images = "images"
     random = "random"
     custom = "custom"  # any file, read by data.preprocess._target_
-    text = "text"  # texts tokenized by data.tokenizer (pipeline/text_data.py)
+    text = "text"  # texts tokenized by data.tokenizer (pipeline/data/text.py)
 
 
 class Color(Enum):

@@ -28,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from pipeline.verification.metrics import OutputStats
-from pipeline.tensor_names import onnx_name  # noqa: F401 - its former home: keeps layerwise.onnx_name working
+from pipeline.backends.tensor_names import onnx_name  # noqa: F401 - its former home: keeps layerwise.onnx_name working
 
 CHUNK_BYTES = 256 * 1024 * 1024  # float32 bytes of probed tensors per sample and side
 # Stopping at the first divergence on a model whose tensors exceed STOP_BYTES per sample:

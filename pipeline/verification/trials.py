@@ -116,7 +116,7 @@ def run(candidates_: List[List[str]], launch: Callable, reference, target, datas
         scorer=None) -> List[dict]:
     """Each candidate built (``launch(keep_float) -> worker``), measured on every
     validation sample next to the others (``scorer``: the run's task metric, a fresh
-    pipeline.task_metrics.TaskScorer), judged (``judge(stats, build key) -> (reasons,
+    pipeline.verification.scoring.TaskScorer), judged (``judge(stats, build key) -> (reasons,
     cosine, task)``) and timed against the target build."""
     workers, tried = {}, []
     for keep in candidates_:

@@ -32,7 +32,8 @@ from pipeline.verification.metrics import OutputStats
 from pipeline.verification.shape_checks import ShapeAccuracy
 from pipeline.verification.reference_store import ReferenceStore, store_key
 from pipeline.worker import answered, side_by_side
-from pipeline.task_metrics import TaskScorer, files as metric_files, load_metric
+from pipeline.task_metrics import files as metric_files, load_metric
+from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qdq
 from stages import StageContext, StageResult, deployable, reference_settings
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,

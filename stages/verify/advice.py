@@ -18,7 +18,8 @@ from pipeline.verification import layerwise, trials, truth as float64, verdict
 from pipeline.artifacts import read_json
 from pipeline.config.schemas import Layerwise
 from pipeline.errors import BackendCrashed, ExitCode, first_line
-from pipeline.task_metrics import TaskScorer, load_metric
+from pipeline.task_metrics import load_metric
+from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.calibration import bias_correction, weight_rounding
 from pipeline.precision.quantize import WEIGHTED_OPS, QdqSettings, build_qdq, keep_in_float
 from pipeline.verification.recommend import QuantizedGraph, recommend

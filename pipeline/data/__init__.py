@@ -1,5 +1,5 @@
 """Calibration and validation data: tensor files, images with declared preprocessing,
-texts through a tokenizer (pipeline/text_data.py) or seeded random tensors. Samples are
+texts through a tokenizer (pipeline/data/text.py) or seeded random tensors. Samples are
 read lazily, one at a time, so memory does not grow with the size of a split; every
 sample is checked against the model's inputs.
 """
@@ -248,8 +248,8 @@ def _read_tensor_file(path: Path, inputs: Sequence[TensorSpec], where: str) -> D
 
 
 def _text_dataset(cfg: DataConfig, inputs: Sequence[TensorSpec]) -> Dataset:
-    """data.kind=text (pipeline/text_data.py): each text tokenized on its own, batch 1."""
-    from pipeline import text_data
+    """data.kind=text (pipeline/data/text.py): each text tokenized on its own, batch 1."""
+    from pipeline.data import text as text_data
 
     encode = text_data.Encoder(cfg.tokenizer, cfg.max_length, [(i.name, i.dtype) for i in inputs])
     source = text_data.open_texts(cfg)

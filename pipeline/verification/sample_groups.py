@@ -1,6 +1,6 @@
 """Samples whose outputs differ in shape (text-detector pages of several sizes, text lines
 of several widths) cannot be stacked into one [N, *shape] array: the task metrics score
-them in groups of one shape (pipeline/task_metrics.py, TaskScorer) and put the groups'
+them in groups of one shape (pipeline/verification/scoring.py, TaskScorer) and put the groups'
 values back in the samples' order here; per_sample and weighted_mean shape and pool
 the stacked samples' values. A leaf module (numpy only)."""
 
