@@ -1,6 +1,7 @@
 """Every stage's cache key (and every memo's) for each target x precision on the default
 model, as the runner stores them: a refactor that changes no result leaves them
-byte-identical. Runs convert .. build for each pair in a fresh cache.
+byte-identical. Runs convert .. build for each pair in a fresh cache, with the code's own
+hash pinned (PARITY_CODE_VERSION: every key holds it, and a refactor changes it).
 
     python scripts/cache_keys.py > before.json   # ... change the code ...
     python scripts/cache_keys.py > after.json && diff before.json after.json
@@ -9,6 +10,7 @@ byte-identical. Runs convert .. build for each pair in a fresh cache.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +24,8 @@ def keys_of(target: str, precision: str, scratch: Path) -> dict:
     cache, run = scratch / f"cache-{target}-{precision}", scratch / f"run-{target}-{precision}"
     done = subprocess.run([sys.executable, "-m", "pipeline", f"target={target}", f"precision={precision}",
                            f"pipeline.cache_dir={cache}", f"pipeline.stages={STAGES}", f"hydra.run.dir={run}"],
-                          cwd=scratch, capture_output=True, text=True, check=False)
+                          cwd=scratch, capture_output=True, text=True, check=False,
+                          env={**os.environ, "PARITY_CODE_VERSION": "pinned"})
     entries = sorted(str(p.relative_to(cache)) for p in cache.glob("*/*") if p.is_dir()) if cache.is_dir() else []
     return {"exit": done.returncode, "entries": entries}
 

@@ -3,20 +3,23 @@
 A stage module defines:
 
     NAME        the stage's name in ``pipeline.stages``
-    VERSION     bumped when the stage's output for the same inputs changes
     CACHEABLE   whether the runner may reuse an earlier run's output
     key_config(cfg) -> dict          the config the output depends on
     external_files(ctx) -> [Path]    files outside the run that it reads (hashed)
     run(ctx) -> StageResult
 
 A stage reads what earlier stages produced through ``ctx.results`` (never by importing
-another stage) and writes only into ``ctx.out_dir``.
+another stage) and writes only into ``ctx.out_dir``. A cached result is keyed by the
+stage's config, its inputs and ``code_version()``: no version number to remember to bump.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from types import ModuleType
@@ -25,7 +28,29 @@ from typing import Callable, Dict, List, Optional, Tuple
 from pipeline import backends
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config.schemas import RunConfig
+
 COMPLETE = ".complete"
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """A hash of parity's own code (every .py file of pipeline/ and stages/, paths and
+    contents): part of every stage cache and memo key, so that a result computed by other
+    code is never reused. Coarser than per stage on purpose: what a stage's output depends on
+    reaches far into pipeline/ (quantizer, backends, metrics), and a missed dependency is a
+    stale cache where a rerun costs only time. PARITY_CODE_VERSION pins it
+    (scripts/cache_keys.py compares the rest of the keys across a refactor)."""
+    import pipeline
+
+    if os.environ.get("PARITY_CODE_VERSION"):
+        return os.environ["PARITY_CODE_VERSION"]
+
+    digest = hashlib.sha256()
+    for package in (Path(pipeline.__file__).parent, Path(__file__).parent):
+        for path in sorted(package.rglob("*.py")):
+            digest.update(path.relative_to(package.parent).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -107,7 +132,7 @@ def memo(cache_root: Optional[Path], out_dir: Path, name: str, material: dict,
          produce: Callable[[Path], None]) -> Tuple[Path, bool]:
     """StageContext.memo for callers outside a stage (precision=auto's screening timing):
     without a cache, ``produce`` writes into a fresh folder under ``out_dir``."""
-    key = sha256_json({"memo": name, "material": material})[:32]
+    key = sha256_json({"memo": name, "code": code_version(), "material": material})[:32]
     if cache_root is None:
         folder = out_dir / f"{name}-{key}"
         folder.mkdir(parents=True, exist_ok=True)

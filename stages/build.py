@@ -27,18 +27,6 @@ from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settin
 log = logging.getLogger("parity")
 
 NAME = "build"
-VERSION = 28  # 28: precision.int8_where_faster; 26: the summary counts the ops left int8 (int8_ops); 20: ncnn layers mapped by structure where values coincide; mask search grows along consumers;
-# 27: the backend's float op kinds (ncnn depthwise on x86) kept in float
-# 21: MNN mixed through MNN's quantizer, MNN's op -> ONNX node map in tensors.json; 22: ncnn int8/mixed;
-# 23: a mixed build keeps bias correction only where it does not lower the validation cosine
-# 24: ncnn int8/mixed requantize between int8 convolutions (activation layers folded into them)
-# 25: int8 weights rounded against the calibration inputs (precision.weight_rounding)
-VERSION += 1  # a mixed build's refinements judged on shared validation outputs (bias_correction.Judged)
-VERSION += 1  # weight rounding: patches as columns, at most 32 rows per column; ops producing ids stay float
-VERSION += 1  # dynamic dims kept: OpenVINO bounded by the range, pnnx given inputshape2
-VERSION += 1  # precision.activation_ranges=dynamic (pipeline/precision/dynamic.py); int8 summaries name their ranges
-VERSION += 1  # MatMul outputs float on ONNX Runtime; MatMuls of two activations float (listed in float_ops)
-VERSION += 1  # the refined Q/DQ model kept (files["qdq"]); a range the data decides traced for pnnx
 CACHEABLE = True
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 

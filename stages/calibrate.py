@@ -24,13 +24,6 @@ from pipeline.precision.quantize import QdqSettings, prepare, write_ort_cache
 from stages import StageContext, StageResult
 
 NAME = "calibrate"
-VERSION = 10  # 8: batches follow each input's batch axis, a note when they cannot; 9: auto judged at the outputs; 10: mean_min_max
-VERSION += 1  # one calibration for int8 and mixed: every method's entries (candidates.json) for both
-VERSION += 1  # int8/mixed measure the tensors of precision.quantize_ops only; auto's tables measured on one fake-quantized model
-VERSION += 1  # batches hold samples of one shape; the kept samples and auto's table choice one shape
-VERSION += 1  # precision.smoothing: SmoothQuant folded into prepared.onnx before the statistics
-VERSION += 1  # auto's table and smoothing judged without precision.keep_float
-VERSION += 1  # precision.equalization: outlier channels scaled across Conv pairs before the statistics (issue 45)
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
 QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight

@@ -19,8 +19,6 @@ from pipeline.model import batch_axes, check, external_data_files, load_onnx, re
 from stages import StageContext, StageResult
 
 NAME = "convert"
-VERSION = 4  # 2: batch axes recorded in the model, batch dims fixed where they are; 3: output_shapes;
-# 4: dynamic dims kept within model.input_shapes ranges or for the data to decide
 CACHEABLE = True
 
 # ONNX Runtime 1.31 loads IR <= 13 and OpenVINO reads IR 10 files; IR 10 covers opsets up to 21.

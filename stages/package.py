@@ -28,7 +28,6 @@ from pipeline.task_metrics import bundle_record
 from stages import StageContext, StageResult, deployable
 
 NAME = "package"
-VERSION = 3
 CACHEABLE = False  # cheap, and it must reflect this run's report
 MANIFEST = "manifest.json"
 REPRODUCE = "reproduce.npz"

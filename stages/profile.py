@@ -30,7 +30,6 @@ from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult, deployable
 
 NAME = "profile"
-VERSION = 2
 CACHEABLE = True
 READS = {"convert": ["model"], "build": None, "tune": None}
 PROFILE_FILE = "profile.json"

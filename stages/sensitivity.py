@@ -28,15 +28,6 @@ from pipeline.precision.quantize import MixedModels, QdqSettings, QuantizerFaile
 from stages import StageContext, StageResult
 
 NAME = "sensitivity"
-VERSION = 12  # 9: metric_drop (the metric group) replaces top1_drop; 10: latency-aware selection, the
-# target defaults to verify's thresholds; 11: ops ranked by cosine and task-metric budget spent;
-# 12: the backend's float op kinds and precision.keep_float float in every measured model, not ranked
-VERSION += 1  # fake quantization with the build's own zero points (quantize.scale_and_zero_point); costs stored;
-# the selection's prefix found by doubling and halving, not one measurement per op joined
-VERSION += 1  # the prune skips ops under 1 % of int8's gain; the task floor and exact outputs in the goal
-VERSION += 1  # samples of one shape (the most common) when the data's shapes differ
-VERSION += 1  # with more ops than sensitivity.max_ranked, only the worst by op-level SQNR measured in full (issue 45)
-VERSION += 1  # top1 without labels on class scores: the agreement with the reference's argmax (issue 46 item 2)
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 QTABLE_TPU_MLIR = "qtable.txt"

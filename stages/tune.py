@@ -28,7 +28,6 @@ from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
 
 NAME = "tune"
-VERSION = 3
 CACHEABLE = True
 log = logging.getLogger("parity")
 

@@ -129,7 +129,7 @@ def _inputs_of(stage, results: Dict[str, StageResult], output_hashes: Dict[str, 
 def _stage_key(stage, ctx: StageContext, earlier: Dict[str, dict]) -> str:
     material = {
         "stage": stage.NAME,
-        "version": stage.VERSION,
+        "code": stages.code_version(),
         "runtimes": environment.versions(),
         "config": plain(stage.key_config(ctx.cfg)),
         "earlier": earlier,

@@ -35,7 +35,7 @@ from pipeline.worker import answered, side_by_side
 from pipeline.task_metrics import files as metric_files, load_metric
 from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qdq
-from stages import StageContext, StageResult, deployable, reference_settings
+from stages import StageContext, StageResult, code_version, deployable, reference_settings
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
 from stages.verify.shared import (MEMORY_TWIN, Live, Row, built_worker, judge_output, judged_with,
@@ -43,20 +43,6 @@ from stages.verify.shared import (MEMORY_TWIN, Live, Row, built_worker, judge_ou
 
 
 NAME = "verify"
-VERSION = 11  # 10: the task metric (metric group) in task and comparison; 11: OpenVINO's effective
-# precision is the compiled model's execution precision (not weight storage), with a note
-VERSION += 1  # ncnn's CPU layers report fp16 only where ncnn casts activations to fp16 (not on x86)
-VERSION += 1  # MNN mixed: its INT8 baseline and advice trials through MNN's own quantizer
-VERSION += 1  # advice trials rounded like the build (precision.weight_rounding)
-VERSION += 1  # a mixed build left with no int8 op fails on that (exit 3), not as a precision mismatch
-VERSION += 1  # an int8 build keeping the backend's float op kinds is accepted as mixed
-VERSION += 1  # the measurement stored apart from the diagnosis; diagnosis within a budget; no failing trial as advice
-VERSION += 1  # task-first verdicts (task_min_cosine), bootstrap intervals, integer outputs compared exactly
-VERSION += 1  # a dynamic model: accuracy per input shape, latency at min/opt/max (issue 29)
-VERSION += 1  # the disagreement rate's Clopper-Pearson interval bounds a passing drop (issue 37 item 2)
-VERSION += 1  # verify.memory: every build's peak resident memory, the memory=default twin of a low build (issue 39)
-VERSION += 1  # a fp32 build's drop from float reordering alone passes as float noise (issue 45)
-VERSION += 1  # top1 without labels on class scores: the agreement with the reference's argmax (issue 46 item 2)
 CACHEABLE = True
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
@@ -159,7 +145,7 @@ def _measurement_material(ctx: StageContext) -> dict:
     validation = ctx.cfg.validation.judged()
     files = {name: ctx.output_hashes[name] for name in ("convert", "calibrate", "build", "tune")
              if name in ctx.output_hashes}
-    return {"version": VERSION, "runtimes": environment.versions(), "machine": environment.fingerprint(),
+    return {"code": code_version(), "runtimes": environment.versions(), "machine": environment.fingerprint(),
             "files": files,
             "config": plain({"validation": validation, "data": ctx.cfg.data, "target": ctx.cfg.target,
                              "precision": ctx.cfg.precision, "metric": ctx.cfg.metric}),
