@@ -13,7 +13,7 @@ import onnx
 import yaml
 
 from pipeline import backends, environment, shapes
-from pipeline.precision import dynamic, fp16
+from pipeline.precision import dynamic, fp16, kinds
 from pipeline.release import compile_cache
 from pipeline.artifacts import read_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
@@ -33,7 +33,7 @@ MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified o
 
 def key_config(cfg):
     precision = cfg.precision
-    quantized = precision.kind in ("int8", "mixed")
+    quantized = kinds.quantized(precision.kind)
     backend = backends.spec(cfg.target.backend.value)
     return {"target": cfg.target, "precision": precision.name, "keep_float": sorted(precision.keep_float),
             # the backend's own float kinds can depend on the machine (ncnn: x86 or not)
@@ -56,7 +56,7 @@ def key_config(cfg):
 
 
 def _wants_masks(cfg, backend) -> bool:
-    return cfg.precision.kind == "fp16" and cfg.target.auto_masks and backend.CAPABILITIES.feature_masks
+    return kinds.narrow(cfg.precision.kind) and cfg.target.auto_masks and backend.CAPABILITIES.feature_masks
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -72,7 +72,7 @@ def _refines(cfg, backend, step: str) -> bool:
     """precision.<step> (bias_correction, weight_rounding) on a QDQ int8/mixed build, not
     the runtime's own int8 tooling."""
     name = cfg.precision.kind
-    return name in ("int8", "mixed") and getattr(cfg.precision, step) and not backends.own_quantizer(backend, name) \
+    return kinds.quantized(name) and getattr(cfg.precision, step) and not backends.own_quantizer(backend, name) \
         and not cfg.precision.dynamic_ranges  # a static refinement: dynamic builds have no calibrated ranges
 
 
@@ -85,7 +85,7 @@ def _own_int8(ctx: StageContext, backend):
     if not samples:
         raise ConfigError(f"precision={precision} on {backend.NAME} needs calibration samples "
                           "(data.calibration_size > 0)")
-    extra = {"float_ops": _qtable_float_ops(ctx)} if precision == "mixed" else {}
+    extra = {"float_ops": _qtable_float_ops(ctx)} if kinds.searched(precision) else {}
     try:
         return backend.build_int8(ctx.results["convert"].path("model"), ctx.out_dir, ctx.cfg.target, samples,
                                   ctx.cfg.calibration.method.value, **extra)
@@ -172,7 +172,7 @@ def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str
     if typos:
         raise ConfigError(f"precision.keep_float: the model has no op {typos[0]!r} (names are ONNX node names, "
                           "as the report's layerwise section and recommendations give them)")
-    if ctx.cfg.precision.kind in ("int8", "mixed"):
+    if kinds.quantized(ctx.cfg.precision.kind):
         _only_quantized(model, asked, ctx.cfg.precision.quantize_ops)
     merged = list(dict.fromkeys([*chosen, *[name for name in asked if name in names]]))
     return merged, [name for name in asked if name not in names]
@@ -203,15 +203,15 @@ def run(ctx: StageContext) -> StageResult:
         artifacts, settings = _own_int8(ctx, backend)
         quantization = settings.get("options", {}).get("quantization")
     else:
-        if precision in ("int8", "mixed"):
+        if kinds.quantized(precision):
             (onnx_path, quantization), ir_dir = _dynamic(ctx, backend) if ctx.cfg.precision.dynamic_ranges \
                 else _quantize(ctx), None
-        elif precision == "fp16" and precision not in backend.CAPABILITIES.runtime_precisions:
+        elif kinds.narrow(precision) and precision not in backend.CAPABILITIES.runtime_precisions:
             (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
         artifacts, settings, traced_ranges = _converted_traced(ctx, backend, onnx_path, ir_dir)
     qdq_file = None  # the Q/DQ model as refined, kept for verify's advice screening (never packaged)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
-        if precision in ("int8", "mixed") and not ctx.cfg.precision.dynamic_ranges:
+        if kinds.quantized(precision) and not ctx.cfg.precision.dynamic_ranges:
             qdq_file = onnx_path.name
         else:
             onnx_path.unlink()
@@ -243,7 +243,7 @@ def run(ctx: StageContext) -> StageResult:
                "quantization": quantization, "compile_cache": cache}
     if traced_ranges:
         summary["traced_at_data_ranges"] = traced_ranges
-    if precision in ("int8", "mixed"):  # where the activation ranges come from: the calibration table, or each call
+    if kinds.quantized(precision):  # where the activation ranges come from: the calibration table, or each call
         summary["activation_ranges"] = ctx.cfg.precision.activation_ranges.value
     return StageResult(ctx.out_dir, files, summary)
 
@@ -323,7 +323,7 @@ def _quantize(ctx: StageContext):
     table = read_json(calibrate.path("table"))["tensors"]
     keep_float: list = []
     precision = ctx.cfg.precision
-    if precision.kind == "mixed":
+    if kinds.searched(precision.kind):
         found = ctx.results.get("sensitivity")
         if found is None or "qtable" not in found.files:
             raise ConfigError("precision=mixed needs the sensitivity stage: add it to pipeline.stages before build")
@@ -396,7 +396,7 @@ def _judged_on(ctx: StageContext, float_ops: List[str]):
     raised the calibration cosine and took the validation cosine from 0.9959 to 0.9947). None
     otherwise (the calibration samples): a mixed build with an empty qtable is the int8 build."""
     return ((sample.feeds for sample in ctx.dataset().validation)
-            if ctx.cfg.precision.kind == "mixed" and float_ops else None)
+            if kinds.searched(ctx.cfg.precision.kind) and float_ops else None)
 
 
 # the QDQ model's refinements, in order: precision.<step>, its function, its empty result

@@ -14,7 +14,7 @@ import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
 from pipeline import backends, shapes
-from pipeline.precision import equalization, fp16, smoothing
+from pipeline.precision import equalization, fp16, kinds, smoothing
 from pipeline.precision.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
@@ -26,7 +26,6 @@ from stages import StageContext, StageResult
 NAME = "calibrate"
 CACHEABLE = True
 READS = {"convert": ["model"]}  # not the OpenVINO IR: targets share calibration
-QUANTIZED_PRECISIONS = ("int8", "mixed", "fp16")  # fp16: statistics for its pre-flight
 # mean_min_max is left out: judged at the outputs it lost on PP-OCRv4 det and rec (docs/calibration.md)
 AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
 ORT_QUANTIZE_CACHE = "ort_quantize_cache.json"  # quantize_static(calibration_cache_path=...)
@@ -35,7 +34,7 @@ FP16_FINDINGS = "fp16_findings.json"  # what fp16 cannot hold, for fp16 builds
 
 
 def needed(cfg) -> bool:
-    return cfg.precision.kind in QUANTIZED_PRECISIONS and not cfg.precision.dynamic_ranges
+    return kinds.calibrated(cfg.precision.kind) and not cfg.precision.dynamic_ranges  # fp16: its pre-flight
 
 
 def _not_needed(cfg) -> str:
@@ -59,19 +58,19 @@ def key_config(cfg):
 def _calibrated_as(cfg) -> str:
     """int8 and mixed share one calibration (the same table, and every method's entries for
     the search): a later run or precision=auto's other candidate is served from the cache."""
-    return "int8" if cfg.precision.kind in ("int8", "mixed") else cfg.precision.kind
+    return kinds.partial_of(cfg.precision.kind) or cfg.precision.kind
 
 
 def _measured_around(cfg):
     """The op types whose tensors calibration measures: for int8 and mixed the ones they can
     quantize (the inputs and outputs of precision.quantize_ops: 55 of PP-OCRv4 rec's 405
     activations); fp16's pre-flight looks at every activation (None)."""
-    return sorted(cfg.precision.quantize_ops) if cfg.precision.kind in ("int8", "mixed") else None
+    return sorted(cfg.precision.quantize_ops) if kinds.quantized(cfg.precision.kind) else None
 
 
 def _judged_at_outputs(cfg) -> bool:
     """calibration=auto for an int8 build: the final choice is measured at the outputs."""
-    return cfg.calibration.method.value == "auto" and cfg.precision.kind in ("int8", "mixed")
+    return cfg.calibration.method.value == "auto" and kinds.quantized(cfg.precision.kind)
 
 
 def external_files(ctx: StageContext) -> List[Path]:
@@ -117,7 +116,7 @@ def _smoothing_key(cfg):
     """What the smoothing decision depends on: the setting, and for auto how its candidates
     are judged (the reference's Q/DQ placement, the judge's method; not precision.keep_float,
     like auto's table)."""
-    if _calibrated_as(cfg) != "int8" or cfg.calibration.table:
+    if not kinds.quantized(cfg.precision.kind) or cfg.calibration.table:
         return None
     setting = smoothing.parse(cfg.precision.smoothing)
     return {"setting": setting,
@@ -127,7 +126,7 @@ def _smoothing_key(cfg):
 def _equalization_key(cfg):
     """What equalization depends on: on or off, and how it is judged (the reference's Q/DQ
     placement, the judge's method)."""
-    if _calibrated_as(cfg) != "int8" or cfg.calibration.table:
+    if not kinds.quantized(cfg.precision.kind) or cfg.calibration.table:
         return None
     return {"enabled": cfg.precision.equalization,
             "judged": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if cfg.precision.equalization else None}
@@ -207,11 +206,11 @@ def _computed_table(ctx: StageContext, model_path: Path):
     stats = statistics.Statistics.load(folder)
     collected = time.perf_counter() - started
     precision = ctx.cfg.precision.kind
-    every_method = _candidates(stats, cfg) if precision in ("int8", "mixed") else None
+    every_method = _candidates(stats, cfg) if kinds.quantized(precision) else None
     table, choices, decision = _thresholds(stats, ctx, model_path, every_method)
     if every_method is not None:
         write_json(ctx.out_dir / CANDIDATES, every_method)
-    if precision == "fp16":
+    if kinds.narrow(precision):  # what fp16 cannot hold
         write_json(ctx.out_dir / FP16_FINDINGS, fp16.activation_findings(stats.histograms)
                    + fp16.constant_findings(onnx.load(str(model_path))))
     zero = sorted(name for name, h in stats.histograms.items() if h.abs_max == 0)

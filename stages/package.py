@@ -14,6 +14,7 @@ from typing import List
 import yaml
 
 from pipeline import environment
+from pipeline.precision import kinds
 from pipeline.release import compile_cache
 from pipeline.config.schemas import DataKind, plain
 from pipeline.release.archive import write_tar_gz
@@ -44,7 +45,7 @@ def external_files(ctx: StageContext) -> List[Path]:
 def bundle_name(cfg) -> str:
     """package.name, or model-target-precision; int8 with ranges computed per call says so
     (``-int8_dynamic``: a different build from static int8, with other speed and accuracy)."""
-    precision = "int8_dynamic" if cfg.precision.kind == "int8" and cfg.precision.dynamic_ranges else cfg.precision.kind
+    precision = kinds.build_name(cfg.precision.kind, cfg.precision.dynamic_ranges)
     return cfg.package.name or f"{model_name(cfg)}-{cfg.target.name}-{precision}"
 
 

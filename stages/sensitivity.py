@@ -16,6 +16,7 @@ import onnx
 from pipeline import backends, environment, shapes
 from pipeline.artifacts import read_json, write_json
 from pipeline.config.schemas import plain
+from pipeline.precision import kinds
 from pipeline.precision.calibration import sensitivity as search
 from pipeline.precision.calibration import latency, tables
 from pipeline.precision.calibration.statistics import BatchRunner
@@ -37,7 +38,7 @@ FLOOR_SHARE = 0.01  # no op is taken to cost less than 1 % of all the ops' costs
 
 
 def needed(cfg) -> bool:
-    return cfg.precision.kind == "mixed"
+    return kinds.searched(cfg.precision.kind)
 
 
 def key_config(cfg):

@@ -48,6 +48,7 @@ from pipeline import backends, shapes
 from pipeline.backends.protocol import memory_mode
 from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
+from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
 from pipeline.app.runner import RunOutcome, run_pipeline
@@ -56,14 +57,8 @@ from pipeline.console import PROGRESS, job_phase, job_step
 log = logging.getLogger("parity")
 progress_log = logging.getLogger(PROGRESS)  # parity.log's record of the candidates (pipeline/console.py)
 PRECISION_FILES = Path(conf.__file__).parent / "precision"
-# int8 with activation ranges computed per call (precision.activation_ranges=dynamic), where declared
-DYNAMIC_INT8 = "int8_dynamic"
-# higher first: on a tie in speed and size the build closer to the model's own numbers wins
-# (dynamic int8: each call's activations get their own range, none clipped by a calibrated one)
-FIDELITY = ("fp32", "bf16", "fp16", "mixed", DYNAMIC_INT8, "int8")
+REFERENCE = kinds.REFERENCE  # fp32: every candidate's speed reference, built always, verified when it could ship
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
-# bf16 on a CPU is a candidate only where the CPU computes it (elsewhere it is emulated)
-NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
 AUTO_ONLY = ("name", "candidates", "budget_s", "screen")  # precision keys of auto itself, not of its candidates
 # screening: a candidate whose speed-up over fp32 stays below this in three timing rounds of
 # four (p75) is measurably slower; it is reported as such and not verified (it cannot win)
@@ -80,8 +75,9 @@ def candidates(run_cfg) -> List[str]:
     backend = backends.spec(run_cfg.target.backend.value)
     if run_cfg.precision.activation_ranges.value == "dynamic":
         raise ConfigError(f"precision.activation_ranges=dynamic: precision=auto tries static and dynamic int8 itself "
-                          f"(candidates int8 and {DYNAMIC_INT8}); choose among them with precision.candidates")
-    dynamic = [DYNAMIC_INT8] if backend.CAPABILITIES.dynamic_int8 and "int8" in backend.CAPABILITIES.precisions else []
+                          "(candidates int8 and int8_dynamic); choose among them with precision.candidates")
+    dynamic = [kinds.dynamic_variant(p) for p in backend.CAPABILITIES.precisions if kinds.dynamic_variant(p)] \
+        if backend.CAPABILITIES.dynamic_int8 else []  # int8_dynamic
     if run_cfg.precision.candidates:
         wanted = list(run_cfg.precision.candidates)
         allowed = [*backend.CAPABILITIES.precisions, *dynamic]
@@ -93,10 +89,11 @@ def candidates(run_cfg) -> List[str]:
     from pipeline.environment import cpu
 
     wanted = list(backend.CAPABILITIES.auto_candidates)
-    if "bf16" in wanted and run_cfg.target.device.upper() == "CPU" and not NATIVE_BF16 & set(cpu()["flags"]):
-        wanted.remove("bf16")
-    if dynamic and "int8" in wanted:  # right after static int8
-        wanted.insert(wanted.index("int8") + 1, DYNAMIC_INT8)
+    if run_cfg.target.device.upper() == "CPU":  # bf16 only where the CPU computes it (elsewhere it is emulated)
+        wanted = [p for p in wanted if not kinds.emulated(p, cpu()["flags"])]
+    for variant in dynamic:  # right after static int8
+        if kinds.config_name(variant) in wanted:
+            wanted.insert(wanted.index(kinds.config_name(variant)) + 1, variant)
     return wanted
 
 
@@ -105,11 +102,11 @@ def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
     file, keeping the precision.* values the user changed from auto's defaults
     (int8_dynamic: int8's file with precision.activation_ranges=dynamic)."""
     auto_defaults = OmegaConf.load(PRECISION_FILES / "auto.yaml")
-    chosen = OmegaConf.load(PRECISION_FILES / f"{'int8' if precision == DYNAMIC_INT8 else precision}.yaml")
+    chosen = OmegaConf.load(PRECISION_FILES / f"{kinds.config_name(precision)}.yaml")
     for key, value in cfg.precision.items():
         if key not in AUTO_ONLY and (key not in auto_defaults or auto_defaults[key] != value):
             chosen[key] = value
-    if precision == DYNAMIC_INT8:
+    if kinds.dynamic(precision):
         chosen["activation_ranges"] = "dynamic"
     candidate = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     candidate.precision = chosen
@@ -136,13 +133,14 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     if _fp32_could_ship(tried, requested, tight):
         started = time.monotonic()
         job_phase("precision=auto: verifying fp32")
-        outcomes["fp32"], configs["fp32"] = _verified(configs["fp32"], run_dir / "candidates" / "fp32")
-        timing = {k: tried["fp32"][k] for k in ("latency", "timed_on", "speedup") if k in tried["fp32"]}
-        tried["fp32"] = {**_row("fp32", outcomes["fp32"]), **timing, "target_memory": _memory(configs["fp32"]),
-                         "seconds": round(tried["fp32"].get("seconds", 0.0) + time.monotonic() - started, 1)}
-    elif tried.get("fp32", {}).get("verdict") == UNVERIFIED:
-        tried["fp32"]["not_verified"] = ("not verified: only the speed reference here" if "fp32" not in requested
-                                         else "not verified: a faster build passes, so fp32 could not ship")
+        outcomes[REFERENCE], configs[REFERENCE] = _verified(configs[REFERENCE], run_dir / "candidates" / REFERENCE)
+        timing = {k: tried[REFERENCE][k] for k in ("latency", "timed_on", "speedup") if k in tried[REFERENCE]}
+        tried[REFERENCE] = {**_row(REFERENCE, outcomes[REFERENCE]), **timing,
+                            "target_memory": _memory(configs[REFERENCE]),
+                            "seconds": round(tried[REFERENCE].get("seconds", 0.0) + time.monotonic() - started, 1)}
+    elif tried.get(REFERENCE, {}).get("verdict") == UNVERIFIED:
+        tried[REFERENCE]["not_verified"] = ("not verified: only the speed reference here" if REFERENCE not in requested
+                                            else "not verified: a faster build passes, so fp32 could not ship")
     winner, why = choose({p: row for p, row in tried.items() if p in requested}, tight)
     if winner is None:
         raise _none_built(run_cfg.target.name, tried)
@@ -196,7 +194,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
     """One candidate: cut by the budget, not buildable, not worth building, built and
     screened slower than fp32, or verified (fp32: built only, its verification comes later)."""
     tried, configs, outcomes = found
-    if precision != "fp32" and budget.spent():  # fp32 is every candidate's reference, and the fallback
+    if precision != REFERENCE and budget.spent():  # fp32 is every candidate's reference, and the fallback
         tried[precision] = budget.cut(precision)
         return
     raw = candidate_config(cfg, precision)
@@ -206,14 +204,15 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [str(err)]}
         return
     configs[precision] = (raw, checked)
-    if precision == "mixed" and tried.get("int8", {}).get("verdict") == "pass":
-        tried[precision] = {**tried["int8"], "precision": precision, "same_as": "int8",
-                            "verdict": "same build as int8",
-                            "not_built": "int8 passes: the mixed search would keep nothing in float"}
+    whole = kinds.partial_of(precision)  # mixed: int8 with the ops the search chooses in float
+    if whole and tried.get(whole, {}).get("verdict") == "pass":
+        tried[precision] = {**tried[whole], "precision": precision, "same_as": whole,
+                            "verdict": f"same build as {whole}",
+                            "not_built": f"{whole} passes: the {precision} search would keep nothing in float"}
         return
-    if precision == "mixed" and tried.get("int8", {}).get("verdict") == SLOWER:
+    if whole and tried.get(whole, {}).get("verdict") == SLOWER:
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [
-            "not built: int8 is slower than fp32 here, and mixed is int8 with some ops in float"]}
+            f"not built: {whole} is slower than fp32 here, and {precision} is {whole} with some ops in float"]}
         return
     progress_log.info("precision=auto: candidate %s", precision)
     folder = run_dir / "candidates" / precision
@@ -225,11 +224,11 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
             tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
                                 "same_as": twin, "run_folder": str(folder)}
             return
-        if precision == "fp32":  # the speed reference; verified only when it could ship (below)
+        if precision == REFERENCE:  # the speed reference; verified only when it could ship (below)
             outcomes[precision] = built
             tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
             return
-        slower = _screened(outcomes.get("fp32"), built, checked) if screen else None
+        slower = _screened(outcomes.get(REFERENCE), built, checked) if screen else None
         if slower:
             tried[precision] = {**_row(precision, built), **slower}
             return
@@ -335,7 +334,7 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> dict:
 
     def produce(folder: Path) -> None:
         job_step("timing against fp32")
-        found = _time_builds({"fp32": fp32, "candidate": built}, checked, one_sample_only=True,
+        found = _time_builds({REFERENCE: fp32, "candidate": built}, checked, one_sample_only=True,
                              rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
         write_json(folder / "timings.json", found[0] if found else {})
 
@@ -378,9 +377,10 @@ def _artifact(outcome: RunOutcome) -> Optional[dict]:
 
 def _in_order(wanted: List[str]) -> List[str]:
     """mixed after int8: it is built only when int8 fails."""
-    if "mixed" in wanted and "int8" in wanted and wanted.index("mixed") < wanted.index("int8"):
-        wanted = [p for p in wanted if p != "mixed"]
-        wanted.insert(wanted.index("int8") + 1, "mixed")
+    for part in [p for p in wanted if kinds.partial_of(p) in wanted]:
+        if wanted.index(part) < wanted.index(kinds.partial_of(part)):
+            wanted = [p for p in wanted if p != part]
+            wanted.insert(wanted.index(kinds.partial_of(part)) + 1, part)
     return wanted
 
 
@@ -389,7 +389,7 @@ UNVERIFIED = "not verified"
 
 def _with_reference(wanted: List[str]) -> List[str]:
     """fp32 is always built: the speed-ups are against it (not shipped unless a candidate)."""
-    return wanted if "fp32" in wanted else ["fp32", *wanted]
+    return wanted if REFERENCE in wanted else [REFERENCE, *wanted]
 
 
 def _row(precision: str, outcome: RunOutcome) -> dict:
@@ -411,8 +411,8 @@ def _row(precision: str, outcome: RunOutcome) -> dict:
 def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> None:
     """Every passing build and fp32, timed interleaved on one validation sample (on the
     stream of samples in order where their shapes differ); speed-ups vs fp32 into the rows."""
-    timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == "fp32")]
-    if "fp32" not in timed or len(timed) < 2:
+    timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == REFERENCE)]
+    if REFERENCE not in timed or len(timed) < 2:
         return
     if _timed_by_verify(outcomes, timed, tried):
         return
@@ -475,11 +475,11 @@ def _timed_by_verify(outcomes: Dict[str, RunOutcome], timed: List[str], tried: D
     validation sample (its side-by-side table), as this timing would; that measurement is
     taken instead of a second one (a model of several input shapes is timed here, on the
     stream, which verify keeps only as medians)."""
-    other = next(p for p in timed if p != "fp32")
+    other = next(p for p in timed if p != REFERENCE)
     verify = outcomes[other].verify or {}
     speed_section = verify.get("speed") or {}
     rows = verify.get("comparison") or {}
-    found = {p: (rows.get(p) or {}).get("latency") or {} for p in ("fp32", other)}
+    found = {p: (rows.get(p) or {}).get("latency") or {} for p in (REFERENCE, other)}
     if len(timed) != 2 or speed_section.get("judged_on") == "stream" or \
             not all("round_medians_ms" in latency for latency in found.values()):
         return False
@@ -493,12 +493,12 @@ def _timed_by_verify(outcomes: Dict[str, RunOutcome], timed: List[str], tried: D
 def _fp32_could_ship(tried: Dict[str, dict], requested: List[str], tight: float) -> bool:
     """Whether fp32, built but not verified, would ship if it passed: a full verification of
     fp32 is paid for only then (it is every candidate's speed reference either way)."""
-    if tried.get("fp32", {}).get("verdict") != UNVERIFIED or "fp32" not in requested:
+    if tried.get(REFERENCE, {}).get("verdict") != UNVERIFIED or REFERENCE not in requested:
         return False
-    if not any(row["verdict"] == "pass" for p, row in tried.items() if p in requested and p != "fp32"):
+    if not any(row["verdict"] == "pass" for p, row in tried.items() if p in requested and p != REFERENCE):
         return True
-    hoped = {p: {**row, "verdict": "pass"} if p == "fp32" else row for p, row in tried.items() if p in requested}
-    return choose(hoped, tight)[0] == "fp32"
+    hoped = {p: {**row, "verdict": "pass"} if p == REFERENCE else row for p, row in tried.items() if p in requested}
+    return choose(hoped, tight)[0] == REFERENCE
 
 
 def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
@@ -537,13 +537,13 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
     tied = [fastest, *[p for p, (call, _) in calls.items() if call in ("tie", "faster")]]
     undecided = [p for p, (call, _) in calls.items() if call == "undecided"]
     if undecided:
-        winner = min(tied + undecided, key=FIDELITY.index)
+        winner = min(tied + undecided, key=kinds.FIDELITY.index)
         spreads = ", ".join(f"{p} p75/p25 {calls[p][1]:.2f}" for p in undecided)
         why = (f"{winner}: the timing could not tell {', '.join(undecided)} from {fastest} (spread of per-round "
                f"ratios above {tight:g} after the timing budget: {spreads}): undecided, so the build closest to the "
                f"model's numbers ships")
     else:
-        winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, FIDELITY.index(p)))
+        winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, kinds.FIDELITY.index(p)))
         if winner == fastest:
             why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
             if len(tied) > 1:

@@ -23,6 +23,7 @@ from rich.table import Table
 import conf
 from pipeline.config import resolvers, validation
 from pipeline.app import auto
+from pipeline.precision import kinds
 from pipeline.console import job_display, set_plain_progress, stderr_console, stdout_console
 from pipeline.environment import cores, share_cores
 from pipeline.errors import (EnvironmentFault, ExitCode, ParityError, RunFolderBusy, environment_fault,
@@ -105,7 +106,7 @@ def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
         run_cfg = validation.validate(cfg)
         chosen = None
         with job_display():  # one live line on a terminal; each stage's lines go to parity.log
-            if run_cfg.precision.kind == "auto":
+            if run_cfg.precision.kind == kinds.AUTO:
                 outcome, run_cfg, chosen = auto.run(cfg, run_cfg, run_dir)
             else:
                 outcome = run_pipeline(run_cfg, run_dir)
@@ -229,7 +230,7 @@ def _auto_table(section: dict) -> Table:
         up = row.get("speedup")
         # fp32 is every speed-up's reference, a screening's too (fp32 then timed beside the candidate only)
         speedup = (f"{up['speedup']:.2f}x ({up['speedup_p25']:.2f}-{up['speedup_p75']:.2f})" if up
-                   else "1.00x (reference)" if row["precision"] == "fp32" and timed else "-")
+                   else "1.00x (reference)" if row["precision"] == kinds.REFERENCE and timed else "-")
         metric = "-" if row.get("metric_value") is None else f"{row['metric_value']:.4f}" if one_metric else \
             f"{row['metric']} {row['metric_value']:.4f}"
         verdict = row["verdict"] + (f" (exit {row['exit_code']})" if row.get("exit_code") else "") + (
@@ -264,7 +265,7 @@ def _speed_line(verify: dict) -> str:
     for name, found in verify["speed"]["speedups"].items():
         mark = "" if found["faster"] else " [yellow](not faster)[/]"
         parts.append(f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f}){mark}")
-    rounds = (verify["comparison"].get("fp32") or {}).get("latency") or {}
+    rounds = (verify["comparison"].get(kinds.REFERENCE) or {}).get("latency") or {}
     return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds): " + ", ".join(parts)
 
 

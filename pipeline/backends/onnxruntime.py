@@ -14,6 +14,7 @@ import numpy as np
 
 from pipeline import shapes
 from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, importable, memory_low, memory_mode
+from pipeline.precision import kinds
 
 NAME = "onnxruntime"
 CAPABILITIES = Capabilities(
@@ -366,7 +367,7 @@ def executed_precision(optimized_path: Path) -> Tuple[str, str, Dict[str, str], 
     if not counts:
         return "fp32", "", {}, dynamic
     layers = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    return ("mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]), layers, \
+    return (kinds.from_op_counts(counts) or counts.most_common(1)[0][0]), layers, \
         (float_ops if counts["int8"] else {}), dynamic
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from pipeline import shapes
 from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, importable, memory_low, memory_mode
 from pipeline.errors import first_line
+from pipeline.precision import kinds
 
 NAME = "openvino"
 CAPABILITIES = Capabilities(
@@ -100,7 +101,7 @@ def convert_ir(onnx_path: Path, out_dir: Path) -> List[str]:
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:
     """The IR from convert when there is one, else converted here (e.g. a QDQ int8 model)."""
     if ir_dir is None:
-        convert(onnx_path, out_dir, fp16_weights=precision == "fp16")
+        convert(onnx_path, out_dir, fp16_weights=kinds.narrow(precision))
     else:
         for name in ("model.xml", "model.bin"):
             shutil.copyfile(ir_dir / name, out_dir / name)
@@ -245,10 +246,8 @@ class Session:
         read_back = _option_text(compiled.get_property("INFERENCE_PRECISION_HINT"))
         hint = parity_precision(read_back)
         counts = _layer_precisions(compiled.get_runtime_model())
-        if "int8" in counts:
-            precision = "mixed" if len(counts) > 1 else "int8"
-        else:
-            precision = hint if hint in counts or not counts else counts.most_common(1)[0][0]
+        precision = kinds.from_op_counts(counts) or (hint if hint in counts or not counts
+                                                     else counts.most_common(1)[0][0])
         found = {"device": ",".join(compiled.get_property("EXECUTION_DEVICES")), "precision": precision,
                  "layers": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
                  "compile_cache": self._cache_status,
@@ -262,7 +261,7 @@ class Session:
     def _hint_note(self, read_back: str, precision: str, layers: str) -> str:
         """Why the float precision asked through INFERENCE_PRECISION_HINT is not what ran."""
         asked = self._options.get("INFERENCE_PRECISION_HINT")
-        if asked is None or precision in ("int8", "mixed") or parity_precision(asked) == precision:
+        if asked is None or kinds.quantized(precision) or parity_precision(asked) == precision:
             return ""
         if parity_precision(read_back) == precision:
             capabilities = self._core.get_property(self._device, "OPTIMIZATION_CAPABILITIES")

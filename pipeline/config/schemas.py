@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from pipeline.precision import kinds
+
 
 class Backend(Enum):
     onnxruntime = "onnxruntime"
@@ -21,13 +23,10 @@ class Backend(Enum):
     mnn = "mnn"
 
 
-class Precision(Enum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    int8 = "int8"
-    mixed = "mixed"
-    auto = "auto"  # every precision the target builds, the fastest that passes (pipeline/app/auto.py)
+# precision.name: every config precision of pipeline/precision/kinds.py's table (fp32, fp16,
+# bf16, int8, mixed: their facts are there), then auto (every precision the target builds,
+# the fastest that passes: pipeline/app/auto.py)
+Precision = Enum("Precision", [(name, name) for name in (*kinds.CONFIG_NAMES, kinds.AUTO)], module=__name__)
 
 
 class CalibrationMethod(Enum):
@@ -334,7 +333,7 @@ class PrecisionConfig:
     @property
     def dynamic_ranges(self) -> bool:
         """int8 whose activations are quantized per call at run time: no calibration table."""
-        return self.kind == "int8" and self.activation_ranges is ActivationRanges.dynamic
+        return self.activation_ranges is ActivationRanges.dynamic and kinds.dynamic_variant(self.kind) is not None
 
 
 @dataclass

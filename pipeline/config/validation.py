@@ -19,6 +19,7 @@ from pipeline.config.schemas import (MOVED_TARGET_KEYS, STAGE_NAMES, TARGET_SCHE
                                      PreprocessConfig, RunConfig, TargetConfig, TuningConfig)
 from pipeline.config.schemas import ActivationRanges, QuantType
 from pipeline.errors import ConfigError
+from pipeline.precision import kinds
 
 
 def validate(cfg: DictConfig) -> RunConfig:
@@ -50,7 +51,7 @@ def _check_combinations(run: RunConfig) -> None:
 
     backend = backends.spec(run.target.backend.value)
     can = backend.CAPABILITIES
-    if run.precision.kind not in (*can.precisions, "auto"):
+    if run.precision.kind not in (*can.precisions, kinds.AUTO):
         raise ConfigError(
             f"precision={run.precision.kind} is not supported by target {run.target.name} "
             f"(backend {backend.NAME}); allowed: {', '.join(can.precisions)}")
@@ -62,7 +63,7 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError(f"target.device={run.target.device}: backend {backend.NAME} supports "
                           f"{', '.join(can.devices)}")
     problem = (backend.check_config(run.target, run.precision.kind)
-               if run.precision.kind != "auto" else None)
+               if run.precision.kind != kinds.AUTO else None)
     if problem:
         raise ConfigError(problem)
     unknown = [s for s in run.pipeline.stages if s not in STAGE_NAMES]
@@ -79,10 +80,7 @@ def _check_combinations(run: RunConfig) -> None:
         raise ConfigError(f"calibration.percentile={cal.percentile}: must be in (0, 100]")
     if cal.bins < cal.quantized_levels or cal.quantized_levels < 2 or cal.batch_size < 1:
         raise ConfigError("calibration: need bins >= quantized_levels >= 2 and batch_size >= 1")
-    unknown_methods = sorted(set(run.sensitivity.methods) - {"kl", "max", "percentile", "mse", "mean_min_max"})
-    if unknown_methods or not run.sensitivity.methods:
-        raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; "
-                          "allowed: kl, max, percentile, mse, mean_min_max")
+    _check_sensitivity_methods(run.sensitivity.methods)
     profile = run.profile
     if profile.runs < 1 or profile.warmup < 0 or profile.top < 1 or profile.worker_timeout_s <= 0 \
             or profile.max_seconds <= 0 or profile.startup_rounds < 0:
@@ -93,13 +91,22 @@ def _check_combinations(run: RunConfig) -> None:
                           "quantizer, not from parity's Q/DQ model whose ops it times; set it to false")
     _check_activation_ranges(run, backend)
     _check_smoothing(run.precision.smoothing)
-    if run.precision.kind in ("int8", "mixed") and not run.precision.quantize_ops:
+    if kinds.quantized(run.precision.kind) and not run.precision.quantize_ops:
         raise ConfigError("precision.quantize_ops: name at least one op type (default: Conv, ConvTranspose, Gemm, MatMul)")
     if run.target.threads < 0:
         raise ConfigError("target.threads must be >= 0 (0 = the runtime's default)")
     _check_tuning(run.tuning, backend)
     check_ranges(run)
     _check_metric(run)
+
+
+def _check_sensitivity_methods(methods: List[str]) -> None:
+    """sensitivity.methods: the threshold methods of pipeline/precision/calibration/thresholds.py."""
+    from pipeline.precision.calibration.thresholds import METHODS
+
+    unknown_methods = sorted(set(methods) - set(METHODS))
+    if unknown_methods or not methods:
+        raise ConfigError(f"sensitivity.methods: {unknown_methods or 'empty'}; allowed: {', '.join(METHODS)}")
 
 
 def _check_smoothing(value) -> None:
@@ -117,14 +124,15 @@ def _check_activation_ranges(run: RunConfig, backend) -> None:
     setting that only a static (calibrated) build has. Float precisions ignore it, as the
     other int8 keys."""
     precision, can = run.precision, backend.CAPABILITIES
-    if precision.activation_ranges is not ActivationRanges.dynamic or precision.kind not in ("int8", "mixed"):
+    if precision.activation_ranges is not ActivationRanges.dynamic or not kinds.quantized(precision.kind):
         return
     if not can.dynamic_int8:
         raise ConfigError(f"precision.activation_ranges=dynamic is not supported by target {run.target.name} "
                           f"(backend {backend.NAME}); allowed: static")
-    if precision.kind == "mixed":
-        raise ConfigError("precision.activation_ranges=dynamic: precision=mixed searches on static ranges; use "
-                          "precision=int8 (precision.keep_float keeps ops float) or activation_ranges=static")
+    if kinds.dynamic_variant(precision.kind) is None:  # mixed
+        raise ConfigError(f"precision.activation_ranges=dynamic: precision={precision.kind} searches on static ranges; "
+                          f"use precision={kinds.partial_of(precision.kind)} (precision.keep_float keeps ops float) or "
+                          "activation_ranges=static")
     if precision.activations is QuantType.int8:
         raise ConfigError("precision.activations=int8: dynamic activation ranges quantize to uint8 (ONNX Runtime's "
                           "DynamicQuantizeLinear); set precision.activations=uint8 or activation_ranges=static")

@@ -26,6 +26,7 @@ from pipeline.backends import GPU_DEVICES  # every device name that runs on a GP
 from pipeline.artifacts import atomic_write_bytes, read_json, remove_stale_temps, write_json
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, RunFolderBusy, worst_exit_code, writing
+from pipeline.precision import kinds
 from pipeline.report.junit import build_junit
 from pipeline.report.document import Banner, Heading, Items, Para, Table
 from pipeline.report.formatting import fmt_device
@@ -35,7 +36,6 @@ JOB_FILE = "job.json"
 LOCK_FILE = ".parity.lock"  # held by the run writing the folder
 RUN_RESULTS = (JOB_FILE, "report.json", "report.md", "report.html", "junit.xml")  # what a finished run leaves
 TIE = 0.05  # latencies within 5 % of the fastest are a tie on a shared machine
-PRECISION_ORDER = ("fp32", "fp16", "bf16", "int8", "mixed")
 worst_exit_codes: List[int] = []  # the sweep's exit code, read by pipeline.app.cli.main
 
 
@@ -270,8 +270,7 @@ def _row_key(job: dict, varying: set) -> str:
 def _matrix(jobs: List[dict]) -> dict:
     """Rows (targets) x columns (precisions) of job indices, and the best passing job per
     row: the lowest median latency, then the smallest artifact."""
-    precisions = sorted({j["precision"] for j in jobs},
-                        key=lambda p: (PRECISION_ORDER.index(p) if p in PRECISION_ORDER else 99, p))
+    precisions = sorted({j["precision"] for j in jobs}, key=kinds.listed_order)
     keys = {key for job in jobs for key in job["overrides"]} - {"target", "precision"}
     varying = {key for key in keys if len({job["overrides"].get(key) for job in jobs}) > 1}
     rows: Dict[str, Dict[str, int]] = {}

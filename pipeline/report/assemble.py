@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 import pipeline
 from pipeline import environment
 from pipeline.config.schemas import RunConfig
+from pipeline.precision import kinds
 
 
 SCHEMA_VERSION = 1  # report.json layout: docs/report.md, docs/report.schema.json
@@ -33,9 +34,9 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict, considered: Opt
     for name in (build.get("quantization") or {}).get("keep_float_not_found", []):
         warnings.append(f"precision.keep_float: op {name} is not in the prepared graph (folded into another op), "
                         "nothing to keep in float")
-    if convert:
+    if convert:  # fp16_overflow concerns half builds, or auto weighing one
         warnings += preflight_warnings(convert["preflight"],
-                                       half=bool(HALF & set(considered or [cfg.precision.kind])))
+                                       half=any(map(kinds.half, considered or [cfg.precision.kind])))
         warnings += [f"convert: output {m['output']!r} is declared {m['declared']} but the model returns "
                      f"{m['returned']}; runtime.yaml lists the declared shape"
                      for m in (convert.get("output_shapes") or {}).get("mismatches", [])]
@@ -73,9 +74,6 @@ def assemble(cfg: RunConfig, records: List[dict], results: Dict, considered: Opt
 PREFLIGHT_SAID = {"nan_inf": "hold NaN or Inf", "fp16_overflow": "exceed fp16's range",
                   "fp32_denormal": "hold float32 denormals (slow on CPUs)"}
 PREFLIGHT_LISTED = 3  # findings of one kind named one per line; more are summed up in one
-
-
-HALF = {"fp16", "bf16"}  # the precisions fp16_overflow concerns: their builds, or auto weighing one
 
 
 def preflight_warnings(findings: List[dict], half: bool = True) -> List[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
+from pipeline.precision import kinds
 from pipeline.report.charts import LineChart, bar_chart, line_chart
 from pipeline.report.document import Banner, Charts, Heading, Items, KeyValues, Para, Pre, Table
 from pipeline.report.junit import uncertainty
@@ -167,7 +168,7 @@ def _comparison_blocks(comparison: dict, metric=None) -> list:
                      fmt_ratio(row.get("task_metric", row.get("top1"))) if compared else "not compared",
                      fmt_number(timing.get("median_ms"), ".3f"),
                      f"{fmt_number(timing.get('p25_ms'), '.3f')} - {fmt_number(timing.get('p75_ms'), '.3f')}",
-                     fmt_speedup(speedup) if speedup else ("1.00x" if precision == "fp32" else "n/a"),
+                     fmt_speedup(speedup) if speedup else ("1.00x" if precision == kinds.REFERENCE else "n/a"),
                      f"{size / 1024:.1f}" if is_number(size) else "n/a"])
     title = "Latency and size" if len(rows) == 1 else "Side by side on the same backend"
     headers = ["build", "cosine", "top-1" if metric in (None, "top1") else str(metric), "median latency ms",
@@ -389,7 +390,7 @@ def _device_precision_blocks(requested: dict, effective: dict) -> list:
         if key in requested and key in effective:
             same = str(effective[key]).lower() in (accepted.get(key) or [str(requested[key]).lower()])
             match = "yes" if same else "⚠ MISMATCH"
-            if key == "precision" and not same and (requested[key], effective[key]) == ("int8", "mixed"):
+            if key == "precision" and not same and kinds.ran_partly(requested[key], effective[key]):
                 match = "⚠ partly: some quantized ops ran in float (see the warnings)"
         else:
             same, match = True, "—"

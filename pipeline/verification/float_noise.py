@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from pipeline.precision import kinds
+
 FLOAT_COSINE = 0.99999  # float reordering: cosine 0.999998 (ncnn vs ONNX Runtime) and closer
 NOISE_DROP = 1e-3  # a tenth of a point of the metric: far below any drop a fault causes
-REFERENCE_PRECISION = "fp32"
+REFERENCE_PRECISION = kinds.REFERENCE
 
 
 def judged(task: Optional[dict], outputs: List[dict], precision: str) -> Optional[dict]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from pipeline.precision import kinds
+
 LOWERED_SHARE = 0.02  # low must save at least this share of the default's peak ...
 LOWERED_MB = 1.0  # ... and this many MB to count as lowering it (readings repeat within 0.5 MB)
 FIELDS = ("load_peak_mb", "run_peak_mb")
@@ -48,12 +50,12 @@ def summary(target: Optional[dict], baselines: Dict[str, Optional[dict]], twin: 
         return {"measured": False, "reason": why, "mode": mode}
     found = {"measured": True, "method": method(target, samples), "source": target["source"], "mode": mode,
              "samples": samples, **_figures(target)}
-    found["fp32"] = _figures(baselines.get("fp32"))
+    found["fp32"] = _figures(baselines.get(kinds.REFERENCE))  # report field fp32: the reference's figures
     if baseline_samples is not None and baselines:
         found["baseline_samples"] = baseline_samples
         found["method"] += (f"; the side-by-side baselines ran one validation sample of each input shape "
                             f"({baseline_samples}), what their run peak depends on (validation.baselines=timed)")
-    others = {name: _figures(value) for name, value in baselines.items() if name != "fp32"}
+    others = {name: _figures(value) for name, value in baselines.items() if name != kinds.REFERENCE}
     if others:
         found["baselines"] = others
     if mode == "low":
@@ -132,7 +134,7 @@ def candidate_peak(row: dict, rows: list) -> str:
     own = (row.get("memory") or {}).get("peak_mb")
     if own is not None:
         return f"{own:.1f} MB"
-    if row.get("precision") == "fp32":
+    if row.get("precision") == kinds.REFERENCE:
         for other in rows:
             fp32 = (((other.get("memory") or {}).get("fp32")) or {}).get("peak_mb")
             if fp32 is not None:

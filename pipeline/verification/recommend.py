@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Set
 
+from pipeline.precision import kinds
+
 FP16_MAX = 65504.0
-FLOAT_PRECISIONS = {"fp16": "fp16", "bf16": "bf16"}
 OPENVINO_HINTS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
-APPLIES_KEEP_FLOAT = ("fp16", "int8", "mixed")  # builds that honour precision.keep_float
 CLIPPED_TOO_MUCH = 0.001  # a threshold that clips more than 0.1 % of values is suspect
 # Without calibration statistics (an imported table): a threshold this far below the
 # reference's own peak on the validation samples is suspect.
@@ -78,7 +78,7 @@ def recommend(precision: str, backend: str, requested: dict, effective: dict,
             found.append(_nan_origin(origin, precision))
         if culprit and not (origin and culprit["tensor"] == origin["tensor"]):
             found.append(_divergence(culprit, precision, (calibration or {}).get("tensors", {}), truth))
-    if graph is not None and precision in ("int8", "mixed"):
+    if graph is not None and kinds.quantized(precision):
         for advice in found:  # int8 builds can only keep their quantized ops in float
             keep = advice["action"].get("keep_float")
             traced = list(dict.fromkeys(p for op in keep or [] for p in graph.producers(op)))
@@ -90,7 +90,7 @@ def recommend(precision: str, backend: str, requested: dict, effective: dict,
                 advice["action"]["keep_float"] = traced
     for advice in found:
         keep = advice["action"].get("keep_float")
-        if keep and precision in APPLIES_KEEP_FLOAT:
+        if keep and kinds.keeps_float(precision):
             advice["text"] += f" (apply: precision.keep_float=[{','.join(keep)}])"
     return found
 
@@ -103,13 +103,13 @@ def _fallbacks(precision: str, backend: str, requested: dict, effective: dict) -
                       "text": f"requested {requested['device']} but {device} ran: check that the device and its "
                               "driver are visible to the runtime, or target the device that ran",
                       "action": {"device": requested["device"]}})
-    if precision == "fp32" and ran in FLOAT_PRECISIONS:
-        hint = OPENVINO_HINTS["fp32"] if backend == "openvino" else "fp32"
+    if precision == kinds.REFERENCE and kinds.half(ran):
+        hint = OPENVINO_HINTS[precision] if backend == "openvino" else precision
         found.append({"kind": "precision_fallback",
                       "text": f"backend ran {ran} where fp32 was requested: set the precision hint "
                               f"(OpenVINO INFERENCE_PRECISION_HINT={hint})",
                       "action": {"precision_hint": hint}})
-    elif precision in FLOAT_PRECISIONS and ran == "fp32":
+    elif kinds.half(precision) and ran == kinds.REFERENCE:
         found.append({"kind": "precision_unsupported",
                       "text": f"{precision} was requested but the backend ran fp32: this device has no native "
                               f"{precision} for these layers; ship precision=fp32 here, or {precision} on a "
@@ -121,7 +121,8 @@ def _fallbacks(precision: str, backend: str, requested: dict, effective: dict) -
 def _nan_origin(origin: dict, precision: str) -> dict:
     peak = origin.get("reference_max_abs") or 0.0
     keep = [origin["op"], *origin.get("consumers", [])]
-    if peak > FP16_MAX and precision in ("fp16", "bf16", "mixed", "fp32"):
+    # fp16 overflow is advised on every precision but plain int8 (quantized, nothing searched into float)
+    if peak > FP16_MAX and (not kinds.quantized(precision) or kinds.searched(precision)):
         return {"kind": "fp16_overflow",
                 "text": f"tensor {origin['tensor']} overflows fp16 (max {peak:.3g} > {FP16_MAX:g}) at op "
                         f"{origin['op']} ({origin['op_type']}): keep {' and '.join(keep)} in fp32",
@@ -136,7 +137,7 @@ def _nan_origin(origin: dict, precision: str) -> dict:
 def _divergence(culprit: dict, precision: str, table: dict, truth: Optional[dict] = None) -> dict:
     op, tensor = culprit["op"], culprit["tensor"]
     where = f"first divergence at {culprit['op_type']} {op} (tensor {tensor}, cosine {culprit['cosine']:.4f})"
-    if precision in ("int8", "mixed"):
+    if kinds.quantized(precision):
         peaks = {tensor: culprit.get("reference_max_abs"),
                  **{i["tensor"]: i.get("reference_max_abs") for i in culprit.get("inputs", [])}}
         clipping = _worst_clipping(peaks, table)
@@ -154,7 +155,7 @@ def _divergence(culprit: dict, precision: str, table: dict, truth: Optional[dict
         return {"kind": "int8_sensitive",
                 "text": f"{where}: keep {op} in float (precision=mixed puts it in the qtable)",
                 "action": {"keep_float": [op]}}
-    if precision in FLOAT_PRECISIONS:
+    if kinds.half(precision):
         return {"kind": "float_precision",
                 "text": f"{where}: keep {op} in fp32", "action": {"keep_float": [op]}}
     as_close = [o for o in ((truth or {}).get("outputs") or {}).values() if o["target_as_close"]]

@@ -25,10 +25,10 @@ import numpy as np
 
 from pipeline.environment import VNNI_FLAGS
 from pipeline.errors import BackendCrashed
+from pipeline.precision import kinds
 
 WARMUP = 3
 STREAM_MAX_BYTES = 64 << 20  # input data of the stream timing, held by every build's worker
-CHANGES_PRECISION = ("int8", "mixed", "fp16", "bf16")  # builds that exist to be faster than fp32
 SLICE_MS = 5.0  # a slice: back-to-back runs of one build; a round alternates the builds slice by slice
 TIGHT = 1.25  # a spread of per-round ratios (outer p75/p25) at most this is tight: a tie can be called
 MAX_PASSES = 32  # stream passes of one build a round (each pass is a call to its worker)
@@ -92,7 +92,7 @@ def judge(ratios: List[float], tight: float = TIGHT) -> str:
     return "tie" if spread(ratios) <= tight else "undecided"
 
 
-def undecided(medians: Dict[str, List[float]], tight: float, baseline: str = "fp32") -> List[Tuple[str, str]]:
+def undecided(medians: Dict[str, List[float]], tight: float, baseline: str = kinds.REFERENCE) -> List[Tuple[str, str]]:
     """The pairs of builds the rounds leave ``undecided`` (``judge``): each build against the
     baseline (the speed-up verify reports) and against the fastest by median (the one auto
     weighs every build against). A pair decided faster or slower stays decided however wide."""
@@ -240,7 +240,7 @@ def _summary(medians: List[float], counts: List[int], how: dict) -> dict:
             "discarded_rounds": how["discarded_rounds"], "round_medians_ms": medians}
 
 
-def speedups(timings: Dict[str, dict], baseline: str = "fp32", tight: float = TIGHT) -> Dict[str, dict]:
+def speedups(timings: Dict[str, dict], baseline: str = kinds.REFERENCE, tight: float = TIGHT) -> Dict[str, dict]:
     """Per build: the median of the per-round ratios baseline/build and their quartiles;
     ``spread`` and ``call``: the outer p75/p25 and ``judge``'s word against the baseline."""
     base = timings.get(baseline) or {}
@@ -263,7 +263,7 @@ def _finite(value: float) -> Optional[float]:
 def slow_build_warning(shipped: str, speedup: Optional[dict], backend: str, cpu_flags: List[str],
                        fp32_ms: Optional[float]) -> Optional[str]:
     """One line when a build that exists to be faster is not faster than fp32 here."""
-    if shipped not in CHANGES_PRECISION or speedup is None or speedup["faster"]:
+    if not kinds.reduced(shipped) or speedup is None or speedup["faster"]:  # fp32 is not there to be faster
         return None
     ratio = f"{speedup['speedup']:.2f}x fp32 (rounds {speedup['speedup_p25']:.2f}-{speedup['speedup_p75']:.2f}x)"
     if speedup["speedup_p75"] < 1.0:
@@ -278,16 +278,14 @@ def slow_reason(precision: str, backend: str, cpu_flags: List[str], fp32_ms: Opt
     """Why a precision is not faster, where the cause is known for this backend and CPU."""
     flags = set(cpu_flags)
     x86 = bool(flags & {"sse4_2", "avx", "avx2"})
-    int8 = precision in ("int8", "mixed")
+    int8 = kinds.quantized(precision)
     if int8 and x86 and not flags & VNNI_FLAGS:
         kernels = "ONNX Runtime's u8s8" if backend == "onnxruntime" else "the runtime's"
         return f"x86 without VNNI: {kernels} int8 kernels are slower than fp32 on this CPU"
-    if precision == "fp16" and backend == "onnxruntime" and x86:
+    if kinds.narrow(precision) and backend == "onnxruntime" and x86:
         return "ONNX Runtime has no fp16 CPU kernels on x86: the fp16 model is computed with casts around fp32"
-    if precision == "bf16" and x86 and not flags & {"avx512_bf16", "amx_bf16"}:
-        return "this CPU has no native bf16 arithmetic (avx512_bf16 or AMX): bf16 is emulated"
-    if precision == "fp16" and x86 and not flags & {"avx512_fp16", "amx_fp16"}:
-        return "this CPU has no native fp16 arithmetic: the runtime computes an fp16 request in bf16 or fp32"
+    if x86 and not kinds.native(precision, flags):
+        return kinds.of(precision).not_native
     if int8 and fp32_ms is not None and fp32_ms < 1.0:
         return (f"a small model ({fp32_ms:.3f} ms per inference in fp32): the quantize/dequantize steps "
                 "between layers likely cost more than int8 arithmetic saves")
@@ -296,7 +294,7 @@ def slow_reason(precision: str, backend: str, cpu_flags: List[str], fp32_ms: Opt
 
 def min_speedup_failure(shipped: str, speedup: Optional[dict], minimum: Optional[float]) -> Optional[str]:
     """The failing check ``validation.min_speedup`` asks for, or None."""
-    if minimum is None or shipped == "fp32":
+    if minimum is None or shipped == kinds.REFERENCE:
         return None
     if speedup is None:
         return f"speed: the {shipped} build's speed-up over fp32 could not be measured (validation.min_speedup={minimum})"

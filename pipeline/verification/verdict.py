@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from pipeline.errors import ExitCode
+from pipeline.precision import kinds
 
 # Order of the reasons: a crash (it stops everything else), what the model computes, what the machine ran.
 ORDER = ("crash", "nothing", "accuracy", "task", "task_confidence", "nothing_int8", "nan_inf", "device", "precision",
@@ -144,12 +145,12 @@ def _ran(requested: dict, effective: dict, fail_on_float_fallback: bool, intende
         found.append(_check("nothing_int8", requested["nothing_int8"]))
     ran = str(effective.get("precision", "")).lower()
     accepted = {p.lower() for p in requested.get("accepted_precisions") or [requested["precision"]]}
-    partly_int8 = requested["precision"] == "int8" and ran == "mixed"
+    partly_int8 = kinds.ran_partly(requested["precision"], ran)  # int8 asked, mixed ran
     if ran not in accepted and not partly_int8:
         text = f"requested precision {requested['precision']} but {effective.get('precision')} ran"
         return found + [_check("precision", f"{text}: {note}" if note else text)]
     fallback = partial_fallback(effective, intended_float)
-    if requested["precision"] in ("int8", "mixed") and (fallback["ops"] or (partly_int8 and not fallback["reported"])):
+    if kinds.quantized(requested["precision"]) and (fallback["ops"] or (partly_int8 and not fallback["reported"])):
         severity = "fail" if fail_on_float_fallback else "warning"
         text = f"int8 ran partly: {fallback['text']}" + (
             "" if fail_on_float_fallback else " (a warning; validation.fail_on_float_fallback=true fails on it)")

@@ -26,6 +26,7 @@ from pipeline import backends, environment, shapes
 from pipeline.verification import diagnosis, float_noise, speed, verdict
 from pipeline.artifacts import hash_files, read_json, write_json, write_npz
 from pipeline.config.schemas import plain
+from pipeline.precision import kinds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
 from pipeline.verification.metrics import OutputStats
@@ -308,7 +309,7 @@ def _add_stream(ran: _Ran, rows: dict, split, validation, backend_name: str) -> 
         "median_ms": {name: t.get("median_ms") for name, t in timings.items()},
         "rounds": max((t.get("rounds", 0) for t in timings.values()), default=0),
         "speedups": speedups}
-    fp32_ms = (timings.get("fp32") or {}).get("median_ms")
+    fp32_ms = (timings.get(kinds.REFERENCE) or {}).get("median_ms")
     ran.timing["warning"] = speed.slow_build_warning(shipped, speedups.get(shipped), backend_name,
                                                      environment.cpu()["flags"], fp32_ms)
     ran.timing["failure"] = speed.min_speedup_failure(shipped, speedups.get(shipped), validation.min_speedup)
@@ -337,18 +338,18 @@ def _nothing_int8(ctx) -> dict:
     build meeting the thresholds (mixed: the search kept every op float) or none faster than
     fp32 here (precision.int8_where_faster); pipeline.verification.verdict fails it with this line."""
     quantization = ctx.results["build"].summary.get("quantization") or {}
-    if ctx.cfg.precision.kind not in ("int8", "mixed") or quantization.get("int8_ops") != 0:
+    if not kinds.quantized(ctx.cfg.precision.kind) or quantization.get("int8_ops") != 0:
         return {}
     count, kind = len(quantization.get("float_ops") or []), ctx.cfg.precision.kind
     if (quantization.get("slower_in_int8") or {}).get("ops"):
         why = (f"no quantized op is faster in int8 than in fp32 on this machine (precision.int8_where_faster "
                f"kept all {count} in float) and the build runs fp32: ship fp32 (precision=auto chooses it)")
-    elif kind == "mixed":
+    elif kinds.searched(kind):
         why = (f"the sensitivity search kept all {count} quantized ops in float and the build runs fp32: no int8 "
                "build meets the thresholds (sensitivity.max_float_ops, validation.min_cosine)")
     else:
         why = f"precision.keep_float and the backend keep all {count} quantized ops in float: the build runs fp32"
-    return {"accepted_precisions": ["fp32"], "nothing_int8": f"precision {kind}: {why}"}
+    return {"accepted_precisions": [kinds.REFERENCE], "nothing_int8": f"precision {kind}: {why}"}
 
 
 def _build_float_ops(ctx) -> List[str]:
@@ -362,8 +363,8 @@ def _accepted_precisions(precision, float_ops: List[str]) -> List[str]:
     int8 met the target) runs int8 everywhere; an int8 build that keeps ops in float
     (precision.keep_float, or the backend's own float kinds) is mixed."""
     name = precision.kind
-    if name == "mixed" or (name == "int8" and (precision.keep_float or float_ops)):
-        return ["int8", "mixed"]
+    if kinds.searched(name) or (kinds.partial(name) and (precision.keep_float or float_ops)):
+        return kinds.with_partial(name)
     return [name]
 
 
@@ -473,7 +474,7 @@ def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name
     speedups = speed.speedups(timings, tight=validation.timing_tight_spread)
     for name, found in speedups.items():
         comparison[name]["speedup"] = found
-    fp32_ms = (timings.get("fp32") or {}).get("median_ms")
+    fp32_ms = (timings.get(kinds.REFERENCE) or {}).get("median_ms")
     summary = {"method": f"interleaved rounds of at least {validation.timing_round_ms:g} ms per build (runs sized "
                          f"from the warm-up, at least {validation.timing_runs}) in slices alternating between the "
                          "builds, order rotated; median of round medians; speed-up: median of per-round ratios; "
@@ -491,11 +492,12 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     precision = ctx.cfg.precision.kind
     convert = ctx.results["convert"]
     builds = {}
-    if precision != "fp32":
-        builds["fp32"] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None, None)
-    if precision == "mixed" and backends.own_quantizer(backend, precision):
-        builds["int8"] = (None, None, [])  # the runtime's own quantizer, no op kept float
-    elif precision == "mixed":
+    if precision != kinds.REFERENCE:
+        builds[kinds.REFERENCE] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None, None)
+    whole = kinds.partial_of(precision)  # mixed: plain int8 beside it
+    if whole and backends.own_quantizer(backend, precision):
+        builds[whole] = (None, None, [])  # the runtime's own quantizer, no op kept float
+    elif whole:
         int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
         calibrate = ctx.results["calibrate"]
         prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
@@ -504,7 +506,7 @@ def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
         build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
                   QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
                   keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
-        builds["int8"] = (int8, None, None)  # uncorrected, as the sensitivity search measures plain int8
+        builds[whole] = (int8, None, None)  # uncorrected, as the sensitivity search measures plain int8
     return {name: Row(*built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}",
                                       float_ops))
             for name, (onnx_path, ir_dir, float_ops) in builds.items()}

@@ -17,6 +17,7 @@ from pipeline import backends
 from pipeline.verification import layerwise, trials, truth as float64, verdict
 from pipeline.artifacts import read_json
 from pipeline.config.schemas import Layerwise
+from pipeline.precision import kinds
 from pipeline.errors import BackendCrashed, ExitCode, first_line
 from pipeline.task_metrics import load_metric
 from pipeline.verification.scoring import TaskScorer
@@ -101,7 +102,7 @@ def truth_wanted(precision: str, checks: List[dict]) -> bool:
     reference far from the truth hides behind a pass, and on float targets whose accuracy
     fails, before a kernel is blamed. int8/mixed: quantization error dwarfs float32
     rounding, and their advice is about quantized ops, which this check cannot change."""
-    return precision == "fp32" or (precision in ("fp16", "bf16") and _accuracy_failed(checks))
+    return precision == kinds.REFERENCE or (kinds.half(precision) and _accuracy_failed(checks))
 
 
 def truth_check(ctx, reference, target, dataset, outputs: List[dict]) -> dict:
@@ -130,7 +131,7 @@ def _quantized_graph(ctx) -> Optional[QuantizedGraph]:
     precision = ctx.cfg.precision
     quantization = ctx.results["build"].summary.get("quantization") or {}
     calibrate = ctx.results.get("calibrate")
-    if precision.kind not in ("int8", "mixed") or "float_ops" not in quantization or calibrate is None:
+    if not kinds.quantized(precision.kind) or "float_ops" not in quantization or calibrate is None:
         return None
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     model = onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False)
@@ -152,8 +153,8 @@ def _tried_advice(ctx, backend, live: Live, advice: List[dict], layers, graph: Q
     if not found:  # nothing this build could keep in float (no quantized op upstream of the evidence)
         return advice, []
     already = judged_with(ctx)["intended_float"]
-    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.kind,
-                 "accepted_precisions": ["int8", "mixed"]}  # as a run with precision.keep_float accepts
+    requested = {"device": cfg.target.device.upper(), "precision": cfg.precision.kind,  # int8 or mixed
+                 "accepted_precisions": kinds.with_partial(cfg.precision.kind)}  # as with precision.keep_float
 
     def judge(stats, build, effective):
         measured_task = (scorer.result(build, cfg.validation.max_metric_drop, cfg.validation.require_confidence)
@@ -187,8 +188,9 @@ def _tried_advice(ctx, backend, live: Live, advice: List[dict], layers, graph: Q
         return untouched + [_unconfirmed(ranked, budget)], tried
     base = {"cosine": min(o["metrics"]["cosine"] for o in outputs), "task": task}
     found_advice = trials.advice(tried, base, list(cfg.precision.keep_float))
-    if found_advice[0]["kind"] == "tried_none_passed" and cfg.precision.kind == "int8":
-        found_advice[0]["text"] += "; precision=mixed searches further (docs/sensitivity.md)"
+    further = kinds.partial(cfg.precision.kind)  # int8: mixed
+    if found_advice[0]["kind"] == "tried_none_passed" and further:
+        found_advice[0]["text"] += f"; precision={further} searches further (docs/sensitivity.md)"
     return untouched + found_advice, tried
 
 
@@ -324,7 +326,7 @@ def _qdq_maker(ctx, backend, stack):
     float ops) with those ops float too, made once per keep_float (screening ranks it,
     confirming refines a copy of it), in a scratch folder the stack removes."""
     calibrate = ctx.results["calibrate"]
-    source = ctx.results["sensitivity"] if ctx.cfg.precision.kind == "mixed" else calibrate
+    source = ctx.results["sensitivity"] if kinds.searched(ctx.cfg.precision.kind) else calibrate
     table = read_json(source.path("table"))["tensors"]
     settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
     float_ops = ctx.results["build"].summary["quantization"]["float_ops"]

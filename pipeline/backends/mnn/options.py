@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from pipeline.backends.mnn.common import CACHE_FILE, FORWARD_TYPES, GPU_DEVICES, PRECISION_MODES
 from pipeline.backends.protocol import MEMORY_OPTION, memory_mode
+from pipeline.precision import kinds
 
 GPU_TUNING = {"none": 1 << 0, "heavy": 1 << 1, "wide": 1 << 2, "normal": 1 << 3, "fast": 1 << 4}  # MNNGpuMode
 GPU_MEMORY = {"auto": 0, "buffer": 1 << 6, "image": 1 << 7}
@@ -42,9 +43,9 @@ def check_config(target, precision: str) -> Optional[str]:
         return (f"target.threads={target.threads}: MNN GPU sessions carry the GPU mode where CPU sessions carry "
                 "the thread count (ScheduleConfig union); use target.threads=0")
     asked = _value(target.mnn.precision)
-    if precision == "fp32" and asked == "low":
+    if precision == kinds.REFERENCE and asked == "low":
         return "target.mnn.precision=low computes in fp16 where the device can: precision=fp32 needs high or normal"
-    if precision == "fp16" and asked == "high":
+    if kinds.half(precision) and asked == "high":  # MNN's one half float: fp16
         return "target.mnn.precision=high computes in fp32: precision=fp16 needs low or normal"
     return None
 

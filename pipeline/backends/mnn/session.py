@@ -17,6 +17,7 @@ from pipeline.backends.mnn.common import (
     _captured, _COMPUTE_OPS, FORWARD_TYPES, _mnn, _mnn_graph, _mnn_root, PRECISION_MODES, runtime_exists)
 from pipeline.backends.mnn.options import MEMORY_LOW_HINTS, schedule_config
 from pipeline.backends.protocol import memory_low
+from pipeline.precision import kinds
 
 # getSessionInfo(BACKENDS) -> device; 13 is MNN_FORWARD_CPU_EXTENSION (the CPU backend with x86/ARM extensions)
 BACKEND_NAMES = {0: "CPU", 1: "METAL", 2: "CUDA", 3: "OPENCL", 4: "AUTO", 5: "NN", 6: "OPENGL", 7: "VULKAN",
@@ -259,7 +260,7 @@ class Session:
                 else:
                     float_ops[onnx_of.get(name, name)] = op_type
         if counts:
-            precision = "mixed" if "int8" in counts and len(counts) > 1 else counts.most_common(1)[0][0]
+            precision = kinds.from_op_counts(counts) or counts.most_common(1)[0][0]
         else:
             precision = float_precision
         result = {"device": device, "precision": precision,

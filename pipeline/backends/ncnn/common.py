@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline import shapes
 from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, memory_mode
+from pipeline.precision import kinds
 
 
 # ncnn's wheel uses libgomp, whose idle threads spin by default: two ncnn workers side by
@@ -29,7 +30,7 @@ VULKAN_DEVICE_TYPES = {0: "discrete GPU", 1: "integrated GPU", 2: "virtual GPU",
 NO_VULKAN_DEVICE = "no Vulkan device: install libvulkan1 and a driver such as mesa-vulkan-drivers"
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
 RUNTIME_PRECISIONS = ("fp16", "bf16")  # runtime switches: build gets the fp32 ONNX model
-QUANTIZED_PRECISIONS = ("int8", "mixed")  # build gets parity's Q/DQ model (int8.py)
+QUANTIZED_PRECISIONS = tuple(filter(kinds.quantized, PRECISIONS))  # build gets parity's Q/DQ model (int8.py)
 MEMORY_MODES = ("auto",)
 X86_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 DEVICES = ("CPU", "VULKAN")
@@ -94,7 +95,8 @@ def versions() -> Dict[str, str]:
 
 def check_config(target, precision: str) -> Optional[str]:
     device = str(target.device).upper()
-    if precision == "bf16" and device != "CPU":
+    fp16, bf16 = _halves(precision)
+    if bf16 and device != "CPU":
         return "precision=bf16 on ncnn is CPU-only (bf16 storage); use target=ncnn_cpu"
     if precision in QUANTIZED_PRECISIONS and device == "VULKAN":
         from pipeline.backends.ncnn.int8_format import vulkan_int8_problem
@@ -105,10 +107,16 @@ def check_config(target, precision: str) -> Optional[str]:
     switches = target.ncnn
     if switches.device_index < 0:
         return f"target.ncnn.device_index={switches.device_index}: must be >= 0"
-    if precision == "fp16" and not (switches.fp16_storage or switches.fp16_packed or switches.fp16_arithmetic):
+    if fp16 and not (switches.fp16_storage or switches.fp16_packed or switches.fp16_arithmetic):
         return ("precision=fp16 with target.ncnn.fp16_storage, fp16_packed and fp16_arithmetic all false runs fp32; "
                 "turn one on or use precision=fp32")
     return None
+
+
+def _halves(precision: str) -> Tuple[bool, bool]:
+    """(fp16, bf16): ncnn's two 16-bit floats, fp16 (storage, packed and arithmetic switches)
+    and bf16 (storage only, on the CPU), told apart by fp16's narrow range."""
+    return kinds.narrow(precision), kinds.half(precision) and not kinds.narrow(precision)
 
 
 def float_op_kinds(target) -> List[str]:
@@ -139,8 +147,7 @@ def pnnx_executable() -> Optional[Path]:
 
 def runtime_options(target, precision: str) -> dict:
     """ncnn Option switches for this target and precision (precision is a runtime choice)."""
-    fp16 = precision == "fp16"
-    bf16 = precision == "bf16"
+    fp16, bf16 = _halves(precision)
     switches = target.ncnn
     return {
         "use_vulkan": str(target.device).upper() == "VULKAN",

@@ -7,6 +7,8 @@ import ctypes
 import functools
 from typing import Dict, List, Optional, Tuple
 
+from pipeline.precision import kinds
+
 
 # ncnn layer type -> (param of num_output, of bias_term, of weight_data_size, int8_scale_term
 # written, whether there is one weight scale per group (param 7) rather than per output)
@@ -117,20 +119,20 @@ def read_back(rows: List[Tuple[str, str, str]], network, record: Optional[dict])
     if not record:
         return None
     types = {layer.name: layer.type for layer in network.layers}
-    int8 = {name for name, _, precision in rows if precision == "int8"}
+    int8 = {name for name, _, precision in rows if kinds.quantized(precision)}
     compute = [name for name, _, _ in rows if types.get(name) in COMPUTE_LAYERS]
     ops = record.get("layers") or {}
     layer_of = {op: name for name, op in ops.items()}
     float_ops = {op: kind for op, kind in (record.get("quantized_ops") or {}).items() if layer_of.get(op) not in int8}
     floats = [name for name in compute if name not in int8]
-    precision = ("mixed" if floats else "int8") if int8 else "fp32"
+    precision = kinds.from_op_counts({"int8": len(int8), kinds.REFERENCE: len(floats)}) or kinds.REFERENCE
     terms = {layer.name: int(layer.param(INT8_SCALE_PARAM) or 0) for layer in network.layers}
     requantized = sum(1 for name in int8 if terms.get(name, 0) > REQUANTIZE_TERM)
     found = {"precision": precision, "float_ops": float_ops,
-             "int8_layers": {name: ops.get(name) for name, _, p in rows if p == "int8"},
+             "int8_layers": {name: ops.get(name) for name, _, p in rows if kinds.quantized(p)},
              "layers": f"int8: {len(int8)} of {len(compute)} compute layers"
                        + (f" ({requantized} output int8: requantize)" if requantized else "")}
-    on_cpu = [name for name, device, p in rows if p == "int8" and device == "CPU"]
+    on_cpu = [name for name, device, p in rows if kinds.quantized(p) and device == "CPU"]
     if on_cpu and any(device == "VULKAN" for _, device, _ in rows):
         found["note"] = (f"{len(on_cpu)} int8 layers ran on the CPU, not on Vulkan (ncnn has no Vulkan int8 "
                          f"kernel for them, e.g. a non-zero pad value): {', '.join(on_cpu[:5])}")

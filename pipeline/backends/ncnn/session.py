@@ -16,6 +16,7 @@ from pipeline.backends.ncnn.common import (
 from pipeline.backends.ncnn.fingerprints import _ncnn_shape
 from pipeline.backends.ncnn.options import CPU_FP32_NOTE, SPEED_SWITCHES, _set_options, cpu_fp16_storage
 from pipeline.backends.ncnn.param import Param, _bin_name
+from pipeline.precision import kinds
 
 
 def load(artifact_dir: Path, settings: dict) -> "Session":
@@ -270,8 +271,8 @@ class Session:
         rows = self.layer_devices()
         devices = Counter(device for _, device, _ in rows)
         precisions = Counter(precision for _, _, precision in rows)
-        reduced = [p for p in ("fp16", "bf16") if precisions.get(p)]
-        precision = max(reduced, key=lambda p: precisions[p]) if reduced else "fp32"
+        reduced = [p for p in kinds.HALF if precisions.get(p)]
+        precision = max(reduced, key=lambda p: precisions[p]) if reduced else kinds.REFERENCE
         device = "VULKAN" if devices.get("VULKAN") else "CPU"
         layers = ", ".join(f"{name.lower()}: {devices[name]}" for name in ("VULKAN", "CPU") if devices.get(name))
         int8 = ncnn_int8.read_back(rows, self._network, self._options.get("int8"))
@@ -293,7 +294,7 @@ class Session:
             result.update(self._vulkan_device())
         if self._options_vulkan and not self._gpu_count:
             result["note"] = NO_VULKAN_DEVICE
-        elif precision == "fp32" and (opt.use_fp16_storage or opt.use_fp16_packed or opt.use_fp16_arithmetic):
+        elif precision == kinds.REFERENCE and (opt.use_fp16_storage or opt.use_fp16_packed or opt.use_fp16_arithmetic):
             result["note"] = CPU_FP32_NOTE
         return result
 
