@@ -31,6 +31,14 @@ parity's bundle is loaded as a deployment loads it (runtime.yaml + pipeline.back
 serving path is timed; fp32 and the peers are plain runtime sessions with the same threads (and
 on OpenVINO the f32 precision hint of parity's builds: without it, CPUs with bf16 run bf16).
 Prints the CPU flags and versions, a table per target and the issue's goals as met / not met.
+
+`--classifier K` (issue 46 item 4): the same encoder made a K-way sentence classifier, a
+linear head on sentence_embedding fitted to K intents (k-means of the reference embeddings
+of every sentence, then ridge regression to the one-hot intents: real margins, some near
+ties). Its output is `logits`; parity's job runs with `metric=top1` and no labels (the
+agreement with the reference's argmax); every build is judged by its logits' cosine and its
+top-1 agreement with the fp32 reference; the goal on ort_cpu: the shipped build agrees at
+least as often as the best ONNX Runtime peer and streams at least as fast.
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ import sentences  # noqa: E402  (real sentences, tests/sentences.py)
 from pipeline import backends  # noqa: E402
 from pipeline.environment import cpu, versions  # noqa: E402
 
-OUTPUT = "sentence_embedding"
+OUTPUT = "sentence_embedding"  # the classifier's: "logits" (main sets it with --classifier)
 MAX_LENGTH = 128
 RUNTIMES = {"ort_cpu": "onnxruntime", "openvino_cpu": "openvino"}
 # peer name -> (how it quantizes, the runtime it runs on, the saved file's name)
@@ -164,12 +172,47 @@ def write_data(root: Path, sizes: tuple, tokenizer: Path) -> dict:
     return feeds
 
 
+def classifier_model(model: Path, feeds: list, classes: int, out: Path) -> Path:
+    """``model`` with a fitted linear head on sentence_embedding: output ``logits`` [batch, classes]
+    (k-means intents of the reference embeddings, ridge regression to their one-hot codes)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    vectors = embeddings(ort_runner(model, 0, optimize=False), feeds)
+    intents = kmeans(vectors / np.linalg.norm(vectors, axis=1, keepdims=True), classes)
+    design = np.hstack([vectors, np.ones((len(vectors), 1))])
+    targets = np.eye(classes)[intents] * 8.0 - 4.0  # logits about +-4: margins like a trained head's
+    solution = np.linalg.solve(design.T @ design + 1e-2 * np.eye(design.shape[1]), design.T @ targets)
+    graph = onnx.load(str(model))
+    graph.graph.initializer.extend([numpy_helper.from_array(solution[:-1].astype(np.float32), "head.weight"),
+                                    numpy_helper.from_array(solution[-1].astype(np.float32), "head.bias")])
+    graph.graph.node.extend([helper.make_node("MatMul", [OUTPUT, "head.weight"], ["head_out"], name="head"),
+                             helper.make_node("Add", ["head_out", "head.bias"], ["logits"], name="head_bias")])
+    del graph.graph.output[:]
+    graph.graph.output.append(helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", classes]))
+    onnx.save(graph, str(out))
+    return out
+
+
+def kmeans(points: np.ndarray, count: int, iterations: int = 30) -> np.ndarray:
+    """Each point's cluster (seeded Lloyd's iterations; an emptied cluster takes the farthest point)."""
+    rng = np.random.default_rng(0)
+    centres = points[rng.choice(len(points), count, replace=False)]
+    for _ in range(iterations):
+        distances = ((points[:, None, :] - centres[None]) ** 2).sum(-1)
+        assigned = distances.argmin(1)
+        for index in range(count):
+            members = points[assigned == index]
+            centres[index] = members.mean(0) if len(members) else points[distances.min(1).argmax()]
+    return assigned
+
+
 def parity_job(target: str, model: Path, tokenizer: Path, data: Path, npz: bool, threads: int, cwd: Path,
-               extra: tuple = ()) -> dict:
+               extra: tuple = (), metric: str = "embedding") -> dict:
     """parity's default job for ``target`` (``extra``: overrides after it, --parity), cold in a
     fresh folder: wall seconds and what its report says."""
     data_args = (["data.kind=tensors", f"data.path={data / 'npz'}", "metric=none"] if npz else
-                 ["data.kind=text", f"data.path={data / 'text'}", f"data.tokenizer={tokenizer}", "metric=embedding"])
+                 ["data.kind=text", f"data.path={data / 'text'}", f"data.tokenizer={tokenizer}", f"metric={metric}"])
     args = [f"model.path={model}", *data_args, f"target={target}", *([f"target.threads={threads}"] if threads else []),
             *extra]
     cwd.mkdir(parents=True)
@@ -314,7 +357,8 @@ def measure(target: str, model: Path, job: dict, peers: dict, feeds: list, refer
     rows = {}
     for name, run in builds.items():  # the accuracy pass: every build's warm-up too
         found = embeddings(run, feeds)
-        rows[name] = {"cosine": mean_cosine(found, reference), "nn1": nn1_agreement(found, reference)}
+        rows[name] = {"cosine": mean_cosine(found, reference), "nn1": nn1_agreement(found, reference),
+                      "top1": float(np.mean(found.argmax(1) == reference.argmax(1)))}
     console.print(f"{target}: timing {len(builds)} builds, {args.rounds} rounds of {len(feeds)} calls each")
     timings = stream_rounds(builds, feeds, args.rounds)
     for name, rounds in timings.items():
@@ -331,9 +375,12 @@ def measure(target: str, model: Path, job: dict, peers: dict, feeds: list, refer
 
 
 def print_target(target: str, rows: dict, job: dict) -> None:
-    table = Table(title=f"{target}: all-MiniLM-L6-v2, each build against the fp32 ONNX Runtime reference; "
-                        "stream speed-up against fp32 on the same runtime", title_justify="left")
-    for column in ("build", "embedding cosine", "NN@1", "ms/call", "stream speed-up (p25-p75)",
+    classifier = OUTPUT == "logits"
+    table = Table(title=f"{target}: all-MiniLM-L6-v2{' + a fitted intent head' if classifier else ''}, each build "
+                        "against the fp32 ONNX Runtime reference; stream speed-up against fp32 on the same runtime",
+                  title_justify="left")
+    for column in ("build", "logits cosine" if classifier else "embedding cosine",
+                   "top-1 agreement" if classifier else "NN@1", "ms/call", "stream speed-up (p25-p75)",
                    "quantize / job s", "note"):
         table.add_column(column, justify="left" if column in ("build", "note") else "right")
     for name, row in rows.items():
@@ -348,7 +395,7 @@ def print_target(target: str, rows: dict, job: dict) -> None:
             note = f"exit {job['exit']}, {job['verdict']}" + (
                 f"; verify's own stream speed-up {own['speedup']:.2f} ({own['speedup_p25']:.2f}-"
                 f"{own['speedup_p75']:.2f})" if own else "")
-        table.add_row(name, f"{row['cosine']:.5f}", f"{row['nn1']:.4f}", f"{row['ms']:.3f}",
+        table.add_row(name, f"{row['cosine']:.5f}", f"{row['top1' if classifier else 'nn1']:.4f}", f"{row['ms']:.3f}",
                       f"{up['speedup']:.2f} ({up['p25']:.2f}-{up['p75']:.2f})",
                       "-" if seconds is None else f"{seconds:.1f}", note)
     console.print(table)
@@ -368,6 +415,8 @@ def goals(rows: dict, job: dict) -> list:
     peers = {name: row for name, row in rows.items() if name in PEERS and "cosine" in row}
     if parity is None or not peers:
         return [("parity's bundle and at least one peer measured", False)]
+    if OUTPUT == "logits":
+        return classifier_goals(parity, peers)
     best_cos = max(peers.values(), key=lambda r: r["cosine"])["cosine"]
     best_nn1 = max(peers.values(), key=lambda r: r["nn1"])["nn1"]
     accurate_name, accurate = max(peers.items(), key=lambda item: (item[1]["cosine"], item[1]["nn1"]))
@@ -388,6 +437,18 @@ def goals(rows: dict, job: dict) -> list:
                       f"{parity['stream']['speedup']:.2f} = {ratio:.3f}, within {GOALS['verify_vs_benchmark']:.0%}",
                       abs(ratio - 1) <= GOALS["verify_vs_benchmark"]))
     return found
+
+
+def classifier_goals(parity: dict, peers: dict) -> list:
+    """Issue 46 item 4: the shipped build keeps the top-1 agreement at least as well as the best
+    of ONNX Runtime's own quantizers (on ort_cpu; NNCF's where there are none) and streams at
+    least as fast as it."""
+    own = {name: row for name, row in peers.items() if name.startswith("ORT")} or peers
+    best_name, best = max(own.items(), key=lambda item: (item[1]["top1"], item[1]["cosine"]))
+    return [(f"top-1 agreement {parity['top1']:.4f} >= the best peer's ({best_name}) {best['top1']:.4f}",
+             parity["top1"] >= best["top1"]),
+            (f"stream speed-up {parity['stream']['speedup']:.2f} >= that peer's {best['stream']['speedup']:.2f}",
+             parity["stream"]["speedup"] >= best["stream"]["speedup"])]
 
 
 def print_environment(args) -> dict:
@@ -424,12 +485,15 @@ def parse_args():
     parser.add_argument("--parity", nargs="+", default=[], metavar="OVERRIDE",
                         help="overrides appended to parity's default job, e.g. precision=int8 to check verify's "
                              "stream figure on an int8 bundle where the default job ships fp32")
+    parser.add_argument("--classifier", type=int, default=0, metavar="K",
+                        help="a K-way sentence classifier (a fitted head on the embedding), metric=top1 without labels")
     parser.add_argument("--npz", action="store_true",
                         help="parity reads per-sample .npz tensors (data.kind=tensors metric=none), not the texts")
     return parser.parse_args()
 
 
 def main() -> None:
+    global OUTPUT
     args = parse_args()
     if args.isa != "native":  # before OpenVINO loads; inherited by parity's runs and the peers
         os.environ.update(ONEDNN_MAX_CPU_ISA=args.isa, OV_CPU_MAX_ISA=args.isa)
@@ -440,10 +504,15 @@ def main() -> None:
     lengths = [f["input_ids"].shape[1] for f in feeds["validation"]]
     console.print(f"model {model}; {len(feeds['calibration'])} calibration, {len(lengths)} validation sentences, "
                   f"{min(lengths)}-{max(lengths)} tokens (mean {np.mean(lengths):.1f}, {len(set(lengths))} lengths)")
+    if args.classifier:
+        model = classifier_model(model, feeds["calibration"] + feeds["validation"], args.classifier,
+                                 args.work / "data" / f"classifier-{args.classifier}.onnx")
+        OUTPUT = "logits"
+        found["classifier"] = args.classifier
     jobs_root = args.work / "jobs"
     shutil.rmtree(jobs_root, ignore_errors=True)
     jobs = {t: parity_job(t, model, tokenizer, args.work / "data", args.npz, args.threads, jobs_root / t,
-                          tuple(args.parity)) for t in args.targets}  # first, alone on the machine: their wall seconds are figures
+                          tuple(args.parity), "top1" if args.classifier else "embedding") for t in args.targets}  # first, alone on the machine: their wall seconds are figures
     peers = {name: quantize_peer(kind, model, args.work / "data" / "npz" / "calibration", jobs_root / file)
              for name, (kind, runtime, file) in PEERS.items()
              if any(RUNTIMES[t] == runtime for t in args.targets)}
