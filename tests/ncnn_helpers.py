@@ -124,3 +124,15 @@ def modulated_conv_model(path: Path) -> Path:
 
 def modulated_sample(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).uniform(0.0, 4.0, MODULATED_SHAPE).astype(np.float32)
+
+
+def searched_masks(job) -> dict:
+    """A CLI job's (completed process, run folder) feature-mask search: it passed (exit 0), it
+    searched and its masks passed; build's summary of it."""
+    from conftest import read_report
+
+    result, run_dir = job
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = read_report(run_dir)["build"]["quantization"]["feature_masks"]
+    assert found["searched"] and found["passed"], found
+    return found

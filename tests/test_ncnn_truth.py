@@ -11,7 +11,7 @@ import pytest
 
 from conftest import read_report
 from ncnn_helpers import (NO_VULKAN, cosine, has_vulkan, modulated_conv_model, modulated_sample, reference,
-                          target)
+                          searched_masks, target)
 from pipeline.precision import feature_masks
 from pipeline.backends import ncnn as backend
 from side_by_side import QUICK_TIMING, VERIFIED, Jobs, new_run
@@ -85,15 +85,11 @@ def test_cpu_fp16_reports_the_precision_that_ran(jobs, modulated):
 
 @needs_vulkan
 def test_vulkan_fp16_mask_search_masks_the_add_between_sum_and_sqrt(jobs):
-    result, run_dir = jobs["ncnn_vulkan"]
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = read_report(run_dir)
-    found = report["build"]["quantization"]["feature_masks"]
-    assert found["searched"] and found["passed"]
+    found = searched_masks(jobs["ncnn_vulkan"])
     masked = {m["onnx_op"] for m in found["masks"]}
     assert "add_eps" in masked and {"sum", "sqrt"} <= masked
     assert all(m["mask"] == feature_masks.NO_VULKAN for m in found["masks"])
-    verify = report["verify"]
+    verify = read_report(jobs["ncnn_vulkan"][1])["verify"]
     assert verify["effective"]["device"] == "VULKAN" and verify["effective"]["precision"] == "fp16"
     assert verify["outputs"][0]["metrics"]["cosine"] >= 0.999
 
