@@ -15,25 +15,6 @@ import pipeline  # noqa: F401 - its telemetry opt-out also covers the tests' own
 REPO = Path(__file__).resolve().parents[1]
 
 
-# The suite runs in two processes, a test file per process at a time (pyproject's addopts:
-# -n 2 --dist loadfile). The longest files go first, so that the last file to start is a
-# short one and neither process idles through a long tail (seconds per file from a full
-# run's --durations, 2026-11-28; files not named keep their order after these).
-LONGEST_FIRST = ("test_segmenter.py", "test_dynamic_shapes.py", "test_auto.py", "test_verify_truth.py",
-                 "test_default_job.py", "test_sweep.py", "test_sensitivity.py", "test_verify_cli.py",
-                 "test_task_metrics.py", "test_faults.py", "test_dynamic_int8.py", "test_ppocr.py",
-                 "test_memory_target.py", "test_ncnn_int8.py", "test_ci_example.py", "test_hazards_bundle.py",
-                 "test_text_data.py", "test_ncnn_mnn_cli.py", "test_release.py", "test_embedding_metric.py",
-                 "test_integer_outputs.py", "test_profile.py", "test_calibrate.py", "test_memory_budget_auto.py",
-                 "test_reproducible.py", "test_transformers.py", "test_tuning.py", "test_top1_unlabeled.py",
-                 "test_console.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 # The precision a `parity` test job runs when its arguments name none: the suite's jobs
 # were written for one build each (mixed: calibrate, sensitivity and FLOAT / INT8 / MIX in
 # verify); the real default, precision=auto (every candidate built and timed), is tested
