@@ -517,7 +517,8 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
 def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:
     """(the precision to ship, one line saying why). Each passing build is judged against
     the fastest by median on their per-round ratios (speed.judge): slower drops out; a tie
-    (tight spread) goes to the smaller artifact, then the higher precision; a build the
+    (tight spread) goes to the build that keeps more of the task (the smaller task drop),
+    then the smaller artifact, then the higher precision; a build the
     timing left undecided (wide spread after the budget) makes the highest-fidelity build
     among the fastest, its ties and the undecided ones ship, never the smaller on a guess."""
     passing = [p for p, r in rows.items() if r["verdict"] == "pass" and "median_ms" in (r.get("latency") or {})]
@@ -543,7 +544,7 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
                f"ratios above {tight:g} after the timing budget: {spreads}): undecided, so the build closest to the "
                f"model's numbers ships")
     else:
-        winner = min(tied, key=lambda p: (rows[p].get("bytes") or 0, kinds.FIDELITY.index(p)))
+        winner = min(tied, key=lambda p: (_task_lost(rows[p]), rows[p].get("bytes") or 0, kinds.FIDELITY.index(p)))
         if winner == fastest:
             why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
             if len(tied) > 1:
@@ -582,12 +583,21 @@ def _against(candidate: dict, fastest: dict, tight: float) -> Tuple[str, float]:
     return speed.judge(ratios, tight), speed.spread(ratios)
 
 
+def _task_lost(row: dict) -> float:
+    """The task metric's drop a build measured (0 without a task metric): among builds of the
+    same speed the one that keeps more of the task ships before the smaller one."""
+    drop = row.get("metric_drop")
+    return round(max(float(drop), 0.0), 9) if drop is not None else 0.0
+
+
 def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:
-    """What decided against each build of the same speed: size, else precision."""
-    size = rows[winner].get("bytes") or 0
-    larger = [p for p in tied if p != winner and (rows[p].get("bytes") or 0) > size]
-    same = [p for p in tied if p != winner and p not in larger]
-    parts = ([f"smaller than {', '.join(larger)}"] if larger else []) + (
+    """What decided against each build of the same speed: the task kept, then size, then precision."""
+    lost, size = _task_lost(rows[winner]), rows[winner].get("bytes") or 0
+    worse = [p for p in tied if p != winner and _task_lost(rows[p]) > lost]
+    larger = [p for p in tied if p != winner and p not in worse and (rows[p].get("bytes") or 0) > size]
+    same = [p for p in tied if p != winner and p not in worse and p not in larger]
+    parts = ([f"keeps more of the task than {', '.join(worse)}"] if worse else []) + (
+        [f"smaller than {', '.join(larger)}"] if larger else []) + (
         [f"closer to the model's numbers than {', '.join(same)}"] if same else [])
     return " and ".join(parts)
 
