@@ -517,8 +517,7 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
 def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:
     """(the precision to ship, one line saying why). Each passing build is judged against
     the fastest by median on their per-round ratios (speed.judge): slower drops out; a tie
-    (tight spread) goes to the build that keeps more of the task (the smaller task drop),
-    then the smaller artifact, then the higher precision; a build the
+    (tight spread) goes to the build keeping more of the task, the smaller, the higher precision; a build the
     timing left undecided (wide spread after the budget) makes the highest-fidelity build
     among the fastest, its ties and the undecided ones ship, never the smaller on a guess."""
     passing = [p for p, r in rows.items() if r["verdict"] == "pass" and "median_ms" in (r.get("latency") or {})]
@@ -564,11 +563,8 @@ def _not_passing(rows: Dict[str, dict]) -> str:
               ("not verified (could not ship)", lambda r: r["verdict"] == UNVERIFIED),
               ("not verified (slower than fp32)", lambda r: r["verdict"] == SLOWER),
               ("cut by precision.budget_s", lambda r: r["verdict"] == CUT))
-    text = ""
-    for label, belongs in groups:
-        found = [p for p, r in rows.items() if belongs(r)]
-        text += f"; {label}: {', '.join(found)}" if found else ""
-    return text
+    found = [(label, [p for p, r in rows.items() if belongs(r)]) for label, belongs in groups]
+    return "".join(f"; {label}: {', '.join(names)}" for label, names in found if names)
 
 
 def _against(candidate: dict, fastest: dict, tight: float) -> Tuple[str, float]:
@@ -584,10 +580,8 @@ def _against(candidate: dict, fastest: dict, tight: float) -> Tuple[str, float]:
 
 
 def _task_lost(row: dict) -> float:
-    """The task metric's drop a build measured (0 without a task metric): among builds of the
-    same speed the one that keeps more of the task ships before the smaller one."""
-    drop = row.get("metric_drop")
-    return round(max(float(drop), 0.0), 9) if drop is not None else 0.0
+    """The task drop a build measured (0 without a task metric): a speed tie goes to the least."""
+    return round(max(float(row.get("metric_drop") or 0.0), 0.0), 9)
 
 
 def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:
@@ -596,10 +590,8 @@ def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:
     worse = [p for p in tied if p != winner and _task_lost(rows[p]) > lost]
     larger = [p for p in tied if p != winner and p not in worse and (rows[p].get("bytes") or 0) > size]
     same = [p for p in tied if p != winner and p not in worse and p not in larger]
-    parts = ([f"keeps more of the task than {', '.join(worse)}"] if worse else []) + (
-        [f"smaller than {', '.join(larger)}"] if larger else []) + (
-        [f"closer to the model's numbers than {', '.join(same)}"] if same else [])
-    return " and ".join(parts)
+    edges = ((worse, "keeps more of the task than"), (larger, "smaller than"), (same, "closer to the model's numbers than"))
+    return " and ".join(f"{text} {', '.join(found)}" for found, text in edges if found)
 
 
 def _ratio(row: dict) -> str:
