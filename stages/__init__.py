@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Callable, Dict, List, Optional, Tuple
 
 from pipeline import backends
+from pipeline.precision import kinds
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config.schemas import RunConfig
 
@@ -120,6 +121,34 @@ class StageContext:
         onnx.save(model, str(traced))
         return traced
 
+    def build_into(self, folder: Path, backend: ModuleType, precision: str, model: Optional[Path],
+                   ir_dir: Optional[Path] = None, own_float_ops: Optional[List[str]] = None,
+                   dynamic: bool = False) -> Tuple[dict, Optional[dict]]:
+        """The one way a stage builds (pipeline/backends/artifact.py): ``model`` (an ONNX file,
+        or with ``ir_dir`` convert's IR) made into ``folder`` by the target's ``backend`` at
+        ``precision``, traced at the data's range where the converter needs one (traceable);
+        ``own_float_ops``: by the runtime's own quantizer from convert's model instead, these
+        ops kept float. (runtime.yaml's settings, the ranges it was traced at or None)."""
+        import onnx
+
+        from pipeline import shapes
+        from pipeline.backends import artifact
+
+        signature = {key: self.results["convert"].summary[key] for key in ("inputs", "outputs")}
+        if own_float_ops is not None:
+            quantizer = artifact.OwnQuantizer([sample.feeds for sample in self.dataset().calibration],
+                                              self.cfg.calibration.method.value, own_float_ops)
+            return artifact.build(backend, self.results["convert"].path("model"), folder, self.cfg.target, precision,
+                                  signature, quantizer=quantizer), None
+        traced = self.traceable(backend, model, folder)
+        runtime = artifact.build(backend, traced, folder, self.cfg.target, precision, signature, ir_dir,
+                                 dynamic=dynamic)
+        if traced == model:
+            return runtime, None
+        ranges = shapes.recorded(onnx.load(str(traced), load_external_data=False))
+        traced.unlink()
+        return runtime, {name: found.to_json() for name, found in ranges.items()}
+
     def memo(self, name: str, material: dict, produce: Callable[[Path], None]) -> Tuple[Path, bool]:
         """A folder holding what ``produce(folder)`` writes, reused from the cache when the
         same ``material`` (JSON) produced it before: for work a stage shares between its
@@ -163,6 +192,26 @@ def deployable(results: Dict[str, StageResult]) -> StageResult:
     tune's when it changed the runtime settings, else build's."""
     tuned = results.get("tune")
     return tuned if tuned is not None and "runtime" in tuned.files else results["build"]
+
+
+BASELINES = "baselines"  # the build stage's folder of the builds verify runs beside the artifact
+
+
+def baselines(cfg: RunConfig) -> List[str]:
+    """The precisions verify runs beside the build on the same backend (TPU-MLIR's FLOAT /
+    INT8 / MIX table): fp32 for every other precision, and plain int8 for mixed. The build
+    stage makes them (baselines/<precision>/, with their runtime.yaml) the way it makes the
+    artifact, where verify runs (pipeline.stages with it: none otherwise); verify loads them."""
+    if "verify" not in cfg.pipeline.stages:
+        return []
+    precision = cfg.precision.kind
+    return [name for name in (None if precision == kinds.REFERENCE else kinds.REFERENCE, kinds.partial_of(precision))
+            if name]
+
+
+def baseline_role(precision: str) -> str:
+    """The build stage's result role of a baseline's runtime.yaml."""
+    return f"baseline_{precision}"
 
 
 def load(name: str) -> ModuleType:

@@ -10,19 +10,18 @@ from pathlib import Path
 from typing import List, Optional
 
 import onnx
-import yaml
 
-from pipeline import backends, environment, shapes
+from pipeline import backends, environment
+from pipeline.backends import artifact
 from pipeline.precision import dynamic, fp16, kinds
 from pipeline.release import compile_cache
 from pipeline.artifacts import read_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
-from pipeline.errors import (BackendCrashed, BackendUnavailable, ConfigError, ParityError, first_line,
-                             target_cannot)
+from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
 from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
                                         int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
-from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
+from stages import BASELINES, REFERENCE_MODULE, StageContext, StageResult, baseline_role, baselines, reference_settings
 
 log = logging.getLogger("parity")
 
@@ -52,7 +51,9 @@ def key_config(cfg):
             # a converter tracing at fixed shapes takes a range the data decides from the samples
             "traced_at": cfg.data if backend.CAPABILITIES.traces_at_shapes else None,
             # a compile cache is made for this machine's CPU (pipeline/release/compile_cache.py)
-            "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None}
+            "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None,
+            # verify's baselines, made here where verify runs (none: the key stays as it was)
+            **({"baselines": baselines(cfg)} if baselines(cfg) else {})}
 
 
 def _wants_masks(cfg, backend) -> bool:
@@ -77,22 +78,13 @@ def _refines(cfg, backend, step: str) -> bool:
 
 
 
-def _own_int8(ctx: StageContext, backend):
+def _own_int8(ctx: StageContext, backend) -> dict:
     """int8 through the backend's own offline quantizer, fed parity's calibration samples;
     mixed: the qtable's ops (and precision.keep_float) named to it as ops to keep float."""
-    precision = ctx.cfg.precision.kind
-    samples = [sample.feeds for sample in ctx.dataset().calibration]
-    if not samples:
-        raise ConfigError(f"precision={precision} on {backend.NAME} needs calibration samples "
-                          "(data.calibration_size > 0)")
-    extra = {"float_ops": _qtable_float_ops(ctx)} if kinds.searched(precision) else {}
-    try:
-        return backend.build_int8(ctx.results["convert"].path("model"), ctx.out_dir, ctx.cfg.target, samples,
-                                  ctx.cfg.calibration.method.value, **extra)
-    except ConfigError:  # a quantizer setting that cannot build this precision
-        raise
-    except Exception as err:  # noqa: BLE001 - the runtime's quantizer refused the model
-        raise BackendUnavailable(f"{precision}: {backend.NAME}'s quantizer failed: {first_line(err)}") from err
+    float_ops = _qtable_float_ops(ctx) if kinds.searched(ctx.cfg.precision.kind) else []
+    runtime, _ = ctx.build_into(ctx.out_dir, backend, ctx.cfg.precision.kind, ctx.results["convert"].path("model"),
+                                own_float_ops=float_ops)
+    return runtime
 
 
 def _qtable_float_ops(ctx: StageContext) -> List[str]:
@@ -196,50 +188,36 @@ def run(ctx: StageContext) -> StageResult:
     if not ok:
         raise BackendUnavailable(f"target {target.name}: {reason}")
     convert = ctx.results["convert"]
-    onnx_path, ir_dir = convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None
+    onnx_path, ir_dir = convert.path("model"), _ir_dir(convert)
     quantization = traced_ranges = None
-    own_int8 = backends.own_quantizer(backend, precision)  # the runtime's own int8 tooling
-    if own_int8:
-        artifacts, settings = _own_int8(ctx, backend)
-        quantization = settings.get("options", {}).get("quantization")
+    if backends.own_quantizer(backend, precision):  # the runtime's own int8 tooling
+        runtime = _own_int8(ctx, backend)
+        quantization = runtime["options"].get("quantization")
     else:
         if kinds.quantized(precision):
             (onnx_path, quantization), ir_dir = _dynamic(ctx, backend) if ctx.cfg.precision.dynamic_ranges \
                 else _quantize(ctx), None
         elif kinds.narrow(precision) and precision not in backend.CAPABILITIES.runtime_precisions:
             (onnx_path, quantization), ir_dir = _half(ctx, backend.CAPABILITIES.fp16_converter), None
-        artifacts, settings, traced_ranges = _converted_traced(ctx, backend, onnx_path, ir_dir)
+        runtime, traced_ranges = ctx.build_into(ctx.out_dir, backend, precision, onnx_path, ir_dir,
+                                                dynamic=ctx.cfg.precision.dynamic_ranges)
+    artifacts = runtime["files"]
     qdq_file = None  # the Q/DQ model as refined, kept for verify's advice screening (never packaged)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         if kinds.quantized(precision) and not ctx.cfg.precision.dynamic_ranges:
             qdq_file = onnx_path.name
         else:
             onnx_path.unlink()
-    runtime = {
-        "format": 1,
-        "backend": backend.NAME,
-        "target": target.name,
-        "device": target.device.upper(),
-        "precision": precision,
-        **({"activation_ranges": "dynamic"} if ctx.cfg.precision.dynamic_ranges else {}),
-        "memory_mode": target.memory_mode,
-        "model": settings["model"],
-        "files": artifacts,
-        "options": settings.get("options", {}),
-        "inputs": convert.summary["inputs"],
-        "outputs": convert.summary["outputs"],
-    }
     if _wants_masks(ctx.cfg, backend):
         quantization = {**(quantization or {}), "feature_masks": _feature_masks(ctx, backend, runtime)}
     cache = compile_cache.write(backend, ctx.out_dir, runtime)
-    (ctx.out_dir / "runtime.yaml").write_text(yaml.safe_dump(runtime, sort_keys=False))
-    files = {"runtime": "runtime.yaml", **{f"artifact:{name}": name for name in artifacts},
-             **({"qdq": qdq_file} if qdq_file else {})}
+    artifact.write(ctx.out_dir, runtime)
+    files = {"runtime": artifact.RUNTIME, **{f"artifact:{name}": name for name in artifacts},
+             **({"qdq": qdq_file} if qdq_file else {}), **_baselines(ctx, backend)}
     if cache:
         files["compile_cache"] = cache["folder"]
     summary = {"backend": backend.NAME, "files": artifacts, "options": runtime["options"],
-               "versions": backend.versions(),
-               "bytes": sum((ctx.out_dir / name).stat().st_size for name in artifacts),
+               "versions": backend.versions(), "bytes": artifact.size(ctx.out_dir, runtime),
                "quantization": quantization, "compile_cache": cache}
     if traced_ranges:
         summary["traced_at_data_ranges"] = traced_ranges
@@ -248,28 +226,47 @@ def run(ctx: StageContext) -> StageResult:
     return StageResult(ctx.out_dir, files, summary)
 
 
-def _converted_traced(ctx: StageContext, backend, onnx_path: Path, ir_dir) -> tuple:
-    """_converted, on the model with the data's range recorded where the converter traces at
-    fixed shapes and no range is set (StageContext.traceable): (artifacts, settings, the
-    ranges it was traced at or None)."""
-    traced = ctx.traceable(backend, onnx_path, ctx.out_dir)
-    artifacts, settings = _converted(backend, traced, ir_dir, ctx.out_dir, ctx.cfg.target, ctx.cfg.precision.kind)
-    if traced == onnx_path:
-        return artifacts, settings, None
-    ranges = shapes.recorded(onnx.load(str(traced), load_external_data=False))
-    traced.unlink()
-    return artifacts, settings, {name: found.to_json() for name, found in ranges.items()}
+def _ir_dir(convert: StageResult) -> Optional[Path]:
+    """convert's folder where it wrote the backend's IR beside model.onnx (OpenVINO), else None."""
+    return convert.out_dir if "ir_xml" in convert.files else None
 
 
-def _converted(backend, onnx_path: Path, ir_dir, out_dir: Path, target, precision: str):
-    """The backend's build of the model; a converter that rejects or crashes on it is this
-    target's limitation: exit 4, one line naming what it could not convert."""
+def _baselines(ctx: StageContext, backend) -> dict:
+    """role -> runtime.yaml of each baseline, made into baselines/<precision>/ by the build
+    the artifact is made with (StageContext.build_into), without a compile cache; verify
+    only loads them. fp32 from convert's model (its IR where convert wrote one); mixed's plain
+    int8 by the runtime's own quantizer where it has one, else the Q/DQ model of _plain_int8."""
+    convert, files = ctx.results["convert"], {}
+    for name in baselines(ctx.cfg):
+        folder = ctx.out_dir / BASELINES / name
+        folder.mkdir(parents=True)
+        with tempfile.TemporaryDirectory(prefix=f"parity-{name}-") as scratch:
+            if name == kinds.REFERENCE:
+                runtime, _ = ctx.build_into(folder, backend, name, convert.path("model"), _ir_dir(convert))
+            elif backends.own_quantizer(backend, ctx.cfg.precision.kind):
+                runtime, _ = ctx.build_into(folder, backend, name, convert.path("model"), own_float_ops=[])
+            else:
+                runtime, _ = ctx.build_into(folder, backend, name, _plain_int8(ctx, backend, Path(scratch)))
+        artifact.write(folder, runtime)
+        files[baseline_role(name)] = f"{BASELINES}/{name}/{artifact.RUNTIME}"
+    return files
+
+
+def _plain_int8(ctx: StageContext, backend, scratch: Path) -> Path:
+    """mixed's plain int8 baseline: the Q/DQ model of calibrate's table with only
+    precision.keep_float and the backend's own float kinds in float (as the target's int8
+    build keeps them), uncorrected, as the sensitivity search measures plain int8."""
+    calibrate = ctx.results["calibrate"]
+    prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
+    by_backend = backend_float_ops(backend, ctx.cfg.target, prepared, ctx.cfg.precision.quantize_ops)
+    int8 = scratch / "int8.onnx"
     try:
-        return backend.build(onnx_path, ir_dir, out_dir, target, precision)
-    except ParityError:
-        raise
-    except RuntimeError as err:  # pnnx, MNN's converter and OpenVINO's frontend raise these; a bug of ours stays 1
-        raise target_cannot(target.name, "build", err) from err
+        build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
+                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
+                  keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
+    except QuantizerFailed as err:
+        raise err.with_run(ctx)
+    return int8
 
 
 def _half(ctx: StageContext, converter: Optional[str]):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import tarfile
 
-from conftest import read_report, run_cli, run_dirs, single_bundle
+import yaml
+
+from conftest import composed, read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import sha256_file
 
 
@@ -39,6 +41,57 @@ def test_default_job_packages_a_passing_bundle(default_run):
         names = sorted(archive.getnames())
     assert names == sorted(f"{bundle.name}/{n}" for n in list(manifest["files"]) + ["manifest.json"])
     assert (run_dir / "parity.log").read_text().count("stage verify") >= 1
+
+
+MODEL_FILES = {".onnx", ".xml", ".bin", ".param", ".mnn"}  # every backend's model files
+
+
+def test_verify_builds_nothing_the_build_stage_makes_its_baselines(default_run):
+    """One way to build (issue 47): the fp32 and plain int8 builds verify runs beside the
+    mixed one are the build stage's, listed in its result with their runtime.yaml and made
+    as the artifact is; verify's folder holds no model, and the bundle none of them."""
+    _, run_dir, _ = default_run
+    build = run_dir / "stages" / "build"
+    files = json.loads((build / "result.json").read_text())["files"]
+    assert {role: name for role, name in files.items() if role.startswith("baseline_")} == {
+        "baseline_fp32": "baselines/fp32/runtime.yaml", "baseline_int8": "baselines/int8/runtime.yaml"}
+    shipped = yaml.safe_load((build / "runtime.yaml").read_text())
+    for precision in ("fp32", "int8"):
+        folder = build / "baselines" / precision
+        runtime = yaml.safe_load((folder / "runtime.yaml").read_text())
+        assert runtime["precision"] == precision and runtime["backend"] == shipped["backend"]
+        assert set(runtime) == set(shipped) - {"compile_cache"}  # the artifact's settings, no compile cache
+        assert runtime["files"] == ["model.onnx"] and (folder / "model.onnx").is_file()
+    assert "QuantizeLinear" in op_types(build / "baselines" / "int8" / "model.onnx")
+    assert "QuantizeLinear" not in op_types(build / "baselines" / "fp32" / "model.onnx")
+    assert not [p for p in (run_dir / "stages" / "verify").rglob("*") if p.suffix in MODEL_FILES]
+    assert not [p for p in single_bundle(run_dir).rglob("*") if "baselines" in p.parts]
+    comparison = read_report(run_dir)["verify"]["comparison"]
+    sizes = {p: (build / "baselines" / p / "model.onnx").stat().st_size for p in ("fp32", "int8")}
+    assert {p: comparison[p]["bytes"] for p in sizes} == sizes
+
+
+def test_baselines_are_made_only_where_verify_runs():
+    """The build stage makes a baseline only for a verify that runs: a build without verify
+    costs no more, and only a build with baselines has them in its cache key."""
+    from pipeline.config.validation import validate
+    from stages import baselines, build
+
+    def made(*overrides):
+        run = validate(composed(*overrides))
+        assert ("baselines" in build.key_config(run)) == bool(baselines(run))
+        return baselines(run)
+
+    assert made("precision=mixed") == ["fp32", "int8"]
+    assert made("precision=int8") == ["fp32"]
+    assert made("precision=fp32") == []
+    assert made("precision=mixed", "pipeline.stages=[convert,calibrate,sensitivity,build,package]") == []
+
+
+def op_types(path) -> set:
+    import onnx
+
+    return {node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node}
 
 
 def test_default_job_runs_the_whole_pipeline_and_shows_float_int8_mix(default_run):

@@ -74,6 +74,9 @@ def test_cli_mixed_runs_the_qtable_op_float_and_the_rest_int8(tmp_path):
     assert sorted(effective["int8_ops"]) == sorted(DIGITS_COMPUTE - set(float_ops))
     assert not [c for c in report["verify"]["checks"] if c["check"] == "float_fallback"]
     assert {"fp32", "int8", "mixed"} <= set(report["verify"]["comparison"])  # FLOAT / INT8 / MIX
+    # made by the build stage (plain int8 by MNN's own quantizer), loaded by verify: it builds none
+    assert all((run_dir / "stages" / "build" / "baselines" / p / "model.mnn").is_file() for p in ("fp32", "int8"))
+    assert not list((run_dir / "stages" / "verify").rglob("*.mnn"))
     # the shipped bundle, read back here from its own model.mnn
     bundle = single_bundle(run_dir)
     found = ran(bundle, calibration(1)[0])

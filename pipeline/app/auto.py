@@ -217,7 +217,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
     progress_log.info("precision=auto: candidate %s", precision)
     folder = run_dir / "candidates" / precision
     try:
-        built = run_pipeline(_until_build(checked), folder)
+        built = run_pipeline(_candidate_stages(checked), folder, until="build")
         ahead.start(checked, built)  # the reference's answers, while the candidates calibrate and build
         twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
         if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
@@ -352,13 +352,6 @@ def _candidate_stages(checked):
     staged.pipeline.stages = [s for s in checked.pipeline.stages if s not in NOT_CANDIDATE_STAGES]
     staged.validation.layerwise = Layerwise.off
     staged.validation.advice_trials = 0
-    return staged
-
-
-def _until_build(checked):
-    staged = _candidate_stages(checked)
-    if "build" in staged.pipeline.stages:
-        staged.pipeline.stages = staged.pipeline.stages[:staged.pipeline.stages.index("build") + 1]
     return staged
 
 

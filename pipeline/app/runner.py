@@ -48,7 +48,10 @@ class RunOutcome:
         return ExitCode(self.verify["exit_code"]) if self.verify else ExitCode.OK
 
 
-def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
+def run_pipeline(cfg: RunConfig, run_dir: Path, until: Optional[str] = None) -> RunOutcome:
+    """The configured stages in order; ``until``: stopping after that stage (precision=auto
+    builds a candidate before it decides to verify it: the build made for a config with
+    verify makes what verify needs, and the verified run is served it from the cache)."""
     outcome = RunOutcome(Path(run_dir))
     cache_root = Path(cfg.pipeline.cache_dir).expanduser() if cfg.pipeline.cache else None
     output_hashes: Dict[str, dict] = {}  # each finished stage's files, hashed once
@@ -79,6 +82,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path) -> RunOutcome:
             output_hashes[name] = {path: digest for path, digest in hash_tree(out_dir).items() if path != "result.json"}
         outcome.records.append({"stage": name, "status": status, "seconds": round(seconds, 4),
                                 "computed_seconds": round(computed_seconds, 4), "key": key})
+        if name == until:
+            break
     job_step("")
     return outcome
 

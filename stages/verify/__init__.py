@@ -13,13 +13,11 @@ import contextlib
 import functools
 import logging
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import onnx
 import yaml
 
 from pipeline import backends, environment, shapes
@@ -35,11 +33,10 @@ from pipeline.verification.reference_store import ReferenceStore, store_key
 from pipeline.worker import answered, side_by_side
 from pipeline.task_metrics import files as metric_files, load_metric
 from pipeline.verification.scoring import TaskScorer
-from pipeline.precision.quantize import QdqSettings, backend_float_ops, build_qdq
-from stages import StageContext, StageResult, code_version, deployable, reference_settings
+from stages import StageContext, StageResult, baseline_role, baselines, code_version, deployable, reference_settings
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
-from stages.verify.shared import (MEMORY_TWIN, Live, Row, built_worker, judge_output, judged_with,
+from stages.verify.shared import (MEMORY_TWIN, Live, Row, baseline_worker, judge_output, judged_with,
                                   measure_memory, memory_twin)
 
 
@@ -141,8 +138,8 @@ def _measurement(ctx: StageContext, live: Live, dataset, task_of, requested: dic
 
 def _measurement_material(ctx: StageContext) -> dict:
     """What the measurement depends on: the files that run (the artifact, build's or tune's;
-    the reference and the baselines' sources, convert's and calibrate's), hashed once by the
-    runner, the settings they run with, the validation data and thresholds."""
+    the baselines, build's; the reference, convert's; calibrate's, the builds' source),
+    hashed once by the runner, the settings they run with, the validation data and thresholds."""
     validation = ctx.cfg.validation.judged()
     files = {name: ctx.output_hashes[name] for name in ("convert", "calibrate", "build", "tune")
              if name in ctx.output_hashes}
@@ -488,28 +485,10 @@ def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name
 
 def _baselines(ctx, backend, stack: contextlib.ExitStack, limits: dict) -> dict:
     """fp32 on the same backend for every other precision; plain int8 too for mixed
-    (TPU-MLIR's FLOAT / INT8 / MIX table)."""
-    precision = ctx.cfg.precision.kind
-    convert = ctx.results["convert"]
-    builds = {}
-    if precision != kinds.REFERENCE:
-        builds[kinds.REFERENCE] = (convert.path("model"), convert.out_dir if "ir_xml" in convert.files else None, None)
-    whole = kinds.partial_of(precision)  # mixed: plain int8 beside it
-    if whole and backends.own_quantizer(backend, precision):
-        builds[whole] = (None, None, [])  # the runtime's own quantizer, no op kept float
-    elif whole:
-        int8 = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-int8-"))) / "int8.onnx"
-        calibrate = ctx.results["calibrate"]
-        prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
-        by_backend = backend_float_ops(backend, ctx.cfg.target, prepared,
-                                       ctx.cfg.precision.quantize_ops)  # as the target's int8 build keeps them
-        build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
-                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
-                  keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
-        builds[whole] = (int8, None, None)  # uncorrected, as the sensitivity search measures plain int8
-    return {name: Row(*built_worker(ctx, backend, stack, limits, onnx_path, ir_dir, name, f"{backend.NAME} {name}",
-                                      float_ops))
-            for name, (onnx_path, ir_dir, float_ops) in builds.items()}
+    (TPU-MLIR's FLOAT / INT8 / MIX table): the builds the build stage made beside the
+    artifact (stages/build.py, baselines), loaded with tune's settings, side by side."""
+    return {name: Row(*baseline_worker(ctx, backend, stack, limits, baseline_role(name), f"{backend.NAME} {name}"))
+            for name in baselines(ctx.cfg)}
 
 
 def _check_output_names(validation, outputs: List[str]) -> None:

@@ -236,8 +236,7 @@ def _screened(ctx, backend, live: Live, qdq, found: List[List[str]], judged: tup
     def worker(keep: List[str]) -> BackendWorker:
         path, label = screened_model(keep), f"screen keep_float=[{','.join(keep)}]"
         if on_target:
-            built, _ = built_worker(ctx, backend, live.stack, live.limits, path, None, ctx.cfg.precision.kind, label)
-            return loaded(built)
+            return loaded(built_worker(ctx, backend, live.stack, live.limits, path, ctx.cfg.precision.kind, label))
         settings = {**reference_settings(ctx.results["convert"]), "model": path.name}
         return loaded(launch_worker(live.stack, REFERENCE_MODULE, path.parent, settings, label, live.limits))
 
@@ -309,14 +308,11 @@ def _trial_launcher(ctx, backend, qdq, live: Live):
     def launch(keep: List[str]):
         label = f"advice keep_float=[{','.join(keep)}]"
         if qdq is None:  # as the build: the runtime's quantizer
-            worker, _ = built_worker(ctx, backend, stack, limits, None, None, precision.kind, label,
-                                      [*float_ops, *keep])
-            return loaded(worker)
+            return loaded(built_worker(ctx, backend, stack, limits, None, precision.kind, label, [*float_ops, *keep]))
         path = qdq(keep)
         path = shutil.copyfile(path, path.with_name(f"refined-{path.name}"))  # the screened model stays as it was
         _correct_like_the_build(ctx, path)
-        worker, _ = built_worker(ctx, backend, stack, limits, path, None, precision.kind, label)
-        return loaded(worker)
+        return loaded(built_worker(ctx, backend, stack, limits, path, precision.kind, label))
 
     return launch
 

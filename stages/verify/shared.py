@@ -1,6 +1,7 @@
 """What verify's measurement and its diagnosis share: the backend workers verify runs (the
-reference and the target, launched once, when first needed; builds made on the side for
-the baselines and the advice trials) and an output's judgement."""
+reference and the target, launched once, when first needed; the baselines the build stage
+made; the advice trials' builds, made by the build stage's own way of building) and an
+output's judgement."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import List, Optional
 import numpy as np
 
 from pipeline import tuning
-from pipeline.errors import BackendCrashed, BackendUnavailable
+from pipeline.backends import artifact
+from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError
 from pipeline.verification.metrics import OutputStats, failures
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, reference_settings
@@ -67,24 +69,37 @@ def loaded(worker: BackendWorker) -> BackendWorker:
     return worker
 
 
-def built_worker(ctx, backend, stack, limits: dict, onnx_path: Optional[Path], ir_dir, precision: str, label: str,
-                  own_float_ops: Optional[List[str]] = None):
-    """(worker, bytes) of a build made here on the target's backend with the run's tuned settings;
-    ``own_float_ops``: made by the runtime's own quantizer (build_int8) with these ops float."""
+def tuned(ctx, backend, settings: dict) -> dict:
+    """runtime.yaml's ``settings`` of a build on the target's backend with the runtime changes
+    tune chose for the artifact (none when tune kept the build's): every build verify runs
+    beside the artifact runs as it does."""
     tune = ctx.results.get("tune")
-    tuned = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}  # same settings
+    changes = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}
+    return tuning.apply(backend, settings, changes)
+
+
+def baseline_worker(ctx, backend, stack, limits: dict, role: str, label: str):
+    """(worker, bytes) of a baseline the build stage made (its result's ``role``: the
+    runtime.yaml in baselines/<precision>/), launched with tune's settings."""
+    build = ctx.results["build"]
+    if role not in build.files:
+        raise ConfigError(f"verify: the build stage made no {role}: it makes the baselines when pipeline.stages "
+                          "has verify")
+    folder = build.path(role).parent
+    settings = artifact.read(folder)
+    return launch_worker(stack, backend.__name__, folder, tuned(ctx, backend, settings), label, limits), \
+        artifact.size(folder, settings)
+
+
+def built_worker(ctx, backend, stack, limits: dict, onnx_path: Optional[Path], precision: str, label: str,
+                 own_float_ops: Optional[List[str]] = None) -> BackendWorker:
+    """A diagnosis experiment (an advice trial or screening): ``onnx_path`` built in a scratch
+    folder by the build the build stage makes its artifacts with (StageContext.build_into;
+    ``own_float_ops``: by the runtime's own quantizer, these ops float), launched with tune's
+    settings."""
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parity-{precision}-")))
-    if own_float_ops is None:
-        files, settings = backend.build(ctx.traceable(backend, onnx_path, folder), ir_dir, folder, ctx.cfg.target,
-                                        precision)
-    else:
-        samples = [sample.feeds for sample in ctx.dataset().calibration]
-        files, settings = backend.build_int8(ctx.results["convert"].path("model"), folder, ctx.cfg.target, samples,
-                                             ctx.cfg.calibration.method.value, float_ops=own_float_ops)
-    settings = tuning.apply(backend, {**settings, "device": ctx.cfg.target.device.upper(), "precision": precision,
-                                      "outputs": ctx.results["convert"].summary["outputs"]}, tuned)
-    size = sum((folder / f).stat().st_size for f in files)
-    return launch_worker(stack, backend.__name__, folder, settings, label, limits), size
+    runtime, _ = ctx.build_into(folder, backend, precision, onnx_path, own_float_ops=own_float_ops)
+    return launch_worker(stack, backend.__name__, folder, tuned(ctx, backend, runtime), label, limits)
 
 
 def judge_output(name: str, stats: OutputStats, validation, task: Optional[dict]) -> dict:
