@@ -29,6 +29,7 @@ from pipeline import backends
 from pipeline.precision import kinds
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config.schemas import RunConfig
+from stages.results import ConvertSummary, Shape
 
 COMPLETE = ".complete"
 
@@ -58,7 +59,7 @@ def code_version() -> str:
 class StageResult:
     out_dir: Path
     files: Dict[str, str] = field(default_factory=dict)  # artifact role -> path relative to out_dir
-    summary: dict = field(default_factory=dict)  # JSON for the report
+    summary: Shape = field(default_factory=Shape)  # the stage's typed summary (stages/results.py)
     cache: bool = True  # False: a result that must not be reused (e.g. a backend crashed)
     reused: bool = False  # computed from work stored earlier (ctx.memo), nothing measured again
 
@@ -66,7 +67,8 @@ class StageResult:
         return self.out_dir / self.files[role]
 
     def to_json(self) -> dict:
-        return {"files": self.files, "summary": self.summary}
+        summary = self.summary.to_json() if isinstance(self.summary, Shape) else self.summary
+        return {"files": self.files, "summary": summary}
 
 
 @dataclass
@@ -85,7 +87,11 @@ class StageContext:
         """The converted model's inputs (TensorSpec: shape, dtype, batch axis, range)."""
         from pipeline.data import TensorSpec
 
-        return [TensorSpec(**spec) for spec in self.results["convert"].summary["inputs"]]
+        return [TensorSpec(**spec) for spec in self.converted().inputs]
+
+    def converted(self) -> ConvertSummary:
+        """The convert stage's summary: the model's signature, pre-flight."""
+        return self.results["convert"].summary
 
     def dataset(self):
         """The run's calibration and validation data, checked against the converted model's inputs."""
@@ -134,7 +140,7 @@ class StageContext:
         from pipeline import shapes
         from pipeline.backends import artifact
 
-        signature = {key: self.results["convert"].summary[key] for key in ("inputs", "outputs")}
+        signature = {"inputs": self.converted().inputs, "outputs": self.converted().outputs}
         if own_float_ops is not None:
             quantizer = artifact.OwnQuantizer([sample.feeds for sample in self.dataset().calibration],
                                               self.cfg.calibration.method.value, own_float_ops)

@@ -22,6 +22,7 @@ from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFail
                                         int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
 from stages import BASELINES, REFERENCE_MODULE, StageContext, StageResult, baseline_role, baselines, reference_settings
+from stages.results import BuildSummary
 
 log = logging.getLogger("parity")
 
@@ -223,7 +224,7 @@ def run(ctx: StageContext) -> StageResult:
         summary["traced_at_data_ranges"] = traced_ranges
     if kinds.quantized(precision):  # where the activation ranges come from: the calibration table, or each call
         summary["activation_ranges"] = ctx.cfg.precision.activation_ranges.value
-    return StageResult(ctx.out_dir, files, summary)
+    return StageResult(ctx.out_dir, files, BuildSummary.from_json(summary))
 
 
 def _ir_dir(convert: StageResult) -> Optional[Path]:

@@ -22,6 +22,7 @@ from pipeline.precision.calibration.fake_quant import FakeQuantModel
 from pipeline.precision.calibration.measure import OutputJudge
 from pipeline.precision.quantize import QdqSettings, prepare, write_ort_cache
 from stages import StageContext, StageResult
+from stages.results import CalibrateSummary
 
 NAME = "calibrate"
 CACHEABLE = True
@@ -84,7 +85,7 @@ def external_files(ctx: StageContext) -> List[Path]:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
-        return StageResult(ctx.out_dir, {}, {"skipped": _not_needed(cfg)})
+        return StageResult(ctx.out_dir, {}, CalibrateSummary.from_json({"skipped": _not_needed(cfg)}))
     model_path = ctx.out_dir / "prepared.onnx"
     try:
         prepare(ctx.results["convert"].path("model"), model_path)
@@ -109,7 +110,7 @@ def run(ctx: StageContext) -> StageResult:
              **{role: name for role, name in (("candidates", CANDIDATES), ("fp16_findings", FP16_FINDINGS))
                 if (ctx.out_dir / name).exists()},
              **{kind: path.name for kind, path in exports.items()}}
-    return StageResult(ctx.out_dir, files, summary)
+    return StageResult(ctx.out_dir, files, CalibrateSummary.from_json(summary))
 
 
 def _smoothing_key(cfg):

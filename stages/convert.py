@@ -17,6 +17,7 @@ from pipeline.artifacts import sha256_file
 from pipeline.errors import InputError, first_line, target_cannot
 from pipeline.model import batch_axes, check, external_data_files, load_onnx, record_batch_axes, signature
 from stages import StageContext, StageResult
+from stages.results import ConvertSummary
 
 NAME = "convert"
 CACHEABLE = True
@@ -73,7 +74,7 @@ def run(ctx: StageContext) -> StageResult:
         "preflight": preflight(model),
         "output_shapes": output_shape_check(ctx.out_dir / "model.onnx", model),
     }
-    return StageResult(ctx.out_dir, files, summary)
+    return StageResult(ctx.out_dir, files, ConvertSummary.from_json(summary))
 
 
 def _default_opset(model: onnx.ModelProto) -> int:

@@ -27,6 +27,7 @@ from pipeline.data import preprocess_record
 from pipeline.data.text import text_record
 from pipeline.task_metrics import bundle_record
 from stages import StageContext, StageResult, deployable
+from stages.results import PackageSummary
 
 NAME = "package"
 CACHEABLE = False  # cheap, and it must reflect this run's report
@@ -69,7 +70,7 @@ def run(ctx: StageContext) -> StageResult:
         files["archive"] = f"../../bundle/{name}.tar.gz"
     summary = {"bundle": str(final), "archive": str(parent / f"{name}.tar.gz") if cfg.package.archive else None,
                "files": sorted(p.name for p in final.iterdir()), "manifest_sha256": sha256_file(final / MANIFEST)}
-    return StageResult(ctx.out_dir, files, summary)
+    return StageResult(ctx.out_dir, files, PackageSummary.from_json(summary))
 
 
 def _write_bundle(ctx: StageContext, folder: Path, name: str) -> None:

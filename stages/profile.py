@@ -28,6 +28,7 @@ from pipeline.artifacts import write_json
 from pipeline.errors import BackendCrashed
 from pipeline.worker import BackendWorker
 from stages import StageContext, StageResult, deployable
+from stages.results import ProfileSummary
 
 NAME = "profile"
 CACHEABLE = True
@@ -78,7 +79,7 @@ def run(ctx: StageContext) -> StageResult:
                                             "machine": environment.fingerprint(), "cpu": environment.cpu()})
     summary = {**about, "ran": True, "sample": sample.name, "file": PROFILE_FILE,
                **profiling.summarize(found, limits.top), "startup": startup}
-    return StageResult(ctx.out_dir, {"profile": PROFILE_FILE}, summary)
+    return StageResult(ctx.out_dir, {"profile": PROFILE_FILE}, ProfileSummary.from_json(summary))
 
 
 def _startup(worker: BackendWorker, settings: dict, feeds: dict, rounds: int):
@@ -97,4 +98,4 @@ def _skipped(ctx: StageContext, about: dict, reason: str, cache: bool = True, cr
     summary = {**about, "ran": False, "reason": reason}
     if crash is not None:
         summary["crash"] = crash
-    return StageResult(ctx.out_dir, {}, summary, cache=cache)
+    return StageResult(ctx.out_dir, {}, ProfileSummary.from_json(summary), cache=cache)

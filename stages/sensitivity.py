@@ -27,6 +27,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.task_metrics import files as metric_files, load_metric, per_sample
 from pipeline.precision.quantize import MixedModels, QdqSettings, QuantizerFailed, backend_float_ops
 from stages import StageContext, StageResult
+from stages.results import SensitivitySummary
 
 NAME = "sensitivity"
 CACHEABLE = True
@@ -75,7 +76,7 @@ def measured_on(cfg) -> str:
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
-        return StageResult(ctx.out_dir, {}, {"skipped": f"precision {cfg.precision.kind} keeps no ops in float"})
+        return _skipped(ctx, f"precision {cfg.precision.kind} keeps no ops in float")
     calibrate = ctx.results.get("calibrate")
     if calibrate is None or "candidates" not in calibrate.files:
         raise ConfigError("precision=mixed needs the calibrate stage before sensitivity in pipeline.stages")
@@ -132,6 +133,10 @@ def run(ctx: StageContext) -> StageResult:
         summary["warning"] = (f"the target (cosine {goal_cos}, task-metric drop <= {goal_drop}) was not reached "
                               f"with {len(float_ops)} float ops (sensitivity.max_float_ops)")
     return _write(ctx, best_table, float_ops, trials, summary)
+
+
+def _skipped(ctx: StageContext, why: str) -> StageResult:
+    return StageResult(ctx.out_dir, {}, SensitivitySummary.from_json({"skipped": why}))
 
 
 def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict,
@@ -503,7 +508,7 @@ def _write(ctx: StageContext, table, float_ops: List[str], trials, summary) -> S
              "tpu_mlir": tables.TPU_MLIR_FILE, "losses": "losses.json"}
     if (ctx.out_dir / "costs.json").exists():
         files["costs"] = "costs.json"
-    return StageResult(ctx.out_dir, files, summary)
+    return StageResult(ctx.out_dir, files, SensitivitySummary.from_json(summary))
 
 
 def to_tpu_mlir_qtable(float_ops: List[str]) -> str:

@@ -26,6 +26,7 @@ from pipeline.errors import BackendCrashed, BackendUnavailable
 from pipeline.verification.metrics import output_failures
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
+from stages.results import TuneSummary
 
 NAME = "tune"
 CACHEABLE = True
@@ -47,7 +48,8 @@ def external_files(ctx: StageContext) -> List[Path]:
 
 def _skipped(ctx: StageContext, reason: str, **extra) -> StageResult:
     log.info("tune: %s", reason)
-    return StageResult(ctx.out_dir, {}, {**extra, "ran": False, "level": ctx.cfg.tuning.level.value, "reason": reason})
+    summary = {**extra, "ran": False, "level": ctx.cfg.tuning.level.value, "reason": reason}
+    return StageResult(ctx.out_dir, {}, TuneSummary.from_json(summary))
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -85,7 +87,7 @@ def run(ctx: StageContext) -> StageResult:
     if chosen is not None and chosen is not baseline:
         files, summary["compile_cache"] = _write_tuned(ctx, backend, build,
                                                        tuning.apply(backend, settings, chosen.changes))
-    return StageResult(ctx.out_dir, files, summary)
+    return StageResult(ctx.out_dir, files, TuneSummary.from_json(summary))
 
 
 def _material(ctx: StageContext, build, settings: dict, space, feeds) -> dict:

@@ -8,6 +8,7 @@ from pipeline.artifacts import read_json
 from types import SimpleNamespace
 
 from pipeline.app.auto import CUT, SCREEN_SLOWER, SLOWER, UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
+from stages.results import VerifySummary
 
 
 def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
@@ -109,8 +110,9 @@ def test_one_candidate_against_fp32_takes_its_verify_timing_instead_of_a_second_
     what auto's timing would do; several passing candidates, or a stream, are timed again."""
     latency = {p: _row(p, ms, ms - 0.5, ms + 0.5, 100)["latency"] for p, ms in (("fp32", 10.0), ("int8", 5.0))}
     speedup = {"speedup": 2.0, "speedup_p25": 1.9, "speedup_p75": 2.1, "faster": True, "spread": 1.1, "call": "faster"}
-    verify = {"speed": {"judged_on": None}, "comparison": {"fp32": {"latency": latency["fp32"]},
-                                                           "int8": {"latency": latency["int8"], "speedup": speedup}}}
+    verify = VerifySummary.from_json({"speed": {"judged_on": None},
+                                      "comparison": {"fp32": {"latency": latency["fp32"]},
+                                                     "int8": {"latency": latency["int8"], "speedup": speedup}}})
     outcomes = {"fp32": SimpleNamespace(verify=None), "int8": SimpleNamespace(verify=verify)}
     tried = {"fp32": {"verdict": UNVERIFIED}, "int8": {"verdict": "pass"}}
     assert _timed_by_verify(outcomes, ["fp32", "int8"], tried)
@@ -119,7 +121,7 @@ def test_one_candidate_against_fp32_takes_its_verify_timing_instead_of_a_second_
     assert choose({"int8": tried["int8"]})[0] == "int8"
     outcomes["bf16"] = SimpleNamespace(verify=verify)
     assert not _timed_by_verify(outcomes, ["fp32", "int8", "bf16"], {**tried, "bf16": {}})
-    verify["speed"]["judged_on"] = "stream"
+    verify.speed["judged_on"] = "stream"
     assert not _timed_by_verify(outcomes, ["fp32", "int8"], {"fp32": {}, "int8": {}})
 
 

@@ -52,6 +52,7 @@ from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
 from pipeline.app.runner import RunOutcome, run_pipeline
+from stages.results import VerifySummary
 from pipeline.console import PROGRESS, job_phase, job_step
 
 log = logging.getLogger("parity")
@@ -260,7 +261,7 @@ class _ReferenceAhead:
         from stages import REFERENCE_MODULE, reference_settings
 
         convert = built.results["convert"]
-        inputs = [TensorSpec(**spec) for spec in convert.summary["inputs"]]
+        inputs = [TensorSpec(**spec) for spec in convert.summary.inputs]
         settings = reference_settings(convert)
         try:
             files = open_dataset(checked.data, inputs).files
@@ -302,8 +303,7 @@ def _memory(config: Tuple[DictConfig, object]) -> str:
 
 def _over_budget(outcome: RunOutcome) -> bool:
     """Whether the verdict failed on validation.max_memory_mb."""
-    checks = (outcome.verify or {}).get("checks") or []
-    return any(c.get("check") == "memory" and c.get("severity") == "fail" for c in checks)
+    return outcome.verify is not None and outcome.verify.failed_check("memory")
 
 
 def _screened(fp32: Optional[RunOutcome], built: RunOutcome, checked) -> Optional[dict]:
@@ -364,7 +364,7 @@ def _artifact(outcome: RunOutcome) -> Optional[dict]:
     if build is None:
         return None
     runtime = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
-    return {"files": {name: sha256_file(build.out_dir / name) for name in build.summary["files"]},
+    return {"files": {name: sha256_file(build.out_dir / name) for name in build.summary.files},
             "options": runtime.get("options"), "device": runtime.get("device")}
 
 
@@ -386,18 +386,17 @@ def _with_reference(wanted: List[str]) -> List[str]:
 
 
 def _row(precision: str, outcome: RunOutcome) -> dict:
-    verify = outcome.verify or {}
-    outputs = verify.get("outputs") or []
-    task = verify.get("task") or {}
+    verify = outcome.verify or VerifySummary()
+    task = verify.task or {}
     build = outcome.results.get("build")
-    return {"precision": precision, "verdict": verify.get("verdict", "unverified"),
-            "exit_code": int(verify.get("exit_code", 0)), "reasons": list(verify.get("reasons") or []),
-            "cosine": min((o["metrics"]["cosine"] for o in outputs), default=None),
+    return {"precision": precision, "verdict": verify.verdict,
+            "exit_code": int(verify.exit_code), "reasons": list(verify.reasons or []),
+            "cosine": min((o["metrics"]["cosine"] for o in verify.outputs or []), default=None),
             "metric": task.get("metric"), "metric_value": task.get("target"), "metric_drop": task.get("drop"),
-            "bytes": build.summary.get("bytes") if build else None,
+            "bytes": build.summary.bytes if build else None,
             # verify.memory's peaks (docs/verify.md "Memory"), fp32's beside: the candidate table's column
-            "memory": {key: verify["memory"].get(key) for key in ("load_peak_mb", "run_peak_mb", "peak_mb", "fp32")}
-            if (verify.get("memory") or {}).get("measured") else None,
+            "memory": {key: verify.memory.get(key) for key in ("load_peak_mb", "run_peak_mb", "peak_mb", "fp32")}
+            if (verify.memory or {}).get("measured") else None,
             "run_folder": str(outcome.run_dir)}
 
 
@@ -433,7 +432,7 @@ def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool =
 
     validation = run_cfg.validation
     first = next(iter(builds.values()))
-    inputs = [TensorSpec(**spec) for spec in first.results["convert"].summary["inputs"]]
+    inputs = [TensorSpec(**spec) for spec in first.results["convert"].summary.inputs]
     split = open_dataset(run_cfg.data, inputs).validation
     stream = speed.stream_samples(split, validation.timing_stream_samples)
     several_shapes = len({shapes.shape_key(feeds) for feeds in stream}) > 1  # decide on speed as served
@@ -469,9 +468,9 @@ def _timed_by_verify(outcomes: Dict[str, RunOutcome], timed: List[str], tried: D
     taken instead of a second one (a model of several input shapes is timed here, on the
     stream, which verify keeps only as medians)."""
     other = next(p for p in timed if p != REFERENCE)
-    verify = outcomes[other].verify or {}
-    speed_section = verify.get("speed") or {}
-    rows = verify.get("comparison") or {}
+    verify = outcomes[other].verify or VerifySummary()
+    speed_section = verify.speed or {}
+    rows = verify.comparison or {}
     found = {p: (rows.get(p) or {}).get("latency") or {} for p in (REFERENCE, other)}
     if len(timed) != 2 or speed_section.get("judged_on") == "stream" or \
             not all("round_medians_ms" in latency for latency in found.values()):

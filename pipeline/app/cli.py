@@ -113,8 +113,8 @@ def _execute(cfg: DictConfig, run_dir: Path) -> ExitCode:
         if chosen:
             report["auto"] = chosen
         _write_run_report(run_dir, report)
-        print_summary(outcome.records, outcome.verify, outcome.results.get("profile"),
-                      outcome.results.get("package"), outcome.run_dir, report)
+        package = outcome.results.get("package")
+        print_summary(outcome.records, report, package.summary.bundle if package else None, outcome.run_dir)
         code = outcome.exit_code
     except ParityError as err:
         log.debug("stopped by %s", type(err).__name__, exc_info=True)

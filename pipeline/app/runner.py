@@ -25,6 +25,7 @@ from pipeline.config.schemas import RunConfig, plain
 from pipeline.console import PROGRESS, job_step
 from pipeline.errors import ExitCode, writing
 from stages import StageContext, StageResult
+from stages.results import VerifySummary, summary_of
 
 log = logging.getLogger("parity")
 # "stage X: running / computed / cached": parity.log's record of each stage; on a terminal
@@ -39,13 +40,13 @@ class RunOutcome:
     records: List[dict] = field(default_factory=list)
 
     @property
-    def verify(self) -> Optional[dict]:
+    def verify(self) -> Optional[VerifySummary]:
         result = self.results.get("verify")
         return result.summary if result else None
 
     @property
     def exit_code(self) -> ExitCode:
-        return ExitCode(self.verify["exit_code"]) if self.verify else ExitCode.OK
+        return ExitCode(self.verify.exit_code) if self.verify else ExitCode.OK
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: Optional[str] = None) -> RunOutcome:
@@ -66,7 +67,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: Optional[str] = None) -> 
         # Jobs of a sweep share the cache: the first to take an entry's lock computes it,
         # the others wait and are served from it.
         with _locked_entry(cache_root, name, key):
-            cached = _from_cache(cache_root / name / key, out_dir) if key else None
+            cached = _from_cache(cache_root / name / key, out_dir, name) if key else None
             if cached is not None:
                 result, computed_seconds = cached
                 status = "cached"
@@ -143,8 +144,9 @@ def _stage_key(stage, ctx: StageContext, earlier: Dict[str, dict]) -> str:
     return sha256_json(material)[:32]
 
 
-def _from_cache(entry: Path, out_dir: Path):
-    """The cached result, or None on a miss. An unreadable entry is a miss, never an error."""
+def _from_cache(entry: Path, out_dir: Path, name: str):
+    """The cached result of stage ``name`` (its summary typed again, stages/results.py), or
+    None on a miss. An unreadable entry is a miss, never an error."""
     if not (entry / "result.json").is_file():
         return None
     if out_dir.exists():
@@ -152,11 +154,11 @@ def _from_cache(entry: Path, out_dir: Path):
     try:
         shutil.copytree(entry, out_dir)
         saved = read_json(out_dir / "result.json")
-        result = StageResult(out_dir, saved["files"], saved["summary"])
+        result = StageResult(out_dir, saved["files"], summary_of(name, saved["summary"]))
         missing = [f for f in result.files.values() if not (out_dir / f).exists() and not f.startswith("..")]
         if missing:
             raise OSError(f"missing {missing[0]}")
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         log.warning("ignoring broken stage cache entry %s: %s", entry, err)
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(entry, ignore_errors=True)  # the recomputed output takes its place

@@ -56,7 +56,7 @@ def packaged_bundles(outcome) -> Dict[str, str]:
     package = outcome.results.get("package") if outcome is not None else None
     if package is None:
         return {}
-    return {Path(package.summary["bundle"]).name: package.summary["manifest_sha256"]}
+    return {Path(package.summary.bundle).name: package.summary.manifest_sha256}
 
 
 def stale_name(path: Path) -> Path:

@@ -5,6 +5,7 @@ written from."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from rich import box
 from rich.markup import escape
@@ -15,11 +16,12 @@ from pipeline.precision import kinds
 from pipeline.verification.memory import candidate_peak, line as memory_line
 
 
-def print_summary(records: list, verify: dict, profile, package, run_dir: Path, report: dict) -> None:
+def print_summary(records: list, report: dict, bundle: Optional[str], run_dir: Path) -> None:
     """The end of a job on the console: the stage table, the verify table and its lines,
-    auto's candidates, warnings, the verdict and where everything is (``profile`` and
-    ``package``: those stages' results, None when they did not run)."""
+    auto's candidates, warnings, the verdict and where everything is (``bundle``: the package
+    stage's folder, None when it did not run)."""
     console = stdout_console()
+    verify, profile = report.get("verify"), report.get("profile")
     stages = Table(title="stages", title_justify="left")
     for column in ("stage", "status", "seconds"):
         stages.add_column(column)
@@ -55,7 +57,7 @@ def print_summary(records: list, verify: dict, profile, package, run_dir: Path, 
     if verify and verify.get("memory"):
         console.print(escape(memory_line(verify["memory"], (verify.get("judged_with") or {}).get("max_memory_mb"))))
     if profile:
-        console.print(_profile_line(profile.summary))
+        console.print(_profile_line(profile))
     if report.get("auto"):
         console.print(_auto_table(report["auto"]))
         console.print(f"precision=auto shipped {escape(report['auto']['why'])}")
@@ -64,8 +66,8 @@ def print_summary(records: list, verify: dict, profile, package, run_dir: Path, 
     colour = {"pass": "green", "fail": "red"}.get(report["verdict"], "yellow")
     console.print(f"verdict: [bold {colour}]{report['verdict'].upper()}[/] (exit {report['exit_code']})"
                   + _first_reasons(report))
-    if package:
-        console.print(f"bundle: {escape(package.summary['bundle'])}")
+    if bundle:
+        console.print(f"bundle: {escape(bundle)}")
     console.print(f"run folder: {escape(str(run_dir))}")
     console.print(f"reports: {escape(', '.join(REPORT_FILES))} in the run folder")
 

@@ -34,6 +34,7 @@ from pipeline.worker import answered, side_by_side
 from pipeline.task_metrics import files as metric_files, load_metric
 from pipeline.verification.scoring import TaskScorer
 from stages import StageContext, StageResult, baseline_role, baselines, code_version, deployable, reference_settings
+from stages.results import Quantization, VerifySummary
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
 from stages.verify.shared import (MEMORY_TWIN, Live, Row, baseline_worker, judge_output, judged_with,
@@ -59,7 +60,7 @@ def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     dataset = ctx.dataset()
     deployed = _target(ctx)
-    output_names = [o["name"] for o in ctx.results["convert"].summary["outputs"]]
+    output_names = ctx.converted().output_names
     metric, task_output = _task_output(cfg, output_names)
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
@@ -97,7 +98,7 @@ def run(ctx: StageContext) -> StageResult:
     files = {role: name for role, name in files.items() if (ctx.out_dir / name).exists()}
     # a crash, a hang or a device fallback depends on the machine (drivers, load), not on
     # the inputs the cache key covers: such a verdict is measured again next time
-    return StageResult(ctx.out_dir, files, summary, cache=exit_code != ExitCode.BACKEND,
+    return StageResult(ctx.out_dir, files, VerifySummary.from_json(summary), cache=exit_code != ExitCode.BACKEND,
                        reused=found["reused"] and not summary["diagnosis"]["ran"])
 
 
@@ -147,8 +148,8 @@ def _measurement_material(ctx: StageContext) -> dict:
             "files": files,
             "config": plain({"validation": validation, "data": ctx.cfg.data, "target": ctx.cfg.target,
                              "precision": ctx.cfg.precision, "metric": ctx.cfg.metric}),
-            "build": (ctx.results["build"].summary.get("quantization") or {}).get("float_ops"),
-            "tuned": (ctx.results["tune"].summary.get("chosen") if "tune" in ctx.results else None),
+            "build": ctx.results["build"].summary.float_ops,
+            "tuned": ctx.results["tune"].summary.chosen if "tune" in ctx.results else None,
             "external": list(hash_files(external_files(ctx)).values())}
 
 
@@ -242,7 +243,7 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
         ran.memory = measure_memory(target, baselines, twin, cfg.target.memory.value, check.samples,
                                     None if once is None else len(once))  # before more runs
         ran.effective = target.effective()
-        rows = {**baselines, cfg.precision.kind: Row(target, build.summary.get("bytes"), check.stats)}
+        rows = {**baselines, cfg.precision.kind: Row(target, build.summary.bytes, check.stats)}
         curve = check.by_shape.curve_feeds(dataset.validation.read)
         ran.comparison, ran.timing = _side_by_side(rows, curve.get("opt", check.last), cfg.precision.kind,
                                                    backend.NAME, cfg.validation)
@@ -334,11 +335,11 @@ def _nothing_int8(ctx) -> dict:
     """A build left with no int8 op runs fp32 as built: not a runtime's fallback but no int8
     build meeting the thresholds (mixed: the search kept every op float) or none faster than
     fp32 here (precision.int8_where_faster); pipeline.verification.verdict fails it with this line."""
-    quantization = ctx.results["build"].summary.get("quantization") or {}
-    if not kinds.quantized(ctx.cfg.precision.kind) or quantization.get("int8_ops") != 0:
+    quantization = ctx.results["build"].summary.quantization or Quantization()
+    if not kinds.quantized(ctx.cfg.precision.kind) or quantization.int8_ops != 0:
         return {}
-    count, kind = len(quantization.get("float_ops") or []), ctx.cfg.precision.kind
-    if (quantization.get("slower_in_int8") or {}).get("ops"):
+    count, kind = len(quantization.float_ops or []), ctx.cfg.precision.kind
+    if quantization.none_slower_in_int8:
         why = (f"no quantized op is faster in int8 than in fp32 on this machine (precision.int8_where_faster "
                f"kept all {count} in float) and the build runs fp32: ship fp32 (precision=auto chooses it)")
     elif kinds.searched(kind):
@@ -352,7 +353,7 @@ def _nothing_int8(ctx) -> dict:
 def _build_float_ops(ctx) -> List[str]:
     """The quantized ops the build kept in float (precision.keep_float, the backend's own)."""
     build = ctx.results.get("build")
-    return list(((build.summary.get("quantization") or {}) if build else {}).get("float_ops") or [])
+    return list((build.summary.float_ops if build else None) or [])
 
 
 def _accepted_precisions(precision, float_ops: List[str]) -> List[str]:

@@ -66,10 +66,7 @@ def _rescaled(ctx) -> List[str]:
     """The activations calibrate's equalization scaled per channel (the build's model
     differs from the reference there by design; the consumers' outputs agree again)."""
     calibrate = ctx.results.get("calibrate")
-    equalized = (calibrate.summary.get("equalization") or {}) if calibrate else {}
-    if not equalized.get("applied"):
-        return []
-    return [name for pair in equalized.get("outlier_pairs") or [] for name in pair.get("rescaled") or []]
+    return calibrate.summary.rescaled if calibrate else []
 
 
 ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
@@ -129,13 +126,13 @@ def _quantized_graph(ctx) -> Optional[QuantizedGraph]:
     """The converted model with the ops this build quantizes (int8/mixed through parity's
     QDQ builds; None for the runtime's own int8 tooling, which takes no keep_float)."""
     precision = ctx.cfg.precision
-    quantization = ctx.results["build"].summary.get("quantization") or {}
+    float_ops = ctx.results["build"].summary.float_ops
     calibrate = ctx.results.get("calibrate")
-    if not kinds.quantized(precision.kind) or "float_ops" not in quantization or calibrate is None:
+    if not kinds.quantized(precision.kind) or float_ops is None or calibrate is None:
         return None
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     model = onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False)
-    return QuantizedGraph(model, precision.quantize_ops, quantization["float_ops"],
+    return QuantizedGraph(model, precision.quantize_ops, float_ops,
                           present={node.name for node in prepared.graph.node})
 
 
@@ -197,9 +194,8 @@ def _tried_advice(ctx, backend, live: Live, advice: List[dict], layers, graph: Q
 def _refinement_seconds(ctx) -> float:
     """What the build's weight rounding and bias correction took: a trial built like the
     build repeats them."""
-    quantization = ctx.results["build"].summary.get("quantization") or {}
-    return sum(float((quantization.get(step) or {}).get("seconds") or 0.0)
-               for step in ("weight_rounding", "bias_correction"))
+    quantization = ctx.results["build"].summary.quantization
+    return quantization.refinement_seconds() if quantization else 0.0
 
 
 def _unconfirmed(ranked: dict, budget: "diagnosis.Budget") -> dict:
@@ -303,7 +299,7 @@ def _trial_launcher(ctx, backend, qdq, live: Live):
     float ops) in float, made as the build stage makes it: the same quantizer, table,
     settings and bias correction (a rerun with precision.keep_float gets this model)."""
     precision, stack, limits = ctx.cfg.precision, live.stack, live.limits
-    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
+    float_ops = ctx.results["build"].summary.float_ops
 
     def launch(keep: List[str]):
         label = f"advice keep_float=[{','.join(keep)}]"
@@ -325,7 +321,7 @@ def _qdq_maker(ctx, backend, stack):
     source = ctx.results["sensitivity"] if kinds.searched(ctx.cfg.precision.kind) else calibrate
     table = read_json(source.path("table"))["tensors"]
     settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
-    float_ops = ctx.results["build"].summary["quantization"]["float_ops"]
+    float_ops = ctx.results["build"].summary.float_ops
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-advice-")))
     made: Dict[tuple, Path] = {}
 
@@ -341,10 +337,10 @@ def _qdq_maker(ctx, backend, stack):
 def _correct_like_the_build(ctx, quantized: Path) -> None:
     """Weight rounding and bias correction on a QDQ model made here, where the build stage
     applied them to the shipped one."""
-    quantization = ctx.results["build"].summary.get("quantization") or {}
+    quantization = ctx.results["build"].summary.quantization
     prepared = ctx.results["calibrate"].path("prepared")
-    for summary, refine in ((quantization.get("weight_rounding"), weight_rounding.round_file),
-                            (quantization.get("bias_correction"), bias_correction.correct_file)):
-        if (summary or {}).get("enabled") and not summary.get("error"):
+    for step, refine in (("weight_rounding", weight_rounding.round_file),
+                         ("bias_correction", bias_correction.correct_file)):
+        if quantization and quantization.refined(step):
             refine(quantized, prepared, (sample.feeds for sample in ctx.dataset().calibration))
 

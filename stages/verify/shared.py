@@ -74,7 +74,7 @@ def tuned(ctx, backend, settings: dict) -> dict:
     tune chose for the artifact (none when tune kept the build's): every build verify runs
     beside the artifact runs as it does."""
     tune = ctx.results.get("tune")
-    changes = tune.summary["chosen"]["changes"] if tune is not None and "runtime" in tune.files else {}
+    changes = tune.summary.changes if tune is not None and "runtime" in tune.files else {}
     return tuning.apply(backend, settings, changes)
 
 
@@ -118,9 +118,8 @@ def judge_output(name: str, stats: OutputStats, validation, task: Optional[dict]
 
 
 def judged_with(ctx) -> dict:
-    quantization = ctx.results["build"].summary.get("quantization") or {}
     return {"fail_on_float_fallback": ctx.cfg.validation.fail_on_float_fallback,
-            "intended_float": list(quantization.get("float_ops") or []),
+            "intended_float": list(ctx.results["build"].summary.float_ops or []),
             "max_memory_mb": ctx.cfg.validation.max_memory_mb}
 
 
