@@ -22,11 +22,23 @@ REPO = Path(__file__).resolve().parents[1]
 TEST_PRECISION = "precision=mixed"
 
 
+# One stage cache for the session's jobs (PARITY_CACHE_DIR): a stage whose inputs, config
+# and code another test's job already ran is served from it, as a second run of a user's
+# job is. Tests that watch the cache itself, a stage's cold cost or its "computed" status
+# pass shared_cache=False and get their folder's own outputs/.cache.
+SHARED_CACHE: list = []
+
+
+def pytest_sessionstart(session):
+    SHARED_CACHE.append(session.config._tmp_path_factory.mktemp("stage-cache"))
+
+
 def run_cli(args, cwd, program="parity", timeout=300, env=None,
-            default_precision=TEST_PRECISION) -> subprocess.CompletedProcess:
+            default_precision=TEST_PRECISION, shared_cache=True) -> subprocess.CompletedProcess:
     """Run `parity ARGS` (or `parity-bundle`) through the installed console script."""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}
-    env.pop("HYDRA_FULL_ERROR", None)
+    shared = {"PARITY_CACHE_DIR": str(SHARED_CACHE[0])} if shared_cache and SHARED_CACHE else {}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PARITY_CACHE_DIR")}
+    env = {**inherited, "COLUMNS": "200", "NO_COLOR": "1", **shared, **(env or {})}
     script = Path(sys.executable).parent / program  # the console script pip installed
     args = [str(a) for a in args]
     if program == "parity" and default_precision and not any(a.split("=")[0].lstrip("+~") == "precision"
@@ -88,7 +100,7 @@ _SCHEMA: dict = {}
 
 def run_default_job(cwd: Path):
     """`parity` with no arguments in an empty folder: (cwd, run folder, completed process)."""
-    result = run_cli([], cwd)
+    result = run_cli([], cwd, shared_cache=False)  # tests read its stages' statuses and its own cache
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = run_dirs(cwd)
     return cwd, run_dir, result

@@ -129,7 +129,7 @@ def test_nothing_passes_fails_with_the_closest_candidate(tmp_path):
     """No build can match ONNX Runtime's fp32 to 1e-12 on OpenVINO: the run fails with the
     reasons of the candidate closest to passing, and says so."""
     result = run_cli(["precision=auto", "target=openvino_cpu", "precision.candidates=[fp32,int8]",
-                      "+validation.outputs={logits:{max_abs_error:1e-12}}"], tmp_path)
+                      "+validation.outputs={logits:{max_abs_error:1e-12}}"], tmp_path, shared_cache=False)
     assert result.returncode == 3, result.stdout + result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
     assert report["auto"]["chosen"] == "fp32" and report["auto"]["why"].startswith("no candidate passes: fp32")

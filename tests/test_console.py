@@ -20,8 +20,8 @@ def warm_default(tmp_path_factory):
     """`parity` as a user types it (precision=auto), twice in one folder at 100 columns: the
     second run reads every candidate's stages from outputs/.cache. (cwd, first, second)."""
     cwd = tmp_path_factory.mktemp("warm")
-    first = run_cli([], cwd, default_precision=None, env={"COLUMNS": "100"})
-    second = run_cli([], cwd, default_precision=None, env={"COLUMNS": "100"})
+    first = run_cli([], cwd, default_precision=None, env={"COLUMNS": "100"}, shared_cache=False)
+    second = run_cli([], cwd, default_precision=None, env={"COLUMNS": "100"}, shared_cache=False)
     return cwd, first, second
 
 
@@ -30,7 +30,7 @@ def test_on_a_terminal_one_live_line_says_the_candidate_and_stage(warm_default):
     taken for one): frames of one line on stderr, none of them a log line; stdout the same."""
     cwd, _, second = warm_default
     live = run_cli([], cwd, default_precision=None, env={"COLUMNS": "100", "TTY_COMPATIBLE": "1",
-                                                        "TTY_INTERACTIVE": "1"})
+                                                        "TTY_INTERACTIVE": "1"}, shared_cache=False)
     assert live.returncode == 0, live.stdout + live.stderr
     frames = re.findall(r"parity: precision=auto: [^\x1b\r\n]*\(\d+ s\)", live.stderr)
     assert frames and all(re.fullmatch(r"parity: precision=auto: (candidate \w+ \(\d of 4\)|timing [^·]*|"

@@ -113,7 +113,7 @@ def test_default_job_runs_the_whole_pipeline_and_shows_float_int8_mix(default_ru
 
 
 def test_default_job_at_fp32(tmp_path):
-    result = run_cli(["precision=fp32"], tmp_path)
+    result = run_cli(["precision=fp32"], tmp_path, shared_cache=False)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
     assert report["verify"]["effective"]["precision"] == "fp32"
@@ -123,7 +123,7 @@ def test_default_job_at_fp32(tmp_path):
 
 def test_second_run_reuses_stages_and_artifacts(default_run):
     cwd, first_dir, _ = default_run
-    result = run_cli([], cwd)
+    result = run_cli([], cwd, shared_cache=False)
     assert result.returncode == 0, result.stderr
     second_dir = run_dirs(cwd)[-1]
     assert second_dir != first_dir
@@ -137,12 +137,12 @@ def test_second_run_reuses_stages_and_artifacts(default_run):
 
 def test_changing_one_option_reruns_only_what_depends_on_it(default_run):
     cwd, _, _ = default_run
-    result = run_cli(["validation.min_sqnr_db=10"], cwd)  # a verify threshold the search does not aim at
+    result = run_cli(["validation.min_sqnr_db=10"], cwd, shared_cache=False)  # a verify threshold the search does not aim at
     assert result.returncode == 0, result.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached",
                         "tune": "cached", "verify": "computed", "profile": "cached", "package": "computed"}
-    result = run_cli(["target.threads=1"], cwd)
+    result = run_cli(["target.threads=1"], cwd, shared_cache=False)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     # the latency-aware search weighs ops by their cost with the target's own threads: recomputed too
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "computed", "build": "computed",
@@ -205,14 +205,14 @@ def test_per_output_threshold_override(default_run):
 
 
 def test_broken_cache_entry_is_recomputed_not_fatal(tmp_path):
-    run_cli([], tmp_path)
+    run_cli([], tmp_path, shared_cache=False)
     for result_json in (tmp_path / "outputs" / ".cache" / "convert").glob("*/result.json"):
         result_json.write_text("{ truncated")
-    result = run_cli([], tmp_path)
+    result = run_cli([], tmp_path, shared_cache=False)
     assert result.returncode == 0, result.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
     assert statuses["convert"] == "computed" and statuses["build"] == "cached"
     assert "ignoring broken stage cache entry" in result.stderr
-    run_cli([], tmp_path)
+    run_cli([], tmp_path, shared_cache=False)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
     assert statuses["convert"] == "cached"  # the entry was replaced by the recomputed output

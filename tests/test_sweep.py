@@ -27,7 +27,7 @@ PARALLEL_STAGES = stages("convert", "calibrate", "build", "verify")
 
 def run_in(cwd: Path, *args):
     """``parity ARGS`` in cwd: (cwd, completed process)."""
-    return cwd, run_cli(list(args), cwd, env=SIDE_BY_SIDE_ENV)
+    return cwd, run_cli(list(args), cwd, env=SIDE_BY_SIDE_ENV, shared_cache=False)  # tests count its shared work
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ def text_run(tmp_path_factory):
     sentences.write_folder(cwd / "texts", CALIBRATION, VALIDATION)
     copy = cwd / "tokenizer.json"
     copy.write_bytes(TOKENIZER.read_bytes())
-    result = parity(text_args(cwd / "texts", copy), cwd)
+    result = parity(text_args(cwd / "texts", copy), cwd, shared_cache=False)  # the cache test reads its statuses
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = run_dirs(cwd)
     return cwd, copy, run_dir, result
@@ -223,11 +223,11 @@ def test_a_changed_tokenizer_is_not_served_from_the_cache(text_run):
     cwd, copy, first_run, _ = text_run
     assert stage_status(first_run)["verify"] == "computed"
     copy.write_text(json.dumps(json.loads(copy.read_text()), indent=1))  # the same tokenizer, other bytes
-    changed = parity(text_args(cwd / "texts", copy), cwd)
+    changed = parity(text_args(cwd / "texts", copy), cwd, shared_cache=False)
     assert changed.returncode == 0, changed.stdout + changed.stderr
     status = stage_status(run_dirs(cwd)[-1])
     assert status["convert"] == "cached" and status["verify"] == "computed", status
-    again = parity(text_args(cwd / "texts", copy), cwd)
+    again = parity(text_args(cwd / "texts", copy), cwd, shared_cache=False)
     assert again.returncode == 0, again.stdout + again.stderr
     assert stage_status(run_dirs(cwd)[-1])["verify"] == "cached"
 

@@ -12,6 +12,8 @@ import pytest
 from onnx import numpy_helper
 
 from conftest import read_report, run_cli, run_dirs
+
+# every job here watches what the stage cache serves or a cold diagnosis: each keeps its own cache
 from pipeline.verification import trials
 from pipeline.precision.calibration import fake_quant, tables
 from pipeline.precision.quantize import QdqSettings, quantize_static_qdq
@@ -24,16 +26,16 @@ def stage_status(report: dict) -> dict:
 
 
 def test_int8_and_mixed_share_one_calibration(tmp_path):
-    first = run_cli(["precision=int8", "pipeline.stages=[convert,calibrate]"], tmp_path)
+    first = run_cli(["precision=int8", "pipeline.stages=[convert,calibrate]"], tmp_path, shared_cache=False)
     assert first.returncode == 0, first.stdout + first.stderr
-    second = run_cli(["precision=mixed", "pipeline.stages=[convert,calibrate]"], tmp_path)
+    second = run_cli(["precision=mixed", "pipeline.stages=[convert,calibrate]"], tmp_path, shared_cache=False)
     assert second.returncode == 0, second.stdout + second.stderr
     int8, mixed = (read_report(run) for run in run_dirs(tmp_path))
     assert stage_status(int8)["calibrate"] == "computed" and stage_status(mixed)["calibrate"] == "cached"
     # the search's every-method entries are there for both
     assert (run_dirs(tmp_path)[-1] / "stages" / "calibrate" / "candidates.json").is_file()
     # a change that matters still recomputes
-    third = run_cli(["precision=mixed", "pipeline.stages=[convert,calibrate]", "calibration=kl"], tmp_path)
+    third = run_cli(["precision=mixed", "pipeline.stages=[convert,calibrate]", "calibration=kl"], tmp_path, shared_cache=False)
     assert third.returncode == 0 and stage_status(read_report(run_dirs(tmp_path)[-1]))["calibrate"] == "computed"
 
 
@@ -42,14 +44,14 @@ def test_a_build_verified_before_is_not_measured_again(tmp_path):
     first = run_cli(args, tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     # a diagnosis setting is not what the measurement depends on: served, stage table says cached
-    again = run_cli([*args, "validation.advice_trials=2", "validation.layerwise_samples=5"], tmp_path)
+    again = run_cli([*args, "validation.advice_trials=2", "validation.layerwise_samples=5"], tmp_path, shared_cache=False)
     assert again.returncode == 0, again.stdout + again.stderr
     before, after = (read_report(run) for run in run_dirs(tmp_path))
     assert stage_status(before)["verify"] == "computed" and stage_status(after)["verify"] == "cached"
     assert after["verify"]["diagnosis"]["measurement"] == "reused from the cache"
     assert after["verify"]["outputs"] == before["verify"]["outputs"]
     # a threshold is: measured again
-    stricter = run_cli([*args, "validation.min_cosine=0.5"], tmp_path)
+    stricter = run_cli([*args, "validation.min_cosine=0.5"], tmp_path, shared_cache=False)
     assert stricter.returncode == 0, stricter.stdout + stricter.stderr
     third = read_report(run_dirs(tmp_path)[-1])
     assert stage_status(third)["verify"] == "computed"
@@ -61,7 +63,7 @@ def test_the_diagnosis_stops_at_its_budget(tmp_path):
     layerwise stops at once and no trial starts: what was cut is reported and printed, and
     nothing unconfirmed is given as a line to apply."""
     result = run_cli(["precision=int8", STAGES, "validation.min_cosine=0.999999", "validation.task_min_cosine=null",
-                      "validation.diagnosis_budget=0", "validation.diagnosis_min_seconds=0"], tmp_path)
+                      "validation.diagnosis_budget=0", "validation.diagnosis_min_seconds=0"], tmp_path, shared_cache=False)
     assert result.returncode == 3, result.stdout + result.stderr
     verify = read_report(run_dirs(tmp_path)[-1])["verify"]
     diagnosis = verify["diagnosis"]
@@ -76,7 +78,7 @@ def test_a_diagnosis_starts_no_step_after_its_budget(tmp_path):
     """The default budget on a failing int8 build: every step but the last one started
     within the budget, so the diagnosis overruns it by at most one step."""
     result = run_cli(["precision=int8", STAGES, "validation.min_cosine=0.999999", "validation.task_min_cosine=null",
-                      "validation.diagnosis_min_seconds=3"], tmp_path)
+                      "validation.diagnosis_min_seconds=3"], tmp_path, shared_cache=False)
     assert result.returncode == 3, result.stdout + result.stderr
     diagnosis = read_report(run_dirs(tmp_path)[-1])["verify"]["diagnosis"]
     steps = [s["seconds"] for s in diagnosis["steps"]]

@@ -128,13 +128,13 @@ def test_a_backend_that_runs_out_of_memory_is_a_crash_verdict_and_the_run_goes_o
 
 
 def test_a_backend_that_does_not_answer_is_a_hang_verdict(tmp_path):
-    result = run_cli(["validation.worker_timeout_s=0.05"], tmp_path)
+    result = run_cli(["validation.worker_timeout_s=0.05"], tmp_path, shared_cache=False)
     assert result.returncode == 4, result.stdout + result.stderr
     report = read_report(last_run(tmp_path))
     assert report["verify"]["crash"]["kind"] == "hung"
     assert report["reasons"][0].startswith("backend hung")
     # a crashed or hung verify is never cached: the next run tries again and passes
-    again = run_cli([], tmp_path)
+    again = run_cli([], tmp_path, shared_cache=False)
     assert again.returncode == 0, again.stdout + again.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(last_run(tmp_path))["stages"]}
     assert statuses["verify"] == "computed"
