@@ -180,7 +180,21 @@ def _inverse_factor(hessian: np.ndarray, weights: np.ndarray) -> np.ndarray:
         diagonal[dead] = 1
         damped[group][np.diag_indices_from(damped[group])] = diagonal + DAMPING * diagonal[~dead].mean() \
             if (~dead).any() else 1.0
-    return np.linalg.cholesky(np.linalg.inv(damped)).transpose(0, 2, 1)
+    return np.stack([_upper_factor_of_inverse(matrix) for matrix in damped])
+
+
+def _upper_factor_of_inverse(matrix: np.ndarray) -> np.ndarray:
+    """U, upper triangular with H^-1 = U^T U, without forming H^-1: with J the reversal of
+    the axes and J H J = L L^T (Cholesky), U = J L^-1 J. A Cholesky factor and a triangular
+    inverse cost a third of the general inverse each (fc1 of the default model, 2048
+    columns: 0.6 s of inverse per build before)."""
+    from scipy.linalg import lapack
+
+    lower = np.linalg.cholesky(matrix[::-1, ::-1])
+    inverse, info = lapack.dtrtri(lower, lower=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"singular Cholesky factor (LAPACK dtrtri info {info})")
+    return np.ascontiguousarray(inverse[::-1, ::-1])
 
 
 def round_file(quantized_path, prepared_path, samples: Iterable[Dict[str, np.ndarray]],
