@@ -230,10 +230,12 @@ def test_nothing_int8_names_the_cause_for_each_way_a_build_ends_fp32():
     keep_float's (stages.verify._nothing_int8 reads the build summary)."""
     from types import SimpleNamespace
 
+    from stages.results import BuildSummary
     from stages.verify import _nothing_int8
 
     def line(kind, quantization):
-        ctx = SimpleNamespace(results={"build": SimpleNamespace(summary={"quantization": quantization})},
+        summary = BuildSummary.from_json({"quantization": quantization})
+        ctx = SimpleNamespace(results={"build": SimpleNamespace(summary=summary)},
                               cfg=SimpleNamespace(precision=SimpleNamespace(kind=kind)))
         return _nothing_int8(ctx).get("nothing_int8")
 
