@@ -4,6 +4,8 @@ A stage module defines:
 
     NAME        the stage's name in ``pipeline.stages``
     CACHEABLE   whether the runner may reuse an earlier run's output
+    ON_MACHINE  (optional) "cpu" or "device": the stage runs something on this machine, so its
+                cache key holds the CPU (and the target's device): pipeline/app/runner.machine
     key_config(cfg) -> dict          the config the output depends on
     external_files(ctx) -> [Path]    files outside the run that it reads (hashed)
     run(ctx) -> StageResult
@@ -25,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Dict, List, Optional, Tuple
 
-from pipeline import backends
+from pipeline import backends, environment
 from pipeline.precision import kinds
 from pipeline.artifacts import atomic_directory, cache_lock, sha256_json
 from pipeline.config.schemas import RunConfig
@@ -161,6 +163,20 @@ class StageContext:
         config variants (e.g. calibration statistics for every threshold method).
         Returns (folder, reused)."""
         return memo(self.cache_root, self.out_dir, name, material, produce)
+
+
+def machine(target, with_device: bool = True) -> dict:
+    """What work run on this machine depends on beyond its inputs (a stage's ON_MACHINE, a
+    memo's material): the CPU (int8 kernels and speed differ between CPUs), whether the
+    target's runtime loads here and, with_device, the target's device as its backend finds
+    it now, so that a cache restored on another machine, a runtime uninstalled or a driver
+    gone never serves another machine's measurement."""
+    device = target.device.upper()
+    backend = backends.spec(target.backend.value)
+    found = {"cpu": environment.fingerprint(), "runtime": backend.available()[1] or "loads"}
+    if with_device and device != "CPU" and backend.CAPABILITIES.device_identity:
+        found["device"] = backend.device_identity(device)
+    return found
 
 
 def memo(cache_root: Optional[Path], out_dir: Path, name: str, material: dict,

@@ -28,6 +28,7 @@ log = logging.getLogger("parity")
 
 NAME = "build"
 CACHEABLE = True
+ON_MACHINE = "device"  # compile caches, and builds searched on the device (ncnn's fp16 feature masks)
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
 
 

@@ -32,6 +32,7 @@ from stages.results import ProfileSummary
 
 NAME = "profile"
 CACHEABLE = True
+ON_MACHINE = "device"
 READS = {"convert": ["model"], "build": None, "tune": None}
 PROFILE_FILE = "profile.json"
 log = logging.getLogger("parity")

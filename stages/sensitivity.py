@@ -32,6 +32,7 @@ from stages.results import SensitivitySummary
 NAME = "sensitivity"
 CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
+ON_MACHINE = "cpu"  # it measures on the CPU (the reference, or the runtime's CPU int8 kernels)
 QTABLE_TPU_MLIR = "qtable.txt"
 CHUNK = 64  # validation samples measured in one run
 EDGE_WEIGHT = 1.0  # a new edge between an int8 chain and a float island costs about a median op (latency-aware)

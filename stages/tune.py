@@ -25,11 +25,12 @@ from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable
 from pipeline.verification.metrics import output_failures
 from pipeline.worker import BackendWorker
-from stages import REFERENCE_MODULE, StageContext, StageResult, reference_settings
+from stages import REFERENCE_MODULE, StageContext, StageResult, machine, reference_settings
 from stages.results import TuneSummary
 
 NAME = "tune"
 CACHEABLE = True
+ON_MACHINE = "device"  # runtime settings timed on this machine
 log = logging.getLogger("parity")
 
 
@@ -98,7 +99,7 @@ def _material(ctx: StageContext, build, settings: dict, space, feeds) -> dict:
     artifacts = [build.out_dir / name for name in settings["files"]]
     cfg = ctx.cfg.tuning
     return {"artifact": sorted(hash_files(artifacts).values()), "settings": compile_cache.without_cache(settings),
-            "versions": environment.versions(), "machine": environment.fingerprint(), "space": space,
+            "versions": environment.versions(), "machine": machine(ctx.cfg.target), "space": space,
             "level": cfg.level.value, "objective": cfg.objective.value, "warmup": cfg.warmup, "repeats": cfg.repeats,
             "noise": cfg.noise,
             "feeds": hashlib.sha256(b"".join(feeds[name].tobytes() for name in sorted(feeds))).hexdigest()}

@@ -141,6 +141,8 @@ def _stage_key(stage, ctx: StageContext, earlier: Dict[str, dict]) -> str:
         "earlier": earlier,
         "external": list(hash_files(stage.external_files(ctx)).values()),
     }
+    if getattr(stage, "ON_MACHINE", None):
+        material["machine"] = stages.machine(ctx.cfg.target, with_device=stage.ON_MACHINE == "device")
     return sha256_json(material)[:32]
 
 

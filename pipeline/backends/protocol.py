@@ -79,6 +79,9 @@ class Capabilities:
     # precision=auto's default candidates: the precisions that can be faster than fp32 on
     # this runtime (bf16 on a CPU device only where the CPU computes bf16: pipeline/app/auto.py)
     auto_candidates: Tuple[str, ...] = ("fp32",)
+    # names what a GPU device of its targets resolves to on this machine now, without
+    # loading a model (a stage cache key's part) [device_identity(device) -> str]
+    device_identity: bool = False
 
     def __post_init__(self):
         if self.qdq_placement not in QDQ_PLACEMENTS:
@@ -102,6 +105,7 @@ PROMISED_FUNCTIONS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "tuning": ("module", ("tuning_space",)),
     "option_mapping": ("module", ("with_options",)),
     "float_op_kinds": ("module", ("float_op_kinds",)),
+    "device_identity": ("module", ("device_identity",)),
     "profiler": ("session", ("profile",)),
     "parallel_runners": ("session", ("parallel_runners",)),
 }

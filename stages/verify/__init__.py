@@ -33,7 +33,8 @@ from pipeline.verification.reference_store import ReferenceStore, store_key
 from pipeline.worker import answered, side_by_side
 from pipeline.task_metrics import files as metric_files, load_metric
 from pipeline.verification.scoring import TaskScorer
-from stages import StageContext, StageResult, baseline_role, baselines, code_version, deployable, reference_settings
+from stages import (StageContext, StageResult, baseline_role, baselines, code_version, deployable, machine,
+                    reference_settings)
 from stages.results import Quantization, VerifySummary
 from stages.verify.advice import (advice_for, layerwise_skipped, layerwise_wanted, run_layerwise, truth_check,
                                   truth_wanted)
@@ -43,6 +44,7 @@ from stages.verify.shared import (MEMORY_TWIN, Live, Row, baseline_worker, judge
 
 NAME = "verify"
 CACHEABLE = True
+ON_MACHINE = "device"  # the build run, timed and measured on this machine
 REPRODUCE_SAMPLES = 8  # validation inputs and reference outputs recorded for parity-bundle check
 log = logging.getLogger("parity")
 
@@ -144,7 +146,7 @@ def _measurement_material(ctx: StageContext) -> dict:
     validation = ctx.cfg.validation.judged()
     files = {name: ctx.output_hashes[name] for name in ("convert", "calibrate", "build", "tune")
              if name in ctx.output_hashes}
-    return {"code": code_version(), "runtimes": environment.versions(), "machine": environment.fingerprint(),
+    return {"code": code_version(), "runtimes": environment.versions(), "machine": machine(ctx.cfg.target),
             "files": files,
             "config": plain({"validation": validation, "data": ctx.cfg.data, "target": ctx.cfg.target,
                              "precision": ctx.cfg.precision, "metric": ctx.cfg.metric}),

@@ -21,7 +21,7 @@ CAPABILITIES = Capabilities(
     memory_modes=("auto", "buffer", "image"),
     runtime_precisions=("fp16",),  # a session setting (BackendConfig precision), built from the fp32 model
     own_int8=("int8", "mixed"),  # built by MNN's quantizer (build_int8); mixed: the qtable's ops skipped
-    tuning=True, option_mapping=True, profiler=True,
+    tuning=True, option_mapping=True, profiler=True, device_identity=True,
     auto_candidates=("fp32", "fp16", "int8"))
 GPU_DEVICES = CAPABILITIES.gpu_devices  # ("OPENCL", "VULKAN")
 FORWARD_TYPES = {"CPU": 0, "OPENCL": 3, "VULKAN": 7}  # MNNForwardType
@@ -139,3 +139,8 @@ def _mnn_root(graph: Dict[str, dict], name: str) -> str:
         seen.add(name)
         name = graph[name]["inputs"][0]
     return name
+
+
+def device_identity(device: str) -> str:
+    """Whether this MNN build has a runtime for the device now (the pip wheel: the CPU only)."""
+    return f"{device}: {'a runtime' if runtime_exists(device) else 'no runtime'}"

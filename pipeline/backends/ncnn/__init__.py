@@ -107,7 +107,7 @@ from pipeline.backends.ncnn.common import (  # noqa: F401 - the backend's names
     NAME, VULKAN_DEVICE_TYPES, NO_VULKAN_DEVICE, PRECISIONS, RUNTIME_PRECISIONS, QUANTIZED_PRECISIONS,
     MEMORY_MODES, DEVICES, CAPABILITIES, PARAM_FILE, BIN_FILE, INSTALL_HINT, MASK_BITS, FEATMASK_PARAM,
     MATCH_TOLERANCE, MATCH_SAMPLE, MATCH_RUNS, PNNX_TIMEOUT_S, MAP_TIMEOUT_S, available, versions, check_config,
-    pnnx_executable, runtime_options, float_op_kinds)
+    pnnx_executable, runtime_options, float_op_kinds, device_identity)
 from pipeline.backends.ncnn.param import (  # noqa: F401 - the backend's names
     ParamLayer, Param)
 from pipeline.backends.ncnn.options import (  # noqa: F401 - the backend's names

@@ -37,7 +37,7 @@ DEVICES = ("CPU", "VULKAN")
 CAPABILITIES = Capabilities(
     precisions=PRECISIONS, devices=DEVICES, memory_modes=MEMORY_MODES, runtime_precisions=RUNTIME_PRECISIONS,
     feature_masks=True, tuning=True, option_mapping=True, profiler=True, float_op_kinds=True, traces_at_shapes=True,
-    auto_candidates=("fp32", "fp16", "int8"))
+    device_identity=True, auto_candidates=("fp32", "fp16", "int8"))
 
 PARAM_FILE, BIN_FILE = "model.param", "model.bin"
 INSTALL_HINT = "pip install 'parity[ncnn]' (ncnn + pnnx)"
@@ -207,3 +207,25 @@ def dynamic_max_shapes(model, inputs) -> Optional[List[List[int]]]:
     if not ranges:
         return None
     return [list(ranges[name].max) if name in ranges else dims for name, dims, _ in inputs]
+
+
+# Where the Vulkan loader looks for driver manifests (ICDs) when no variable names them.
+_ICD_FOLDERS = ("/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d", "/usr/share/vulkan/icd.d",
+                "~/.local/share/vulkan/icd.d")
+
+
+def device_identity(device: str) -> str:
+    """The Vulkan drivers the loader would find: each manifest's path and content (what
+    decides whether VULKAN has a device here), read without starting Vulkan, which would
+    cost every job a Vulkan instance in the parent process."""
+    import ctypes.util
+    import hashlib
+
+    named = os.environ.get("VK_DRIVER_FILES") or os.environ.get("VK_ICD_FILENAMES")
+    places = [Path(p).expanduser() for p in (named.split(os.pathsep) if named else _ICD_FOLDERS)]
+    manifests = sorted(m for p in places for m in ([p] if p.suffix == ".json" else sorted(p.glob("*.json"))
+                                                    if p.is_dir() else []) if m.is_file())
+    digest = hashlib.sha256(str(ctypes.util.find_library("vulkan")).encode())
+    for manifest in manifests:
+        digest.update(str(manifest).encode() + manifest.read_bytes())
+    return f"{device}: {len(manifests)} Vulkan driver manifest(s), {digest.hexdigest()[:16]}"
