@@ -41,7 +41,7 @@ def test_int8_and_mixed_share_one_calibration(tmp_path):
 
 def test_a_build_verified_before_is_not_measured_again(tmp_path):
     args = ["precision=int8", "pipeline.stages=[convert,calibrate,build,verify]"]
-    first = run_cli(args, tmp_path)
+    first = run_cli(args, tmp_path, shared_cache=False)
     assert first.returncode == 0, first.stdout + first.stderr
     # a diagnosis setting is not what the measurement depends on: served, stage table says cached
     again = run_cli([*args, "validation.advice_trials=2", "validation.layerwise_samples=5"], tmp_path, shared_cache=False)
