@@ -5,7 +5,7 @@ A stage module defines:
     NAME        the stage's name in ``pipeline.stages``
     CACHEABLE   whether the runner may reuse an earlier run's output
     ON_MACHINE  (optional) "cpu" or "device": the stage runs something on this machine, so its
-                cache key holds the CPU (and the target's device): pipeline/app/runner.machine
+                cache key holds the CPU (and the target's device): stages.machine
     key_config(cfg) -> dict          the config the output depends on
     external_files(ctx) -> [Path]    files outside the run that it reads (hashed)
     run(ctx) -> StageResult
