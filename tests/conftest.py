@@ -25,12 +25,19 @@ TEST_PRECISION = "precision=mixed"
 # One stage cache for the session's jobs (PARITY_CACHE_DIR): a stage whose inputs, config
 # and code another test's job already ran is served from it, as a second run of a user's
 # job is. Tests that watch the cache itself, a stage's cold cost or its "computed" status
-# pass shared_cache=False and get their folder's own outputs/.cache.
+# pass shared_cache=False and get their folder's own outputs/.cache. Workers of
+# `pytest -n` share it too (the stage cache locks an entry while one job computes it).
 SHARED_CACHE: list = []
 
 
 def pytest_sessionstart(session):
-    SHARED_CACHE.append(session.config._tmp_path_factory.mktemp("stage-cache"))
+    factory = session.config._tmp_path_factory
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: one cache for all the run's workers
+        shared = factory.getbasetemp().parent / "stage-cache"
+        shared.mkdir(exist_ok=True)
+        SHARED_CACHE.append(shared)
+    else:
+        SHARED_CACHE.append(factory.mktemp("stage-cache"))
 
 
 def run_cli(args, cwd, program="parity", timeout=300, env=None,
