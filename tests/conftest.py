@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import json
 import os
 import subprocess
@@ -31,6 +32,10 @@ SHARED_CACHE: list = []
 
 
 def pytest_sessionstart(session):
+    # Every job is a new process that imports parity's modules; where PYTHONDONTWRITEBYTECODE
+    # is set (as on the CI image) each one compiled them again: 0.2-0.6 s per process.
+    for package in ("pipeline", "stages", "conf"):
+        compileall.compile_dir(REPO / package, quiet=1)
     factory = session.config._tmp_path_factory
     if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: one cache for all the run's workers
         shared = factory.getbasetemp().parent / "stage-cache"

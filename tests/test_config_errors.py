@@ -74,3 +74,22 @@ def test_help_lists_groups_and_options(tmp_path):
     for phrase in ("target: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu", "precision: auto, bf16, fp16, fp32, int8, mixed", "sensitivity: target, top_n", "model: digits", "data: digits, random"):
         assert phrase in result.stdout
     assert "parity_schema" not in result.stdout.split("== Config ==")[0]
+
+
+def test_hydra_mode_probe_is_skipped_only_where_nothing_can_set_the_mode():
+    from pipeline.app.cli import mode_is_known
+
+    assert mode_is_known(["precision=int8", "-m", "target=ort_cpu,openvino_cpu", "hydra/launcher=joblib",
+                          "hydra.launcher.n_jobs=2", "hydra.run.dir=out", "hydra.sweep.dir=sweep"])
+    for argv in (["hydra.mode=MULTIRUN"], ["+hydra.mode=RUN"], ["--config-dir", "my_conf"], ["-cd", "my_conf"],
+                 ["--config-dir=my_conf"], ["-cn", "mine"], ["hydra/sweeper=basic"]):
+        assert not mode_is_known(argv), argv
+
+
+def test_hydra_mode_set_by_an_override_still_makes_a_sweep(tmp_path):
+    """hydra.mode=MULTIRUN without -m: Hydra's mode probe runs and the job is a sweep."""
+    result = run_cli(["hydra.mode=MULTIRUN", "precision=fp32,mixed", "pipeline.stages=[convert]"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(list((tmp_path / "multirun").glob("*/*/precision=*"))) == 2, result.stdout
+    modes = {p.read_text().count("mode: MULTIRUN") for p in (tmp_path / "multirun").glob("*/*/*/.hydra/hydra.yaml")}
+    assert modes == {1}, modes
