@@ -45,8 +45,24 @@ def pytest_sessionstart(session):
         SHARED_CACHE.append(factory.mktemp("stage-cache"))
 
 
+# Tests read what a job decides and records, not how fast it ran: a job times its builds in
+# three short rounds and profiles two runs, unless the test passes quick=False (it reads the
+# timing or profile settings themselves) or sets a key itself.
+QUICK_TIMING = ["validation.timing_rounds=3", "validation.timing_round_ms=5", "validation.timing_runs=3",
+                "validation.timing_max_seconds=1"]
+QUICK_PROFILE = ["profile.runs=2", "profile.warmup=1", "profile.startup_rounds=1"]
+_NOT_A_JOB = ("--help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+
+
+def _with_quick_settings(args: list) -> list:
+    if any(a in _NOT_A_JOB for a in args):
+        return args
+    given = {a.split("=")[0].lstrip("+~") for a in args}
+    return [*args, *(o for o in QUICK_TIMING + QUICK_PROFILE if o.split("=")[0] not in given)]
+
+
 def run_cli(args, cwd, program="parity", timeout=300, env=None,
-            default_precision=TEST_PRECISION, shared_cache=True) -> subprocess.CompletedProcess:
+            default_precision=TEST_PRECISION, shared_cache=True, quick=True) -> subprocess.CompletedProcess:
     """Run `parity ARGS` (or `parity-bundle`) through the installed console script."""
     shared = {"PARITY_CACHE_DIR": str(SHARED_CACHE[0])} if shared_cache and SHARED_CACHE else {}
     inherited = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PARITY_CACHE_DIR")}
@@ -56,6 +72,8 @@ def run_cli(args, cwd, program="parity", timeout=300, env=None,
     if program == "parity" and default_precision and not any(a.split("=")[0].lstrip("+~") == "precision"
                                                              for a in args) and "--help" not in args:
         args = [*args, default_precision]
+    if program == "parity" and quick:
+        args = _with_quick_settings(args)
     command = [str(script), *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -112,7 +130,8 @@ _SCHEMA: dict = {}
 
 def run_default_job(cwd: Path):
     """`parity` with no arguments in an empty folder: (cwd, run folder, completed process)."""
-    result = run_cli([], cwd, shared_cache=False)  # tests read its stages' statuses and its own cache
+    # as a user runs it, its profile and timing in full; tests read its statuses and its own cache
+    result = run_cli([], cwd, shared_cache=False, quick=False)
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = run_dirs(cwd)
     return cwd, run_dir, result

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from conftest import run_cli, run_dirs
+from conftest import QUICK_TIMING, run_cli, run_dirs  # noqa: F401 - QUICK_TIMING: the modules' import
 
 SIDE_BY_SIDE = 2
 
@@ -95,12 +95,6 @@ class Jobs:
             with self._cv:
                 self._done[name] = outcome
                 self._cv.notify_all()
-
-
-# verify's speed measure at its fewest rounds (and not lengthened: a busy machine leaves
-# pairs undecided), for jobs whose tests do not judge timing
-QUICK_TIMING = ["validation.timing_rounds=3", "validation.timing_round_ms=5", "validation.timing_runs=3",
-                "validation.timing_max_seconds=1"]
 
 
 def stages(*names: str) -> str:

@@ -61,7 +61,7 @@ def sweep_job(cwd):
     """The digits model at fp32 on every CPU runtime and both GPU targets (the pip MNN
     wheel has no OpenCL: mnn_opencl runs on the CPU and fails with exit 4)."""
     result = run_cli(["-m", f"target={','.join(SWEEP_TARGETS)}", "precision=fp32", PROFILED, *QUICK_TIMING], cwd,
-                     timeout=600)
+                     timeout=600, quick=False)  # the profile's own defaults: runs=20, warmup=3
     (folder,) = sorted((cwd / "multirun").glob("*/*"))[-1:]
     return result, folder, json.loads((folder / "sweep.json").read_text())
 
@@ -80,8 +80,8 @@ def jobs(tmp_path_factory):
     job("sweep", sweep_job)
     for override, _ in CRASHES:
         job(override, lambda cwd, override=override: profiling_crash_job(cwd, override))
-    job("openvino", lambda cwd: (new_run(["target=openvino_cpu", "precision=int8", PROFILE_ONLY], cwd),
-                                 new_run(["target=openvino_cpu", "precision=fp32", PROFILE_ONLY], cwd)))
+    job("openvino", lambda cwd: (new_run(["target=openvino_cpu", "precision=int8", PROFILE_ONLY], cwd, quick=False),
+                                 new_run(["target=openvino_cpu", "precision=fp32", PROFILE_ONLY], cwd, quick=False)))
     job("time-budget", lambda cwd: new_run(["profile.runs=1000000", "profile.max_seconds=0.5", PROFILE_ONLY], cwd))
     yield pool
     pool.close()
