@@ -15,7 +15,7 @@ from pipeline import backends, environment
 from pipeline.backends import artifact
 from pipeline.precision import dynamic, fp16, kinds
 from pipeline.release import compile_cache
-from pipeline.artifacts import read_json
+from pipeline.artifacts import hash_files, read_json, sha256_file, write_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
 from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
@@ -423,14 +423,44 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
         return {"enabled": False}
     label = step.replace("_", " ")
-    samples = (sample.feeds for sample in ctx.dataset().calibration)
-    try:
-        summary = refine_file(quantized, ctx.results["calibrate"].path("prepared"), samples, judged_on=judged_on)
-    except Exception as err:  # noqa: BLE001 - ONNX Runtime rejects a cut-out op or extra outputs: build without it
-        log.warning("build: %s skipped: %s", label, first_line(err))
-        return {"enabled": True, "applied": False, **nothing, "error": first_line(err)}
+    dataset = ctx.dataset()
+    prepared = ctx.results["calibrate"].path("prepared")
+
+    def refine(path: Path) -> dict:
+        try:
+            return refine_file(path, prepared, (sample.feeds for sample in dataset.calibration), judged_on=judged_on)
+        except Exception as err:  # noqa: BLE001 - ONNX Runtime rejects a cut-out op or extra outputs: build without it
+            log.warning("build: %s skipped: %s", label, first_line(err))
+            return {"enabled": True, "applied": False, **nothing, "error": first_line(err)}
+
+    def produce(folder: Path) -> None:
+        shutil.copyfile(quantized, folder / quantized.name)
+        write_json(folder / "summary.json", refine(folder / quantized.name))
+
+    if _has_external_data(quantized):  # the memo keeps one file: refine this model in place
+        return _logged(refine(quantized), label, judged_on, reused=False)
+    # the same QDQ model from the same data refines alike whatever the target (ort_cpu and
+    # ncnn_cpu build one; so do int8 and a mixed build keeping nothing float)
+    material = {"step": step, "quantized": sha256_file(quantized), "prepared": sha256_file(prepared),
+                "data": (hash_files(dataset.files), str(ctx.cfg.data)), "judged_on_validation": judged_on is not None,
+                "cpu": environment.fingerprint()}
+    folder, reused = ctx.memo(f"build-{step}", material, produce)
+    summary = read_json(folder / "summary.json")
+    if summary.get("applied"):
+        shutil.copyfile(folder / quantized.name, quantized)
+    return _logged(summary, label, judged_on, reused)
+
+
+def _logged(summary: dict, label: str, judged_on, reused: bool) -> dict:
+    if "error" in summary:
+        return summary
     summary["judged_on"] = "validation" if judged_on is not None else "calibration"
-    log.info("build: %s %s (%d calibration samples, %.1f s)", label,
+    log.info("build: %s %s (%d calibration samples, %.1f s%s)", label,
              "kept" if summary["applied"] else "measured, not kept", summary.get("samples", 0),
-             summary.get("seconds", 0.0))
+             summary.get("seconds", 0.0), ", reused from the cache" if reused else "")
     return summary
+
+
+def _has_external_data(path: Path) -> bool:
+    model = onnx.load(str(path), load_external_data=False)
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)

@@ -54,6 +54,13 @@ QUICK_PROFILE = ["profile.runs=2", "profile.warmup=1", "profile.startup_rounds=1
 _NOT_A_JOB = ("--help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
 
 
+# pytest -n N: a job always runs beside the other workers' jobs, so its BLAS threads get its
+# share of the cores (as a job beside another does in tests/side_by_side.py)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+BESIDE_OTHER_WORKERS = ({"OPENBLAS_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // WORKERS))}
+                        if WORKERS > 1 else {})
+
+
 def _with_quick_settings(args: list) -> list:
     if any(a in _NOT_A_JOB for a in args):
         return args
@@ -66,7 +73,7 @@ def run_cli(args, cwd, program="parity", timeout=300, env=None,
     """Run `parity ARGS` (or `parity-bundle`) through the installed console script."""
     shared = {"PARITY_CACHE_DIR": str(SHARED_CACHE[0])} if shared_cache and SHARED_CACHE else {}
     inherited = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PARITY_CACHE_DIR")}
-    env = {**inherited, "COLUMNS": "200", "NO_COLOR": "1", **shared, **(env or {})}
+    env = {**inherited, "COLUMNS": "200", "NO_COLOR": "1", **shared, **BESIDE_OTHER_WORKERS, **(env or {})}
     script = Path(sys.executable).parent / program  # the console script pip installed
     args = [str(a) for a in args]
     if program == "parity" and default_precision and not any(a.split("=")[0].lstrip("+~") == "precision"

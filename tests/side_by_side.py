@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from conftest import QUICK_TIMING, run_cli, run_dirs  # noqa: F401 - QUICK_TIMING: the modules' import
+from conftest import QUICK_TIMING, WORKERS, run_cli, run_dirs  # noqa: F401 - QUICK_TIMING: the modules' import
 
-SIDE_BY_SIDE = 2
+SIDE_BY_SIDE = 1 if WORKERS > 1 else 2  # under pytest -n the other workers fill the cores
 
 
 class Jobs:
@@ -168,4 +168,4 @@ def selected(request, *tests: str) -> bool:
 # A job run beside another gets half the cores for its own BLAS threads, as a worker of
 # parity's joblib launcher does (two OpenBLAS pools spinning on 2 cores slow numpy down
 # many times over: build's weight rounding).
-SIDE_BY_SIDE_ENV = {"OPENBLAS_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+SIDE_BY_SIDE_ENV = {"OPENBLAS_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // (2 * WORKERS)))}

@@ -6,6 +6,7 @@ smaller than round-to-nearest's on a real model."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -167,3 +168,22 @@ def test_kept_only_when_the_output_gets_closer_to_fp32(classifier):
     cosine = summary["output_cosine"]
     assert summary["applied"] == (cosine["with"] > cosine["without"])
     assert (model.SerializeToString() != quantized.SerializeToString()) == summary["applied"]
+
+
+def test_the_same_qdq_model_is_rounded_once_and_reused_on_another_target(tmp_path):
+    """ort_cpu and ncnn_cpu build the same QDQ model from the same data: the second job takes
+    the first one's rounding from the stage cache (its own folder's), byte for byte, and says so."""
+    jobs = {}
+    for target in ("ort_cpu", "ncnn_cpu"):
+        result = run_cli(["precision=int8", STAGES, f"target={target}"], tmp_path, shared_cache=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        jobs[target] = (run_dirs(tmp_path)[-1], (run_dirs(tmp_path)[-1] / "parity.log").read_text())
+    (first, first_log), (second, second_log) = jobs["ort_cpu"], jobs["ncnn_cpu"]
+    assert "weight rounding kept" in first_log and "reused from the cache" not in first_log
+    assert re.search(r"weight rounding kept \(.*, reused from the cache\)", second_log), second_log
+    quantized = [(run / "stages" / "build" / "quantized.onnx").read_bytes() for run in (first, second)]
+    assert quantized[0] == quantized[1]
+    summaries = [json.loads((run / "stages" / "build" / "result.json").read_text())["summary"]["quantization"]
+                 for run in (first, second)]
+    assert summaries[0]["weight_rounding"] == summaries[1]["weight_rounding"]
+    assert summaries[1]["weight_rounding"]["applied"]
