@@ -123,7 +123,7 @@ def test_default_job_at_fp32(tmp_path):
 
 def test_second_run_reuses_stages_and_artifacts(default_run):
     cwd, first_dir, _ = default_run
-    result = run_cli([], cwd, shared_cache=False)
+    result = run_cli([], cwd, shared_cache=False, quick=False)
     assert result.returncode == 0, result.stderr
     second_dir = run_dirs(cwd)[-1]
     assert second_dir != first_dir
@@ -137,12 +137,13 @@ def test_second_run_reuses_stages_and_artifacts(default_run):
 
 def test_changing_one_option_reruns_only_what_depends_on_it(default_run):
     cwd, _, _ = default_run
-    result = run_cli(["validation.min_sqnr_db=10"], cwd, shared_cache=False)  # a verify threshold the search does not aim at
+    # a verify threshold the search does not aim at; timed in full, as the default job was
+    result = run_cli(["validation.min_sqnr_db=10"], cwd, shared_cache=False, quick=False)
     assert result.returncode == 0, result.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached",
                         "tune": "cached", "verify": "computed", "profile": "cached", "package": "computed"}
-    result = run_cli(["target.threads=1"], cwd, shared_cache=False)
+    result = run_cli(["target.threads=1"], cwd, shared_cache=False, quick=False)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     # the latency-aware search weighs ops by their cost with the target's own threads: recomputed too
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "computed", "build": "computed",
