@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from conftest import QUICK_PROFILE, QUICK_TIMING, SHARED_CACHE
+
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "examples" / "ci" / "parity-gate.yml"
 
@@ -39,8 +41,10 @@ def run_steps(root: Path, extra_override: str = "") -> dict:
         if "steps.sweep.outputs.exit_code" in script:
             recorded = dict(line.split("=", 1) for line in outputs.read_text().split())
             script = re.sub(r"\$\{\{\s*steps\.sweep\.outputs\.exit_code\s*\}\}", recorded["exit_code"], script)
-        if extra_override:
-            script = script.replace("hydra.sweep.dir=sweep", f"hydra.sweep.dir=sweep {extra_override}")
+        # the suite's shared stage cache and short timing, as every test job (conftest.run_cli)
+        script = script.replace("pipeline.cache_dir=parity-cache", f"pipeline.cache_dir={SHARED_CACHE[0]}")
+        script = script.replace("hydra.sweep.dir=sweep", " ".join(["hydra.sweep.dir=sweep", *QUICK_TIMING,
+                                                                     *QUICK_PROFILE, extra_override]))
         assert "${{" not in script, script
         codes[step["name"]] = subprocess.run(["bash", "-e", "-c", script], cwd=root, env=env,
                                              capture_output=True, text=True, timeout=600).returncode
