@@ -437,7 +437,7 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
         shutil.copyfile(quantized, folder / quantized.name)
         write_json(folder / "summary.json", refine(folder / quantized.name))
 
-    if _has_external_data(quantized):  # the memo keeps one file: refine this model in place
+    if ctx.cache_root is None or _has_external_data(quantized):  # no cache, or more than the one file the memo keeps
         return _logged(refine(quantized), label, judged_on, reused=False)
     # the same QDQ model from the same data refines alike whatever the target (ort_cpu and
     # ncnn_cpu build one; so do int8 and a mixed build keeping nothing float)

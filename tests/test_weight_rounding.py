@@ -187,3 +187,11 @@ def test_the_same_qdq_model_is_rounded_once_and_reused_on_another_target(tmp_pat
                  for run in (first, second)]
     assert summaries[0]["weight_rounding"] == summaries[1]["weight_rounding"]
     assert summaries[1]["weight_rounding"]["applied"]
+
+
+def test_without_a_cache_the_rounding_leaves_no_memo_folder_in_the_run(tmp_path):
+    result = run_cli(["precision=int8", STAGES, "target=ort_cpu", "pipeline.cache=false"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    build = run_dirs(tmp_path)[-1] / "stages" / "build"
+    assert "weight rounding kept" in (build.parent.parent / "parity.log").read_text()
+    assert not [p.name for p in build.iterdir() if p.name.startswith("build-")], sorted(p.name for p in build.iterdir())
