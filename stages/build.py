@@ -43,7 +43,7 @@ def key_config(cfg):
             "where_faster": (environment.fingerprint(), cfg.data)
             if quantized and precision.int8_where_faster else None,
             "int8": QdqSettings.resolve(precision, backend.NAME) if quantized and not precision.dynamic_ranges else None,
-            **({"dynamic": dynamic.DynamicSettings.resolve(precision, backend.NAME)} if precision.dynamic_ranges else {}),
+            **({"dynamic": _dynamic_key(cfg, backend)} if precision.dynamic_ranges else {}),
             # bias correction measures the quantized ops on the calibration samples
             "bias_correction": cfg.data if _refines(cfg, backend, "bias_correction") else False,
             "weight_rounding": cfg.data if _refines(cfg, backend, "weight_rounding") else False,
@@ -56,6 +56,12 @@ def key_config(cfg):
             "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None,
             # verify's baselines, made here where verify runs (none: the key stays as it was)
             **({"baselines": baselines(cfg)} if baselines(cfg) else {})}
+
+
+def _dynamic_key(cfg, backend) -> tuple:
+    settings = dynamic.DynamicSettings.resolve(cfg.precision, backend.NAME)
+    # a width the automatic rule chose is measured on the calibration samples
+    return settings, (cfg.data if settings.width_measured else None)
 
 
 def _wants_masks(cfg, backend) -> bool:
@@ -303,14 +309,16 @@ def _dynamic(ctx: StageContext, backend):
     _requested_float(ctx, onnx.load(str(converted), load_external_data=False), [])  # names checked as for Q/DQ
     quantized = ctx.out_dir / "quantized.onnx"
     try:
-        summary = dynamic.build(converted, quantized, dynamic.DynamicSettings.resolve(ctx.cfg.precision, backend.NAME),
-                                ctx.cfg.precision.keep_float)
+        settings = dynamic.DynamicSettings.resolve(ctx.cfg.precision, backend.NAME)
+        samples = (sample.feeds for sample in ctx.dataset().calibration) if settings.width_measured else None
+        summary = dynamic.build(converted, quantized, settings, ctx.cfg.precision.keep_float, samples)
     except QuantizerFailed as err:
         raise err.with_run(ctx)
     failure = dynamic.nothing_quantized(summary)
     if failure:
         raise QuantizerFailed(failure).with_run(ctx)
-    log.info("build: dynamic int8, %d ops quantized, activation ranges computed per call", summary["int8_ops"])
+    log.info("build: dynamic int8, %d ops quantized, activation ranges computed per call; weights: %s",
+             summary["int8_ops"], summary["reduce_range_rule"])
     return quantized, summary
 
 

@@ -12,9 +12,10 @@ import onnx
 import pytest
 import yaml
 
-from conftest import REPO, composed, read_report, run_cli, run_dirs, single_bundle
+from conftest import REPO, composed, cpu_note, read_report, run_cli, run_dirs, single_bundle
 from pipeline.errors import ConfigError
 from pipeline.precision import dynamic
+from pipeline.precision.quantize import needs_reduce_range
 
 MODEL = REPO / "pipeline" / "assets" / "tiny_bert.onnx"
 DIGITS = REPO / "pipeline" / "assets" / "digits_cnn.onnx"
@@ -43,6 +44,8 @@ def test_a_dynamic_build_runs_int8_without_calibration(dynamic_run):
         "MatMul of two activations: the dynamic quantizer quantizes a constant B only"}
     assert quantization["bias_correction"]["enabled"] is False and quantization["weight_rounding"]["enabled"] is False
     assert "float_ops" not in quantization  # none kept float by request: verify's intended-float list stays empty
+    # 7-bit weights chosen by the automatic rule (x86 without VNNI) are measured against 8 bits
+    assert ("weight_widths" in quantization) is needs_reduce_range("onnxruntime"), cpu_note()
     # the build was not calibrated: the stage says why and wrote no table
     assert "activation_ranges=dynamic" in report["calibration"]["skipped"]
     assert not (run_dir / "stages" / "calibrate" / "calibration.json").exists()
@@ -138,6 +141,35 @@ def test_conv_weights_are_per_channel_and_close_to_fp32(tmp_path):
     for x in samples:
         a, b = fp32.run(None, {"input": x[None]})[0].ravel(), int8.run(None, {"input": x[None]})[0].ravel()
         assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
+
+
+def _largest_weight(path) -> int:
+    model = onnx.load(str(path))
+    return max(int(np.abs(onnx.numpy_helper.to_array(init).astype(np.int32)).max())
+               for init in model.graph.initializer if init.data_type == onnx.TensorProto.INT8)
+
+
+def test_the_automatic_7_bit_width_is_measured_against_8_bits_and_the_closer_kept(tmp_path):
+    """precision.reduce_range null chose 7 bits (x86 without VNNI): both widths are built,
+    run on the samples, and the one closer to fp32 is the file left; an explicit width or no
+    samples measures nothing."""
+    samples = np.load(REPO / "pipeline" / "assets" / "digits.npz")["validation/input"][:24]
+    feeds = [{"input": x[None]} for x in samples]
+    out = tmp_path / "measured.onnx"
+    summary = dynamic.build(DIGITS, out, dynamic.DynamicSettings(reduce_range=True), samples=iter(feeds))
+    widths = summary["weight_widths"]
+    cosines = widths["output_cosine"]
+    assert widths["measured_on"] == "24 calibration samples" and set(cosines) == {"7-bit", "8-bit"}
+    assert widths["kept"] == (8 if cosines["8-bit"] > cosines["7-bit"] else 7)
+    assert summary["reduce_range"] is (widths["kept"] == 7)
+    assert summary["reduce_range_rule"].startswith(f"measured on 24 calibration samples: {widths['kept']}-bit")
+    assert (_largest_weight(out) <= 64) is (widths["kept"] == 7)  # the file is the width kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["measured.onnx"]  # the other width is not left behind
+    for settings, given in ((dynamic.DynamicSettings(reduce_range=True), None),
+                            (dynamic.DynamicSettings(reduce_range=True, reduce_range_automatic=False), iter(feeds))):
+        summary = dynamic.build(DIGITS, tmp_path / "rule.onnx", settings, samples=given)
+        assert "weight_widths" not in summary and summary["reduce_range"] is True
+        assert _largest_weight(tmp_path / "rule.onnx") <= 64
 
 
 def test_a_build_that_quantized_nothing_is_refused_and_would_not_pass_as_int8(tmp_path):

@@ -14,19 +14,26 @@ One thing is parity's own: ``quantize_dynamic`` gives ConvInteger per-tensor wei
 output channel here (zero point 0, so ConvInteger's scalar zero point still holds; the scale
 Mul after it becomes a per-channel vector). No calibration, no table: bias correction and
 weight rounding measure static ranges and do not apply (docs/targets.md, "ONNX Runtime").
+
+Where ``precision.reduce_range`` null chose 7-bit weights (an x86 CPU without VNNI), that is a
+guess from static builds: the model is built with 7-bit and with 8-bit weights, both run on
+the calibration samples, and the one whose outputs are closer to fp32 is kept (7-bit on a tie).
+The intent classifier of docs/benchmarks.md kept every top-1 decision with 8 bits and flipped
+two of 300 with 7.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 from pipeline.errors import first_line
+from pipeline.precision.calibration import bias_correction
 from pipeline.precision.quantize import WEIGHTED_OPS, QuantizerFailed, needs_reduce_range, prepare
 
 # parity's quantize_ops -> the op type ONNX Runtime's dynamic quantizer quantizes them as;
@@ -55,6 +62,11 @@ class DynamicSettings:
         reduce_range = needs_reduce_range(backend) if automatic else bool(precision.reduce_range)
         return cls(precision.per_channel, reduce_range, automatic, tuple(precision.quantize_ops))
 
+    @property
+    def width_measured(self) -> bool:
+        """The automatic rule chose 7-bit weights: both widths are built and measured."""
+        return self.reduce_range and self.reduce_range_automatic
+
     def describe(self) -> dict:
         why = ("automatic: " + ("an x86 CPU without VNNI, whose u8 x s8 kernels saturate" if self.reduce_range
                                 else "no u8 x s8 saturation here") if self.reduce_range_automatic
@@ -68,38 +80,88 @@ class DynamicSettings:
                 "weight_rounding": {"enabled": False, "reason": NOT_APPLICABLE}}
 
 
-def build(model_path: Path, out_path: Path, settings: DynamicSettings, keep_float: Iterable[str] = ()) -> dict:
+def build(model_path: Path, out_path: Path, settings: DynamicSettings, keep_float: Iterable[str] = (),
+          samples: Optional[Iterable[Dict[str, np.ndarray]]] = None) -> dict:
     """The dynamic int8 model of ``model_path`` (convert's) at ``out_path``; ops named in
-    ``keep_float`` stay float. Returns the build summary's quantization entry: what it did,
-    the ops quantized and those left float with the reason. ONNX Runtime's tools raising on
-    the model is a QuantizerFailed (one line, exit 2)."""
+    ``keep_float`` stay float. With ``samples`` (the calibration feeds) and a width the
+    automatic rule chose, both widths are measured and the closer one kept. Returns the build
+    summary's quantization entry: what it did, the ops quantized and those left float with the
+    reason. ONNX Runtime's tools raising on the model is a QuantizerFailed (one line, exit 2)."""
     import onnx
 
     keep_float = list(keep_float)
+    widths = None
     with tempfile.TemporaryDirectory(prefix="parity-dynamic-") as scratch:
         prepared_path = Path(scratch) / "prepared.onnx"
         try:
             prepare(model_path, prepared_path)
             prepared = onnx.load(str(prepared_path))
             asked = _asked(prepared, settings, keep_float)
-            if asked["op_types"]:
-                _quantize(prepared_path, out_path, settings, asked)
-            else:  # nothing of quantize_ops has an integer kernel: quantize_dynamic would take [] as "every type"
+            if not asked["op_types"]:  # nothing of quantize_ops has an integer kernel: [] would mean "every type"
                 onnx.save(prepared, str(out_path))
+                per_channel = []
+            elif settings.width_measured and samples is not None:
+                settings, per_channel, widths = _measured_width(prepared, prepared_path, out_path, settings, asked,
+                                                                samples)
+            else:
+                per_channel = _one_width(prepared, prepared_path, out_path, settings, asked)
         except Exception as err:  # noqa: BLE001 - ORT's pre-processing and quantizer raise bare errors
             raise QuantizerFailed(f"precision.activation_ranges=dynamic: ONNX Runtime's dynamic quantizer failed: "
                                   f"{first_line(err)}; build it with activation_ranges=static") from err
     model = onnx.load(str(out_path))
-    per_channel = _per_channel_conv(model, prepared, settings.reduce_range) if settings.per_channel else []
-    if per_channel:
-        onnx.save(model, str(out_path))
     quantized, left = _outcome(model, prepared, settings, keep_float)
     present = {node.name for node in prepared.graph.node}
-    return {**settings.describe(), "conv_per_channel": per_channel,
+    measured = {"weight_widths": widths, "reduce_range_rule": _width_rule(widths)} if widths else {}
+    return {**settings.describe(), **measured, "conv_per_channel": per_channel,
             "int8_ops": sum(node.op_type in INTEGER_OPS for node in model.graph.node),
             "quantized": quantized, "not_quantized": left,
             "dynamic_quantizers": sum(node.op_type == "DynamicQuantizeLinear" for node in model.graph.node),
             "keep_float_not_found": [name for name in keep_float if name not in present]}
+
+
+def _one_width(prepared, prepared_path: Path, out_path: Path, settings: DynamicSettings, asked: dict) -> List[str]:
+    """quantize_dynamic at the settings' width, Conv weights then made per channel; the Conv
+    ops changed so."""
+    import onnx
+
+    _quantize(prepared_path, out_path, settings, asked)
+    if not settings.per_channel:
+        return []
+    model = onnx.load(str(out_path))
+    per_channel = _per_channel_conv(model, prepared, settings.reduce_range)
+    if per_channel:
+        onnx.save(model, str(out_path))
+    return per_channel
+
+
+def _measured_width(prepared, prepared_path: Path, out_path: Path, settings: DynamicSettings, asked: dict,
+                    samples) -> Tuple[DynamicSettings, List[str], Optional[dict]]:
+    """Both weight widths built and run on the samples; the one whose outputs are closer to
+    fp32 (bias_correction's output cosine) is left at ``out_path``, 7-bit on a tie."""
+    import onnx
+
+    eight = replace(settings, reduce_range=False)
+    wide = out_path.with_name(out_path.stem + "-8bit.onnx")
+    per_channel = {True: _one_width(prepared, prepared_path, out_path, settings, asked),
+                   False: _one_width(prepared, prepared_path, wide, eight, asked)}
+    judged = bias_correction.Judged(prepared, samples,
+                                    bias_correction.batch_size_for(prepared, [o.name for o in prepared.graph.output]))
+    if not judged.count:
+        wide.unlink()
+        return settings, per_channel[True], None
+    cosines = {bits: judged.cosine(onnx.load(str(path))) for bits, path in ((7, out_path), (8, wide))}
+    chosen = eight if cosines[8] > cosines[7] else settings
+    wide.replace(out_path) if chosen is eight else wide.unlink()
+    return chosen, per_channel[chosen.reduce_range], {
+        "measured_on": f"{judged.count} calibration samples", "kept": 7 if chosen.reduce_range else 8,
+        "output_cosine": {"7-bit": round(cosines[7], 6), "8-bit": round(cosines[8], 6)}}
+
+
+def _width_rule(widths: dict) -> str:
+    kept, other = (f"{widths['kept']}-bit", "8-bit" if widths["kept"] == 7 else "7-bit")
+    cosines = widths["output_cosine"]
+    return (f"measured on {widths['measured_on']}: {kept} weights kept, output cosine {cosines[kept]} against "
+            f"{cosines[other]} with {other} (the automatic rule's 7 bits: an x86 CPU without VNNI)")
 
 
 def _asked(prepared, settings: DynamicSettings, keep_float: List[str]) -> dict:
