@@ -48,7 +48,7 @@ def key_config(cfg):
             "bias_correction": cfg.data if _refines(cfg, backend, "bias_correction") else False,
             "weight_rounding": cfg.data if _refines(cfg, backend, "weight_rounding") else False,
             # the mask search and the runtime's own int8 tooling use data (and the thresholds)
-            "data": (cfg.data, cfg.validation, cfg.calibration)
+            "data": (cfg.data, _mask_search_reads(cfg) if _wants_masks(cfg, backend) else None, cfg.calibration)
             if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.kind) else None,
             # a converter tracing at fixed shapes takes a range the data decides from the samples
             "traced_at": cfg.data if backend.CAPABILITIES.traces_at_shapes else None,
@@ -56,6 +56,15 @@ def key_config(cfg):
             "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None,
             # verify's baselines, made here where verify runs (none: the key stays as it was)
             **({"baselines": baselines(cfg)} if baselines(cfg) else {})}
+
+
+def _mask_search_reads(cfg) -> dict:
+    """The validation settings the fp16 mask search reads (its thresholds and worker limits),
+    and no others: auto's candidates run with verify's diagnosis off, and a key holding it
+    rebuilt the winner in the final run."""
+    reads = ("min_cosine", "task_min_cosine", "task_output", "max_abs_error", "max_mean_abs_error", "min_sqnr_db",
+             "outputs", "worker_timeout_s", "worker_memory_mb", "layer_min_cosine")
+    return {name: cfg.validation[name] for name in reads}
 
 
 def _dynamic_key(cfg, backend) -> tuple:
