@@ -64,7 +64,7 @@ def _mask_search_reads(cfg) -> dict:
     rebuilt the winner in the final run."""
     reads = ("min_cosine", "task_min_cosine", "task_output", "max_abs_error", "max_mean_abs_error", "min_sqnr_db",
              "outputs", "worker_timeout_s", "worker_memory_mb", "layer_min_cosine")
-    return {name: cfg.validation[name] for name in reads}
+    return {name: getattr(cfg.validation, name) for name in reads}
 
 
 def _dynamic_key(cfg, backend) -> tuple:
@@ -425,16 +425,18 @@ def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str]) -> di
     float), they share the fp32 outputs and each model's cosine (bias_correction.Judged)."""
     samples = _judged_on(ctx, float_ops)
     judged_on = None
-    if samples is not None and any(_refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step)
-                                   for step, _, _ in REFINEMENTS):
+    refining = any(_refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step) for step, _, _ in REFINEMENTS)
+    if samples is not None and refining:
         prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
         size = bias_correction.batch_size_for(prepared, [o.name for o in prepared.graph.output])
         judged_on = bias_correction.Judged(prepared, samples, size)
-    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing)
+    memo = refining and ctx.cache_root is not None and not _has_external_data(quantized)  # the memo keeps one file
+    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing, memo)
             for step, refine_file, nothing in REFINEMENTS}
 
 
-def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict) -> dict:
+def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict,
+            memo: bool) -> dict:
     """precision.<step> on the QDQ model, in place where it brings the outputs closer to fp32
     (pipeline/precision/calibration/weight_rounding.py, bias_correction.py); the build's summary."""
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
@@ -454,7 +456,7 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
         shutil.copyfile(quantized, folder / quantized.name)
         write_json(folder / "summary.json", refine(folder / quantized.name))
 
-    if ctx.cache_root is None or _has_external_data(quantized):  # no cache, or more than the one file the memo keeps
+    if not memo:  # no stage cache, or weights in files of their own
         return _logged(refine(quantized), label, judged_on, reused=False)
     # the same QDQ model from the same data refines alike whatever the target (ort_cpu and
     # ncnn_cpu build one; so do int8 and a mixed build keeping nothing float)

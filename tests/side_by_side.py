@@ -1,9 +1,11 @@
 """Tests that run `parity` jobs whose speed figures they do not judge: the settings that
-keep such jobs short, and Jobs, which runs a test module's CLI jobs side by side, two at a
-time, while its tests read them.
+keep such jobs short, and Jobs, which runs a test module's CLI jobs in the background
+while its tests read them: two at a time in one pytest process, one at a time per worker
+under `pytest -n` (SIDE_BY_SIDE).
 
 A `parity` job keeps about one core busy (the CLI, then one worker process at a time), so
-on the 2-core CI machine two jobs take little more wall time than one. A module fixture
+on the 2-core CI machine two jobs take little more wall time than one; under `pytest -n 2`
+the other worker's jobs fill the second core. A module fixture
 submits every job up front; a test waits for the one it reads (``jobs[name]``), and a job
 not started yet when a test asks for it goes first, after the job it runs after (``pytest
 -k`` waits for its own). A job that runs ``after`` another can reuse that one's folder, and
@@ -17,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from conftest import QUICK_TIMING, WORKERS, run_cli, run_dirs  # noqa: F401 - QUICK_TIMING: the modules' import
+from conftest import WORKERS, run_cli, run_dirs
 
 SIDE_BY_SIDE = 1 if WORKERS > 1 else 2  # under pytest -n the other workers fill the cores
 

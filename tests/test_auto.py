@@ -3,9 +3,11 @@ fastest passing one shipped (pipeline/app/auto.py)."""
 
 from __future__ import annotations
 
-from conftest import cpu_note, read_report, run_cli, run_dirs, single_bundle
+from conftest import composed, cpu_note, read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import read_json
 from types import SimpleNamespace
+
+import pytest
 
 from pipeline.app.auto import CUT, SCREEN_SLOWER, SLOWER, UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
 from stages.results import VerifySummary
@@ -219,3 +221,21 @@ def test_every_target_works_with_its_defaults_and_the_sweep_names_each_winner(tm
         assert job["bundle"].endswith(f"-{target}-{job['auto']['chosen']}")
         assert f"shipped {job['auto']['chosen']}" in (summary_file.parent / "sweep.md").read_text()
     assert result.returncode == max(job["exit_code"] for job in jobs.values())
+
+
+@pytest.mark.parametrize("overrides", [("target=ncnn_vulkan", "precision=fp16"),  # the fp16 mask search
+                                       ("target=mnn_cpu", "precision=int8"),  # the runtime's own quantizer
+                                       ("target=ort_cpu", "precision=mixed")])
+def test_the_shipped_run_reuses_its_candidates_stages_up_to_build(overrides):
+    """auto verifies a candidate without the diagnosis (layerwise, advice trials), then runs
+    the winner with it: every stage before verify must have the same cache key in both, or the
+    final run builds the winner again (it did on MNN and ncnn, the key holding all of validation)."""
+    from pipeline.app.auto import _candidate_stages
+    from pipeline.config.validation import validate
+    from stages import build, calibrate, convert, sensitivity, tune
+
+    run = validate(composed(*overrides))
+    candidate = _candidate_stages(run)
+    assert candidate.validation.layerwise != run.validation.layerwise  # the two runs do differ
+    for stage in (convert, calibrate, sensitivity, build, tune):
+        assert stage.key_config(candidate) == stage.key_config(run), stage.NAME

@@ -16,13 +16,13 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_report, run_cli
-from side_by_side import QUICK_TIMING, Jobs, new_run, stages
+from side_by_side import Jobs, new_run, stages
 
 # A 256 -> 16384 -> 10 classifier: 16.8 MB of fp32 weights that int8 stores in a quarter, so
 # that the fp32 and int8 builds' peaks lie tens of MB apart (111.7 and 74.2 MB measured here).
 WIDE = 16384
 WIDE_ARGS = ["data=random", "data.calibration_size=8", "data.validation_size=8", "metric=none", "calibration=max",
-             "precision.weight_rounding=false", "precision.bias_correction=false", *QUICK_TIMING,
+             "precision.weight_rounding=false", "precision.bias_correction=false",
              "validation.layerwise=off", "validation.advice_trials=0"]
 # every candidate verified (no screening: this machine's int8 Gemm may time slower than fp32), for both peaks
 AUTO = ["precision=auto", "precision.candidates=[fp32,int8]", "precision.screen=false",
@@ -71,7 +71,7 @@ def _wide_runs(cwd: Path) -> dict:
 
 
 def _low_run(cwd: Path, target: str, extra: list, wanted: tuple) -> tuple:
-    return new_run([f"target={target}", "precision=fp32", "target.memory=low", *extra, *QUICK_TIMING,
+    return new_run([f"target={target}", "precision=fp32", "target.memory=low", *extra,
                     stages("convert", "build", "verify", *wanted)], cwd)
 
 

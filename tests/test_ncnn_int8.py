@@ -13,7 +13,7 @@ import yaml
 
 from conftest import read_report, single_bundle
 from ncnn_helpers import CLS_SHAPE, cosine, digits_inputs, reference, require_vulkan
-from side_by_side import PACKAGED, QUICK_TIMING, VERIFIED, Jobs, new_run
+from side_by_side import PACKAGED, VERIFIED, Jobs, new_run
 from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 from pipeline.backends import ncnn as backend
 from pipeline.backends.ncnn.int8 import INT8_TAG, vulkan_int8_problem
@@ -44,7 +44,7 @@ def jobs(tmp_path_factory):
 
     def digits(name, *args):
         cwd = tmp_path_factory.mktemp(f"ncnn-{name}")
-        pool.submit(name, lambda: new_run([*args, *QUICK_TIMING], cwd))
+        pool.submit(name, lambda: new_run([*args], cwd))
 
     root = tmp_path_factory.mktemp("ncnn-classifier")
     if not NEEDS_FONTS_SKIPPED:  # the longest chain first
@@ -53,7 +53,7 @@ def jobs(tmp_path_factory):
     digits("int8", "target=ncnn_cpu", "precision=int8", *FAST, PACKAGED)
     if not NEEDS_FONTS_SKIPPED:
         pool.submit("classifier-int8-verified", lambda: classifier_run(
-            root, "precision=int8", "pipeline.stages=[convert,calibrate,build,verify]", *QUICK_TIMING),
+            root, "precision=int8", "pipeline.stages=[convert,calibrate,build,verify]"),
             after="classifier-int8-depthwise")
         pool.submit("classifier-mixed-search", lambda: classifier_run(
             root, "precision=mixed", "sensitivity=top_n", "sensitivity.top_n=2", "sensitivity.samples=2",

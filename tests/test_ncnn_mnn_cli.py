@@ -12,7 +12,7 @@ import pytest
 from conftest import read_report, run_cli, single_bundle
 from ncnn_helpers import NO_VULKAN, has_vulkan, searched_masks
 from overflow_model import build as build_overflow_model
-from side_by_side import PACKAGED, QUICK_TIMING, VERIFIED, Jobs, new_run
+from side_by_side import PACKAGED, VERIFIED, Jobs, new_run
 
 
 # without a device: skipped locally, run (and failing) in CI, which installs lavapipe
@@ -32,7 +32,7 @@ def missing_backend_sweep(cwd):
     hide.mkdir()
     (hide / "ncnn.py").write_text("raise ImportError('No module named ncnn (hidden by the test)')\n")
     env_path = os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])
-    return run_cli(["-m", "target=ncnn_cpu,ort_cpu", "precision=fp32", VERIFIED, *QUICK_TIMING], cwd,
+    return run_cli(["-m", "target=ncnn_cpu,ort_cpu", "precision=fp32", VERIFIED], cwd,
                    env={"PYTHONPATH": env_path})
 
 
@@ -45,7 +45,7 @@ def jobs(tmp_path_factory):
 
     def job(name, args, env=None):
         cwd = tmp_path_factory.mktemp(name)
-        pool.submit(name, lambda: new_run([*args(cwd), *QUICK_TIMING], cwd, env=env and env(cwd)))
+        pool.submit(name, lambda: new_run([*args(cwd)], cwd, env=env and env(cwd)))
 
     if VULKAN_RUNS:  # the longest job first
         job("seed-auto-masks", lambda cwd: [*seed_args(cwd), PACKAGED])

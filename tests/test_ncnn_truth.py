@@ -14,7 +14,7 @@ from ncnn_helpers import (NO_VULKAN, cosine, has_vulkan, modulated_conv_model, m
                           searched_masks, target)
 from pipeline.precision import feature_masks
 from pipeline.backends import ncnn as backend
-from side_by_side import QUICK_TIMING, VERIFIED, Jobs, new_run
+from side_by_side import VERIFIED, Jobs, new_run
 
 VULKAN_RUNS = has_vulkan() or bool(os.environ.get("CI"))
 needs_vulkan = pytest.mark.skipif(not VULKAN_RUNS, reason=NO_VULKAN)
@@ -39,7 +39,7 @@ def jobs(modulated_model, tmp_path_factory):
     pool = Jobs()
     for name in ("ncnn_vulkan", "ncnn_cpu") if VULKAN_RUNS else ("ncnn_cpu",):
         cwd = tmp_path_factory.mktemp(f"fp16-{name}")
-        pool.submit(name, lambda cwd=cwd, name=name: new_run([*args, f"target={name}", VERIFIED, *QUICK_TIMING], cwd))
+        pool.submit(name, lambda cwd=cwd, name=name: new_run([*args, f"target={name}", VERIFIED], cwd))
     yield pool
     pool.close()
 

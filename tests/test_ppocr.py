@@ -10,15 +10,13 @@ import json
 import pytest
 
 from conftest import read_report
-from side_by_side import (NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, job_output, new_run, run_sweep,
+from side_by_side import (NO_DIAGNOSIS, SIDE_BY_SIDE_ENV, Jobs, job_output, new_run, run_sweep,
                           selected, stages)
 from textlines import NEEDS_FONTS_SKIPPED, write_ppocr_configs
 
 VALIDATION = 24
 CPU_TARGETS = ["ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu"]
 INT8_TARGETS = ["ort_cpu", "openvino_cpu"]
-# the profile's layer names are what these tests read, not its timings
-QUICK_PROFILE = ["profile.runs=2", "profile.warmup=1", "profile.startup_rounds=1"]
 
 pytestmark = pytest.mark.skipif(NEEDS_FONTS_SKIPPED, reason="needs Debian's fonts-dejavu-core (installed by .ci/run)")
 
@@ -47,19 +45,19 @@ def ppocr_jobs(request, user_configs):
 
     if selected(request, "test_fp32_passes_with_top1_reported",
                 "test_fp32_sweep_over_every_cpu_runtime_agrees_with_the_reference"):
-        args = ppocr_args(user_configs, "precision=fp32", f"target={','.join(CPU_TARGETS)}", *QUICK_TIMING,
-                          *QUICK_PROFILE, sweep=True)
+        args = ppocr_args(user_configs, "precision=fp32", f"target={','.join(CPU_TARGETS)}",
+                          sweep=True)
         jobs.submit("fp32", functools.partial(run_sweep, args, folder("fp32"), timeout=600, env=SIDE_BY_SIDE_ENV))
     if selected(request, "test_int8_auto_calibration_keeps_accuracy"):
         args = ppocr_args(user_configs, "precision=int8", "calibration=auto", "data.calibration_size=32",
                           f"target={','.join(INT8_TARGETS)}", stages("convert", "calibrate", "build", "verify"),
-                          *QUICK_TIMING, sweep=True)
+                          sweep=True)
         jobs.submit("int8", functools.partial(run_sweep, args, folder("int8"), timeout=600, env=SIDE_BY_SIDE_ENV))
     if selected(request, "test_openvino_bf16_reports_what_ran"):
         # 24 images: one changed prediction is 4.17 points, so the top-1 gate is loosened here
         # and the precision check (exit 4 on a fallback) is what this test is about
         args = ppocr_args(user_configs, "target=openvino_cpu", "precision=bf16", "validation.max_metric_drop=0.1",
-                          stages("convert", "calibrate", "build", "verify"), *QUICK_TIMING, *NO_DIAGNOSIS)
+                          stages("convert", "calibrate", "build", "verify"), *NO_DIAGNOSIS)
         jobs.submit("bf16", functools.partial(new_run, args, folder("bf16"), env=SIDE_BY_SIDE_ENV))
     yield jobs
     jobs.close()

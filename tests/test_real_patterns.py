@@ -16,11 +16,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import cpu_note, read_report, run_cli, run_dirs
-from side_by_side import QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, run_sweep, selected, stages
+from side_by_side import SIDE_BY_SIDE_ENV, Jobs, new_run, run_sweep, selected, stages
 from pipeline.precision.quantize import QdqSettings, QuantizerFailed, build_qdq, gemm_bias_fixes, needs_reduce_range
 
 SINGLE_METHODS = ("max", "percentile", "kl", "mse")
-VERIFIED = [stages("convert", "calibrate", "sensitivity", "build", "verify"), *QUICK_TIMING]  # no profile, no bundle
+VERIFIED = [stages("convert", "calibrate", "sensitivity", "build", "verify")]  # no profile, no bundle
 
 
 def _save(graph, path):

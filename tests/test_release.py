@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, selected, stages
+from side_by_side import NO_DIAGNOSIS, SIDE_BY_SIDE_ENV, Jobs, selected, stages
 from pipeline.release.archive import safe_extract
 from pipeline.errors import InputError
 from pipeline.release.publish import SUMMARY_FILES
@@ -97,7 +97,7 @@ def release_jobs(request, tmp_path_factory):
 def sweep_run(cwd):
     return cwd, run_cli(["-m", "target=ort_cpu,openvino_cpu", "precision=fp32",
                          f"validation.min_cosine={PASS_COSINE},{FAIL_COSINE}",
-                         stages("convert", "build", "verify", "package"), *QUICK_TIMING, *NO_DIAGNOSIS], cwd,
+                         stages("convert", "build", "verify", "package"), *NO_DIAGNOSIS], cwd,
                         env=SIDE_BY_SIDE_ENV)
 
 

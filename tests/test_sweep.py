@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from side_by_side import QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, selected, stages
+from side_by_side import SIDE_BY_SIDE_ENV, Jobs, selected, stages
 
 
 def sweep_dir(cwd: Path) -> Path:
@@ -41,16 +41,16 @@ def sweeps(request, tmp_path_factory):
     for launcher, options in LAUNCHERS.items():
         if selected(request, f"test_sweep_summary_and_worst_exit_code_with_each_launcher[{launcher}]"):
             submit(launcher, "-m", *options, "target=ort_cpu,mnn_opencl", "precision=fp32,bf16",
-                   stages("convert", "build", "verify"), *QUICK_TIMING)
+                   stages("convert", "build", "verify"))
     if selected(request, "test_sweep_of_passing_jobs_exits_0_and_shares_calibration"):
         submit("passing", "-m", "target=ort_cpu,openvino_cpu", "precision=int8,mixed",
-               stages("convert", "calibrate", "sensitivity", "build", "verify"), *QUICK_TIMING)
+               stages("convert", "calibrate", "sensitivity", "build", "verify"))
     if selected(request, "test_concurrent_jobs_sharing_the_cache_compute_once_and_agree",
                 "test_parallel_jobs_get_plain_log_lines_not_live_bars"):
         submit("parallel", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-               "target=ort_cpu,openvino_cpu", "precision=int8", PARALLEL_STAGES, *QUICK_TIMING)
+               "target=ort_cpu,openvino_cpu", "precision=int8", PARALLEL_STAGES)
     if selected(request, "test_concurrent_jobs_sharing_the_cache_compute_once_and_agree"):
-        submit("alone", "target=ort_cpu", "precision=int8", "pipeline.cache=false", PARALLEL_STAGES, *QUICK_TIMING)
+        submit("alone", "target=ort_cpu", "precision=int8", "pipeline.cache=false", PARALLEL_STAGES)
     if selected(request, "test_job_folders_are_named_after_the_swept_keys_only"):
         jobs.submit("folders", functools.partial(folder_sweeps, tmp_path_factory.mktemp("folders")))
     yield jobs
@@ -140,7 +140,7 @@ def folder_sweeps(tmp_path):
     model = importlib.resources.files("pipeline") / "assets" / "digits_cnn.onnx"
     (tmp_path / "fixed").mkdir()
     fixed = run_in(tmp_path / "fixed", "-m", f"model.path={model}", "target=ort_cpu,openvino_cpu", "precision=fp32",
-                   stages("convert", "build", "verify"), *QUICK_TIMING)
+                   stages("convert", "build", "verify"))
     (tmp_path / "copy").mkdir()
     other = tmp_path / "copy" / "digits_cnn.onnx"
     other.write_bytes(model.read_bytes())

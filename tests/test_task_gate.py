@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import read_report
-from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, selected, stages
+from side_by_side import NO_DIAGNOSIS, SIDE_BY_SIDE_ENV, Jobs, new_run, selected, stages
 
 from pipeline.verification import confidence, verdict
 from pipeline.config.schemas import ValidationConfig
@@ -96,7 +96,7 @@ def test_the_search_aims_at_the_task_floor_when_a_metric_is_scored():
 
 # digits int8 with a cosine threshold no int8 build reaches
 STRICT = ["precision=int8", "validation.min_cosine=0.9999999", "validation.max_metric_drop=0.05",
-          stages("convert", "calibrate", "build", "verify"), *QUICK_TIMING, *NO_DIAGNOSIS]
+          stages("convert", "calibrate", "build", "verify"), *NO_DIAGNOSIS]
 GATES = {"floor": ["validation.require_confidence=true"], "no_metric": ["metric=none"],
          "no_floor": ["validation.task_min_cosine=null"]}
 

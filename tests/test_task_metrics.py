@@ -15,7 +15,7 @@ import onnx
 import pytest
 
 from conftest import read_report, run_cli, single_bundle
-from side_by_side import QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, selected, stages
+from side_by_side import SIDE_BY_SIDE_ENV, Jobs, new_run, selected, stages
 from textlines import FONTS, NEEDS_FONTS_SKIPPED, render, write_dataset
 
 from pipeline.config.schemas import DataConfig, DataKind
@@ -256,7 +256,7 @@ def custom_metric_runs(custom_metrics, cwd):
     """The digits job judged by the user's Distance ((completed process, run folder)), with
     a metric that raises and one that returns NaN ({name: completed process}), and with a
     metric that cannot be imported (completed process)."""
-    verified = [stages("convert", "build", "verify"), *QUICK_TIMING]
+    verified = [stages("convert", "build", "verify")]
     distance = new_run(["precision=fp32", "metric=custom", "metric._target_=usermetrics.Distance",
                         f"metric.path={custom_metrics}", "+metric.scale=10", "validation.max_metric_drop=0.01",
                         *verified], cwd, env=SIDE_BY_SIDE_ENV)
@@ -336,7 +336,7 @@ def run_ocr(cwd, ocr, *overrides):
 def recognizer_run(ocr):
     return run_ocr(ocr / "jobs" / "rec", ocr, "model=rec", "data=lines", "precision=fp32", "metric=ctc",
                    f"metric.charset={ocr / 'charset.txt'}", "validation.min_cosine=null",
-                   "pipeline.stages=[convert,calibrate,build,verify,package]", *QUICK_TIMING)
+                   "pipeline.stages=[convert,calibrate,build,verify,package]")
 
 
 @needs_fonts
@@ -364,7 +364,7 @@ def test_recognizer_with_ctc_text_labels_and_the_bundle_reads_a_png(ocr, cli_job
 def detector_runs(ocr):
     """The detector at int8, then at fp32 with an impossible gate (one folder: one convert)."""
     common = ["model=det", "data=det_lines", "metric=map_iou", "validation.min_cosine=null",
-              "validation.layerwise=off", "pipeline.stages=[convert,calibrate,build,verify]", *QUICK_TIMING]
+              "validation.layerwise=off", "pipeline.stages=[convert,calibrate,build,verify]"]
     cwd = ocr / "jobs" / "det"
     # not what this tests: int8's build refinements, which parity measures on these 4 calibration
     # lines and keeps neither of
@@ -392,7 +392,7 @@ def test_detector_int8_gated_on_map_iou(cli_jobs):
 
 def classifier_run(ocr):
     return run_ocr(ocr / "jobs" / "cls", ocr, "model=cls", "data=rotated", "precision=fp32",
-                   "pipeline.stages=[convert,calibrate,build,verify,package]", *QUICK_TIMING)
+                   "pipeline.stages=[convert,calibrate,build,verify,package]")
 
 
 @needs_fonts
@@ -470,7 +470,7 @@ def custom_preprocess_run(tmp_path):
     result, run_dir = new_run(["precision=fp32", "data.kind=custom", f"data.path={tmp_path / 'data'}",
                                "data.preprocess._target_=digitreader.read_digit",
                                f"data.preprocess.path={tmp_path / 'code'}",
-                               stages("convert", "build", "verify", "package"), *QUICK_TIMING],
+                               stages("convert", "build", "verify", "package")],
                               tmp_path, env=SIDE_BY_SIDE_ENV)
     return result, run_dir, tmp_path
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import read_report, run_cli, single_bundle
-from side_by_side import NO_DIAGNOSIS, QUICK_TIMING, SIDE_BY_SIDE_ENV, Jobs, new_run, selected
+from side_by_side import NO_DIAGNOSIS, SIDE_BY_SIDE_ENV, Jobs, new_run, selected
 from side_by_side import stages as only_stages
 from pipeline import tuning
 from pipeline.release import compile_cache
@@ -58,18 +58,18 @@ def tuning_jobs(request, tmp_path_factory):
         if basic < fused:  # else the test skips
             submit("refuses", new_run_in, "precision=fp32", "tuning=normal",
                    f"validation.max_abs_error={(basic + fused) / 2}",
-                   only_stages("convert", "build", "tune", "verify", "package"), *QUICK_TIMING)
+                   only_stages("convert", "build", "tune", "verify", "package"))
     if selected(request, "test_measurements_are_reused_on_the_same_machine"):
         submit("reused", reuse_runs)
     if selected(request, "test_a_gpu_target_that_falls_back_is_not_tuned") and importlib.util.find_spec("MNN"):
         submit("gpu", new_run_in, "target=mnn_opencl", "precision=fp32", "tuning=fast",
-               only_stages("convert", "build", "tune", "verify"), *QUICK_TIMING, *NO_DIAGNOSIS)
+               only_stages("convert", "build", "tune", "verify"), *NO_DIAGNOSIS)
     if selected(request, "test_throughput_objective_uses_concurrent_requests"):
         submit("throughput", new_run_in, "target=openvino_cpu", "precision=int8", "tuning=fast",
                "tuning.objective=throughput", only_stages("convert", "calibrate", "build", "tune"))
     if selected(request, "test_stale_compile_cache_falls_back_to_compiling",
                 "test_startup_measures_cold_and_warm_loads", "test_report_shows_cold_and_warm_startup"):
-        submit("openvino", new_run_in, "target=openvino_cpu", "precision=fp32", *QUICK_TIMING)
+        submit("openvino", new_run_in, "target=openvino_cpu", "precision=fp32")
     yield jobs
     jobs.close()
 
@@ -113,7 +113,7 @@ def reuse_runs(cwd):
     """One tuned job, the same job again, then with other thresholds, in one folder:
     (completed process, run folder) of each."""
     job = ["target=openvino_cpu", "precision=fp32", "tuning=fast",
-           only_stages("convert", "build", "tune", "verify", "package"), *QUICK_TIMING]
+           only_stages("convert", "build", "tune", "verify", "package")]
     return [new_run(args, cwd, env=SIDE_BY_SIDE_ENV, shared_cache=False)  # their statuses are read
             for args in (job, job, [*job, "validation.min_cosine=0.999"])]
 
