@@ -103,6 +103,20 @@ def test_a_changed_id_fails_the_verdict_whatever_the_cosine(tmp_path):
     assert any("values changed in" in reason and "output cls" in reason for reason in report["reasons"])
 
 
+def test_a_single_candidate_cut_by_the_budget_is_named_without_a_prediction():
+    """One keep-in-float candidate is not screened (nothing to rank it against): when the
+    budget runs out before it is confirmed (the tie model above on a busy machine), the
+    advice names it with no predicted cosine instead of failing the run."""
+    from pipeline.verification.diagnosis import Budget
+    from stages.verify.advice import _unconfirmed
+
+    cut = _unconfirmed({"order": [["head"]], "predicted": {}}, Budget(seconds=2.0))
+    assert cut["kind"] == "diagnosis_cut" and "keep_float=[head]" in cut["text"]
+    assert "predicted" not in cut["text"] and "larger budget" in cut["text"]
+    ranked = _unconfirmed({"order": [["a", "b"]], "predicted": {"a,b": 0.9991}}, Budget(seconds=2.0))
+    assert "keep_float=[a,b] (predicted cosine 0.999100)" in ranked["text"]
+
+
 def test_ops_producing_ids_stay_float_even_when_their_type_is_quantized(tmp_path):
     """precision.quantize_ops naming ArgMax and Greater: the build still keeps them float."""
     from pipeline.precision.quantize import QdqSettings, build_qdq, decision_ops

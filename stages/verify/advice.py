@@ -206,8 +206,10 @@ def _unconfirmed(ranked: dict, budget: "diagnosis.Budget") -> dict:
     if ranked["order"]:
         first = ",".join(ranked["order"][0])
         where = "the target's runtime" if budget.screening.get("on") == "target" else "the reference runtime"
-        text += (f"; the best ranked on {where}, keep_float=[{first}] (predicted cosine "
-                 f"{ranked['predicted'][first]:.6f}), is confirmed with a larger budget")
+        predicted = ranked["predicted"].get(first)  # none where a single candidate was not screened
+        text += (f"; the best ranked on {where}, keep_float=[{first}]"
+                 + (f" (predicted cosine {predicted:.6f})" if predicted is not None else "")
+                 + ", is confirmed with a larger budget")
     return {"kind": "diagnosis_cut", "text": text, "tried": False, "action": {"validation.diagnosis_budget":
                                                                             "a larger multiple"}}
 
