@@ -4,8 +4,8 @@ while its tests read them: two at a time in one pytest process, one at a time pe
 under `pytest -n` (SIDE_BY_SIDE).
 
 A `parity` job keeps about one core busy (the CLI, then one worker process at a time), so
-on the 2-core CI machine two jobs take little more wall time than one; under `pytest -n`
-the other workers' jobs fill the second core. A module fixture
+on the 2-core CI machine two jobs take little more wall time than one; under `pytest -n 2`
+the other worker's jobs fill the second core. A module fixture
 submits every job up front; a test waits for the one it reads (``jobs[name]``), and a job
 not started yet when a test asks for it goes first, after the job it runs after (``pytest
 -k`` waits for its own). A job that runs ``after`` another can reuse that one's folder, and

@@ -139,7 +139,7 @@ def test_readme_lists_what_ci_installs():
     set_up = section(readme(), "Set up")
     missing = [p for p in packages if p not in set_up]
     assert not missing, f"README's Set up section misses apt packages .ci/run installs: {missing}"
-    test_command = 'pip install -e ".[ncnn,mnn,sweep,test]" && python -m pytest -q -n 3 --dist loadfile'
+    test_command = 'pip install -e ".[ncnn,mnn,sweep,test]" && python -m pytest -q -n 2 --dist loadfile'
     assert test_command in script and test_command in set_up
 
 
