@@ -35,6 +35,7 @@ candidate of its own, timed and chosen like the others.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from pathlib import Path
@@ -348,7 +349,7 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> dict:
 def _candidate_stages(checked):
     """The candidate's stages up to verify, verified for the verdict alone: the diagnosis
     (layerwise, advice trials) is the shipped run's, and only when it fails."""
-    staged = OmegaConf.to_object(OmegaConf.structured(checked))
+    staged = copy.deepcopy(checked)
     staged.pipeline.stages = [s for s in checked.pipeline.stages if s not in NOT_CANDIDATE_STAGES]
     staged.validation.layerwise = Layerwise.off
     staged.validation.advice_trials = 0

@@ -26,9 +26,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     """Typed config, or a ConfigError naming the key and what is allowed."""
     try:
         # Re-merging onto the schema also rejects keys added with Hydra's '+key=value'.
-        schema = OmegaConf.structured(RunConfig)
-        schema.target = OmegaConf.structured(_target_schema(cfg))
-        checked = OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=False))
+        checked = OmegaConf.merge(_schema(_target_schema(cfg)), OmegaConf.to_container(cfg, resolve=False))
         run: RunConfig = OmegaConf.to_object(checked)
     except MissingMandatoryValue as err:
         raise ConfigError(f"{err.full_key}: a value is required (set {err.full_key}=...)") from err
@@ -36,6 +34,15 @@ def validate(cfg: DictConfig) -> RunConfig:
         raise ConfigError(describe_config_error(err)) from err
     _check_combinations(run)
     return run
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(target: type) -> DictConfig:
+    """RunConfig's schema with ``target``'s: built once per process (OmegaConf.structured
+    takes tens of milliseconds, and auto validates every candidate); merge copies it."""
+    schema = OmegaConf.structured(RunConfig)
+    schema.target = OmegaConf.structured(target)
+    return schema
 
 
 def _target_schema(cfg: DictConfig) -> type:
