@@ -79,6 +79,17 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     assert all(answered[p] == {"from_store": samples, "run": 0} for p in verified[1:])
 
 
+
+def test_a_rerun_starts_no_process_ahead_of_a_full_reference_store(auto_default_run):
+    """The reference's answers were all stored by the first run: the rerun reads them and
+    starts no process to fill the store ahead (it cost a process start per auto job)."""
+    cwd, first = auto_default_run
+    assert first.returncode == 0, first.stdout + first.stderr
+    result = run_cli([], cwd, default_precision=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (run_dirs(cwd)[-1] / "parity.log").read_text()
+    assert "the reference's answers are all stored, none run ahead" in log
+
 def test_the_budget_cuts_the_candidates_not_started_and_names_them(tmp_path):
     """precision.budget_s: once spent, no candidate starts (fp32, the reference, always
     does: 0 builds fp32 alone); each cut one is named in the table and in the why line."""

@@ -265,12 +265,15 @@ class _ReferenceAhead:
         inputs = [TensorSpec(**spec) for spec in convert.summary.inputs]
         settings = reference_settings(convert)
         try:
-            files = open_dataset(checked.data, inputs).files
+            dataset = open_dataset(checked.data, inputs)
         except ParityError:  # the candidate's verify says what is wrong with the data
             return
         hashes = {path: digest for path, digest in hash_tree(convert.out_dir).items() if path != "result.json"}
         store = ReferenceStore.of(Path(checked.pipeline.cache_dir).expanduser(),
-                                  store_key(hashes, checked.data, files, settings))
+                                  store_key(hashes, checked.data, dataset.files, settings))
+        if all(store.has(index) for index in range(len(dataset.validation))):  # a rerun: nothing to fill
+            progress_log.info("precision=auto: the reference's answers are all stored, none run ahead")
+            return
         self.running = Ahead(store, REFERENCE_MODULE, convert.out_dir, settings, checked.data, inputs)
 
     def stop(self) -> None:
