@@ -197,3 +197,20 @@ def test_side_by_side_closed_early_leaves_no_answer_in_flight(tmp_path):
         reply = counted.run({"x": -X})
         assert np.array_equal(reply["y"], -X * 2)  # its own answer, not a stale reply left in the pipe
         assert 2 <= int(reply["calls"]) <= 6  # after at most the sample yielded and 4 ahead
+
+
+def test_the_fork_server_preloads_every_backend_module_and_no_runtime():
+    """Workers fork from a server that imported parity's backend modules (their runtimes are
+    imported in load): a backend added to pipeline/backends is preloaded too, and importing
+    the preload in a fresh interpreter brings in no runtime."""
+    import subprocess
+    import sys
+
+    from pipeline import backends
+    from pipeline.worker import PRELOAD
+
+    assert set(backends.MODULES.values()) <= set(PRELOAD)
+    probe = ("import importlib, sys; from pipeline.worker import PRELOAD; [importlib.import_module(m) for m in PRELOAD];"
+             "print(sorted(m for m in ('onnxruntime', 'openvino', 'ncnn', 'MNN', 'onnx') if m in sys.modules))")
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stdout + imported.stderr
