@@ -85,7 +85,7 @@ def test_a_rerun_starts_no_process_ahead_of_a_full_reference_store(auto_default_
     starts no process to fill the store ahead (it cost a process start per auto job)."""
     cwd, first = auto_default_run
     assert first.returncode == 0, first.stdout + first.stderr
-    result = run_cli([], cwd, default_precision=None)
+    result = run_cli([], cwd, default_precision=None, quick=False)  # the first run's settings: all cached
     assert result.returncode == 0, result.stdout + result.stderr
     log = (run_dirs(cwd)[-1] / "parity.log").read_text()
     assert "the reference's answers are all stored, none run ahead" in log
