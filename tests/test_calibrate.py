@@ -12,6 +12,8 @@ from onnx import TensorProto, helper
 from conftest import read_report, run_cli, run_dirs, single_bundle
 from pipeline.precision.calibration import tables
 
+CALIBRATION_ONLY = "pipeline.stages=[convert,calibrate]"  # for what the calibration alone decides
+
 
 @pytest.fixture(scope="module")
 def int8_run(tmp_path_factory):
@@ -52,8 +54,8 @@ def test_int8_on_ort_runs_integer_kernels_and_reports_side_by_side(int8_run):
 
 def test_switching_method_reuses_statistics(int8_run):
     cwd, _, _ = int8_run
-    for method in ("mse", "percentile", "kl"):
-        result = run_cli(["precision=int8", f"calibration={method}"], cwd)
+    for method in ("mse", "percentile", "kl"):  # the calibration alone: what is reused is its statistics
+        result = run_cli(["precision=int8", f"calibration={method}", CALIBRATION_ONLY], cwd)
         assert result.returncode == 0, result.stdout + result.stderr
         report = read_report(run_dirs(cwd)[-1])
         assert report["calibration"]["method"] == method
@@ -76,7 +78,7 @@ def test_ort_calibration_cache_is_usable_by_onnxruntime(int8_run, tmp_path):
 def test_tpu_mlir_table_import_round_trip(int8_run, tmp_path):
     cwd, run_dir, _ = int8_run
     exported = run_dir / "stages" / "calibrate" / "calibration_table.txt"
-    result = run_cli(["precision=int8", f"calibration.table={exported}"], cwd)
+    result = run_cli(["precision=int8", f"calibration.table={exported}", CALIBRATION_ONLY], cwd)
     assert result.returncode == 0, result.stdout + result.stderr
     imported = run_dirs(cwd)[-1] / "stages" / "calibrate" / "calibration.json"
     original = json.loads((run_dir / "stages" / "calibrate" / "calibration.json").read_text())["tensors"]
@@ -135,7 +137,7 @@ def test_isa_caps_below_vnni_are_told_apart(monkeypatch, cap, below):
 
 
 def test_too_few_samples_warn(tmp_path):
-    result = run_cli(["precision=int8", "data.calibration_size=4"], tmp_path)
+    result = run_cli(["precision=int8", "data.calibration_size=4", CALIBRATION_ONLY], tmp_path)
     assert "only 4 calibration samples" in result.stdout
     assert read_report(run_dirs(tmp_path)[-1])["calibration"]["samples"] == 4
 
