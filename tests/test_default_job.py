@@ -206,14 +206,15 @@ def test_per_output_threshold_override(default_run):
 
 
 def test_broken_cache_entry_is_recomputed_not_fatal(tmp_path):
-    run_cli([], tmp_path, shared_cache=False)
+    stages = "pipeline.stages=[convert,calibrate,sensitivity,build]"  # a broken entry and what follows it
+    run_cli([stages], tmp_path, shared_cache=False)
     for result_json in (tmp_path / "outputs" / ".cache" / "convert").glob("*/result.json"):
         result_json.write_text("{ truncated")
-    result = run_cli([], tmp_path, shared_cache=False)
+    result = run_cli([stages], tmp_path, shared_cache=False)
     assert result.returncode == 0, result.stderr
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
     assert statuses["convert"] == "computed" and statuses["build"] == "cached"
     assert "ignoring broken stage cache entry" in result.stderr
-    run_cli([], tmp_path, shared_cache=False)
+    run_cli([stages], tmp_path, shared_cache=False)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(tmp_path)[-1])["stages"]}
     assert statuses["convert"] == "cached"  # the entry was replaced by the recomputed output
