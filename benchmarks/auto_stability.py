@@ -138,7 +138,8 @@ def main() -> None:
             section = report["auto"]
             passing = [r["precision"] for r in section["candidates"]
                        if r["verdict"] == "pass" and r.get("latency") and not r.get("same_as")]
-            builds = {p: run_dir / "candidates" / p / "stages" / "build" for p in passing}
+            # fp32, the speed reference, is built and timed but verified only where it could ship
+            builds = {p: run_dir / "candidates" / p / "stages" / "build" for p in dict.fromkeys(["fp32", *passing])}
             settings = yaml.safe_load((builds["fp32"] / "runtime.yaml").read_text())
             threads = int(settings["options"].get("intra_op_num_threads", 0))
             own = independent(builds, threads, args.rounds, args.round_ms)
