@@ -53,8 +53,8 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     # (benchmarks/auto_stability.py: int8 in 4 runs of 4, 1.11-1.37x on 2 AVX2 cores); what ships
     # follows the timing (the rule above), and a timing inside a loaded test run decides nothing
     # (one core busy beside it: fp32 shipped in 1 run of 4, int8 timed at 0.94x), so this test
-    # holds int8 to passing and being timed against fp32, the figure to the benchmark
-    assert rows["int8"]["verdict"] == "pass" and rows["int8"]["speedup"]["speedup"] > 0, f"{cpu_note()}: {rows}"
+    # holds int8 to being timed against fp32 and, verified, passing; the figure to the benchmark
+    assert rows["int8"]["speedup"]["speedup"] > 0 and rows["int8"]["verdict"] in ("pass", SLOWER), f"{cpu_note()}: {rows}"
     assert shipped in ("fp32", "int8") and rows[shipped]["verdict"] == "pass", f"{cpu_note()}: {rows}"
     built_as = "int8" if shipped == "int8_dynamic" else shipped  # precision=int8, activation_ranges=dynamic
     assert report["precision"] == built_as and report["verify"]["effective"]["precision"] in (built_as, "int8")
