@@ -230,6 +230,9 @@ def test_every_target_works_with_its_defaults_and_the_sweep_names_each_winner(tm
     for target, job in jobs.items():
         if target in GPU_ONLY and job["exit_code"] == 4:
             assert job["reason"].startswith("requested device"), job
+            # the first candidate verified found the device missing: the int8 ones are not built
+            rows = {row["precision"]: row for row in read_report(summary_file.parent / job["dir"])["auto"]["candidates"]}
+            assert rows["int8"]["verdict"] == "not built" and "requested device" in rows["int8"]["reasons"][0], rows
             continue
         assert job["exit_code"] == 0 and job["verdict"] == "pass", job
         assert job["auto"]["chosen"] in ("fp32", "fp16", "bf16", "int8", "mixed", "int8_dynamic")

@@ -199,6 +199,10 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
     if precision != REFERENCE and budget.spent():  # fp32 is every candidate's reference, and the fallback
         tried[precision] = budget.cut(precision)
         return
+    missing = _device_missing(tried)
+    if precision != REFERENCE and missing:  # no build of another precision would run on it either
+        tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [f"not built: {missing}"]}
+        return
     raw = candidate_config(cfg, precision)
     try:
         checked = validate(raw)
@@ -241,6 +245,13 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_Referenc
                             "reasons": [str(err)]}
         return
     tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
+
+
+def _device_missing(tried: Dict[str, dict]) -> Optional[str]:
+    """The verified candidate that the target's device did not run (e.g. MNN's pip wheel
+    asked for OpenCL): "<precision>: requested device ... ran", or None."""
+    return next((f"{precision}: {reason}" for precision, row in tried.items() for reason in row.get("reasons") or []
+                 if reason.startswith("requested device")), None)
 
 
 class _ReferenceAhead:
