@@ -52,6 +52,7 @@ from pipeline.config.validation import validate
 from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
+from pipeline.app.reference_ahead import ReferenceAhead
 from pipeline.app.runner import RunOutcome, run_pipeline
 from stages.results import VerifySummary
 from pipeline.console import PROGRESS, job_phase, job_step
@@ -127,7 +128,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     requested = candidates(run_cfg)
     budget = Budget(run_cfg.precision.budget_s)
     with contextlib.ExitStack() as stack:
-        ahead = _ReferenceAhead()
+        ahead = ReferenceAhead()
         stack.callback(ahead.stop)
         _candidates(cfg, requested, run_dir, ahead, (tried, configs, outcomes), budget, run_cfg.precision.screen)
     _time(outcomes, run_cfg, tried)
@@ -177,7 +178,7 @@ class Budget:
                 "cut": [p for p, row in tried.items() if row["verdict"] == CUT]}
 
 
-def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_ReferenceAhead", found: tuple,
+def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: ReferenceAhead, found: tuple,
                 budget: Budget, screen: bool = True) -> None:
     """Every candidate built, screened against fp32's speed and verified unless it is fp32
     (into ``found``: tried, configs, outcomes by precision), while the budget lasts; each
@@ -191,7 +192,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: "_R
         tried[precision]["seconds"] = round(time.monotonic() - started, 1)
 
 
-def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: "_ReferenceAhead", found: tuple,
+def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceAhead, found: tuple,
                budget: Budget, screen: bool = True) -> None:
     """One candidate: cut by the budget, not buildable, not worth building, built and
     screened slower than fp32, or verified (fp32: built only, its verification comes later)."""
@@ -252,45 +253,6 @@ def _device_missing(tried: Dict[str, dict]) -> Optional[str]:
     asked for OpenCL): "<precision>: requested device ... ran", or None."""
     return next((f"{precision}: {reason}" for precision, row in tried.items() for reason in row.get("reasons") or []
                  if reason.startswith("requested device")), None)
-
-
-class _ReferenceAhead:
-    """The reference's answers on the validation set, filled into its store by a process of
-    the lowest priority from the first candidate's convert until the first verify
-    (pipeline/verification/reference_store.py): started once, stopped by the caller."""
-
-    def __init__(self):
-        self.running = None
-        self.started = False
-
-    def start(self, checked, built: RunOutcome) -> None:
-        if self.started or not checked.pipeline.cache or "convert" not in built.results:
-            return
-        self.started = True
-        from pipeline.artifacts import hash_tree
-        from pipeline.data import TensorSpec, open_dataset
-        from pipeline.verification.reference_store import Ahead, ReferenceStore, store_key
-        from stages import REFERENCE_MODULE, reference_settings
-
-        convert = built.results["convert"]
-        inputs = [TensorSpec(**spec) for spec in convert.summary.inputs]
-        settings = reference_settings(convert)
-        try:
-            dataset = open_dataset(checked.data, inputs)
-        except ParityError:  # the candidate's verify says what is wrong with the data
-            return
-        hashes = {path: digest for path, digest in hash_tree(convert.out_dir).items() if path != "result.json"}
-        store = ReferenceStore.of(Path(checked.pipeline.cache_dir).expanduser(),
-                                  store_key(hashes, checked.data, dataset.files, settings))
-        if all(store.has(index) for index in range(len(dataset.validation))):  # a rerun: nothing to fill
-            progress_log.info("precision=auto: the reference's answers are all stored, none run ahead")
-            return
-        self.running = Ahead(store, REFERENCE_MODULE, convert.out_dir, settings, checked.data, inputs)
-
-    def stop(self) -> None:
-        if self.running is not None:
-            self.running.stop()
-            self.running = None
 
 
 def _verified(config: Tuple[DictConfig, object], folder: Path) -> Tuple[RunOutcome, Tuple[DictConfig, object]]:
