@@ -3,7 +3,7 @@ out-of-memory in a runtime becomes a ``BackendCrashed`` error instead of killing
 
 Protocol: one request at a time over a Pipe to a child forked from a fork server
 (multiprocessing's "forkserver", Linux and macOS; spawned elsewhere). The server is a fresh
-interpreter that imported numpy and this module (PRELOAD) and no runtime: parity's own
+interpreter that imported numpy, this module and parity's backend modules (PRELOAD) and no runtime: parity's own
 process is never forked (the runtimes start threads, and a fork of a threaded process can
 deadlock), and a worker starts without paying for the interpreter and those imports again
 (0.65 s of CPU per worker before, most of it that; numpy's OpenBLAS threads are made
