@@ -204,7 +204,7 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
         except EOFError:  # the parent has gone
             request = None
         if request is None:
-            _exit_now()
+            _exit_now(session)
         method, args = request
         try:
             if method == _LATENCY:
@@ -237,10 +237,15 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
         _send(conn, reply)
 
 
-def _exit_now() -> None:
+def _exit_now(session) -> None:
     """End the child without the interpreter's teardown: destroying a runtime's sessions and
-    modules took 0.2-0.7 s a worker, paid by the parent's close(), and nothing in the child
-    is left to save (its log is line-buffered, flushed here)."""
+    modules took 0.2-0.7 s a worker, paid by the parent's close(). What the teardown would
+    have removed is removed here: the session's scratch folder (``remove_scratch``: ONNX
+    Runtime's optimized graph, MNN's cache copy), which os._exit would leave in the temp
+    folder (a test session left 18 000 of them, GBs). The log is line-buffered, flushed here."""
+    remove_scratch = getattr(session, "remove_scratch", None)
+    if remove_scratch is not None:
+        remove_scratch()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)

@@ -112,13 +112,17 @@ def test_default_job_runs_the_whole_pipeline_and_shows_float_int8_mix(default_ru
     assert "| FLOAT |" in (run_dir / "report.md").read_text()
 
 
-def test_default_job_at_fp32(tmp_path):
-    result = run_cli(["precision=fp32"], tmp_path, shared_cache=False)
+def test_default_job_at_fp32_leaves_nothing_in_the_temp_folder(tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    result = run_cli(["precision=fp32"], tmp_path, shared_cache=False, env={"TMPDIR": str(temp)})
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
     assert report["verify"]["effective"]["precision"] == "fp32"
     assert {s["stage"]: s.get("status") for s in report["stages"]}["verify"] == "computed"
     assert report["verify"]["task"]["target"] > 0.95
+    # the backend workers end without the interpreter's teardown: their sessions' scratch goes first
+    assert sorted(path.name for path in temp.iterdir()) == []
 
 
 def test_second_run_reuses_stages_and_artifacts(default_run):

@@ -202,7 +202,8 @@ def test_side_by_side_closed_early_leaves_no_answer_in_flight(tmp_path):
 def test_the_fork_server_preloads_every_backend_module_and_no_runtime():
     """Workers fork from a server that imported parity's backend modules (their runtimes are
     imported in load): a backend added to pipeline/backends is preloaded too, and importing
-    the preload in a fresh interpreter brings in no runtime."""
+    the preload in a fresh interpreter brings in no runtime, nor the config's OmegaConf and
+    Hydra (a server starts in every job that verifies: 0.1 s of CPU each)."""
     import subprocess
     import sys
 
@@ -211,6 +212,7 @@ def test_the_fork_server_preloads_every_backend_module_and_no_runtime():
 
     assert set(backends.MODULES.values()) <= set(PRELOAD)
     probe = ("import importlib, sys; from pipeline.worker import PRELOAD; [importlib.import_module(m) for m in PRELOAD];"
-             "print(sorted(m for m in ('onnxruntime', 'openvino', 'ncnn', 'MNN', 'onnx') if m in sys.modules))")
+             "print(sorted(m for m in ('onnxruntime', 'openvino', 'ncnn', 'MNN', 'onnx', 'omegaconf', 'hydra') "
+             "if m in sys.modules))")
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stdout + imported.stderr

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 from rich.markup import escape
 
+from pipeline.app import skip_final_collection
 from pipeline.release import signing
 from pipeline.release.archive import is_archive, safe_extract
 from pipeline.release.bundle import MANIFEST, check_integrity, open_session, read_inputs, reproduce, runtime_settings
@@ -63,6 +64,7 @@ def main(argv=None) -> None:
         message = str(fault) if fault else f"internal error: {type(err).__name__}: {err}"
         stderr_console().print(f"[bold red]parity-bundle:[/] {escape(message)}", soft_wrap=True)
         code = fault.exit_code if fault else ExitCode.INTERNAL
+    skip_final_collection()
     sys.exit(int(code))
 
 

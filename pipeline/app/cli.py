@@ -21,7 +21,7 @@ from rich.markup import escape
 
 import conf
 from pipeline.config import resolvers, validation
-from pipeline.app import auto
+from pipeline.app import auto, skip_final_collection
 from pipeline.precision import kinds
 from pipeline.console import job_display, set_plain_progress, stderr_console
 from pipeline.environment import cores, share_cores
@@ -39,6 +39,13 @@ _exit_codes: list = []  # one per job of this process (several in a sequential m
 
 
 def main() -> None:
+    try:
+        _main()
+    finally:
+        skip_final_collection()
+
+
+def _main() -> None:
     # Hydra prints its own multi-line errors and exits 1 unless told to re-raise.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     resolvers.register()

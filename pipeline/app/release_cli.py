@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from pipeline.app import skip_final_collection
 from pipeline.release import signing
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, ParityError, environment_fault
@@ -50,6 +51,7 @@ def main(argv=None) -> None:
         fault = environment_fault(err)  # a full or read-only disk: exit 5
         _error(str(fault) if fault else f"internal error: {type(err).__name__}: {err}")
         code = fault.exit_code if fault else ExitCode.INTERNAL
+    skip_final_collection()
     sys.exit(int(code))
 
 

@@ -199,6 +199,10 @@ class Session:
                     fixed.add_free_dimension_override_by_name(dim, int(size))
         return ort.InferenceSession(str(self._model_path), fixed, providers=["CPUExecutionProvider"])
 
+    def remove_scratch(self) -> None:
+        """Remove the scratch folder (the optimized graph, profiles, probe models)."""
+        self._scratch.cleanup()
+
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         session = self._session
         if self._at_opt is not None and shapes.at_shapes(feeds, self._at_opt[0]):

@@ -129,6 +129,9 @@ class Session(Protocol):
     def run_probe(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         """{ONNX tensor name: float32 array} for the names ``probe`` exposed."""
 
+    # Optional: ``remove_scratch()`` removes the session's temporary folder; a worker calls it
+    # before it ends without the interpreter's teardown (pipeline/worker.py, _exit_now).
+
 
 @runtime_checkable
 class Backend(Protocol):

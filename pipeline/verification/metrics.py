@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List
+from typing import TYPE_CHECKING, List
 
 import numpy as np
 
-from pipeline.config.schemas import OutputThresholds
+if TYPE_CHECKING:  # the workers' fork server preloads this module, and needs no OmegaConf
+    from pipeline.config.schemas import OutputThresholds
 
 FIRST_MISMATCHES = 5  # sample indices listed for an integer output that changed
 CHUNK = 1 << 15  # values compared at a time (OutputStats.update)

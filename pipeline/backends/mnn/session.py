@@ -70,6 +70,10 @@ class Session:
         if map_name and (self._artifact_dir / map_name).is_file():
             self._tensor_map = json.loads((self._artifact_dir / map_name).read_text())
 
+    def remove_scratch(self) -> None:
+        """Remove the scratch folder (the copy of the bundle's tuning cache)."""
+        self._scratch.cleanup()
+
     # -- running
 
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
