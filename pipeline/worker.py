@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import multiprocessing
 import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from collections import deque
@@ -61,6 +63,7 @@ _STARTUP = "__startup__"
 _STREAM_LOAD = "__stream_load__"
 _STREAM = "__stream__"
 _MEMORY = "__memory__"
+_RUN_BATCH = "__run_batch__"
 _JOIN_S = 5.0
 
 
@@ -218,6 +221,8 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
                 reply = ("ok", throughput(session.parallel_runners() if parallel else [session.run], *args))
             elif method == _MEMORY:
                 reply = ("ok", {**memory, "run_peak_mb": peak_rss_mb()[0]})
+            elif method == _RUN_BATCH:
+                reply = ("ok", _run_each(session, args[0]))
             elif method == _STREAM_LOAD:
                 stream = list(args[0])
                 reply = ("ok", len(stream))
@@ -235,6 +240,18 @@ def _child(conn, module: str, artifact_dir: str, settings: dict, log_path: str, 
         except Exception as err:
             reply = _failure(err)
         _send(conn, reply)
+
+
+def _run_each(session, batch: list) -> tuple:
+    """(outputs of each feeds in ``batch``, in order, up to the first that raised; that
+    one's _failure tuple, or None): the samples before a failure keep their answers."""
+    outputs = []
+    for feeds in batch:
+        try:
+            outputs.append(session.run(feeds))
+        except Exception as err:  # noqa: BLE001 - sent back, as a run() request's would be
+            return outputs, _failure(err)
+    return outputs, None
 
 
 def _exit_now(session) -> None:
@@ -313,6 +330,14 @@ class BackendWorker:
 
     def run(self, feeds: dict) -> dict:
         return self.call("run", feeds)
+
+    def run_each(self, batch: list) -> list:
+        """run() of each feeds in ``batch`` in one request: their outputs in order, the
+        BackendCrashed of the first that raised in its place, nothing after it."""
+        outputs, failure = self._request("run()", (_RUN_BATCH, (batch,)), self.timeout_s)
+        if failure is None:
+            return outputs
+        return [*outputs, BackendCrashed(failure[1], f"{self.label} run() raised {failure[2]}", worker=self.label)]
 
     def effective(self) -> dict:
         return self.call("effective")
@@ -432,48 +457,83 @@ def answered(run: Callable[[], Any]) -> Any:
         return err
 
 
-def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4) -> Iterator[tuple]:
+BATCH_S = 0.02  # a side-by-side request's aim: batches of samples that take about this long
+MAX_BATCH = 32
+
+
+def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4, max_batch: int = MAX_BATCH,
+                 batch_s: float = BATCH_S) -> Iterator[tuple]:
     """Every sample run by every worker, each from a thread of its own and at its own pace,
-    at most ``ahead`` samples past the one being yielded: yields ``(sample, {name: outputs,
-    or the BackendCrashed that worker's run raised})`` in the samples' order. In lockstep
-    (every worker waiting for the slowest on each sample) three workers on two cores took
-    14.1 s for 200 PP-OCRv4 rec lines; each at its own pace 9.5 s (docs/time.md).
+    at least ``ahead`` samples (and two batches) past the one being yielded: yields
+    ``(sample, {name: outputs, or the BackendCrashed that worker's run raised})`` in the
+    samples' order. In lockstep (every worker waiting for the slowest on each sample) three
+    workers on two cores took 14.1 s for 200 PP-OCRv4 rec lines; each at its own pace 9.5 s
+    (docs/time.md). Consecutive samples go to a worker in one request (run_each), as many as
+    the slowest worker answers in about ``batch_s`` (up to ``max_batch``; one at first): a
+    small model's run is shorter than a request's round trip (the default model's 200
+    samples on three workers: 0.6 s a sample at a time, docs/verify.md).
     A worker is a BackendWorker, or a function of (sample index, feeds) that answers like
     one (verify's reference, read from its store where it can). A worker once failed is
     not given more samples. When the loop ends, early or not, every run in flight is
     awaited: no answer is left in a worker's pipe."""
     failed: set = set()
+    per_sample: Dict[str, float] = {}  # each worker's seconds a sample, in its last batch
 
-    def run(name: str, index: int, sample) -> Any:
+    def run(name: str, first: int, batch: list) -> list:
         if name in failed:
-            return None
-        worker = workers[name]
-        answer = answered(lambda: worker.run(sample.feeds) if isinstance(worker, BackendWorker)
-                          else worker(index, sample.feeds))
-        if isinstance(answer, BackendCrashed):
+            return [None] * len(batch)
+        started = time.perf_counter()
+        answers = _answers(workers[name], first, batch)
+        per_sample[name] = (time.perf_counter() - started) / len(batch)
+        if answers and isinstance(answers[-1], BackendCrashed):
             failed.add(name)
-        return answer
+        return answers + [None] * (len(batch) - len(answers))
 
     threads = {name: ThreadPoolExecutor(1, thread_name_prefix=f"parity-feed-{name}") for name in workers}
     pending: deque = deque()
     stream = enumerate(samples)
 
     def give_next() -> None:
-        index, sample = next(stream, (None, None))
-        if sample is not None:
-            pending.append((sample, {name: pool.submit(run, name, index, sample) for name, pool in threads.items()}))
+        slowest = max(per_sample.values(), default=None)
+        size = 1 if not slowest else max(1, min(max_batch, int(batch_s / slowest)))
+        batch = list(itertools.islice(stream, size))
+        if batch:
+            given = [sample for _, sample in batch]
+            pending.append((given, {name: pool.submit(run, name, batch[0][0], given)
+                                    for name, pool in threads.items()}))
+
+    def in_flight() -> int:
+        return sum(len(given) for given, _ in pending)
 
     try:
-        for _ in range(max(1, ahead)):
-            give_next()
+        give_next()
         while pending:
-            sample, runs = pending.popleft()
+            while len(pending) < 2 or in_flight() < ahead:
+                before = len(pending)
+                give_next()
+                if len(pending) == before:
+                    break
+            given, runs = pending.popleft()
             answers = {name: run.result() for name, run in runs.items()}
-            give_next()
-            yield sample, answers
+            for index, sample in enumerate(given):
+                yield sample, {name: each[index] for name, each in answers.items()}
     finally:
         for _, runs in pending:
             for run in runs.values():
                 run.cancel()
         for pool in threads.values():
             pool.shutdown(wait=True)
+
+
+def _answers(worker, first: int, batch: list) -> list:
+    """A worker's answers to the samples of ``batch`` (``first``: the first one's index), up
+    to and with the first BackendCrashed."""
+    if isinstance(worker, BackendWorker):
+        answer = answered(lambda: worker.run_each([sample.feeds for sample in batch]))
+        return [answer] if isinstance(answer, BackendCrashed) else answer
+    answers: list = []
+    for offset, sample in enumerate(batch):
+        answers.append(answered(lambda: worker(first + offset, sample.feeds)))
+        if isinstance(answers[-1], BackendCrashed):
+            break
+    return answers

@@ -188,10 +188,29 @@ def test_side_by_side_keeps_order_and_stops_feeding_a_failed_worker(tmp_path):
         assert int(counted.run({"x": X})["calls"]) == 8  # every sample run once, nothing else
 
 
+def test_side_by_side_batches_samples_and_a_failure_inside_a_batch_keeps_the_answers_before_it(tmp_path):
+    samples = [SimpleNamespace(feeds={"x": X + index}) for index in range(40)]
+    with worker("count", tmp_path) as counted, worker("raise_tenth", tmp_path) as failing:
+        requests = []
+        run_each = counted.run_each
+        counted.run_each = lambda batch: requests.append(len(batch)) or run_each(batch)
+        # a batch as long as it may be: 8 samples a request after the first
+        answered = list(side_by_side({"counted": counted, "failing": failing}, samples, max_batch=8, batch_s=60))
+        assert [sample for sample, _ in answered] == samples
+        for index, (sample, answers) in enumerate(answered):
+            assert np.array_equal(answers["counted"]["y"], sample.feeds["x"] * 2)
+            assert int(answers["counted"]["calls"]) == index + 1
+        assert sum(requests) == 40 and max(requests) == 8 and len(requests) < 10, requests
+        failed = [answers["failing"] for _, answers in answered]
+        assert all(np.array_equal(failed[i]["y"], samples[i].feeds["x"] * 2) for i in range(9))
+        assert isinstance(failed[9], BackendCrashed) and "tenth sample is bad" in str(failed[9])
+        assert failed[10:] == [None] * 30
+
+
 def test_side_by_side_closed_early_leaves_no_answer_in_flight(tmp_path):
     samples = [SimpleNamespace(feeds={"x": X + index}) for index in range(20)]
     with worker("count", tmp_path) as counted:
-        answered = side_by_side({"counted": counted}, samples, ahead=4)
+        answered = side_by_side({"counted": counted}, samples, ahead=4, max_batch=1)
         next(answered)
         answered.close()  # runs already given are awaited, the rest never start
         reply = counted.run({"x": -X})

@@ -25,6 +25,8 @@ class Session:
             return {"y": feeds["x"] * 2, "calls": np.array(self.calls)}
         if self.behaviour == "raise_second" and self.calls == 2:
             raise ValueError("the second sample is bad")
+        if self.behaviour == "raise_tenth" and self.calls == 10:
+            raise ValueError("the tenth sample is bad")
         if self.behaviour == "abort":
             os.abort()
         if self.behaviour == "noisy_abort":
