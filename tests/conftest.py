@@ -71,18 +71,28 @@ def _with_quick_settings(args: list) -> list:
 def run_cli(args, cwd, program="parity", timeout=300, env=None,
             default_precision=TEST_PRECISION, shared_cache=True, quick=True) -> subprocess.CompletedProcess:
     """Run `parity ARGS` (or `parity-bundle`) through the installed console script."""
-    shared = {"PARITY_CACHE_DIR": str(SHARED_CACHE[0])} if shared_cache and SHARED_CACHE else {}
-    inherited = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PARITY_CACHE_DIR")}
-    env = {**inherited, "COLUMNS": "200", "NO_COLOR": "1", **shared, **BESIDE_OTHER_WORKERS, **(env or {})}
     script = Path(sys.executable).parent / program  # the console script pip installed
     args = [str(a) for a in args]
-    if program == "parity" and default_precision and not any(a.split("=")[0].lstrip("+~") == "precision"
-                                                             for a in args) and "--help" not in args:
+    if program == "parity":
+        args = parity_args(args, default_precision, quick)
+    return subprocess.run([str(script), *args], cwd=cwd, env=cli_env(env, shared_cache), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def parity_args(args: list, default_precision=TEST_PRECISION, quick=True) -> list:
+    """``args`` as run_cli gives them to `parity`: the suite's precision unless one is set,
+    and its short timing."""
+    if default_precision and not any(a.split("=")[0].lstrip("+~") == "precision"
+                                     for a in args) and "--help" not in args:
         args = [*args, default_precision]
-    if program == "parity" and quick:
-        args = _with_quick_settings(args)
-    command = [str(script), *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return _with_quick_settings(args) if quick else args
+
+
+def cli_env(env=None, shared_cache=True) -> dict:
+    """The environment run_cli runs a command in."""
+    shared = {"PARITY_CACHE_DIR": str(SHARED_CACHE[0])} if shared_cache and SHARED_CACHE else {}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PARITY_CACHE_DIR")}
+    return {**inherited, "COLUMNS": "200", "NO_COLOR": "1", **shared, **BESIDE_OTHER_WORKERS, **(env or {})}
 
 
 def cpu_note() -> str:

@@ -1,11 +1,20 @@
 """Config validation through the real CLI: each kind of mistake is exit code 2 with one
-line naming the key and what is allowed, before any work starts."""
+line naming the key and what is allowed, before any work starts.
+
+The table of mistakes goes through `parity`'s entry point in one interpreter
+(tests/cli_in_one_process.py: a process each took 40 s of CPU for the table); the first
+mistake also runs as its own process of the console script, and must say the same."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from conftest import run_cli
+from conftest import cli_env, parity_args, run_cli
 
 CASES = [
     # (overrides, phrases the one-line message must contain)
@@ -55,17 +64,37 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,phrases", CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_config_error_is_exit_2_with_one_line(tmp_path, overrides, phrases):
-    result = run_cli(overrides, tmp_path)
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory):
+    """Every case of the table run once, in one folder: (folder, [{code, stdout, stderr}])."""
+    cwd = tmp_path_factory.mktemp("mistakes")
+    runner = Path(__file__).with_name("cli_in_one_process.py")
+    command = [sys.executable, str(runner), json.dumps([parity_args(overrides) for overrides, _ in CASES])]
+    done = subprocess.run(command, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return cwd, json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(c[0]) for c in CASES])
+def test_config_error_is_exit_2_with_one_line(mistakes, case):
+    cwd, results = mistakes
+    overrides, phrases = CASES[case]
+    result = results[case]
+    assert result["code"] == 2, result["stdout"] + result["stderr"]
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    assert len(lines) == 1, result["stderr"]
     assert lines[0].startswith("parity: config error:")
     for phrase in phrases:
         assert phrase in lines[0]
-    assert "Traceback" not in result.stderr + result.stdout
-    assert not list(tmp_path.glob("outputs/*/*/bundle")), "no work may start on a config error"
+    assert "Traceback" not in result["stderr"] + result["stdout"]
+    assert not list(cwd.glob("outputs/*/*/bundle")), "no work may start on a config error"
+
+
+def test_a_mistake_in_its_own_process_says_the_same(mistakes, tmp_path):
+    _, results = mistakes
+    result = run_cli(CASES[0][0], tmp_path)
+    assert (result.returncode, result.stdout, result.stderr) == \
+        (results[0]["code"], results[0]["stdout"], results[0]["stderr"])
 
 
 def test_help_lists_groups_and_options(tmp_path):

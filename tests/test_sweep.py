@@ -25,9 +25,10 @@ LAUNCHERS = {"basic": [], "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_
 PARALLEL_STAGES = stages("convert", "calibrate", "build", "verify")
 
 
-def run_in(cwd: Path, *args):
-    """``parity ARGS`` in cwd: (cwd, completed process)."""
-    return cwd, run_cli(list(args), cwd, env=SIDE_BY_SIDE_ENV, shared_cache=False)  # tests count its shared work
+def run_in(cwd: Path, *args, shared_cache: bool = False):
+    """``parity ARGS`` in cwd: (cwd, completed process); with the folder's own stage cache
+    unless ``shared_cache`` (the tests that count a sweep's shared work need their own)."""
+    return cwd, run_cli(list(args), cwd, env=SIDE_BY_SIDE_ENV, shared_cache=shared_cache)
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +36,14 @@ def sweeps(request, tmp_path_factory):
     """The module's sweeps, each in its own folder, submitted up front and run side by side."""
     jobs = Jobs()
 
-    def submit(name, *args):
-        jobs.submit(name, functools.partial(run_in, tmp_path_factory.mktemp(name), *args))
+    def submit(name, *args, shared_cache=False):
+        jobs.submit(name, functools.partial(run_in, tmp_path_factory.mktemp(name), *args, shared_cache=shared_cache))
 
     for launcher, options in LAUNCHERS.items():
         if selected(request, f"test_sweep_summary_and_worst_exit_code_with_each_launcher[{launcher}]"):
+            # the same jobs under each launcher: the first to compute a stage serves the others
             submit(launcher, "-m", *options, "target=ort_cpu,mnn_opencl", "precision=fp32,bf16",
-                   stages("convert", "build", "verify"))
+                   stages("convert", "build", "verify"), shared_cache=True)
     if selected(request, "test_sweep_of_passing_jobs_exits_0_and_shares_calibration"):
         submit("passing", "-m", "target=ort_cpu,openvino_cpu", "precision=int8,mixed",
                stages("convert", "calibrate", "sensitivity", "build", "verify"))
