@@ -457,7 +457,11 @@ def answered(run: Callable[[], Any]) -> Any:
         return err
 
 
-BATCH_S = 0.02  # a side-by-side request's aim: batches of samples that take about this long
+# side_by_side gives a worker consecutive samples in one request (run_each), as many as the
+# slowest worker answers in about BATCH_S (one at first, at most MAX_BATCH): a small model's
+# run is shorter than a request's round trip (the default model's 200 samples on three
+# workers: 0.6 s a sample at a time, 0.16 s in batches; docs/verify.md).
+BATCH_S = 0.02
 MAX_BATCH = 32
 
 
@@ -468,10 +472,7 @@ def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4, max
     ``(sample, {name: outputs, or the BackendCrashed that worker's run raised})`` in the
     samples' order. In lockstep (every worker waiting for the slowest on each sample) three
     workers on two cores took 14.1 s for 200 PP-OCRv4 rec lines; each at its own pace 9.5 s
-    (docs/time.md). Consecutive samples go to a worker in one request (run_each), as many as
-    the slowest worker answers in about ``batch_s`` (up to ``max_batch``; one at first): a
-    small model's run is shorter than a request's round trip (the default model's 200
-    samples on three workers: 0.6 s a sample at a time, docs/verify.md).
+    (docs/time.md). Samples go in batches (``batch_s``, ``max_batch``: see BATCH_S).
     A worker is a BackendWorker, or a function of (sample index, feeds) that answers like
     one (verify's reference, read from its store where it can). A worker once failed is
     not given more samples. When the loop ends, early or not, every run in flight is
