@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
-
 from pipeline.precision import kinds
+
+MISSING = "???"  # OmegaConf's MISSING (a value the user must give), without importing OmegaConf
 
 
 class Backend(Enum):

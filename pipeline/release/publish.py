@@ -27,7 +27,7 @@ from pipeline.artifacts import (atomic_directory, atomic_write_bytes, read_json,
                                 write_json)
 from pipeline.release.bundle import MANIFEST, check_files, check_integrity
 from pipeline.errors import InputError
-from pipeline.release.sweep import find_jobs, read_optional_json
+from pipeline.release.jobs import find_jobs, read_optional_json
 
 RELEASE_MANIFEST = "release.json"
 SUMMARY_FILES = ("sweep.json", "sweep.md", "sweep.html", "junit.xml")

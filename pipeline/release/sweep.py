@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from pipeline.backends import GPU_DEVICES  # every device name that runs on a GPU
-from pipeline.artifacts import atomic_write_bytes, read_json, remove_stale_temps, write_json
+from pipeline.artifacts import atomic_write_bytes, remove_stale_temps, write_json
 from pipeline.console import stderr_console, stdout_console
 from pipeline.errors import ExitCode, RunFolderBusy, worst_exit_code, writing
 from pipeline.precision import kinds
@@ -31,8 +31,8 @@ from pipeline.report.junit import build_junit
 from pipeline.report.document import Banner, Heading, Items, Para, Table
 from pipeline.report.formatting import fmt_device
 from pipeline.report.render import html_document, markdown_document
+from pipeline.release.jobs import JOB_FILE, find_jobs, read_optional_json
 
-JOB_FILE = "job.json"
 LOCK_FILE = ".parity.lock"  # held by the run writing the folder
 RUN_RESULTS = (JOB_FILE, "report.json", "report.md", "report.html", "junit.xml")  # what a finished run leaves
 TIE = 0.05  # latencies within 5 % of the fastest are a tie on a shared machine
@@ -166,37 +166,6 @@ def summarize(sweep_dir: Path) -> dict:
     _write_junit(jobs, sweep_dir, sweep_dir / "junit.xml")
     _print(summary)
     return summary
-
-
-def find_jobs(sweep: Path, skip: Optional[Path] = None) -> List[Path]:
-    """Job folders under ``sweep``: folders with .hydra/, job.json or report.json that are
-    not bundles or releases. A job folder can nest: an override value holding a path
-    (model.path=/m/a.onnx) puts slashes into the folder name Hydra derives from it."""
-    found = []
-    for root, dirs, files in os.walk(sweep):
-        here = Path(root)
-        if here != Path(sweep) and _is_job(dirs, files):
-            found.append(here)
-            dirs.clear()
-            continue
-        # not every dot-folder: a path-valued override nests folders such as /root/.pyenv/...
-        dirs[:] = sorted(d for d in dirs if d != ".hydra" and (skip is None or (here / d).resolve() != skip))
-    return sorted(found)
-
-
-def _is_job(dirs: List[str], files: List[str]) -> bool:
-    if "manifest.json" in files or "release.json" in files:  # a bundle or a release
-        return False
-    return ".hydra" in dirs or JOB_FILE in files or "report.json" in files
-
-
-def read_optional_json(path: Path) -> dict:
-    """The JSON object in ``path``, or {} when it is missing, unreadable or not an object."""
-    try:
-        data = read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _job(folder: Path, sweep_dir: Path) -> dict:
