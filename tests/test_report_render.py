@@ -365,3 +365,31 @@ def test_nice_ticks_cover_range_and_labels_differ():
 
 # ---------------------------------------------------------------------------
 # Layerwise comparison, minimum tolerances, recommendations, backend crashes
+
+
+def test_compiled_templates_are_kept_in_the_cache_and_read_back_the_same(tmp_path):
+    """A job keeps the report templates' compiled code in its stage cache (compiling took
+    0.1 s of each job); a new process renders from it what it renders without it, and a
+    folder that cannot be made is no error."""
+    import json
+    import subprocess
+    import sys
+
+    script = ("import json, sys; from pathlib import Path; from pipeline.report import render;"
+              "folder = sys.argv[1]; folder and render.keep_compiled_templates(Path(folder));"
+              "print(json.dumps([render.render_markdown(json.loads(sys.argv[2])),"
+              "render.render_html(json.loads(sys.argv[2]))]))")
+    report = json.dumps(full_report())
+    (tmp_path / "a file").write_text("")
+
+    def rendered(folder: str):
+        done = subprocess.run([sys.executable, "-c", script, folder, report], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    plain = rendered("")
+    cache = tmp_path / "cache" / "templates"
+    assert rendered(str(cache)) == plain and len(list(cache.glob("*.cache"))) >= 2  # written
+    assert rendered(str(cache)) == plain  # read back
+    assert rendered(str(tmp_path / "a file" / "templates")) == plain

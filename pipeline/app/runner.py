@@ -24,6 +24,7 @@ from pipeline.artifacts import (atomic_directory, cache_lock, hash_files, hash_t
 from pipeline.config.schemas import RunConfig, plain
 from pipeline.console import PROGRESS, job_step
 from pipeline.errors import ExitCode, writing
+from pipeline.report.render import keep_compiled_templates
 from stages import StageContext, StageResult
 from stages.results import VerifySummary, summary_of
 
@@ -55,6 +56,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: Optional[str] = None) -> 
     verify makes what verify needs, and the verified run is served it from the cache)."""
     outcome = RunOutcome(Path(run_dir))
     cache_root = Path(cfg.pipeline.cache_dir).expanduser() if cfg.pipeline.cache else None
+    if cache_root:
+        keep_compiled_templates(cache_root / "templates")
     output_hashes: Dict[str, dict] = {}  # each finished stage's files, hashed once
     for name in cfg.pipeline.stages:
         stage = stages.load(name)
