@@ -28,9 +28,10 @@ def test_wheel_installs_and_runs_default_job_outside_checkout(tmp_path):
         assert shipped in names
 
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)  # ensurepip: offline
+    venv.create(env_dir)  # without pip of its own (ensurepip took 7 s): this pip installs into it
     python = env_dir / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True)
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           capture_output=True, text=True, check=True).stdout.strip()
     # The dependencies come from this interpreter's site-packages through PYTHONPATH, which
