@@ -81,6 +81,9 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     samples = report["verify"]["samples"]
     assert all(sum(found.values()) == samples for found in answered.values())
     assert all(answered[p] == {"from_store": samples, "run": 0} for p in verified[1:])
+    # ... and those later verifies start no reference worker at all
+    log = (run_dir / "parity.log").read_text()
+    assert log.count("every reference answer is in its store: the reference starts only") >= len(verified) - 1
 
 
 

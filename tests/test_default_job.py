@@ -144,9 +144,13 @@ def test_changing_one_option_reruns_only_what_depends_on_it(default_run):
     # a verify threshold the search does not aim at; timed in full, as the default job was
     result = run_cli(["validation.min_sqnr_db=10"], cwd, shared_cache=False, quick=False)
     assert result.returncode == 0, result.stderr
-    statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
+    report = read_report(run_dirs(cwd)[-1])
+    statuses = {s["stage"]: s["status"] for s in report["stages"]}
     assert statuses == {"convert": "cached", "calibrate": "cached", "sensitivity": "cached", "build": "cached",
                         "tune": "cached", "verify": "computed", "profile": "cached", "package": "computed"}
+    # the first run stored every reference answer: this verify reads them and starts no reference worker
+    assert report["verify"]["reference"] == {"from_store": report["verify"]["samples"], "run": 0}
+    assert "the reference starts only if something asks" in (run_dirs(cwd)[-1] / "parity.log").read_text()
     result = run_cli(["target.threads=1"], cwd, shared_cache=False, quick=False)
     statuses = {s["stage"]: s["status"] for s in read_report(run_dirs(cwd)[-1])["stages"]}
     # the latency-aware search weighs ops by their cost with the target's own threads: recomputed too

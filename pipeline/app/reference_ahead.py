@@ -42,7 +42,7 @@ class ReferenceAhead:
         hashes = {path: digest for path, digest in hash_tree(convert.out_dir).items() if path != "result.json"}
         store = ReferenceStore.of(Path(checked.pipeline.cache_dir).expanduser(),
                                   store_key(hashes, checked.data, dataset.files, settings))
-        if all(store.has(index) for index in range(len(dataset.validation))):  # a rerun: nothing to fill
+        if store.holds(len(dataset.validation)):  # a rerun: nothing to fill
             progress_log.info("precision=auto: the reference's answers are all stored, none run ahead")
             return
         self.running = Ahead(store, REFERENCE_MODULE, convert.out_dir, settings, checked.data, inputs)

@@ -66,6 +66,10 @@ class ReferenceStore:
     def has(self, index: int) -> bool:
         return self._path(index).is_file()
 
+    def holds(self, count: int) -> bool:
+        """Whether samples 0 .. count-1 are all stored."""
+        return all(self.has(index) for index in range(count))
+
     def get(self, index: int) -> Optional[Dict[str, np.ndarray]]:
         """Sample ``index``'s outputs, or None when they are not stored (or unreadable)."""
         try:

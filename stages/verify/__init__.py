@@ -181,7 +181,7 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
     if ran.crash is None:
         checks, _, _ = _verdict(ctx, outputs, check.missing, task, requested, ran.effective, check.samples, None)
         if truth_wanted(cfg.precision.kind, checks):
-            truth = truth_check(ctx, live.reference, live.target, dataset, outputs)
+            truth = truth_check(ctx, *live.workers(), dataset, outputs)
     return {"samples": check.samples, "missing": check.missing, "outputs": outputs, "task": task,
             "effective": ran.effective, "comparison": ran.comparison, "timing": ran.timing, "crash": ran.crash,
             "memory": ran.memory, "reference": ran.reference, "shapes": check.by_shape.result(),
@@ -227,15 +227,18 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
     cfg, ran = ctx.cfg, _Ran()
     backend, build = live.deployed[0], ctx.results["build"]
     try:
-        live.launch()
+        store = reference_store(ctx, dataset)
+        stored = store is not None and store.holds(len(dataset.validation))
+        live.launch(reference=not stored)
+        if stored:
+            log.info("verify: every reference answer is in its store: the reference starts only if something asks")
         twin = memory_twin(live)  # target.memory=low: the same build with memory=default, for its peak
         baselines = _baselines(ctx, backend, live.stack, live.limits)  # fp32 (and plain int8 for mixed) side by side
-        reference, target = live.workers()
+        reference, target = live.workers(lazy_reference=stored)
         for row in [*baselines.values(), *([twin] if twin else [])]:
             row.wait_loaded()
         timed_only = bool(baselines) and not cfg.validation.baselines_compared  # validation.baselines=timed
         fed = {**({} if timed_only else baselines), **({MEMORY_TWIN: twin} if twin else {})}
-        store = reference_store(ctx, dataset)
         check.run(reference, target, fed, dataset, progress, reproduce, f"verify {cfg.target.name}", store)
         if store is not None:
             ran.reference = {"from_store": store.served, "run": store.ran}
