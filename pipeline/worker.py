@@ -460,9 +460,12 @@ def answered(run: Callable[[], Any]) -> Any:
 # side_by_side gives a worker consecutive samples in one request (run_each), as many as the
 # slowest worker answers in about BATCH_S (one at first, at most MAX_BATCH): a small model's
 # run is shorter than a request's round trip (the default model's 200 samples on three
-# workers: 0.6 s a sample at a time, 0.16 s in batches; docs/verify.md).
+# workers: 0.6 s a sample at a time, 0.16 s in batches; docs/verify.md). A batch also holds
+# at most BATCH_BYTES of inputs and outputs a sample, so that what a worker keeps for one
+# request does not show in the peak memory verify reads from it.
 BATCH_S = 0.02
 MAX_BATCH = 32
+BATCH_BYTES = 1 << 20
 
 
 def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4, max_batch: int = MAX_BATCH,
@@ -479,6 +482,7 @@ def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4, max
     awaited: no answer is left in a worker's pipe."""
     failed: set = set()
     per_sample: Dict[str, float] = {}  # each worker's seconds a sample, in its last batch
+    sample_bytes = [0]  # the most a sample's inputs and outputs took
 
     def run(name: str, first: int, batch: list) -> list:
         if name in failed:
@@ -486,6 +490,8 @@ def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4, max
         started = time.perf_counter()
         answers = _answers(workers[name], first, batch)
         per_sample[name] = (time.perf_counter() - started) / len(batch)
+        sample_bytes[0] = max([sample_bytes[0], *(_nbytes(sample.feeds) + _nbytes(answer)
+                                                  for sample, answer in zip(batch, answers))])
         if answers and isinstance(answers[-1], BackendCrashed):
             failed.add(name)
         return answers + [None] * (len(batch) - len(answers))
@@ -495,9 +501,7 @@ def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4, max
     stream = enumerate(samples)
 
     def give_next() -> None:
-        slowest = max(per_sample.values(), default=None)
-        size = 1 if not slowest else max(1, min(max_batch, int(batch_s / slowest)))
-        batch = list(itertools.islice(stream, size))
+        batch = list(itertools.islice(stream, _batch_size(per_sample, sample_bytes[0], max_batch, batch_s)))
         if batch:
             given = [sample for _, sample in batch]
             pending.append((given, {name: pool.submit(run, name, batch[0][0], given)
@@ -524,6 +528,20 @@ def side_by_side(workers: Dict[str, Any], samples: Iterable, ahead: int = 4, max
                 run.cancel()
         for pool in threads.values():
             pool.shutdown(wait=True)
+
+
+def _batch_size(per_sample: Dict[str, float], sample_bytes: int, max_batch: int, batch_s: float) -> int:
+    """Samples the next request carries: one until a batch was timed, then as many as the
+    slowest worker answers in ``batch_s`` and BATCH_BYTES holds, at most ``max_batch``."""
+    slowest = max(per_sample.values(), default=None)
+    if not slowest:
+        return 1
+    return max(1, min(max_batch, int(batch_s / slowest), BATCH_BYTES // max(1, sample_bytes)))
+
+
+def _nbytes(arrays) -> int:
+    """Bytes of a dict of arrays (0 for anything else: a crash, no answer)."""
+    return sum(getattr(value, "nbytes", 0) for value in arrays.values()) if isinstance(arrays, dict) else 0
 
 
 def _answers(worker, first: int, batch: list) -> list:

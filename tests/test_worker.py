@@ -207,6 +207,20 @@ def test_side_by_side_batches_samples_and_a_failure_inside_a_batch_keeps_the_ans
         assert failed[10:] == [None] * 30
 
 
+def test_side_by_side_keeps_samples_of_large_tensors_one_a_request(tmp_path):
+    """A batch holds at most about 1 MB of a sample's inputs and outputs, so what a worker
+    keeps for a request does not show in the peak memory verify reads from it."""
+    big = np.ones((1, 3, 224, 224), dtype=np.float32)  # 0.6 MB in, 0.6 MB out
+    samples = [SimpleNamespace(feeds={"x": big + index}) for index in range(6)]
+    with worker("count", tmp_path) as counted:
+        requests = []
+        run_each = counted.run_each
+        counted.run_each = lambda batch: requests.append(len(batch)) or run_each(batch)
+        answered = list(side_by_side({"counted": counted}, samples, max_batch=8, batch_s=60))
+        assert [int(answers["counted"]["calls"]) for _, answers in answered] == [1, 2, 3, 4, 5, 6]
+        assert requests == [1] * 6
+
+
 def test_side_by_side_closed_early_leaves_no_answer_in_flight(tmp_path):
     samples = [SimpleNamespace(feeds={"x": X + index}) for index in range(20)]
     with worker("count", tmp_path) as counted:
