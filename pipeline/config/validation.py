@@ -28,7 +28,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     """Typed config, or a ConfigError naming the key and what is allowed."""
     try:
         # Re-merging onto the schema also rejects keys added with Hydra's '+key=value'.
-        checked = OmegaConf.merge(_schema(_target_schema(cfg)), OmegaConf.to_container(cfg, resolve=False))
+        checked = OmegaConf.merge(_schema(_named_backend(cfg)), OmegaConf.to_container(cfg, resolve=False))
         run: RunConfig = OmegaConf.to_object(checked)
     except MissingMandatoryValue as err:
         raise ConfigError(f"{err.full_key}: a value is required (set {err.full_key}=...)") from err
@@ -39,13 +39,14 @@ def validate(cfg: DictConfig) -> RunConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _schema(target: type) -> DictConfig:
-    """RunConfig's schema with ``target``'s, once per process (auto validates every
-    candidate; merge copies it): a copy of the nodes Hydra's ConfigStore holds where
-    resolvers.register stored them (OmegaConf.structured took 0.04-0.08 s, a copy 0.01)."""
+def _schema(backend: Optional[Backend]) -> DictConfig:
+    """RunConfig's schema with ``backend``'s target schema (the base one for None), once per
+    process (auto validates every candidate; merge copies it): a copy of the nodes Hydra's
+    ConfigStore holds where resolvers.register stored them (OmegaConf.structured took
+    0.04-0.08 s, a copy 0.01)."""
     schema = _stored("parity_schema.yaml", RunConfig)
-    backend = next((b.value for b, schema_type in TARGET_SCHEMAS.items() if schema_type is target), None)
-    schema.target = _stored(f"schema/target/{backend}.yaml", target) if backend else OmegaConf.structured(target)
+    schema.target = (_stored(f"schema/target/{backend.value}.yaml", TARGET_SCHEMAS[backend]) if backend
+                     else OmegaConf.structured(TargetConfig))
     return schema
 
 
@@ -56,12 +57,12 @@ def _stored(name: str, schema_type: type) -> DictConfig:
         return OmegaConf.structured(schema_type)
 
 
-def _target_schema(cfg: DictConfig) -> type:
-    """The target schema of the backend the config names (the base one for an unknown
-    backend, whose value the merge then rejects)."""
+def _named_backend(cfg: DictConfig) -> Optional[Backend]:
+    """The backend the config names, or None for one parity does not know (whose value the
+    merge onto the base target schema then rejects)."""
     named = OmegaConf.select(cfg, "target.backend", default=None)
     named = named.value if isinstance(named, Backend) else named
-    return next((schema for backend, schema in TARGET_SCHEMAS.items() if backend.value == named), TargetConfig)
+    return next((backend for backend in TARGET_SCHEMAS if backend.value == named), None)
 
 
 def _check_combinations(run: RunConfig) -> None:
