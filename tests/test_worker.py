@@ -188,12 +188,18 @@ def test_side_by_side_keeps_order_and_stops_feeding_a_failed_worker(tmp_path):
         assert int(counted.run({"x": X})["calls"]) == 8  # every sample run once, nothing else
 
 
+def requests_of(counted: BackendWorker) -> list:
+    """The sizes of the batches side_by_side sends ``counted``, in order (its run_each counted)."""
+    requests = []
+    run_each = counted.run_each
+    counted.run_each = lambda batch: requests.append(len(batch)) or run_each(batch)
+    return requests
+
+
 def test_side_by_side_batches_samples_and_a_failure_inside_a_batch_keeps_the_answers_before_it(tmp_path):
     samples = [SimpleNamespace(feeds={"x": X + index}) for index in range(40)]
     with worker("count", tmp_path) as counted, worker("raise_tenth", tmp_path) as failing:
-        requests = []
-        run_each = counted.run_each
-        counted.run_each = lambda batch: requests.append(len(batch)) or run_each(batch)
+        requests = requests_of(counted)
         # a batch as long as it may be: 8 samples a request after the first
         answered = list(side_by_side({"counted": counted, "failing": failing}, samples, max_batch=8, batch_s=60))
         assert [sample for sample, _ in answered] == samples
@@ -213,9 +219,7 @@ def test_side_by_side_keeps_samples_of_large_tensors_one_a_request(tmp_path):
     big = np.ones((1, 3, 224, 224), dtype=np.float32)  # 0.6 MB in, 0.6 MB out
     samples = [SimpleNamespace(feeds={"x": big + index}) for index in range(6)]
     with worker("count", tmp_path) as counted:
-        requests = []
-        run_each = counted.run_each
-        counted.run_each = lambda batch: requests.append(len(batch)) or run_each(batch)
+        requests = requests_of(counted)
         answered = list(side_by_side({"counted": counted}, samples, max_batch=8, batch_s=60))
         assert [int(answers["counted"]["calls"]) for _, answers in answered] == [1, 2, 3, 4, 5, 6]
         assert requests == [1] * 6
