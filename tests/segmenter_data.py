@@ -14,6 +14,11 @@ from PIL import Image
 
 MODEL = Path(__file__).resolve().parent.parent / "pipeline" / "assets" / "segmenter.onnx"
 FUSED_OUTPUT = "162"  # the fused map: the first output (scripts/train_segmenter.py prints it); 163-166 are the side maps
+# The real-size stand-in (issue 55): U^2-Net-p's architecture, 119 convolutions at 320x320, 7 sigmoid maps
+# (scripts/train_u2netp.py). For benchmarks and one shared test job; the 96x96 model above for unit tests.
+REAL_MODEL = Path(__file__).resolve().parent / "assets" / "u2netp_320.onnx"
+REAL_FUSED_OUTPUT = "1204"  # the fused map, the first output; 1205-1210 are the side maps
+REAL_SIZE = 320
 MEAN = (0.485, 0.456, 0.406)  # ImageNet normalization the model was trained with
 STD = (0.229, 0.224, 0.225)
 # Photos in scikit-image's wheel (skimage/data/), colour first; the grayscale ones (camera,
