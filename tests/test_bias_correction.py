@@ -65,7 +65,8 @@ def test_switched_off_gives_the_uncorrected_build(digits_builds):
     assert _build_summary(run)["bias_correction"] == {"enabled": False}
     calibrate = run / "stages" / "calibrate"
     table = json.loads((calibrate / "calibration.json").read_text())["tensors"]
-    settings = QdqSettings(reduce_range=_build_summary(run)["reduce_range"])
+    summary = _build_summary(run)
+    settings = QdqSettings(reduce_range=summary["reduce_range"], passthrough_ops=tuple(summary["passthrough_ops"]))
     rebuilt = run / "rebuilt.onnx"
     build_qdq(calibrate / "prepared.onnx", table, rebuilt, settings)
     built = onnx.load(str(run / "stages" / "build" / "model.onnx"))

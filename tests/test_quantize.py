@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.precision.quantize import MixedModels, QdqSettings, keep_in_float, quantize_static_qdq
+from pipeline.precision.quantize import MixedModels, QdqSettings, keep_in_float, passthrough_ranges, quantize_static_qdq
 
 WEIGHTED = ("A", "B", "C", "D", "E")
 
@@ -73,10 +73,12 @@ def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
-SETTINGS = [QdqSettings(), QdqSettings(quantize_outputs=False), QdqSettings(activations="int8", per_channel=False)]
+PASSTHROUGH = ("Relu", "MaxPool", "Resize", "Concat")
+SETTINGS = [QdqSettings(), QdqSettings(quantize_outputs=False), QdqSettings(activations="int8", per_channel=False),
+            QdqSettings(passthrough_ops=PASSTHROUGH)]
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["uint8-outputs", "inputs-only", "int8-per-tensor"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["uint8-outputs", "inputs-only", "int8-per-tensor", "passthrough"])
 def test_derived_mixed_models_are_the_quantizers_own(settings):
     model = _branchy_model()
     feeds = {"x": np.random.default_rng(1).normal(0, 1, (1, 3, 16, 16)).astype(np.float32)}
@@ -132,3 +134,77 @@ def test_ops_of_kinds_finds_the_depthwise_convolutions_only():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     assert ops_of_kinds(model, ["depthwise"], ["Conv", "MatMul"]) == ["depthwise"]
     assert ops_of_kinds(model, ["depthwise"], ["MatMul"]) == [] and ops_of_kinds(model, [], ["Conv"]) == []
+
+
+def _unet_like_model() -> onnx.ModelProto:
+    """Conv -> Relu -> MaxPool -> Conv -> Relu -> Resize (sizes from a constant), concatenated
+    with the first Relu's output (a U-Net skip) -> Conv: the chain ONNX Runtime keeps int8
+    from Conv to Conv when the ops between are quantized too."""
+    rng = np.random.default_rng(3)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+
+    inits = [weight("w1", 8, 3, 3, 3), weight("b1", 8), weight("w2", 8, 8, 3, 3), weight("b2", 8),
+             weight("w3", 4, 16, 3, 3), weight("b3", 4),
+             numpy_helper.from_array(np.array([1, 8, 32, 32], np.int64), "sizes")]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p1"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Resize", ["r2", "", "", "sizes"], ["u2"], name="up", mode="linear"),
+        helper.make_node("Concat", ["u2", "r1"], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "w3", "b3"], ["y"], name="conv3", pads=[1, 1, 1, 1]),
+    ]
+    graph = helper.make_graph(nodes, "unet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 32, 32])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _around_convs(table: dict, model: onnx.ModelProto) -> dict:
+    """Only the entries calibration measures: the inputs and outputs of the Convs."""
+    around = {name for node in model.graph.node if node.op_type == "Conv" for name in [node.input[0], node.output[0]]}
+    return {name: entry for name, entry in table.items() if name in around}
+
+
+def test_passthrough_ranges_follow_from_the_convs_neighbours():
+    model = _unet_like_model()
+    feeds = {"x": np.random.default_rng(4).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)}
+    measured = _around_convs(_table(model, feeds), model)
+    assert "r1" not in measured and "u2" not in measured
+    table, unresolved = passthrough_ranges(model, measured, PASSTHROUGH)
+    assert unresolved == []
+    assert table["r1"]["min"] == 0.0 and table["r1"]["max"] == measured["c1"]["max"]  # a Relu from 0
+    assert table["r2"]["derived_from"] == "c2" and table["u2"]["derived_from"] == "r2"
+    assert measured == {name: table[name] for name in measured}  # measured entries are kept as they are
+    nothing, left = passthrough_ranges(model, {}, PASSTHROUGH)
+    assert sorted(left) == ["cat", "pool", "relu1", "relu2", "up"] and nothing == {}
+
+
+def test_passthrough_keeps_the_chain_int8_in_onnx_runtime(tmp_path):
+    """With the pass-through ops quantized, ONNX Runtime's optimized graph concatenates int8
+    (QLinearConcat), runs MaxPool on uint8 and no Relu (folded into the Q before it);
+    without, all three run in float between dequantize and quantize. The outputs stay close
+    to fp32 either way."""
+    model = _unet_like_model()
+    feeds = {"x": np.random.default_rng(5).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)}
+    table = _around_convs(_table(model, feeds), model)
+    reference = _run(model, feeds)
+
+    def optimized_ops(settings) -> list:
+        quantized = quantize_static_qdq(model, table, settings)
+        out = _run(quantized, feeds)
+        assert np.corrcoef(out.ravel(), reference.ravel())[0, 1] > 0.99
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(quantized.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]
+
+    weighted = optimized_ops(QdqSettings())
+    passing = optimized_ops(QdqSettings(passthrough_ops=PASSTHROUGH))
+    assert {"Relu", "MaxPool", "Concat"} <= set(weighted) and "QLinearConcat" not in weighted
+    assert not {"Relu", "MaxPool", "Concat"} & set(passing) and "QLinearConcat" in passing  # MaxPool runs on uint8

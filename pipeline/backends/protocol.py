@@ -40,6 +40,10 @@ class Capabilities:
     # "inputs_and_outputs" (ONNX Runtime fuses DQ -> op -> Q into int8 kernels) or "inputs"
     # (int8 from quantized op inputs alone, OpenVINO's low-precision transformations)
     qdq_placement: str = "inputs_and_outputs"
+    # op types that move or clamp values which the runtime runs on quantized tensors when
+    # parity's Q/DQ model surrounds them (precision.passthrough_ops=null): ONNX Runtime's
+    # uint8 MaxPool and Resize, QLinearConcat, a Relu folded into the Q before it
+    qdq_passthrough: Tuple[str, ...] = ()
     # int8 with activations quantized per call at run time (precision.activation_ranges=dynamic):
     # build gets parity's dynamic model (pipeline/precision/dynamic.py: int8 weights, the
     # runtime's DynamicQuantizeLinear -> MatMulInteger / ConvInteger), no calibration

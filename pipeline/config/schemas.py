@@ -294,6 +294,11 @@ class PrecisionConfig:
     # Also quantize those ops' outputs. null: per backend (ONNX Runtime yes: it fuses
     # DQ -> op -> Q into its int8 kernels; OpenVINO no: it quantizes from the inputs).
     quantize_outputs: Optional[bool] = None
+    # Op types that only move or clamp values (Relu, MaxPool, Resize, Concat), given Q/DQ
+    # around them too so that int8 flows through them from one quantized op to the next
+    # instead of dequantizing and requantizing at each; never a decision of the mixed search.
+    # null: per backend (ONNX Runtime with uint8 activations: those four; docs/calibration.md).
+    passthrough_ops: Optional[List[str]] = None
     # Also quantize MatMuls whose two inputs are activations (attention's Q K^T and
     # probabilities x V); false keeps them float, as NNCF's and ONNX Runtime's transformer
     # handling does (docs/calibration.md: Transformers).
