@@ -1,9 +1,9 @@
 """Time to a verified bundle: the `parity` CLI end to end on a cold cache, next to NNCF's
 MIXED quantize time on the same data in the same run, for the PP-OCRv4 text detector and
 recognizer of the rapidocr wheel on openvino_cpu with their task metrics, and for the
-salient-object segmenter (pipeline/assets/segmenter.onnx, 16 calibration and 40 validation
-photos from scikit-image's wheel, map IoU at 0.5 of the fused map '162') on ort_cpu and
-openvino_cpu (issue 45).
+salient-object segmenter at its real size (tests/assets/u2netp_320.onnx: U^2-Net-p, 119
+convolutions at 320x320, issue 55; 16 calibration and 40 validation photos from
+scikit-image's wheel, map IoU at 0.5 of the fused map '1204') on ort_cpu and openvino_cpu.
 
     pip install -e .[test,bench]      # nncf is a benchmark-only extra
     python benchmarks/time_to_bundle.py [--models rec det seg] [--isa native AVX2]
@@ -105,15 +105,15 @@ print(f"{seconds:.3f}", version.replace(" ", "-"))
 
 def seg_samples(work: Path, calibration: int, validation: int) -> tuple:
     """The segmenter's photos (tests/segmenter_data.py), normalized as the model expects:
-    (calibration [N,3,96,96], validation [M,3,96,96])."""
+    (calibration [N,3,320,320], validation [M,3,320,320]): the real-size model's input."""
     sys.path.insert(0, str(REPO / "tests"))
-    from segmenter_data import MEAN, STD, crops, photos, CALIBRATION_SEED, VALIDATION_SEED
+    from segmenter_data import MEAN, REAL_SIZE, STD, crops, photos, CALIBRATION_SEED, VALIDATION_SEED
 
     images = photos()
 
     def normalized(seed: int, count: int) -> np.ndarray:
         return np.stack([((crop / 255.0 - np.array(MEAN)) / np.array(STD)).transpose(2, 0, 1).astype(np.float32)
-                         for crop in crops(images, count, seed)])
+                         for crop in crops(images, count, seed, REAL_SIZE)])
 
     return normalized(CALIBRATION_SEED, calibration), normalized(VALIDATION_SEED, validation)
 
@@ -134,10 +134,10 @@ def model_data(kind: str, work: Path) -> tuple:
     labels = {"validation/labels": np.array(truth)} if truth is not None else {}
     np.savez(data, **{f"calibration/{name}": calibration, f"validation/{name}": validation, **labels})
     if kind == "seg":
-        from segmenter_data import FUSED_OUTPUT, MODEL
+        from segmenter_data import REAL_FUSED_OUTPUT, REAL_MODEL
 
-        return data, MODEL, name, [f"model.path={MODEL}", "metric=map_iou", f"metric.threshold={SEG_THRESHOLD}",
-                                   f"metric.output={FUSED_OUTPUT}"]
+        return data, REAL_MODEL, name, [f"model.path={REAL_MODEL}", "metric=map_iou",
+                                        f"metric.threshold={SEG_THRESHOLD}", f"metric.output='{REAL_FUSED_OUTPUT}'"]
     return data, MODELS / FILES[kind], name, [f"model.path={MODELS / FILES[kind]}",
                                               f"+model.input_shapes.x={SHAPES[kind]}".replace(" ", ""),
                                               *metric_args(kind, work)]

@@ -127,6 +127,8 @@ class Quantization(Shape):
     """build's ``quantization``: what the quantizer (or fp16 conversion) did; nested keys as the builder wrote them."""
     float_ops: Optional[List[str]] = None  # quantized ops kept in float (keep_float, the backend's own)
     int8_ops: Optional[int] = None
+    quantized_ops: Optional[List[str]] = None  # precision.quantize_ops
+    passthrough_ops: Optional[List[str]] = None  # precision.passthrough_ops as resolved (none: absent)
     keep_float_not_found: Optional[List[str]] = None
     slower_in_int8: Optional[dict] = None  # precision.int8_where_faster's finding
     weight_rounding: Optional[dict] = None  # pipeline/precision/calibration/weight_rounding.py's summary

@@ -76,7 +76,7 @@ def test_a_reader_that_cannot_absorb_the_scale_leaves_the_pair_out():
 
 
 def test_the_outlier_channel_is_scaled_and_the_float_model_is_unchanged():
-    model, samples = _model(), _samples(8)
+    model, samples = onnx.shape_inference.infer_shapes(_model()), _samples(8)  # typed, as prepare leaves it
     found = equalization.pairs(model)
     from pipeline.precision.calibration import statistics
 
@@ -106,3 +106,26 @@ def test_choose_keeps_equalization_only_where_the_int8_model_does_better():
     assert summary["outlier_pairs"][0]["producer"] == "conv1" and summary["outlier_pairs"][0]["channels"] == [OUTLIER]
     off, why = equalization.choose(_model(), samples, False, None, make_table)
     assert why == {"applied": False, "reason": "off (precision.equalization=false)"}
+
+
+def test_the_judge_recollects_only_the_scaled_tensors_and_scores_as_a_full_pass():
+    """Equalization changes only the scaled activations (the consumers take the scale back in
+    float): recollecting just those gives the same loss as a pass over every tensor."""
+    from pipeline.precision.calibration import tables
+    from pipeline.precision.calibration import statistics
+    from pipeline.precision.smoothing import Judge
+
+    def make_table(stats):
+        return {name: tables.table_entry(histogram, "kl") for name, histogram in stats.histograms.items()}
+
+    model, samples = onnx.shape_inference.infer_shapes(_model()), _samples(8)  # typed, as prepare leaves it
+    found = equalization.pairs(model)
+    maxima = statistics.channel_maxima(model, (s.feeds for s in samples), [p.tensor for p in found], axis=1)
+    scaled = equalization.with_scales(found, maxima)
+    changed = {name for pair in scaled for name in [pair.tensor, *pair.rescaled]}
+    equalized = equalization.equalized(model, scaled)
+    judge = Judge(model, samples, QdqSettings.resolve(PrecisionConfig(name=Precision.int8), "onnxruntime"), (),
+                  make_table)
+    assert changed and len(changed) < len(judge.base)
+    assert judge.recollected_loss(equalized, changed) == judge.recollected_loss(equalized)
+    assert judge.recollected_loss(equalized, changed) != judge.recollected_loss(equalized, set())

@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.precision.quantize import MixedModels, QdqSettings, keep_in_float, passthrough_ranges, quantize_static_qdq
+from pipeline.precision.passthrough import passthrough_ranges
+from pipeline.precision.quantize import MixedModels, QdqSettings, keep_in_float, quantize_static_qdq
 
 WEIGHTED = ("A", "B", "C", "D", "E")
 
@@ -181,6 +182,8 @@ def test_passthrough_ranges_follow_from_the_convs_neighbours():
     assert table["r1"]["min"] == 0.0 and table["r1"]["max"] == measured["c1"]["max"]  # a Relu from 0
     assert table["r2"]["derived_from"] == "c2" and table["u2"]["derived_from"] == "r2"
     assert measured == {name: table[name] for name in measured}  # measured entries are kept as they are
+    everything = _table(model, feeds)  # r1 and r2 measured too: their own entries stay
+    assert passthrough_ranges(model, everything, PASSTHROUGH)[0] == everything
     nothing, left = passthrough_ranges(model, {}, PASSTHROUGH)
     assert sorted(left) == ["cat", "pool", "relu1", "relu2", "up"] and nothing == {}
 

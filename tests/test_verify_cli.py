@@ -56,7 +56,9 @@ def test_layerwise_always_compares_every_tensor_and_writes_the_side_file(tmp_pat
     layers = report["verify"]["layerwise"]
     assert layers["ran"] and layers["samples"] == 30
     assert layers["compared"] >= 5 and layers["first_divergence"] is None and layers["nan_origin"] is None
-    assert {row["tensor"] for row in layers["depth"]} >= {"relu3_out", "logits"}
+    # relu3 is folded into fc1's int8 output on ONNX Runtime (a pass-through op): fc1_out or relu3_out
+    assert {row["tensor"] for row in layers["depth"]} >= {"logits"}
+    assert {row["tensor"] for row in layers["depth"]} & {"relu3_out", "fc1_out"}
     side = run_dir / "stages" / "verify" / layers["side_file"]
     document = json.loads(gzip.decompress(side.read_bytes()))
     assert len(document["tensors"]) == layers["compared"]
@@ -99,13 +101,16 @@ def test_a_clipped_int8_threshold_is_named_as_the_first_divergence(broken_table,
     layers = report["verify"]["layerwise"]
     assert layers["ran"] and layers["reason"] == "the verdict failed"
     culprit = layers["first_divergence"]
-    assert culprit["tensor"] == "relu1_out" and culprit["op"] == "relu1", culprit
+    # on ONNX Runtime relu1 is a pass-through op: its clipped range is the Q right after conv1,
+    # which the Relu is folded into (docs/calibration.md, "Pass-through ops")
+    tensor, op = ("conv1_out", "conv1") if target == "ort_cpu" else ("relu1_out", "relu1")
+    assert culprit["tensor"] == tensor and culprit["op"] == op, culprit
     assert all(i["cosine"] >= layers["threshold"] for i in culprit["inputs"])
     # relu1 is not quantized: the advice ranked its quantized producer and conv2, which quantizes
     # relu1_out where it reads it, on the reference runtime, and confirmed the best on the
     # target; every printed recommendation was built and measured
     screened = [s["keep_float"] for s in report["verify"]["diagnosis"]["screened"]]
-    assert ["conv1", "conv2"] in screened
+    assert ["conv1", "conv2"] in [sorted(ops) for ops in screened]
     tried = report["verify"]["advice_tried"]
     assert tried[0]["keep_float"] == screened[0] and tried[0]["passed"]
     advice = report["verify"]["recommendations"]
@@ -113,7 +118,7 @@ def test_a_clipped_int8_threshold_is_named_as_the_first_divergence(broken_table,
     assert "conv2" in advice[0]["action"]["keep_float"] and "relu1" not in advice[0]["action"]["keep_float"]
     assert f"-> cosine {advice[0]['measured']['cosine']:.6f} (pass" in advice[0]["text"]
     assert advice[0]["text"] in result.stdout
-    assert "first divergence: op relu1" in result.stdout
+    assert f"first divergence: op {op}" in result.stdout
 
 
 def test_a_backend_that_runs_out_of_memory_is_a_crash_verdict_and_the_run_goes_on(tmp_path):
@@ -153,10 +158,12 @@ def test_bundle_check_reproduces_the_verdict_from_recorded_inputs(default_run, t
 
 def test_applying_the_recommendation_fixes_the_broken_layer(broken_table):
     root, table = broken_table
-    result = run_cli(["precision=int8", f"calibration.table={table}", "precision.keep_float=[conv2]"], root)
+    # the clipped relu1_out is conv2's input and, on ONNX Runtime, conv1's output (relu1 is
+    # folded into conv1's Q as a pass-through op): both in float, as the advice screens them
+    result = run_cli(["precision=int8", f"calibration.table={table}", "precision.keep_float=[conv1,conv2]"], root)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(last_run(root))
-    assert "conv2" in report["build"]["quantization"]["float_ops"]
+    assert {"conv1", "conv2"} <= set(report["build"]["quantization"]["float_ops"])
     assert report["verify"]["effective"]["precision"] == "mixed"  # int8 with ops kept float is accepted
     not_quantized = run_cli(["precision=int8", f"calibration.table={table}", "precision.keep_float=[relu1]"], root)
     assert not_quantized.returncode == 2

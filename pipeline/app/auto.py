@@ -52,6 +52,7 @@ from pipeline.config.validation import validate
 from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
+from pipeline.app.budget import CUT, Budget
 from pipeline.app.reference_ahead import ReferenceAhead
 from pipeline.app.runner import RunOutcome, run_pipeline
 from stages.results import VerifySummary
@@ -68,7 +69,6 @@ AUTO_ONLY = ("name", "candidates", "budget_s", "screen")  # precision keys of au
 SCREEN_SLOWER = 0.8
 SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
 SLOWER = "slower than fp32"
-CUT = "cut by the budget"
 NOT_BUILT = "not built"
 
 
@@ -155,29 +155,6 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     return outcome, checked, section
 
 
-class Budget:
-    """precision.budget_s: the seconds auto's candidates may take, from its start. A
-    candidate is started only while some are left; the ones never started are named."""
-
-    def __init__(self, seconds: Optional[float]):
-        self.seconds, self.started = seconds, time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def spent(self) -> bool:
-        return self.seconds is not None and self.elapsed() >= self.seconds
-
-    def cut(self, precision: str) -> dict:
-        return {"precision": precision, "verdict": CUT,
-                "reasons": [f"not tried: precision.budget_s={self.seconds:g} s was spent after "
-                            f"{self.elapsed():.0f} s on the candidates before it"]}
-
-    def record(self, tried: Dict[str, dict]) -> dict:
-        return {"seconds": self.seconds, "elapsed_s": round(self.elapsed(), 1),
-                "cut": [p for p, row in tried.items() if row["verdict"] == CUT]}
-
-
 def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: ReferenceAhead, found: tuple,
                 budget: Budget, screen: bool = True) -> None:
     """Every candidate built, screened against fp32's speed and verified unless it is fp32
@@ -187,9 +164,12 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
     order = _in_order(_with_reference(requested))
     for number, precision in enumerate(order, 1):
         started = time.monotonic()
+        estimate = budget.estimate(precision) if precision != REFERENCE else None
         job_phase(f"precision=auto: candidate {precision} ({number} of {len(order)})")
         _candidate(cfg, precision, run_dir, ahead, found, budget, screen)
         tried[precision]["seconds"] = round(time.monotonic() - started, 1)
+        if tried[precision]["verdict"] not in (CUT, SLOWER, NOT_BUILT) and "same_as" not in tried[precision]:
+            budget.took(precision, estimate, tried[precision]["seconds"])  # built and verified: what it cost
 
 
 def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceAhead, found: tuple,
@@ -221,6 +201,10 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [
             f"not built: {whole} is slower than fp32 here, and {precision} is {whole} with some ops in float"]}
         return
+    too_long = budget.fits(precision) if precision != REFERENCE else None
+    if too_long is not None:  # its estimate does not fit in what is left: the promise is kept
+        tried[precision] = budget.cut_ahead(precision, too_long)
+        return
     progress_log.info("precision=auto: candidate %s", precision)
     folder = run_dir / "candidates" / precision
     try:
@@ -232,6 +216,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
                                 "same_as": twin, "run_folder": str(folder)}
             return
         if precision == REFERENCE:  # the speed reference; verified only when it could ship (below)
+            _probe(budget, built, checked)
             outcomes[precision] = built
             tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
             return
@@ -246,6 +231,30 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
                             "reasons": [str(err)]}
         return
     tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
+
+
+def _probe(budget: Budget, built: RunOutcome, checked) -> None:
+    """The budget's probe: one validation sample's fp32 run on ONNX Runtime, and the counts its
+    estimates multiply (samples of each split, the ops an int8 build quantizes)."""
+    from pipeline.data import TensorSpec, open_dataset
+
+    if budget.seconds is None:
+        return
+    convert = built.results["convert"]
+    try:
+        dataset = open_dataset(checked.data, [TensorSpec(**spec) for spec in convert.summary.inputs])
+        first = next(iter(dataset.validation), None)
+        if first is None:
+            return
+        import onnx
+
+        model = onnx.load(str(convert.path("model")), load_external_data=False)
+        quantized = sum(node.op_type in set(checked.precision.quantize_ops) for node in model.graph.node)
+        counts = {"calibration": len(dataset.calibration), "validation": len(dataset.validation),
+                  "sensitivity": checked.sensitivity.samples, "quantized_ops": quantized}
+        budget.probe(convert.path("model"), first.feeds, checked.target.threads, counts)
+    except Exception as err:  # noqa: BLE001 - no estimates then: candidates start while time is left
+        log.info("precision=auto: no cost estimates (the probe failed: %s)", first_line(err))
 
 
 def _device_missing(tried: Dict[str, dict]) -> Optional[str]:

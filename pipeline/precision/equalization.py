@@ -233,8 +233,11 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     scores = {"none": judge.loss(prepared)}
     models = {}
     for alpha in ALPHAS:
-        models[alpha] = equalized(prepared, with_scales(found, maxima, alpha))
-        scores[f"alpha {alpha:g}"] = judge.recollected_loss(models[alpha])
+        scaled = with_scales(found, maxima, alpha)
+        models[alpha] = equalized(prepared, scaled)
+        # only the scaled activations change (the consumers take the scale back in float)
+        changed = {name for pair in scaled for name in [pair.tensor, *pair.rescaled]}
+        scores[f"alpha {alpha:g}"] = judge.recollected_loss(models[alpha], changed)
     best = min(ALPHAS, key=lambda alpha: scores[f"alpha {alpha:g}"]["loss"])
     summary = {"pairs": len(found), "outlier_pairs": describe(with_scales(found, maxima, best)),
                "judged_on": len(judge.samples), "candidates": scores,

@@ -12,6 +12,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from pipeline import backends
+from pipeline.precision.passthrough import int8_after, passthrough_for, quantizer_inputs
 from pipeline.errors import InputError, first_line
 
 RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
@@ -99,12 +100,6 @@ class QdqSettings:
     # op types given Q/DQ around them only so that int8 flows through (passthrough_ranges)
     passthrough_ops: Tuple[str, ...] = ()
 
-    @property
-    def int8_op_types(self) -> Tuple[str, ...]:
-        """Every op type that runs on quantized tensors in the build: the decisions and the
-        pass-through ops."""
-        return tuple(self.quantize_ops) + tuple(t for t in self.passthrough_ops if t not in self.quantize_ops)
-
     def quantizes_output(self, op_type: str) -> bool:
         """Whether an int8 op of this type gets a Q/DQ pair on its output."""
         return self.quantize_outputs and op_type not in self.float_output_ops
@@ -122,13 +117,9 @@ class QdqSettings:
             outputs = backends.capabilities(backend).qdq_placement != "inputs"
         # null: MatMul outputs float (FLOAT_OUTPUT_OPS); true: every quantized op's output
         float_outputs = FLOAT_OUTPUT_OPS if precision.quantize_outputs is None and outputs else ()
-        passthrough = precision.passthrough_ops
-        if passthrough is None:  # a Relu folds into the Q before it only where that Q's zero point is 0: uint8
-            unsigned = precision.activations.value == "uint8"
-            passthrough = backends.capabilities(backend).qdq_passthrough if outputs and unsigned else ()
         return cls(precision.activations.value, precision.per_channel, reduce_range,
                    tuple(precision.quantize_ops), outputs, float_outputs, precision.quantize_activation_matmuls,
-                   tuple(passthrough))
+                   passthrough_for(precision, backends.capabilities(backend), outputs))
 
     def describe(self) -> dict:
         return {"weights": "int8 symmetric, " + ("per channel" if self.per_channel else "per tensor"),
@@ -382,14 +373,8 @@ def _run_quantizer(source, table: Dict[str, dict], settings: QdqSettings, keep_f
         options["OpTypesToExcludeOutputQuantization"] = list(settings.quantize_ops)
     elif settings.float_output_ops:
         options["OpTypesToExcludeOutputQuantization"] = list(settings.float_output_ops)
-    op_types = list(settings.quantize_ops)
-    if settings.passthrough_ops:
-        table, unresolved = passthrough_ranges(source, table, settings.passthrough_ops)
-        op_types += [t for t in settings.passthrough_ops if t not in op_types]
-        keep_float = [*keep_float, *unresolved]
-        # a quantized Relu stays in the graph (ONNX Runtime drops it at load, its Q clamping at
-        # zero), so that keep_in_float's derivation holds for pass-through graphs too
-        options["QDQKeepRemovableActivations"] = True
+    table, op_types, keep_float = quantizer_inputs(source, table, settings.quantize_ops, settings.passthrough_ops,
+                                                   keep_float, options)
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache, model_in, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
         write_ort_cache(table, settings.activations, cache)
@@ -474,7 +459,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
         raise KeyError(f"no op named {absent[0]!r} in the quantized model")
     weights = {init.name: init for init in prepared.graph.initializer}
     producer = {out: node for node in graph.node for out in node.output}
-    in_int8 = _int8_after(graph, producer, settings, float_ops)
+    in_int8 = int8_after(graph, producer, settings.quantize_ops, settings.passthrough_ops, float_ops)
 
     restored = []  # (node, input index, float initializer name): set once their DQ is gone
     for name in float_ops:
@@ -498,91 +483,6 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
             copy.name = added[was]
         node.input[index] = added[was]
     return model
-
-
-def _int8_after(graph, producer: dict, settings: QdqSettings, float_ops: set) -> set:
-    """The ops still int8 once ``float_ops`` are float, as the quantizer decides it: an op of
-    settings.quantize_ops unless named; a pass-through op it quantized in the all-int8 model
-    (reads a DequantizeLinear), a Relu, MaxPool or Resize only while the op making its input
-    is still int8 (ONNX Runtime quantizes those only behind a quantized tensor), in graph order."""
-    in_int8 = set()
-
-    def source(name: str):  # the op making ``name``, through a Q -> DQ pair
-        node = producer.get(name)
-        if node is not None and node.op_type == "DequantizeLinear":
-            made = producer.get(node.input[0])
-            node = producer.get(made.input[0]) if made is not None and made.op_type == "QuantizeLinear" else made
-        return node
-
-    for node in graph.node:
-        if node.op_type in settings.quantize_ops:
-            if node.name not in float_ops:
-                in_int8.add(node.name)
-        elif node.op_type in settings.passthrough_ops and any(
-                getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input):
-            made_by = source(node.input[0])
-            if node.op_type == "Concat" or (made_by is not None and made_by.name in in_int8):
-                in_int8.add(node.name)
-    return in_int8
-
-
-PASSTHROUGH_FORWARD = {"Relu", "MaxPool", "Resize"}  # ops whose output range follows from input 0's
-
-
-def passthrough_ranges(model, table: Dict[str, dict], op_types: Iterable[str]) -> Tuple[Dict[str, dict], List[str]]:
-    """(the table with an entry for every tensor a pass-through op reads or writes, the
-    pass-through ops left float because one of their tensors has none). Calibration
-    measures only around the quantized op types; these ranges follow from their neighbours':
-    a Relu's output is its input's range from 0 (ONNX Runtime then folds the Relu into the
-    Q before it), MaxPool's and Resize's outputs their input's range (a max or an
-    interpolation stays inside it), a Concat's output the union of its inputs', and
-    backwards, an input of a Concat or a MaxPool the output's range (every value of a Concat's
-    input is in its output; a value under a MaxPool's output minimum is never a window's
-    maximum). Derived entries name their source (``derived_from``)."""
-    table = dict(table)
-    op_types = set(op_types)
-    nodes = [node for node in model.graph.node if node.op_type in op_types]
-    for _ in range(len(nodes) + 1):  # forward and backward until nothing changes
-        if not any([_derive(node, table) for node in nodes] + [_derive_back(node, table) for node in nodes]):
-            break
-    unresolved = [node.name for node in nodes
-                  if not all(name in table for name in [*_data_inputs(node), node.output[0]])]
-    return table, unresolved
-
-
-def _data_inputs(node) -> List[str]:
-    return [name for name in (node.input if node.op_type == "Concat" else node.input[:1]) if name]
-
-
-def _derive(node, table: Dict[str, dict]) -> bool:
-    """The output's entry from the inputs'; whether one was added."""
-    out, inputs = node.output[0], _data_inputs(node)
-    if out in table or not all(name in table for name in inputs):
-        return False
-    if node.op_type == "Relu":
-        source = table[inputs[0]]
-        table[out] = {**source, "min": max(float(source["min"]), 0.0), "derived_from": inputs[0]}
-    elif node.op_type in PASSTHROUGH_FORWARD:
-        table[out] = {**table[inputs[0]], "derived_from": inputs[0]}
-    elif node.op_type == "Concat":
-        entries = [table[name] for name in inputs]
-        table[out] = {**max(entries, key=lambda e: float(e["threshold"])),
-                      "min": min(float(e["min"]) for e in entries), "max": max(float(e["max"]) for e in entries),
-                      "derived_from": "+".join(inputs)}
-    else:
-        return False
-    return True
-
-
-def _derive_back(node, table: Dict[str, dict]) -> bool:
-    """A Concat's or MaxPool's missing inputs from its output's entry; whether one was added."""
-    out = node.output[0]
-    if node.op_type not in ("Concat", "MaxPool") or out not in table:
-        return False
-    missing = [name for name in _data_inputs(node) if name not in table]
-    for name in missing:
-        table[name] = {**table[out], "derived_from": out}
-    return bool(missing)
 
 
 def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool, float_output_ops: Iterable[str] = ()) -> None:

@@ -1,0 +1,123 @@
+"""precision.budget_s for precision=auto: the seconds its candidates may take, kept as a
+promise rather than a starting rule.
+
+Before a candidate starts, its cost is estimated from a probe: one validation sample's fp32
+run time on ONNX Runtime (what calibration, the search and the reference run on) times the
+model runs the candidate makes, counted per calibration sample and per validation sample
+(COST_RUNS). A candidate whose estimate does not fit in what is left is not started; its
+row says what it would have cost. After each candidate the estimate is compared with what
+it took, and later estimates are scaled by the ratio seen so far (a machine, a backend or a
+model that costs more or less than the counts assume).
+
+The counts were read off the real-size segmenter (tests/assets/u2netp_320.onnx, 119
+convolutions at 320x320, 16 calibration and 40 validation samples, 2 cores, docs/time.md):
+its int8 candidate took about 30 runs a calibration sample (statistics, calibration=auto's
+tables, equalization's judge, weight rounding, bias correction) and 4 a validation sample
+(the build and the reference side by side, the timing); the mixed search about one run of
+half the graph per quantized op and ranking sample, and 2 log2(ops) whole-model passes over
+the validation set to select."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+from pipeline.precision import kinds
+
+CUT = "cut by the budget"
+# model runs a candidate costs: (per calibration sample, per validation sample)
+COST_RUNS = {"int8": (30.0, 4.0), "int8_dynamic": (0.0, 4.0)}
+VERIFY_RUNS = 4.0  # any other candidate: verified against the reference (fp16, bf16, ...)
+
+
+class Budget:
+    """precision.budget_s: the seconds auto's candidates may take, from its start."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.seconds, self.started = seconds, time.monotonic()
+        self.probe_s: Optional[float] = None  # one validation sample's fp32 run, ONNX Runtime
+        self.counts: Dict[str, int] = {}  # calibration, validation, sensitivity samples, quantized ops
+        self.ratios: list = []  # what each estimated candidate took / its estimate
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> Optional[float]:
+        return None if self.seconds is None else self.seconds - self.elapsed()
+
+    def spent(self) -> bool:
+        return self.seconds is not None and self.elapsed() >= self.seconds
+
+    def probe(self, model: Path, feeds: dict, threads: int, counts: Dict[str, int]) -> None:
+        """One validation sample's fp32 run time (the best of three after a warm-up)."""
+        import onnxruntime as ort
+
+        from pipeline.backends.onnxruntime import untimed_options
+
+        options = untimed_options()
+        options.log_severity_level = 4
+        if threads:
+            options.intra_op_num_threads = threads
+        session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        runs = []
+        for _ in range(3):
+            started = time.perf_counter()
+            session.run(None, feeds)
+            runs.append(time.perf_counter() - started)
+        self.probe_s, self.counts = min(runs), counts
+
+    def estimate(self, precision: str) -> Optional[float]:
+        """The seconds ``precision``'s candidate is expected to take, or None before the probe."""
+        if self.probe_s is None:
+            return None
+        calibration, validation = self.counts.get("calibration", 0), self.counts.get("validation", 0)
+        per_calibration, per_validation = COST_RUNS.get(precision, (0.0, VERIFY_RUNS))
+        runs = per_calibration * calibration + per_validation * validation
+        if kinds.searched(precision):  # mixed: int8's calibration is cached; the search, a build, a verify
+            ops = max(self.counts.get("quantized_ops", 1), 2)
+            runs = 0.5 * ops * self.counts.get("sensitivity", 8) + 2 * math.log2(ops) * validation \
+                + (COST_RUNS["int8"][0] / 3) * calibration + VERIFY_RUNS * validation
+        return runs * self.probe_s * self.correction()
+
+    def correction(self) -> float:
+        """How much more (or less) the candidates took than estimated so far: the median ratio."""
+        if not self.ratios:
+            return 1.0
+        ordered = sorted(self.ratios)
+        return ordered[len(ordered) // 2]
+
+    def took(self, precision: str, estimate: Optional[float], seconds: float) -> None:
+        if estimate:
+            self.ratios.append(seconds / (estimate / self.correction()))
+
+    def cut(self, precision: str) -> dict:
+        return {"precision": precision, "verdict": CUT,
+                "reasons": [f"not tried: precision.budget_s={self.seconds:g} s was spent after "
+                            f"{self.elapsed():.0f} s on the candidates before it"]}
+
+    def cut_ahead(self, precision: str, estimate: float) -> dict:
+        """The row of a candidate not started because its estimate does not fit."""
+        return {"precision": precision, "verdict": CUT, "estimate_s": round(estimate, 1),
+                "reasons": [f"not tried: estimated {estimate:.0f} s ({self.describe()}), "
+                            f"{max(self.left(), 0):.0f} s of precision.budget_s={self.seconds:g} s left"]}
+
+    def describe(self) -> str:
+        corrected = f", x{self.correction():.2f} from the candidates so far" if self.ratios else ""
+        return (f"one sample's fp32 run {1000 * self.probe_s:.0f} ms x the runs it makes over "
+                f"{self.counts.get('calibration', 0)} calibration and {self.counts.get('validation', 0)} "
+                f"validation samples{corrected}")
+
+    def fits(self, precision: str) -> Optional[float]:
+        """None when ``precision`` may start, else its estimate (which does not fit)."""
+        estimate, left = self.estimate(precision), self.left()
+        return estimate if estimate is not None and left is not None and estimate > left else None
+
+    def record(self, tried: Dict[str, dict]) -> dict:
+        return {"seconds": self.seconds, "elapsed_s": round(self.elapsed(), 1),
+                "cut": [p for p, row in tried.items() if row["verdict"] == CUT],
+                "probe_ms": None if self.probe_s is None else round(1000 * self.probe_s, 2),
+                "estimates_s": {p: row["estimate_s"] for p, row in tried.items() if "estimate_s" in row},
+                "correction": round(self.correction(), 2)}

@@ -1,0 +1,120 @@
+"""Pass-through ops of an int8 build (precision.passthrough_ops): ops that only move or clamp
+values (Relu, MaxPool, Resize, Concat) given Q/DQ around them so that int8 flows from one
+quantized op to the next (docs/calibration.md, "Pass-through ops"). Their ranges follow from
+the measured neighbours' (calibration measures only around precision.quantize_ops), and a
+mixed model derived from the all-int8 one keeps the pairs the quantizer would keep."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+
+def passthrough_for(precision, capabilities, outputs_quantized: bool) -> Tuple[str, ...]:
+    """precision.passthrough_ops, null resolved: the backend's (Capabilities.qdq_passthrough)
+    where outputs are quantized and activations are uint8 (a Relu folds into the Q before it
+    only where that Q's zero point is 0)."""
+    if precision.passthrough_ops is not None:
+        return tuple(precision.passthrough_ops)
+    unsigned = precision.activations.value == "uint8"
+    return tuple(capabilities.qdq_passthrough) if outputs_quantized and unsigned else ()
+
+
+def quantizer_inputs(model, table: Dict[str, dict], quantize_ops, passthrough_ops, keep_float: List[str],
+                     options: dict) -> Tuple[Dict[str, dict], List[str], List[str]]:
+    """(the table, the op types to quantize, the ops to exclude) ONNX Runtime's quantizer gets;
+    ``options`` (its extra_options) updated in place."""
+    op_types = list(quantize_ops)
+    if not passthrough_ops:
+        return table, op_types, list(keep_float)
+    table, unresolved = passthrough_ranges(model, table, passthrough_ops)
+    # a quantized Relu stays in the graph (ONNX Runtime drops it at load, its Q clamping at
+    # zero), so that keep_in_float's derivation holds for pass-through graphs too
+    options["QDQKeepRemovableActivations"] = True
+    return table, op_types + [t for t in passthrough_ops if t not in op_types], [*keep_float, *unresolved]
+
+
+def int8_after(graph, producer: dict, quantize_ops, passthrough_ops, float_ops: set) -> set:
+    """The ops still int8 once ``float_ops`` are float, as the quantizer decides it: an op of
+    ``quantize_ops`` unless named; a pass-through op it quantized in the all-int8 model
+    (reads a DequantizeLinear), a Relu, MaxPool or Resize only while the op making its input
+    is still int8 (ONNX Runtime quantizes those only behind a quantized tensor), in graph order."""
+    in_int8 = set()
+
+    def source(name: str):  # the op making ``name``, through a Q -> DQ pair
+        node = producer.get(name)
+        if node is not None and node.op_type == "DequantizeLinear":
+            made = producer.get(node.input[0])
+            node = producer.get(made.input[0]) if made is not None and made.op_type == "QuantizeLinear" else made
+        return node
+
+    for node in graph.node:
+        if node.op_type in quantize_ops:
+            if node.name not in float_ops:
+                in_int8.add(node.name)
+        elif node.op_type in passthrough_ops and any(
+                getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input):
+            made_by = source(node.input[0])
+            if node.op_type == "Concat" or (made_by is not None and made_by.name in in_int8):
+                in_int8.add(node.name)
+    return in_int8
+
+
+PASSTHROUGH_FORWARD = {"Relu", "MaxPool", "Resize"}  # ops whose output range follows from input 0's
+
+
+def passthrough_ranges(model, table: Dict[str, dict], op_types: Iterable[str]) -> Tuple[Dict[str, dict], List[str]]:
+    """(the table with an entry for every tensor a pass-through op reads or writes, the
+    pass-through ops left float because one of their tensors has none). Measured entries are
+    kept: where a Relu is its input's only reader, ONNX Runtime's quantizer gives the input
+    the Relu's range (the Relu's entry, a clipping the user set, rules the Q they share). Calibration
+    measures only around the quantized op types; these ranges follow from their neighbours':
+    a Relu's output is its input's range from 0 (ONNX Runtime then folds the Relu into the
+    Q before it), MaxPool's and Resize's outputs their input's range (a max or an
+    interpolation stays inside it), a Concat's output the union of its inputs', and
+    backwards, an input of a Concat or a MaxPool the output's range (every value of a Concat's
+    input is in its output; a value under a MaxPool's output minimum is never a window's
+    maximum). Derived entries name their source (``derived_from``)."""
+    table = dict(table)
+    op_types = set(op_types)
+    nodes = [node for node in model.graph.node if node.op_type in op_types]
+    for _ in range(len(nodes) + 1):  # forward and backward until nothing changes
+        if not any([_derive(node, table) for node in nodes] + [_derive_back(node, table) for node in nodes]):
+            break
+    unresolved = [node.name for node in nodes
+                  if not all(name in table for name in [*_data_inputs(node), node.output[0]])]
+    return table, unresolved
+
+
+def _data_inputs(node) -> List[str]:
+    return [name for name in (node.input if node.op_type == "Concat" else node.input[:1]) if name]
+
+
+def _derive(node, table: Dict[str, dict]) -> bool:
+    """The output's entry from the inputs'; whether one was added."""
+    out, inputs = node.output[0], _data_inputs(node)
+    if out in table or not all(name in table for name in inputs):
+        return False
+    if node.op_type == "Relu":
+        source = table[inputs[0]]
+        table[out] = {**source, "min": max(float(source["min"]), 0.0), "derived_from": inputs[0]}
+    elif node.op_type in PASSTHROUGH_FORWARD:
+        table[out] = {**table[inputs[0]], "derived_from": inputs[0]}
+    elif node.op_type == "Concat":
+        entries = [table[name] for name in inputs]
+        table[out] = {**max(entries, key=lambda e: float(e["threshold"])),
+                      "min": min(float(e["min"]) for e in entries), "max": max(float(e["max"]) for e in entries),
+                      "derived_from": "+".join(inputs)}
+    else:
+        return False
+    return True
+
+
+def _derive_back(node, table: Dict[str, dict]) -> bool:
+    """A Concat's or MaxPool's missing inputs from its output's entry; whether one was added."""
+    out = node.output[0]
+    if node.op_type not in ("Concat", "MaxPool") or out not in table:
+        return False
+    missing = [name for name in _data_inputs(node) if name not in table]
+    for name in missing:
+        table[name] = {**table[out], "derived_from": out}
+    return bool(missing)

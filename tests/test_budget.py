@@ -1,0 +1,100 @@
+"""precision.budget_s as a promise (pipeline/app/budget.py): a candidate whose estimate from
+a one-sample probe does not fit in what is left is not started, and says what it would have
+cost. The job on the real-size segmenter (U^2-Net-p at 320x320) is this suite's one job on
+that model: its int8 and mixed candidates are estimated beyond a 20 s budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.app.budget import CUT, VERIFY_RUNS, Budget
+from conftest import read_report, run_cli, run_dirs
+from segmenter_data import REAL_FUSED_OUTPUT, REAL_MODEL
+
+COUNTS = {"calibration": 16, "validation": 40, "sensitivity": 8, "quantized_ops": 119}
+
+
+def _probed(seconds: float, budget_s: float = 300.0) -> Budget:
+    budget = Budget(budget_s)
+    budget.probe_s, budget.counts = seconds, dict(COUNTS)
+    return budget
+
+
+def test_estimates_grow_with_samples_ops_and_the_probe():
+    budget = _probed(0.2)
+    int8 = budget.estimate("int8")
+    assert int8 == pytest.approx((30 * 16 + 4 * 40) * 0.2)
+    assert budget.estimate("fp16") == pytest.approx(VERIFY_RUNS * 40 * 0.2)
+    assert budget.estimate("mixed") > int8  # the search: half the graph per op and ranking sample
+    assert _probed(0.4).estimate("int8") == pytest.approx(2 * int8)
+    wider = _probed(0.2)
+    wider.counts["quantized_ops"] = 2 * COUNTS["quantized_ops"]
+    assert wider.estimate("mixed") > budget.estimate("mixed")
+    assert Budget(300).estimate("int8") is None  # no probe, no estimate: the candidate starts
+
+
+def test_a_candidate_that_does_not_fit_is_cut_ahead_and_says_what_it_would_cost():
+    budget = _probed(0.2, budget_s=100.0)
+    assert budget.fits("fp16") is None  # 32 s of 100
+    too_long = budget.fits("int8")
+    assert too_long == pytest.approx(128.0)
+    row = budget.cut_ahead("int8", too_long)
+    assert row["verdict"] == CUT and row["estimate_s"] == 128.0
+    assert row["reasons"][0].startswith("not tried: estimated 128 s (one sample's fp32 run 200 ms")
+    assert "of precision.budget_s=100 s left" in row["reasons"][0]
+    assert _probed(0.2, budget_s=None).fits("mixed") is None  # no budget: everything starts
+
+
+def test_what_candidates_took_corrects_the_later_estimates():
+    budget = _probed(0.1)
+    first = budget.estimate("int8")
+    budget.took("int8", first, 2 * first)  # twice what the counts said
+    assert budget.correction() == pytest.approx(2.0)
+    assert budget.estimate("fp16") == pytest.approx(2 * VERIFY_RUNS * 40 * 0.1)
+    assert "x2.00 from the candidates so far" in budget.describe()
+    assert budget.record({})["correction"] == 2.0
+
+
+def test_the_probe_times_one_sample_on_onnx_runtime():
+    budget = Budget(300)
+    x = np.random.default_rng(0).normal(0, 1, (1, 3, 320, 320)).astype(np.float32)
+    budget.probe(REAL_MODEL, {"input": x}, 2, dict(COUNTS))
+    assert 0.001 < budget.probe_s < 30 and budget.counts == COUNTS
+
+
+@pytest.fixture(scope="module")
+def real_size_job(tmp_path_factory):
+    """The real-size segmenter's default job with a 20 s budget, 4 + 4 photos at 320x320."""
+    from segmenter_data import CALIBRATION_SEED, MEAN, REAL_SIZE, STD, VALIDATION_SEED, crops, photos
+
+    cwd = tmp_path_factory.mktemp("real-size-budget")
+    images = photos()
+
+    def normalized(seed):
+        return np.stack([((c / 255.0 - np.array(MEAN)) / np.array(STD)).transpose(2, 0, 1).astype(np.float32)
+                         for c in crops(images, 4, seed, REAL_SIZE)])
+
+    np.savez(cwd / "photos.npz", **{"calibration/input": normalized(CALIBRATION_SEED),
+                                    "validation/input": normalized(VALIDATION_SEED)})
+    result = run_cli([f"model.path={REAL_MODEL}", "data.kind=tensors", f"data.path={cwd / 'photos.npz'}",
+                      "metric=map_iou", f"metric.output='{REAL_FUSED_OUTPUT}'", "precision.budget_s=20",
+                      "precision.candidates=[fp32,int8,mixed]", "target.threads=2"],
+                     cwd, default_precision=None, timeout=600)
+    return result, run_dirs(cwd)[-1]
+
+
+def test_the_real_size_job_keeps_its_budget_and_names_what_was_cut(real_size_job):
+    result, run_dir = real_size_job
+    assert result.returncode == 0, result.stdout + result.stderr
+    section = read_report(run_dir)["auto"]
+    rows = {row["precision"]: row for row in section["candidates"]}
+    assert section["chosen"] == "fp32" and rows["fp32"]["verdict"] == "pass"
+    assert section["budget"]["cut"] == ["int8", "mixed"]
+    assert section["budget"]["probe_ms"] > 1 and set(section["budget"]["estimates_s"]) == {"int8", "mixed"}
+    for precision in ("int8", "mixed"):
+        assert rows[precision]["estimate_s"] > 20 and rows[precision]["seconds"] < 1, rows[precision]
+        assert rows[precision]["reasons"][0].startswith("not tried: estimated "), rows[precision]
+    left = float(rows["int8"]["reasons"][0].split(" s left")[0].rsplit(", ", 1)[1].split(" s of")[0])
+    assert 0 < left < 20  # cut while time was left: nothing started that would not fit
+    assert "cut by precision.budget_s: int8, mixed" in section["why"]
