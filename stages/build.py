@@ -18,6 +18,7 @@ from pipeline.release import compile_cache
 from pipeline.artifacts import hash_files, read_json, sha256_file, write_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
+from pipeline.precision.passthrough import fold_relus
 from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
                                         int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
@@ -363,11 +364,15 @@ def _quantize(ctx: StageContext):
     for fix in reshaped:
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
+    refined = _refinements(ctx, quantized, keep_float)
+    model = onnx.load(str(quantized))
+    folded = fold_relus(model) if "Relu" in settings.passthrough_ops else 0  # after what needs the Relus
+    if folded:
+        onnx.save(model, str(quantized))
     settings = {**settings.describe(), "float_ops": keep_float, "keep_float_not_found": unknown,
                 "backend_float_ops": by_backend, "slower_in_int8": slower,
-                "gemm_bias_reshaped": reshaped,
-                **_refinements(ctx, quantized, keep_float),
-                "int8_ops": int8_op_count(onnx.load(str(quantized)))}
+                "gemm_bias_reshaped": reshaped, **refined, "relus_folded": folded,
+                "int8_ops": int8_op_count(model)}
     return quantized, settings
 
 

@@ -211,3 +211,30 @@ def test_passthrough_keeps_the_chain_int8_in_onnx_runtime(tmp_path):
     passing = optimized_ops(QdqSettings(passthrough_ops=PASSTHROUGH))
     assert {"Relu", "MaxPool", "Concat"} <= set(weighted) and "QLinearConcat" not in weighted
     assert not {"Relu", "MaxPool", "Concat"} & set(passing) and "QLinearConcat" in passing  # MaxPool runs on uint8
+
+
+def test_folding_the_relus_changes_no_output_and_leaves_no_requantization(tmp_path):
+    """fold_relus: DQ -> Relu -> Q of the same scale after a Q clamping at zero is the identity;
+    removed, the outputs are bit-identical and ONNX Runtime's optimized graph no longer
+    dequantizes and requantizes conv1's output for its two readers (MaxPool and the Concat)."""
+    from pipeline.precision.passthrough import fold_relus
+
+    model = _unet_like_model()
+    feeds = {"x": np.random.default_rng(6).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)}
+    quantized = quantize_static_qdq(model, _around_convs(_table(model, feeds), model),
+                                    QdqSettings(passthrough_ops=PASSTHROUGH))
+    folded = onnx.ModelProto()
+    folded.CopyFrom(quantized)
+    assert fold_relus(folded) == 2 and "Relu" not in {node.op_type for node in folded.graph.node}
+    np.testing.assert_array_equal(_run(folded, feeds), _run(quantized, feeds))
+
+    def dequantized_then_quantized(graph_model) -> int:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(graph_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(options.optimized_model_filepath).graph
+        producer = {out: node for node in graph.node for out in node.output}
+        return sum(node.op_type == "QuantizeLinear" and getattr(producer.get(node.input[0]), "op_type", "")
+                   == "DequantizeLinear" for node in graph.node)
+
+    assert dequantized_then_quantized(quantized) >= 1 and dequantized_then_quantized(folded) == 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple
 
+import numpy as np
+
 
 def passthrough_for(precision, capabilities, outputs_quantized: bool) -> Tuple[str, ...]:
     """precision.passthrough_ops, null resolved: the backend's (Capabilities.qdq_passthrough)
@@ -118,3 +120,44 @@ def _derive_back(node, table: Dict[str, dict]) -> bool:
     for name in missing:
         table[name] = {**table[out], "derived_from": out}
     return bool(missing)
+
+
+def fold_relus(model) -> int:
+    """Remove each pass-through Relu between a Q -> DQ and a Q of the same scale and zero
+    point 0, in place: the first Q already clamps at zero, so DQ -> Relu -> Q returns its
+    input. ONNX Runtime removes such a Relu itself, but not the DQ -> Q pair left where the
+    Relu's output has several readers (a U-Net skip: 56 requantizations of 112 Relus on
+    U^2-Net-p, 1.87x fp32 against 2.25x for its own quantizer's graph). Done after the
+    mixed derivations and the refinements, which need the Relu in the graph. Returns how
+    many were folded."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: Dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    folded = []
+    for relu in [node for node in graph.node if node.op_type == "Relu"]:
+        dq = producer.get(relu.input[0])
+        after = readers.get(relu.output[0], [])
+        if dq is None or dq.op_type != "DequantizeLinear" or len(readers.get(dq.output[0], [])) != 1 \
+                or len(after) != 1 or after[0].op_type != "QuantizeLinear" or relu.output[0] in outputs:
+            continue
+        params = [constants.get(name) for name in (*dq.input[1:3], *after[0].input[1:3])]
+        if len(params) != 4 or any(p is None for p in params) or np.any(params[1] != 0) \
+                or not all(np.array_equal(a, b) for a, b in zip(params[:2], params[2:])):
+            continue
+        for reader in readers.get(after[0].output[0], []):
+            reader.input[:] = [dq.input[0] if name == after[0].output[0] else name for name in reader.input]
+        folded += [dq, relu, after[0]]
+    params = {name for node in folded for name in node.input[1:]}
+    for node in folded:
+        graph.node.remove(node)
+    read = {name for node in graph.node for name in node.input}
+    for init in [t for t in graph.initializer if t.name in params and t.name not in read]:
+        graph.initializer.remove(init)
+    return len(folded) // 3
