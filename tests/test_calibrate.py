@@ -204,17 +204,19 @@ def _dequantized_readers(model: onnx.ModelProto) -> set:
 def test_only_conv_and_gemm_inputs_are_quantized(int8_run, tmp_path):
     """The placement (precision.quantize_ops): ORT gets Q/DQ at Conv/Gemm inputs and outputs
     (its int8 kernels need both) and around the pass-through ops between them (Relu, MaxPool:
-    precision.passthrough_ops), OpenVINO at their inputs only; Flatten runs in float, on the
-    last MaxPool's dequantized output."""
+    precision.passthrough_ops, the Relus folded into the Q before them), OpenVINO at their inputs
+    only; Flatten runs in float, on the last MaxPool's dequantized output."""
     from pipeline.precision.quantize import QdqSettings, build_qdq
 
     _, run_dir, _ = int8_run
     ort_model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))
-    assert _dequantized_readers(ort_model) == {"Conv", "Gemm", "Relu", "MaxPool", "Flatten"}
+    # each Relu is folded into the Q of the op before it (its zero point 0 clamps): none is left
+    assert _dequantized_readers(ort_model) == {"Conv", "Gemm", "MaxPool", "Flatten"}
+    assert "Relu" not in {n.op_type for n in ort_model.graph.node}
     quantized = {n.input[0] for n in ort_model.graph.node if n.op_type == "QuantizeLinear"}
-    assert {"conv1_out", "relu1_out", "pool1_out", "flatten_out"} <= quantized
+    assert {"conv1_out", "pool1_out", "flatten_out"} <= quantized
     quantization = read_report(run_dir)["build"]["quantization"]
-    assert quantization["quantized"] == "inputs and outputs"
+    assert quantization["quantized"] == "inputs and outputs" and quantization["relus_folded"] >= 2
     assert quantization["passthrough_ops"] == ["Relu", "MaxPool", "Resize", "Concat"]
     calibrate = run_dir / "stages" / "calibrate"
     table = json.loads((calibrate / "calibration.json").read_text())["tensors"]
