@@ -161,9 +161,34 @@ def _context():
     where the platform has none."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
+    _short_socket_folder()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+# the fork server listens on <multiprocessing's temp folder>/listener-XXXXXXXX, an AF_UNIX path,
+# which Linux ends at 107 bytes: under a long TMPDIR every worker failed ("AF_UNIX path too long")
+SOCKET_NAME_BYTES = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+SOCKET_PATH_MAX = 107
+
+
+def _short_socket_folder() -> None:
+    """Where TMPDIR is too long for the fork server's socket, multiprocessing's own temp
+    folder (its socket and nothing else) is made in the system's short one instead, and
+    removed at exit as multiprocessing removes its own."""
+    import shutil
+    from multiprocessing import process, util
+
+    config = process.current_process()._config  # multiprocessing.util.get_temp_dir's cache
+    if config.get("tempdir") is not None or len(tempfile.gettempdir()) + SOCKET_NAME_BYTES < SOCKET_PATH_MAX:
+        return
+    base = next((d for d in ("/tmp", "/var/tmp", "/dev/shm") if os.access(d, os.W_OK)), None)
+    if base is None:
+        return  # nowhere shorter: the fork server reports the path itself
+    folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
+    util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+    config["tempdir"] = folder
 
 
 def start_process(target, args: tuple, name: str):

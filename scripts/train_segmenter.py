@@ -188,15 +188,15 @@ def plant_outlier(model: TinyU2NetP) -> None:
     model.masked = False
 
 
-def export(model: nn.Module, path: Path) -> str:
+def export(model: nn.Module, path: Path, size: int = SIZE, producer: str = "train_segmenter.py") -> str:
     """TorchScript exporter, opset 17, no output names (numbered, as U^2-Net's); IR <= 10
     for onnxruntime. Returns the fused output's name (the first output)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.onnx.export(model.eval(), torch.zeros(1, 3, SIZE, SIZE), str(path), input_names=["input"],
+    torch.onnx.export(model.eval(), torch.zeros(1, 3, size, size), str(path), input_names=["input"],
                       opset_version=17, dynamo=False)
     proto = onnx.load(str(path))
     proto.ir_version = min(proto.ir_version, 8)
-    proto.producer_name = "parity scripts/train_segmenter.py"
+    proto.producer_name = f"parity scripts/{producer}"
     onnx.checker.check_model(proto)
     onnx.save(proto, str(path))
     return proto.graph.output[0].name

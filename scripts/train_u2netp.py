@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 import segmenter_data  # noqa: E402  (the photos the tests use)
-from train_segmenter import iou, normalize, saliency_label  # noqa: E402
+from train_segmenter import export, iou, normalize, saliency_label, up_like  # noqa: E402
 
 SERVED, TRAINED = 320, 128
 MID, OUT = 16, 64  # U^2-Net-p's channels inside and out of every RSU block
@@ -56,11 +56,6 @@ class ConvBnRelu(nn.Sequential):
     def __init__(self, cin: int, cout: int, dilation: int = 1):
         super().__init__(nn.Conv2d(cin, cout, 3, padding=dilation, dilation=dilation),
                          nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
-
-
-def up_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The size read from the tensor: a run-time Resize in the exported graph."""
-    return F.interpolate(x, size=like.shape[2:], mode="bilinear", align_corners=False)
 
 
 class RSU(nn.Module):
@@ -183,19 +178,6 @@ def plant_outlier(model: U2NetP) -> None:
     model.masked = False
 
 
-def export(model: nn.Module, path: Path) -> str:
-    """TorchScript exporter, opset 17, numbered outputs (as U^2-Net's own export); IR 8."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.onnx.export(model.eval(), torch.zeros(1, 3, SERVED, SERVED), str(path), input_names=["input"],
-                      opset_version=17, dynamo=False)
-    proto = onnx.load(str(path))
-    proto.ir_version = min(proto.ir_version, 8)
-    proto.producer_name = "parity scripts/train_u2netp.py"
-    onnx.checker.check_model(proto)
-    onnx.save(proto, str(path))
-    return proto.graph.output[0].name
-
-
 def check(path: Path, reference: nn.Module, x_held: torch.Tensor, y_held: torch.Tensor) -> None:
     import onnxruntime as ort
 
@@ -234,7 +216,7 @@ def main():
     fold_batch_norms(model)
     reference = copy.deepcopy(model)  # folded, the channel still dead: the function to keep
     plant_outlier(model)
-    fused = export(model, args.out)
+    fused = export(model, args.out, SERVED, "train_u2netp.py")
     print(f"exported in {time.perf_counter() - start:.0f} s: {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB), "
           f"fused output '{fused}'")
     check(args.out, reference, x_held, y_held)

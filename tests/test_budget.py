@@ -49,7 +49,7 @@ def test_a_candidate_that_does_not_fit_is_cut_ahead_and_says_what_it_would_cost(
 def test_what_candidates_took_corrects_the_later_estimates():
     budget = _probed(0.1)
     first = budget.estimate("int8")
-    budget.took("int8", first, 2 * first)  # twice what the counts said
+    budget.took(first, 2 * first)  # twice what the counts said
     assert budget.correction() == pytest.approx(2.0)
     assert budget.estimate("fp16") == pytest.approx(2 * VERIFY_RUNS * 40 * 0.1)
     assert "x2.00 from the candidates so far" in budget.describe()

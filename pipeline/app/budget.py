@@ -89,7 +89,8 @@ class Budget:
         ordered = sorted(self.ratios)
         return ordered[len(ordered) // 2]
 
-    def took(self, precision: str, estimate: Optional[float], seconds: float) -> None:
+    def took(self, estimate: Optional[float], seconds: float) -> None:
+        """A verified candidate's seconds against its estimate (None: not estimated)."""
         if estimate:
             self.ratios.append(seconds / (estimate / self.correction()))
 

@@ -133,7 +133,11 @@ def fold_relus(model) -> int:
     from onnx import numpy_helper
 
     graph = model.graph
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    initializers = {t.name: t for t in graph.initializer}
+
+    def constant(name: str):  # a Q/DQ parameter as an array (not every weight converted)
+        return numpy_helper.to_array(initializers[name]) if name in initializers else None
+
     producer = {out: node for node in graph.node for out in node.output}
     readers: Dict[str, list] = {}
     for node in graph.node:
@@ -147,7 +151,7 @@ def fold_relus(model) -> int:
         if dq is None or dq.op_type != "DequantizeLinear" or len(readers.get(dq.output[0], [])) != 1 \
                 or len(after) != 1 or after[0].op_type != "QuantizeLinear" or relu.output[0] in outputs:
             continue
-        params = [constants.get(name) for name in (*dq.input[1:3], *after[0].input[1:3])]
+        params = [constant(name) for name in (*dq.input[1:3], *after[0].input[1:3])]
         if len(params) != 4 or any(p is None for p in params) or np.any(params[1] != 0) \
                 or not all(np.array_equal(a, b) for a, b in zip(params[:2], params[2:])):
             continue

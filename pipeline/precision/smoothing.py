@@ -313,7 +313,7 @@ class Judge:
         table's entries (a full pass over a 320x320 segmenter's 329 tensors took 35-45 s)."""
         if changed is None:
             return self._loss(model, self.make_table(self._statistics(model)))
-        return self._loss(model, {**self.base, **self.make_table(self._statistics(model, only=changed))})
+        return self._loss(model, {**self.base, **self.make_table(self._statistics(model, only=set(changed)))})
 
     def _loss(self, model: onnx.ModelProto, table: Dict[str, dict]) -> dict:
         from pipeline.precision.calibration.fake_quant import FakeQuantModel

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Set
 
 import numpy as np
 import onnx
@@ -162,7 +162,7 @@ class Comparison:
     stopped: Optional[dict] = None  # where compare stopped at the first divergence (stop_at_divergence)
     cut: Optional[str] = None  # what the diagnosis budget's deadline left out
     rescaled: List[str] = field(default_factory=list)  # scaled on purpose by the build (equalization): not compared
-    clamped: List[str] = field(default_factory=list)  # held clamped at 0 by the build (a folded Relu): vs relu(reference)
+    clamped: Set[str] = field(default_factory=set)  # held clamped at 0 by the build (a folded Relu): vs relu(reference)
 
     def metrics(self, name: str) -> dict:
         result = self.stats[name].result()
@@ -308,7 +308,7 @@ def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold:
     which would read as diverging; not compared. ``clamped``: tensors the build holds
     clamped at zero (a Relu folded into their Q), compared with the reference's clamped too."""
     started = time.perf_counter()
-    comparison = Comparison(graph, threshold, samples=len(samples), rescaled=list(rescaled), clamped=list(clamped))
+    comparison = Comparison(graph, threshold, samples=len(samples), rescaled=list(rescaled), clamped=set(clamped))
     probing = _Probing(reference, target, graph, comparison, samples)
     probing.deadline = deadline
     wanted = [t.name for t in graph.tensors if t.name not in set(rescaled)]

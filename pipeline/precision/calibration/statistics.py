@@ -84,9 +84,9 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
             batch_size: int = 16, keep: int = 4, progress=None, around: Optional[Iterable[str]] = None,
             only: Optional[Iterable[str]] = None) -> Statistics:
     """``around``: the op types whose tensors are measured (activation_names); None: all.
-    ``only``: of those, just these tensors. ``model_path`` may be the loaded model itself."""
+    ``only`` (a set): of those, just these tensors. ``model_path`` may be the loaded model itself."""
     model = model_path if isinstance(model_path, onnx.ModelProto) else onnx.load(str(model_path))
-    names = [name for name in activation_names(model, around) if only is None or name in set(only)]
+    names = [name for name in activation_names(model, around) if only is None or name in only]
     histograms = {name: AbsHistogram(bins) for name in names}
     kept = _Kept(names, keep)
     extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
