@@ -233,9 +233,14 @@ def test_every_target_works_with_its_defaults_and_the_sweep_names_each_winner(tm
     for target, job in jobs.items():
         if target in GPU_ONLY and job["exit_code"] == 4:
             assert job["reason"].startswith("requested device"), job
-            # the first candidate verified found the device missing: the int8 ones are not built
+            # once a verified candidate found the device missing, no other precision is built; int8 may
+            # instead have been screened slower than fp32 before any verification (an AVX2 CPU without VNNI,
+            # where every candidate screens slower and fp32's own verify finds the device missing)
             rows = {row["precision"]: row for row in read_report(summary_file.parent / job["dir"])["auto"]["candidates"]}
-            assert rows["int8"]["verdict"] == "not built" and "requested device" in rows["int8"]["reasons"][0], rows
+            int8 = rows["int8"]
+            assert (int8["verdict"] == "not built" and "requested device" in int8["reasons"][0]) \
+                or int8["verdict"] == "slower than fp32", rows
+            assert "cosine" not in int8 or int8["cosine"] is None, rows  # never verified on the wrong device
             continue
         assert job["exit_code"] == 0 and job["verdict"] == "pass", job
         assert job["auto"]["chosen"] in ("fp32", "fp16", "bf16", "int8", "mixed", "int8_dynamic")
