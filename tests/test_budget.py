@@ -98,3 +98,11 @@ def test_the_real_size_job_keeps_its_budget_and_names_what_was_cut(real_size_job
     left = float(rows["int8"]["reasons"][0].split(" s left")[0].rsplit(", ", 1)[1].split(" s of")[0])
     assert 0 < left < 20  # cut while time was left: nothing started that would not fit
     assert "cut by precision.budget_s: int8, mixed" in section["why"]
+
+
+def test_the_real_size_fp32_verify_does_not_run_a_320x320_network_through_the_numpy_evaluator(real_size_job):
+    """ONNX Runtime has no float64 Conv; ONNX's NumPy evaluator took 25 s a sample on this model:
+    the float64 check says it was not run, and why."""
+    _, run_dir = real_size_job
+    truth = read_report(run_dir)["verify"]["truth"]
+    assert truth["ran"] is False and truth["reason"].startswith("not run: ONNX Runtime has no float64 kernel"), truth
