@@ -199,6 +199,15 @@ def memo(cache_root: Optional[Path], out_dir: Path, name: str, material: dict,
     return entry, False
 
 
+def peek(cache_root: Optional[Path], name: str, material: dict) -> Optional[Path]:
+    """The folder ``memo`` would reuse for this material, or None where nothing produced it yet."""
+    if cache_root is None:
+        return None
+    key = sha256_json({"memo": name, "code": code_version(), "material": material})[:32]
+    entry = cache_root / "memo" / name / key
+    return entry if (entry / COMPLETE).is_file() else None
+
+
 REFERENCE_MODULE = backends.MODULES[backends.REFERENCE]  # THE reference: ONNX Runtime
 
 

@@ -22,7 +22,8 @@ from pipeline.precision.passthrough import fold_relus
 from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
                                         int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
-from stages import BASELINES, REFERENCE_MODULE, StageContext, StageResult, baseline_role, baselines, reference_settings
+from stages import (BASELINES, REFERENCE_MODULE, StageContext, StageResult, baseline_role, baselines, peek,
+                    reference_settings)
 from stages.results import BuildSummary
 
 log = logging.getLogger("parity")
@@ -436,17 +437,38 @@ def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str]) -> di
         size = bias_correction.batch_size_for(prepared, [o.name for o in prepared.graph.output])
         judged_on = bias_correction.Judged(prepared, samples, size)
     memo = refining and ctx.cache_root is not None and not _has_external_data(quantized)  # the memo keeps one file
-    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing, memo)
+    searched = kinds.searched(ctx.cfg.precision.kind) and bool(_qtable_float_ops(ctx))
+    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing, memo, searched)
             for step, refine_file, nothing in REFINEMENTS}
 
 
+def _all_int8_material(ctx: StageContext, step: str) -> dict:
+    """What an all-int8 build's refinement outcome depends on, without its QDQ model: a mixed
+    build of the same calibration, data, placement and CPU looks it up (``_refine``)."""
+    dataset = ctx.dataset()
+    settings = QdqSettings.resolve(ctx.cfg.precision, backends.spec(ctx.cfg.target.backend.value).NAME)
+    return {"step": step, "prepared": sha256_file(ctx.results["calibrate"].path("prepared")),
+            "data": (hash_files(dataset.files), str(ctx.cfg.data)), "settings": settings.describe(),
+            "cpu": environment.fingerprint()}
+
+
 def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict,
-            memo: bool) -> dict:
+            memo: bool, searched: bool = False) -> dict:
     """precision.<step> on the QDQ model, in place where it brings the outputs closer to fp32
-    (pipeline/precision/calibration/weight_rounding.py, bias_correction.py); the build's summary."""
+    (pipeline/precision/calibration/weight_rounding.py, bias_correction.py); the build's summary.
+    A mixed build (``searched``: ops kept float by the search) does not measure a refinement
+    that the all-int8 build of the same calibration measured and did not keep (bias correction
+    took 23 s and was not kept on the real-size segmenter, then 23 s again for mixed)."""
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
         return {"enabled": False}
     label = step.replace("_", " ")
+    outcome = _all_int8_material(ctx, step) if memo else None
+    if searched and outcome is not None:
+        found = peek(ctx.cache_root, f"build-{step}-all-int8", outcome)
+        if found is not None and not read_json(found / "summary.json")["applied"]:
+            log.info("build: %s not measured: the all-int8 build of this calibration did not keep it", label)
+            return {"enabled": True, "applied": False, **nothing, "samples": 0, "seconds": 0.0,
+                    "not_measured": "the all-int8 build of the same calibration measured it and did not keep it"}
     dataset = ctx.dataset()
     prepared = ctx.results["calibrate"].path("prepared")
 
@@ -472,6 +494,9 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
     summary = read_json(folder / "summary.json")
     if summary.get("applied"):
         shutil.copyfile(folder / quantized.name, quantized)
+    if not searched and not ctx.cfg.precision.keep_float and "error" not in summary:  # what mixed looks up
+        ctx.memo(f"build-{step}-all-int8", outcome, lambda to: write_json(to / "summary.json",
+                                                                           {"applied": bool(summary.get("applied"))}))
     return _logged(summary, label, judged_on, reused)
 
 

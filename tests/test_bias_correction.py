@@ -128,3 +128,24 @@ def test_correction_is_kept_only_when_the_output_gets_closer_to_fp32(classifier)
     unchanged = model.SerializeToString() == quantized.SerializeToString()
     assert unchanged != summary["applied"]
     assert summary["corrected"] == (summary["measured"] if summary["applied"] else {})
+
+
+def test_a_mixed_build_does_not_measure_again_what_the_all_int8_build_did_not_keep(tmp_path):
+    """The all-int8 build records whether it kept bias correction; a mixed build of the same
+    calibration keeping ops float reads it: not kept there, not measured again (23 s on the
+    real-size segmenter). Kept there, measured again for the mixed model."""
+    args = [STAGES.replace("build]", "sensitivity,build]"), "precision.weight_rounding=false"]
+    assert run_cli(["precision=int8", *args], tmp_path, shared_cache=False).returncode == 0
+    (entry,) = (tmp_path / "outputs" / ".cache" / "memo" / "build-bias_correction-all-int8").iterdir()
+    assert json.loads((entry / "summary.json").read_text()) == {"applied": True}  # digits: kept
+    mixed = ["precision=mixed", "precision.keep_float=[conv1]", *args]
+    assert run_cli(mixed, tmp_path, shared_cache=False).returncode == 0
+    measured = _build_summary(run_dirs(tmp_path)[-1])["bias_correction"]
+    assert "not_measured" not in measured and measured["samples"] >= 8, measured
+    # a model where it did not help (PP-OCRv4 det, the real-size segmenter): the entry says so
+    (entry / "summary.json").write_text(json.dumps({"applied": False}))
+    assert run_cli([*mixed[:1], "precision.keep_float=[conv2]", *args], tmp_path,
+                   shared_cache=False).returncode == 0  # built anew
+    skipped = _build_summary(run_dirs(tmp_path)[-1])["bias_correction"]
+    assert skipped["applied"] is False and skipped["samples"] == 0, skipped
+    assert skipped["not_measured"].startswith("the all-int8 build of the same calibration"), skipped

@@ -62,6 +62,9 @@ def test_the_default_job_ships_a_passing_build_and_never_verifies_what_cannot_wi
     dynamic = rows["int8_dynamic"]
     assert dynamic["verdict"] == SLOWER and dynamic["speedup"]["speedup_p75"] < 0.8, (dynamic, _flags())
     assert not (run_dir / "candidates" / "int8_dynamic" / "stages" / "verify").exists()
+    if dynamic["timed_on"].endswith("(a first look of single runs)"):  # decided without the screening's rounds
+        assert dynamic["latency"]["rounds"] == 3 and dynamic["speedup"]["speedup_p75"] < 0.5, dynamic
+        assert "under 0.5x fp32 in each of 3 single runs" in dynamic["reasons"][0], dynamic
     assert all(row["verdict"] in ("pass", "fail", SLOWER, NOT_BUILT, "not verified", "same build as int8")
                for row in rows.values()), rows
     assert section["budget"]["cut"] == [] and CUT not in {row["verdict"] for row in rows.values()}

@@ -39,7 +39,7 @@ import copy
 import logging
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -67,6 +67,10 @@ AUTO_ONLY = ("name", "candidates", "budget_s", "screen")  # precision keys of au
 # screening: a candidate whose speed-up over fp32 stays below this in three timing rounds of
 # four (p75) is measurably slower; it is reported as such and not verified (it cannot win)
 SCREEN_SLOWER = 0.8
+# the screening's first look: 3 rounds of one run each (after the warm-up); a candidate slower
+# than 1/FAR_SLOWER x fp32 in every round is decided on it
+FIRST_LOOK = {"rounds": 3, "runs": 1, "max_seconds": 0.0, "round_ms": 0.0, "tight": None}
+FAR_SLOWER = 0.5
 SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
 SLOWER = "slower than fp32"
 NOT_BUILT = "not built"
@@ -301,17 +305,23 @@ def _screened(fp32: Optional[RunOutcome], built: RunOutcome, checked) -> Optiona
     (speed as served is a stream, timed after verify)."""
     if fp32 is None or checked.validation.max_memory_mb is not None:
         return None
-    timings = _screen_timings(fp32, built, checked)
+    timings, timed_on = _screen_timings(fp32, built, checked)
     up = speed.speedups(timings).get("candidate")
     if up is None or up["speedup_p75"] >= SCREEN_SLOWER:
         return None
-    return {"verdict": SLOWER, "speedup": up, "latency": timings["candidate"], "timed_on": "one validation sample",
+    return {"verdict": SLOWER, "speedup": up, "latency": timings["candidate"], "timed_on": timed_on,
             "reasons": [f"{up['speedup']:.2f}x fp32 (rounds {up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}x) on a "
-                        f"short timing before verification: slower than fp32 in three rounds of four, so it "
+                        f"short timing before verification: {_how_slower(timed_on)}, so it "
                         f"cannot ship and was not verified"]}
 
 
-def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> dict:
+def _how_slower(timed_on: str) -> str:
+    if "first look" in timed_on:
+        return f"under {FAR_SLOWER:g}x fp32 in each of {FIRST_LOOK['rounds']} single runs"
+    return "slower than fp32 in three rounds of four"
+
+
+def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> Tuple[dict, str]:
     """The screening's timings of fp32 and the candidate, taken once per pair of builds,
     runtime versions and machine: a warm rerun reads them from the stage cache."""
     from pipeline import environment
@@ -321,14 +331,15 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> dict:
     def produce(folder: Path) -> None:
         job_step("timing against fp32")
         found = _time_builds({REFERENCE: fp32, "candidate": built}, checked, one_sample_only=True,
-                             rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
-        write_json(folder / "timings.json", found[0] if found else {})
+                             first_look=_far_slower, rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
+        write_json(folder / "timings.json", {"timings": found[0], "timed_on": found[1]} if found else {})
 
-    material = {"builds": [_artifact(fp32), _artifact(built)], "threads": checked.target.threads,
+    material = {"format": 2, "builds": [_artifact(fp32), _artifact(built)], "threads": checked.target.threads,
                 "data": str(checked.data), "machine": environment.fingerprint(), "runtimes": environment.versions()}
     cache = Path(checked.pipeline.cache_dir).expanduser() if checked.pipeline.cache else None
     folder, _ = memo(cache, built.run_dir, "auto-screen", material, produce)
-    return read_json(folder / "timings.json")
+    found = read_json(folder / "timings.json")
+    return found.get("timings", {}), found.get("timed_on", "")
 
 
 def _candidate_stages(checked):
@@ -407,12 +418,21 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
             tried[precision]["speedup"] = ups[precision]
 
 
-def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool = False, **overrides):
+def _far_slower(timings: dict) -> bool:
+    """A first look already shows the candidate far slower than fp32 in every round."""
+    up = speed.speedups(timings).get("candidate")
+    return up is not None and up["speedup_p75"] < FAR_SLOWER
+
+
+def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool = False,
+                 first_look: Optional[Callable[[dict], bool]] = None, **overrides):
     """(timings by name, what they were timed on) of the builds interleaved in their own
     workers, or None when a worker crashed. ``overrides``: speed.interleaved's options
     (a screening's shorter timing). A model whose samples differ in shape is timed on the
     stream of samples in order (speed as served), except with ``one_sample_only``, which
-    then times nothing (None)."""
+    then times nothing (None). ``first_look``: one sample, FIRST_LOOK's single-run rounds
+    first, which stand when it says they decide (a dynamic int8 build 3x slower than fp32
+    took 89 s of full screening rounds on a 320x320 segmenter)."""
     from pipeline.data import TensorSpec, open_dataset
     from pipeline.worker import BackendWorker
 
@@ -441,6 +461,10 @@ def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool =
             if several_shapes:
                 return (speed.stream_interleaved(workers, stream, **speed.options(validation, stream=True)),
                         f"stream of {len(stream)} validation samples in order")
+            if first_look is not None:
+                look = speed.interleaved(workers, split.read(0), **FIRST_LOOK)
+                if first_look(look):
+                    return look, "one validation sample (a first look of single runs)"
             return (speed.interleaved(workers, split.read(0), **{**speed.options(validation), **overrides}),
                     "one validation sample")
         except BackendCrashed as err:
