@@ -92,12 +92,16 @@ def run(ctx: StageContext) -> StageResult:
     except Exception as err:  # noqa: BLE001 - ORT's optimizer rejects the graph
         raise BackendUnavailable(f"int8: ONNX Runtime cannot prepare the model for quantization: "
                                  f"{first_line(err)}") from err
-    equalized = _equalize(ctx, model_path)  # the statistics, the table and the build use the model
+    # the prepared model's statistics serve equalization's judge and, beyond the tensors it
+    # scales, the table: one pass over the calibration set instead of two
+    base = None if cfg.calibration.table else _statistics(ctx, model_path)
+    equalized = _equalize(ctx, model_path, base)  # the statistics, the table and the build use the model
     smoothed = _smooth(ctx, model_path)  # rewritten by both
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
-        table, summary = _computed_table(ctx, model_path)
+        table, summary = _computed_table(ctx, model_path, _final_statistics(ctx, model_path, base, equalized,
+                                                                             smoothed))
     if smoothed is not None:
         summary["smoothing"] = smoothed
     if equalized is not None:
@@ -133,17 +137,20 @@ def _equalization_key(cfg):
             "judged": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if cfg.precision.equalization else None}
 
 
-def _equalize(ctx: StageContext, model_path: Path):
+def _equalize(ctx: StageContext, model_path: Path, base):
     """precision.equalization for int8 and mixed (pipeline/precision/equalization.py):
     prepared.onnx rewritten with outlier channels scaled across Conv pairs, where the int8
-    model does better with it; the summary, or None where it does not apply."""
+    model does better with it; the summary, or None where it does not apply. ``base``: the
+    prepared model's statistics, the judge's own where it judges on the whole calibration set."""
     cfg = ctx.cfg
     if _equalization_key(cfg) is None:
         return None
     prepared = onnx.load(str(model_path))
-    model, summary = equalization.choose(prepared, ctx.dataset().calibration, cfg.precision.equalization,
+    split = ctx.dataset().calibration
+    whole = base[0] if base is not None and len(split) <= equalization.JUDGE_SAMPLES else None
+    model, summary = equalization.choose(prepared, split, cfg.precision.equalization,
                                          QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                         _judge_tables(cfg, prepared))
+                                         _judge_tables(cfg, prepared), base_statistics=whole)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
@@ -183,29 +190,54 @@ def _smooth(ctx: StageContext, model_path: Path):
     return summary
 
 
-def _computed_table(ctx: StageContext, model_path: Path):
+def _statistics(ctx: StageContext, model_path: Path, only=None):
+    """(statistics of the model's measured tensors over the calibration set, seconds, reused
+    from the cache); ``only``: just these tensors (a pass that outputs only them)."""
     cfg = ctx.cfg.calibration
     dataset = ctx.dataset()
     split = dataset.calibration
     if len(split) == 0:
         raise InputError("calibration: no calibration samples (set data.calibration_size >= 1)")
-    warnings = list(dataset.warnings)
-    if len(split) < cfg.min_samples:
-        warnings.append(f"only {len(split)} calibration samples (calibration.min_samples={cfg.min_samples}): "
-                        "thresholds may not represent real inputs")
     material = {"model": sha256_file(model_path), "data": hash_files(dataset.files), "split": split.names,
                 "data_config": str(ctx.cfg.data), "bins": cfg.bins, "batch_size": cfg.batch_size,
-                "keep": cfg.auto_samples, "sample_ranges": True, "around": _measured_around(ctx.cfg)}
+                "keep": cfg.auto_samples, "sample_ranges": True, "around": _measured_around(ctx.cfg),
+                **({"only": sorted(only)} if only is not None else {})}
     started = time.perf_counter()
+
     def collect(out: Path) -> None:
         with progress_bar() as progress:
             task = progress.add_task("calibration statistics", total=len(split))
             statistics.collect(model_path, split, len(split), cfg.bins, cfg.batch_size, cfg.auto_samples,
-                               progress=lambda n: progress.advance(task, n), around=_measured_around(ctx.cfg)).save(out)
+                               progress=lambda n: progress.advance(task, n), around=_measured_around(ctx.cfg),
+                               only=set(only) if only is not None else None).save(out)
 
     folder, reused = ctx.memo("calibration-statistics", material, collect)
-    stats = statistics.Statistics.load(folder)
-    collected = time.perf_counter() - started
+    return statistics.Statistics.load(folder), time.perf_counter() - started, reused
+
+
+def _final_statistics(ctx: StageContext, model_path: Path, base, equalized, smoothed):
+    """The statistics of the model the build quantizes: the prepared model's where nothing
+    rewrote it; with equalization, only the tensors it scaled measured again; after smoothing
+    (which changes what follows the tensors it divides), a full pass."""
+    if smoothed is not None and smoothed.get("applied"):
+        return _statistics(ctx, model_path)
+    if equalized is not None and equalized.get("applied"):
+        scaled, seconds, reused = _statistics(ctx, model_path, only=equalized["scaled_tensors"])
+        stats, base_seconds, base_reused = base
+        return stats.merged(scaled), base_seconds + seconds, base_reused and reused
+    return base
+
+
+def _computed_table(ctx: StageContext, model_path: Path, measured):
+    cfg = ctx.cfg.calibration
+    dataset = ctx.dataset()
+    split = dataset.calibration
+    warnings = list(dataset.warnings)
+    if len(split) < cfg.min_samples:
+        warnings.append(f"only {len(split)} calibration samples (calibration.min_samples={cfg.min_samples}): "
+                        "thresholds may not represent real inputs")
+    stats, collected, reused = measured
+    started = time.perf_counter() - collected
     precision = ctx.cfg.precision.kind
     every_method = _candidates(stats, cfg) if kinds.quantized(precision) else None
     table, choices, decision = _thresholds(stats, ctx, model_path, every_method)

@@ -129,3 +129,32 @@ def test_the_judge_recollects_only_the_scaled_tensors_and_scores_as_a_full_pass(
     assert changed and len(changed) < len(judge.base)
     assert judge.recollected_loss(equalized, changed) == judge.recollected_loss(equalized)
     assert judge.recollected_loss(equalized, changed) != judge.recollected_loss(equalized, set())
+
+
+def test_calibration_measures_again_only_the_tensors_equalization_scaled():
+    """calibrate's one pass over the prepared model serves the judge and the table: merged with
+    a pass over the scaled tensors of the equalized model, every tensor's histogram, kept
+    samples and ranges are what a full pass over the equalized model gives."""
+    from pipeline.precision.calibration import statistics, tables
+
+    def make_table(stats):
+        return {name: tables.table_entry(histogram, "max") for name, histogram in stats.histograms.items()}
+
+    model, samples = onnx.shape_inference.infer_shapes(_model()), _samples(16)
+    settings = QdqSettings.resolve(PrecisionConfig(name=Precision.int8), "onnxruntime")
+    base = statistics.collect(model, samples, len(samples), keep=4, around=settings.quantize_ops)
+    equalized, summary = equalization.choose(model, samples, True, settings, make_table, base_statistics=base)
+    # conv1's output and what carries its channels to the consumers: the Relu, the pool, the Concat
+    assert summary["applied"] and summary["scaled_tensors"] == ["c1", "cat", "p1", "r1"], summary
+    again = statistics.collect(equalized, samples, len(samples), keep=4, around=settings.quantize_ops,
+                               only=set(summary["scaled_tensors"]))
+    merged, full = base.merged(again), statistics.collect(equalized, samples, len(samples), keep=4,
+                                                          around=settings.quantize_ops)
+    assert merged.histograms.keys() == full.histograms.keys()
+    for name, histogram in full.histograms.items():  # the consumers take the scale back in float: rounding apart
+        assert merged.histograms[name].to_json() == histogram.to_json(), name
+        np.testing.assert_allclose(merged.kept[name], full.kept[name], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(merged.sample_ranges[name], full.sample_ranges[name], rtol=1e-4, atol=1e-6)
+    # the judge given the base scores "none" as it does collecting it itself
+    _, own = equalization.choose(model, samples, True, settings, make_table)
+    assert own["candidates"] == summary["candidates"]

@@ -212,11 +212,14 @@ def describe(ready: Sequence[Pair]) -> List[dict]:
              "scale_max": round(float(p.scale.max()), 4)} for p in ready]
 
 
-def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings, make_table: Callable
-           ) -> Tuple[onnx.ModelProto, dict]:
+def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings, make_table: Callable,
+           base_statistics=None) -> Tuple[onnx.ModelProto, dict]:
     """The model calibration and the int8 build use, and the summary the report records.
     ``samples``: calibration samples (iterated twice): every one gives the channel maxima,
-    the first JUDGE_SAMPLES judge the int8 models with and without equalization."""
+    the first JUDGE_SAMPLES judge the int8 models with and without equalization.
+    ``base_statistics``: the prepared model's statistics on exactly those judge samples, if
+    the caller has them. An applied summary names the ``scaled_tensors``: the only
+    activations whose values changed (their consumers take the scale back in float)."""
     from pipeline.precision.calibration import statistics
     from pipeline.precision.smoothing import Judge
 
@@ -229,7 +232,8 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     maxima = statistics.channel_maxima(prepared, (s.feeds for s in samples), [p.tensor for p in found], axis=1)
     if not with_scales(found, maxima):
         return prepared, {"applied": False, "reason": "no outlier channel", "pairs": len(found)}
-    judge = Judge(prepared, list(islice(samples, JUDGE_SAMPLES)), settings, (), make_table)
+    judge = Judge(prepared, list(islice(samples, JUDGE_SAMPLES)), settings, (), make_table,
+                  base_statistics=base_statistics)
     scores = {"none": judge.loss(prepared)}
     models = {}
     for alpha in ALPHAS:
@@ -243,6 +247,8 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
                "judged_on": len(judge.samples), "candidates": scores,
                "seconds": round(time.perf_counter() - started, 3)}
     if scores[f"alpha {best:g}"]["loss"] < (1.0 - MIN_GAIN) * scores["none"]["loss"]:
-        return models[best], {"applied": True, "alpha": best, **summary}
+        scaled = with_scales(found, maxima, best)
+        changed = sorted({name for pair in scaled for name in [pair.tensor, *pair.rescaled]})
+        return models[best], {"applied": True, "alpha": best, **summary, "scaled_tensors": changed}
     return prepared, {"applied": False, "reason": f"the int8 model did not do {MIN_GAIN:.0%} better with it",
                       **summary}

@@ -262,14 +262,16 @@ class Judge:
     candidate."""
 
     def __init__(self, prepared: onnx.ModelProto, samples: Sequence, settings, keep_float: Iterable[str],
-                 make_table: Callable, sources: Sequence[str] = ()):
+                 make_table: Callable, sources: Sequence[str] = (), base_statistics=None):
+        """``base_statistics``: the prepared model's statistics on these very samples, where
+        the caller has them (calibration's own pass): not collected again."""
         from pipeline.precision.calibration import statistics
         from pipeline.precision.calibration.measure import float_outputs
 
         self.samples, self.settings, self.keep_float = list(samples), settings, list(keep_float)
         self.make_table, self.outputs = make_table, float_outputs(prepared)
         self.reference = self._run_float(prepared)
-        self.base = make_table(self._statistics(prepared))
+        self.base = make_table(base_statistics if base_statistics is not None else self._statistics(prepared))
         self.ranges = statistics.channel_ranges(prepared, (s.feeds for s in self.samples), list(sources)) \
             if all(self.base.get(name, {}).get("method") == "max" for name in sources) else None
 

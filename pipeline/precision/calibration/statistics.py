@@ -39,6 +39,11 @@ class Statistics:
         (folder / "statistics.json").write_text(json.dumps(meta))
         np.savez(folder / "kept.npz", **self.kept)
 
+    def merged(self, other: "Statistics") -> "Statistics":
+        """These statistics with ``other``'s tensors in place of their own (the same samples)."""
+        return Statistics({**self.histograms, **other.histograms}, {**self.kept, **other.kept}, self.samples,
+                          self.batch_size, self.batch_note, {**self.sample_ranges, **other.sample_ranges})
+
     @classmethod
     def load(cls, folder: Path) -> "Statistics":
         meta = json.loads((folder / "statistics.json").read_text())
