@@ -113,8 +113,8 @@ def run(ctx: StageContext) -> StageResult:
     screened_ops = len({t.op for t in trials}) - len({t.op for t in trials if t.loss is not None})
     if screened_ops:
         summary["op_screen"] = (f"{screened_ops} of {len({t.op for t in trials})} ops were ranked by their op-level "
-                                f"SQNR alone and stay int8: only the {ranked} worst were measured in full "
-                                "(sensitivity.max_ranked)")
+                                f"SQNR alone and stay int8: only the {ranked} worst (sensitivity.max_ranked) and the "
+                                f"ops just before an output were measured in full")
     best_table = _best_method_table(prepared, table, candidates, ranking)
     # Each op's best method was found with only that op in int8; together they can do worse
     # than calibrate's table (measured on PP-OCR): the better of the two is the base.

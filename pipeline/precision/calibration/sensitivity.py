@@ -65,6 +65,9 @@ def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_type
     return found
 
 
+HEAD_DEPTH = 2  # an output head: an op at most this many ops before a graph output
+
+
 def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], feeds: Dict[str, np.ndarray],
               count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
               screen: int = 2, progress: Optional[Callable[[int], None]] = None,
@@ -89,6 +92,7 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
         if ranked is not None and len(ops) > ranked:
             screened = op_screen(model, ops, candidates, feeds, count, methods, settings, pool)
             worst = sorted(ops, key=lambda i: _best_sqnr(screened[i]))[:ranked]
+            worst += [i for i in output_heads(model, ops) if i not in worst]  # cheap: little graph after them
             trials += [trial for i in ops if i not in worst for trial in screened[i]]
             if progress:
                 progress(len(ops) - len(worst))
@@ -107,6 +111,21 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
                 if progress:
                     progress(1)
     return trials
+
+
+def output_heads(model: onnx.ModelProto, ops: List[int], depth: int = HEAD_DEPTH) -> List[int]:
+    """The ops of ``ops`` whose output reaches a graph output through at most ``depth`` other
+    ops (a Sigmoid, a Resize): their error goes to the outputs undiluted, where an op-level
+    SQNR says little about the task (the fused logits of a segmenter, quantized to 8 bits,
+    flip pixels near the map's threshold), and their full measure runs almost no graph."""
+    nodes = list(model.graph.node)
+    producer = {out: index for index, node in enumerate(nodes) for out in node.output}
+    wanted, found = set(ops), set()
+    frontier = [producer[o.name] for o in model.graph.output if o.name in producer]
+    for _ in range(depth + 1):
+        found.update(i for i in frontier if i in wanted)
+        frontier = [producer[name] for i in frontier if i not in wanted for name in nodes[i].input if name in producer]
+    return sorted(found)
 
 
 def workers() -> int:
