@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from pipeline.detection_metric import Detection  # noqa: F401 - a built-in: metric=detection
 from pipeline.embedding_metric import Embedding  # noqa: F401 - a built-in: metric=embedding
 from pipeline.errors import ConfigError
 from pipeline.verification.sample_groups import per_sample  # noqa: F401 - sensitivity
