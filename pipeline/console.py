@@ -9,6 +9,7 @@ runs and those lines are the progress a person sees."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -21,9 +22,18 @@ from rich.text import Text
 PROGRESS = "parity.progress"  # the logger of the progress lines (parity.log; the console in parallel jobs)
 
 
+# stdout not a terminal and no COLUMNS (a CI log, a file): rich would lay tables out in 80
+# columns and cut names, verdicts and numbers with an ellipsis; up to this width a table is
+# as wide as its content
+LOG_WIDTH = 240
+
+
 @lru_cache(maxsize=1)
 def stdout_console() -> Console:
-    return Console(soft_wrap=True)
+    console = Console(soft_wrap=True)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        return Console(soft_wrap=True, width=LOG_WIDTH)
+    return console
 
 
 @lru_cache(maxsize=1)

@@ -188,9 +188,9 @@ def auto_default_run(tmp_path_factory):
     model on ort_cpu), run once for the session: (cwd, completed process). With the default
     timing (not the suite's quick one): its test asserts what ships, and on a loaded 2-core
     AVX2 machine three 5 ms rounds left int8 (1.04-1.46x fp32 on a quiet one) undecided
-    against fp32, which then shipped."""
+    against fp32, which then shipped. Its stdout goes to a pipe with no COLUMNS, as in a CI log."""
     cwd = tmp_path_factory.mktemp("auto")
-    return cwd, run_cli([], cwd, default_precision=None, quick=False)
+    return cwd, run_cli([], cwd, default_precision=None, quick=False, env={"COLUMNS": ""})
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,21 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
 
 
 
+def test_a_ci_log_holds_the_candidate_table_whole(auto_default_run):
+    """stdout to a pipe with no COLUMNS (a CI log): rich laid tables out in 80 columns and
+    cut `int8_dynamic` to `int8_d…` and a verdict to `cut by`; now every name, number and
+    verdict reads back whole."""
+    _, result = auto_default_run
+    assert "\u2026" not in result.stdout, result.stdout
+    lines = result.stdout.splitlines()
+    start = lines.index("precision=auto candidates")
+    header = lines[start + 1].split()
+    assert header[:2] == ["precision", "cosine"] and header[-1] == "verdict", lines[start + 1]
+    rows = {line.split()[0]: line for line in lines[start + 3:start + 7]}
+    assert set(rows) == {"fp32", "int8", "int8_dynamic", "mixed"}, rows
+    assert rows["int8"].rstrip().endswith(("pass (shipped)", "pass", "fail")), rows["int8"]
+
+
 def test_a_rerun_starts_no_process_ahead_of_a_full_reference_store(auto_default_run):
     """The reference's answers were all stored by the first run: the rerun reads them and
     starts no process to fill the store ahead (it cost a process start per auto job)."""
