@@ -25,10 +25,24 @@ BERT = [f"model.path={MODEL}", "metric=none"]
 @pytest.fixture(scope="module")
 def dynamic_run(tiny_bert_tensors, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("dynamic")
-    done = run_cli([*BERT, f"data.path={tiny_bert_tensors}", "target=ort_cpu", "precision=int8",
-                    "precision.activation_ranges=dynamic",
+    done = run_cli([*BERT, f"data.path={tiny_bert_tensors}", "target=ort_cpu", "precision=int8_dynamic",
                     "pipeline.stages=[convert,calibrate,sensitivity,build,tune,verify,package]"], cwd)
     return done, run_dirs(cwd)[-1]
+
+
+def test_the_name_the_candidate_table_shows_is_a_precision_meaning_the_same_build():
+    """precision=auto's table and bundles say int8_dynamic: typed back, it is precision=int8
+    with activation_ranges=dynamic, and a typo's error lists it."""
+    from omegaconf import OmegaConf
+
+    typed = OmegaConf.to_container(composed("precision=int8_dynamic").precision)
+    spelled = OmegaConf.to_container(composed("precision=int8", "precision.activation_ranges=dynamic").precision)
+    assert typed == spelled and str(typed["name"]) in ("int8", "Precision.int8")
+
+
+def test_a_typo_lists_int8_dynamic(tmp_path):
+    result = run_cli(["precision=int8_dynamc"], tmp_path)
+    assert result.returncode == 2 and "allowed: auto, bf16, fp16, fp32, int8, int8_dynamic, mixed" in result.stderr
 
 
 def test_a_dynamic_build_runs_int8_without_calibration(dynamic_run):
