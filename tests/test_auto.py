@@ -280,3 +280,17 @@ def test_the_shipped_run_reuses_its_candidates_stages_up_to_build(overrides):
     assert candidate.validation.layerwise != run.validation.layerwise  # the two runs do differ
     for stage in (convert, calibrate, sensitivity, build, tune):
         assert stage.key_config(candidate) == stage.key_config(run), stage.NAME
+
+
+def test_a_failing_candidate_keeps_its_speed_and_the_shipped_line_names_the_fastest_failing(tmp_path):
+    """int8 fails a cosine gate it cannot meet: its row still has the speed-up measured before
+    its verify (what a looser threshold would buy), and the shipped line names it with why."""
+    result = run_cli(["metric=none", "validation.min_cosine=0.999999", "precision.candidates=[fp32,int8]"], tmp_path,
+                     default_precision=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    section = read_report(run_dirs(tmp_path)[-1])["auto"]
+    rows = {row["precision"]: row for row in section["candidates"]}
+    assert section["chosen"] == "fp32" and rows["int8"]["verdict"] == "fail", rows
+    assert rows["int8"]["speedup"]["speedup"] > 0 and rows["int8"]["timed_on"].endswith("before verification")
+    assert f"the fastest failing: int8 at {rows['int8']['speedup']['speedup']:.2f}x fp32 (" in section["why"]
+    assert "cosine" in section["why"].split("the fastest failing: int8")[1]

@@ -224,9 +224,9 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
             outcomes[precision] = built
             tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
             return
-        slower = _screened(outcomes.get(REFERENCE), built, checked) if screen else None
-        if slower:
-            tried[precision] = {**_row(precision, built), **slower}
+        timed = _screened(outcomes.get(REFERENCE), built, checked) if screen else None
+        if timed and timed.get("verdict") == SLOWER:
+            tried[precision] = {**_row(precision, built), **timed}
             return
         ahead.stop()  # from here verify runs the reference itself where the store has no answer
         outcomes[precision], configs[precision] = _verified(configs[precision], folder)
@@ -234,7 +234,10 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
                             "reasons": [str(err)]}
         return
-    tried[precision] = {**_row(precision, outcomes[precision]), "target_memory": _memory(configs[precision])}
+    # the screening's speed-up stays on the row: a failing build's speed is what a looser
+    # threshold would buy (a passing one is timed again with the others, _time)
+    tried[precision] = {**_row(precision, outcomes[precision]), **(timed or {}),
+                        "target_memory": _memory(configs[precision])}
 
 
 def _probe(budget: Budget, built: RunOutcome, checked) -> None:
@@ -307,8 +310,10 @@ def _screened(fp32: Optional[RunOutcome], built: RunOutcome, checked) -> Optiona
         return None
     timings, timed_on = _screen_timings(fp32, built, checked)
     up = speed.speedups(timings).get("candidate")
-    if up is None or up["speedup_p75"] >= SCREEN_SLOWER:
+    if up is None:
         return None
+    if up["speedup_p75"] >= SCREEN_SLOWER:
+        return {"speedup": up, "latency": timings["candidate"], "timed_on": f"{timed_on}, before verification"}
     return {"verdict": SLOWER, "speedup": up, "latency": timings["candidate"], "timed_on": timed_on,
             "reasons": [f"{up['speedup']:.2f}x fp32 (rounds {up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}x) on a "
                         f"short timing before verification: {_how_slower(timed_on)}, so it "
@@ -557,6 +562,18 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
     return winner, why + (f"; other passing: {others}" if others else "") + _not_passing(rows)
 
 
+def _fastest_failing(rows: Dict[str, dict]) -> str:
+    """The fastest verified build that failed, its speed-up and what it lost against what is
+    allowed: what a looser threshold would buy."""
+    failed = [(p, r) for p, r in rows.items() if r["verdict"] == "fail" and not r.get("same_as")
+              and (r.get("speedup") or {}).get("speedup")]
+    if not failed:
+        return ""
+    precision, row = max(failed, key=lambda item: item[1]["speedup"]["speedup"])
+    lost = next((reason for reason in row.get("reasons") or []), "")
+    return f"; the fastest failing: {precision} at {_ratio(row)}" + (f" ({lost})" if lost else "")
+
+
 def _not_passing(rows: Dict[str, dict]) -> str:
     """The candidates that did not pass, by why: failed, not verified, slower, cut."""
     groups = (("failed", lambda r: r["verdict"] not in ("pass", UNVERIFIED, SLOWER, CUT, NOT_BUILT)
@@ -566,7 +583,7 @@ def _not_passing(rows: Dict[str, dict]) -> str:
               ("not verified (slower than fp32)", lambda r: r["verdict"] == SLOWER),
               ("cut by precision.budget_s", lambda r: r["verdict"] == CUT))
     found = [(label, [p for p, r in rows.items() if belongs(r)]) for label, belongs in groups]
-    return "".join(f"; {label}: {', '.join(names)}" for label, names in found if names)
+    return "".join(f"; {label}: {', '.join(names)}" for label, names in found if names) + _fastest_failing(rows)
 
 
 def _against(candidate: dict, fastest: dict, tight: float) -> Tuple[str, float]:
