@@ -1,0 +1,48 @@
+"""The real-size YOLOv8n-architecture detector (tests/assets/yolov8n_320.onnx, issue 56): its
+run-time anchor grid, DFL decode and one Concat of pixel boxes and 0..1 scores go through
+calibrate, build and verify with metric=detection, and the verdict judges the boxes. One
+job on ort_cpu (int8, 8 calibration / 16 validation photos of tests/detector_data.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import read_report, run_cli, run_dirs, single_bundle
+from detector_data import CALIBRATION_SEED, DETECTOR, VALIDATION_SEED, scenes, to_input
+
+
+@pytest.fixture(scope="module")
+def detector_job(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("detector")
+    photos = {"calibration/images": np.concatenate([to_input(im) for im, _ in scenes(8, CALIBRATION_SEED)]),
+              "validation/images": np.concatenate([to_input(im) for im, _ in scenes(16, VALIDATION_SEED)])}
+    np.savez(cwd / "photos.npz", **photos)
+    result = run_cli([f"model.path={DETECTOR}", "data.kind=tensors", f"data.path={cwd / 'photos.npz'}",
+                      "metric=detection", "precision=int8", "target.threads=2"], cwd, timeout=600)
+    return result, run_dirs(cwd)[-1]
+
+
+def test_the_asset_is_a_yolov8_head_with_run_time_anchors():
+    model = onnx.load(str(DETECTOR))
+    ops = {node.op_type for node in model.graph.node}
+    assert {"Shape", "Range", "Expand", "Softmax", "Concat", "Split"} <= ops
+    (output,) = model.graph.output
+    assert output.name == "output0" and output.type.tensor_type.shape.dim[1].dim_value in (0, 7)
+
+
+def test_a_detector_goes_through_every_stage_and_is_judged_by_its_boxes(detector_job):
+    result, run_dir = detector_job
+    assert result.returncode in (0, 3), result.stdout[-3000:] + result.stderr[-3000:]  # a verdict, no internal error
+    report = read_report(run_dir)
+    task = report["verify"]["task"]
+    assert task["metric"] == "detection_f1" and 0.0 <= task["target"] <= 1.0 and task["reference"] == 1.0, task
+    assert "ap50" in str(report["verify"]), "the per-image AP@0.5 extra is reported"
+    assert [stage["stage"] for stage in report["stages"]][:4] == ["convert", "calibrate", "sensitivity", "build"]
+    assert report["build"]["quantization"]["int8_ops"] > 50
+    # the bundle records the detection post-processing for parity-bundle run
+    import yaml
+
+    runtime = yaml.safe_load((single_bundle(run_dir) / "runtime.yaml").read_text())
+    assert runtime["metric"]["_target_"].endswith("Detection") and runtime["metric"]["conf"] == 0.25
