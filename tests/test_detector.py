@@ -41,6 +41,11 @@ def test_a_detector_goes_through_every_stage_and_is_judged_by_its_boxes(detector
     assert "ap50" in str(report["verify"]), "the per-image AP@0.5 extra is reported"
     assert [stage["stage"] for stage in report["stages"]][:4] == ["convert", "calibrate", "sensitivity", "build"]
     assert report["build"]["quantization"]["int8_ops"] > 50
+    # boxes in pixels beside scores in 0..1: each group of like rows judged apart, the worst gated
+    (output,) = report["verify"]["outputs"]
+    metrics = output["metrics"]
+    assert [group["rows"] for group in metrics["row_groups"]] == ["0-3", "4-6"], metrics
+    assert metrics["cosine"] == min(group["cosine"] for group in metrics["row_groups"]) <= metrics["whole_cosine"]
     # the bundle records the detection post-processing for parity-bundle run
     import yaml
 

@@ -161,3 +161,27 @@ def test_preflight_warnings_sum_up_a_kind_found_in_many_tensors():
     assert lines == ["pre-flight: bn.var: smallest |x| 1e-40 < 1.18e-38",
                      "pre-flight: 5 tensors hold float32 denormals (slow on CPUs): conv0.w, conv1.w, conv2.w, ... "
                      "(every one in the report's convert pre-flight table)"]
+
+
+def test_an_output_of_rows_apart_in_scale_is_gated_on_its_worst_group():
+    """A detector head [1, 4+C, N]: boxes in pixels, scores in 0..1. Scores ruined while the
+    boxes hold: the whole output's cosine stays 1.0000, the scores' group fails the gate and
+    the failure names its rows. Maps, vectors and tables of like rows are not grouped."""
+    from pipeline.verification.metrics import OutputStats, failures, row_groups
+
+    rng = np.random.default_rng(0)
+    boxes, scores = rng.uniform(0, 320, (1, 4, 2100)), rng.uniform(0, 0.3, (1, 3, 2100)) ** 3
+    reference = np.concatenate([boxes, scores], axis=1).astype(np.float32)
+    assert [group.label for group in row_groups(reference)] == ["0-3", "4-6"]
+    ruined = reference.copy()
+    ruined[:, 4:] = rng.uniform(0, 0.03, (1, 3, 2100))
+    stats = OutputStats()
+    stats.update(reference, ruined)
+    metrics = stats.result()
+    assert metrics["whole_cosine"] > 0.9999 and metrics["cosine"] < 0.9 and metrics["worst_rows"] == "4-6"
+    limits = type("Limits", (), {"min_cosine": 0.995, "max_abs_error": None, "max_mean_abs_error": None,
+                                 "min_sqnr_db": None})
+    (failure,) = failures(metrics, limits)
+    assert failure.startswith("cosine 0.") and "in rows 4-6 (the whole output: 1.000000)" in failure
+    for alike in (np.ones((1, 1, 320, 320)), np.ones((1, 1000)), rng.normal(0, 1, (1, 40, 6625))):
+        assert row_groups(alike.astype(np.float32)) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 import numpy as np
 
@@ -48,9 +48,18 @@ class OutputStats:
     changed: int = 0  # elements that differ
     mismatched: List[int] = field(default_factory=list)  # indices of the samples with a change
 
+    # an output whose rows differ in scale by orders of magnitude (a detector's boxes in pixels
+    # beside its scores in 0..1): each group of like rows is also judged alone (row_groups)
+    groups: Optional[List["RowGroup"]] = None
+
     def update(self, reference: np.ndarray, output: np.ndarray) -> None:
         if np.asarray(reference).dtype.kind in "biu":
             self._count_changes(np.asarray(reference), np.asarray(output))
+        elif self.groups is None:
+            self.groups = row_groups(np.asarray(reference))
+        if self.groups and np.shape(reference) == np.shape(output):
+            for group in self.groups:
+                group.stats.update(group.take(np.asarray(reference)), group.take(np.asarray(output)))
         ref, out = np.asarray(reference).ravel(), np.asarray(output).ravel()
         if ref.shape != out.shape:
             raise ValueError(f"shape {np.shape(output)} differs from the reference's {np.shape(reference)}")
@@ -122,6 +131,14 @@ class OutputStats:
 
     def result(self) -> dict:
         found = self._float_result()
+        if self.groups:  # the gated cosine and SQNR are the worst group's; the whole output's stay beside
+            judged = [{"rows": group.label, **{key: group.stats._float_result()[key] for key in ("cosine", "sqnr_db")}}
+                      for group in self.groups]
+            worst = min(judged, key=lambda g: g["cosine"])
+            sqnrs = [g["sqnr_db"] for g in judged if g["sqnr_db"] is not None]
+            found.update({"row_groups": judged, "whole_cosine": found["cosine"], "whole_sqnr_db": found["sqnr_db"],
+                          "cosine": min(found["cosine"], worst["cosine"]), "worst_rows": worst["rows"],
+                          "sqnr_db": min([found["sqnr_db"], *sqnrs]) if found["sqnr_db"] is not None else None})
         if self.exact:
             samples = len(self.sample_cosine)
             found.update({"exact": True, "changed": self.changed, "mismatched_samples": len(self.mismatched),
@@ -146,6 +163,57 @@ class OutputStats:
         }
 
 
+GROUP_RATIO = 100.0  # rows this many times apart in scale (RMS) are judged apart
+MAX_ROWS = 1024  # an axis longer than this holds samples of one kind (anchors, pixels), not rows
+
+
+@dataclass
+class RowGroup:
+    """Consecutive rows of like scale along one axis of an output, with their own stats."""
+    axis: int
+    start: int
+    stop: int
+    stats: "OutputStats" = field(default_factory=lambda: OutputStats(groups=[]))
+
+    @property
+    def label(self) -> str:
+        return f"{self.start}-{self.stop - 1}" if self.stop - self.start > 1 else str(self.start)
+
+    def take(self, values: np.ndarray) -> np.ndarray:
+        return np.take(values, range(self.start, self.stop), axis=self.axis)
+
+
+def row_groups(reference: np.ndarray) -> List[RowGroup]:
+    """The groups of an output whose rows differ in scale by GROUP_RATIO or more, from one
+    sample's table (two axes larger than 1, the last two): along the shorter (a YOLOv8 head [1, 4+C, N]: axis 1; a
+    YOLOv5 one [1, N, 5+C]: the last), consecutive rows within a factor 10 of their group's
+    first; [] for an output of like rows (one group), a vector, or non-finite values."""
+    table = [size for size in reference.shape if size != 1]
+    if len(table) != 2 or reference.shape[-2:] != tuple(table) or reference.dtype.kind != "f" \
+            or not np.isfinite(reference).all():
+        return []  # a table per sample only: not a map, a vector, a batch of tables
+    axis = reference.ndim - 2 if reference.shape[-2] <= reference.shape[-1] else reference.ndim - 1
+    rows = reference.shape[axis]
+    if not 2 <= rows <= MAX_ROWS:
+        return []
+    others = tuple(a for a in range(reference.ndim) if a != axis)
+    scale = np.sqrt(np.mean(np.square(reference.astype(np.float64)), axis=others))
+    nonzero = scale[scale > 0]
+    if nonzero.size < 2 or nonzero.max() / nonzero.min() < GROUP_RATIO:
+        return []
+    found, start = [], 0
+    for row in range(1, rows + 1):
+        if row == rows or not _alike(scale[start], scale[row]):
+            found.append(RowGroup(axis, start, row))
+            start = row
+    return found if len(found) > 1 else []
+
+
+def _alike(first: float, other: float) -> bool:
+    """Within a factor 10 (all-zero rows join any group)."""
+    return first == 0 or other == 0 or max(first, other) / min(first, other) < 10.0
+
+
 def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
     """Which thresholds the metrics miss; NaN/Inf never pass. An integer or boolean output
     is judged by its agreement alone (samples whose values all equal the reference's; every
@@ -156,7 +224,9 @@ def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
     if metrics["nan"] or metrics["inf"]:
         failed.append(f"{metrics['nan']} NaN and {metrics['inf']} Inf values in the output")
     if limits.min_cosine is not None and not metrics["cosine"] >= limits.min_cosine:
-        failed.append(f"cosine {metrics['cosine']:.6f} < {limits.min_cosine}")
+        where = f" in rows {metrics['worst_rows']} (the whole output: {metrics['whole_cosine']:.6f})" \
+            if metrics.get("worst_rows") and metrics["cosine"] < metrics["whole_cosine"] else ""
+        failed.append(f"cosine {metrics['cosine']:.6f} < {limits.min_cosine}{where}")
     if limits.max_abs_error is not None and not metrics["max_abs"] <= limits.max_abs_error:
         failed.append(f"max abs error {metrics['max_abs']:.3g} > {limits.max_abs_error}")
     if limits.max_mean_abs_error is not None and not (metrics["mean_abs"] or 0.0) <= limits.max_mean_abs_error:
