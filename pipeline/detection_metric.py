@@ -22,6 +22,7 @@ A leaf module (numpy only): pipeline/task_metrics.py exports the class as a buil
 
 from __future__ import annotations
 
+import json
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -54,8 +55,16 @@ class Detection:
         return {key: np.array([average_precision(self.detect(mine, self.low_conf), self.detect(theirs, self.conf),
                                                  self.match_iou) for mine, theirs in zip(outputs, reference)])}
 
+    def decode(self, output: np.ndarray) -> str:
+        """One image's detections at ``conf`` as JSON (what ``parity-bundle run`` prints)."""
+        rows = self.detect(np.asarray(output), self.conf)
+        return json.dumps([{"box": [round(float(v), 2) for v in row[:4]], "score": round(float(row[4]), 4),
+                            "class": int(row[5])} for row in rows])
+
     def detect(self, head: np.ndarray, conf: float) -> np.ndarray:
         """One image's detections: rows x0, y0, x1, y1, score, class after NMS, best first."""
+        head = np.asarray(head)
+        head = head.reshape(head.shape[-2:]) if head.ndim > 2 else head  # a leading batch of 1
         kind = self.format if self.format != "auto" else recognise(head.shape)
         rows = decode(head, kind)
         rows = rows[rows[:, 4] >= conf]

@@ -51,3 +51,21 @@ def test_a_detector_goes_through_every_stage_and_is_judged_by_its_boxes(detector
 
     runtime = yaml.safe_load((single_bundle(run_dir) / "runtime.yaml").read_text())
     assert runtime["metric"]["_target_"].endswith("Detection") and runtime["metric"]["conf"] == 0.25
+
+
+def test_the_detector_bundle_prints_its_detections_as_json(detector_job, tmp_path):
+    """parity-bundle run decodes the head with the recorded post-processing: boxes, scores
+    and classes as JSON beside the raw tensor's summary; on this photo, the shapes drawn."""
+    import json
+
+    _, run_dir = detector_job
+    image, boxes = scenes(1, VALIDATION_SEED)[0]
+    np.save(tmp_path / "photo.npy", to_input(image))
+    result = run_cli(["run", str(single_bundle(run_dir)), str(tmp_path / "photo.npy")], tmp_path,
+                     program="parity-bundle")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "output0: shape [1, 7, 2100]" in result.stdout
+    line = next(line for line in result.stdout.splitlines() if line.startswith("decoded output0 (detection_f1): "))
+    found = json.loads(line.split(": ", 1)[1])
+    assert found and all(set(row) == {"box", "score", "class"} and row["score"] >= 0.25 for row in found)
+    assert sorted(row["class"] for row in found) == sorted(kind for kind, *_ in boxes), (found, boxes)
