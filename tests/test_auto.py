@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.app.auto import CUT, SCREEN_SLOWER, SLOWER, UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
+from pipeline.app.auto import CUT, SLOWER, UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
+from pipeline.app.screening import SCREEN_SLOWER
 from stages.results import VerifySummary
 
 

@@ -46,7 +46,7 @@ CASES = [
     (["target=mnn_opencl", "target.mnn.memory_mode=image", "target.device=CPU"],
      ["target.mnn.memory_mode=image", "needs an MNN GPU device"]),
     (["precision=bf16"], ["precision=bf16", "ort_cpu", "allowed: fp32"]),
-    (["precision=fp64"], ["precision=fp64", "no such config", "allowed: auto, bf16, fp16, fp32, int8, mixed"]),
+    (["precision=fp64"], ["precision=fp64", "no such config", "allowed: auto, bf16, fp16, fp32, int8, int8_dynamic, mixed"]),
     (["target=tpu"], ["target=tpu", "allowed: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu"]),
     (["model.path=???"], ["model.path", "a value is required"]),
     (["data.kind=video"], ["data.kind", "expected one of [tensors, images, random, custom, text]"]),
@@ -100,7 +100,7 @@ def test_a_mistake_in_its_own_process_says_the_same(mistakes, tmp_path):
 def test_help_lists_groups_and_options(tmp_path):
     result = run_cli(["--help"], tmp_path)
     assert result.returncode == 0
-    for phrase in ("target: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu", "precision: auto, bf16, fp16, fp32, int8, mixed", "sensitivity: target, top_n", "model: digits", "data: digits, random"):
+    for phrase in ("target: mnn_cpu, mnn_opencl, mnn_vulkan, ncnn_cpu, ncnn_vulkan, openvino_cpu, ort_cpu", "precision: auto, bf16, fp16, fp32, int8, int8_dynamic, mixed", "sensitivity: target, top_n", "model: digits", "data: digits, random"):
         assert phrase in result.stdout
     assert "parity_schema" not in result.stdout.split("== Config ==")[0]
 

@@ -39,24 +39,24 @@ import copy
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import conf
-from pipeline import backends, shapes
+from pipeline import backends
 from pipeline.backends.protocol import memory_mode
 from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
 from pipeline.precision import kinds
 from pipeline.verification import speed
-from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
+from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
 from pipeline.app.budget import CUT, Budget
 from pipeline.app.reference_ahead import ReferenceAhead
 from pipeline.app.runner import RunOutcome, run_pipeline
+from pipeline.app.screening import SLOWER, artifact, screened, time_builds
 from stages.results import VerifySummary
-from pipeline.console import PROGRESS, job_phase, job_step
+from pipeline.console import PROGRESS, job_phase
 
 log = logging.getLogger("parity")
 progress_log = logging.getLogger(PROGRESS)  # parity.log's record of the candidates (pipeline/console.py)
@@ -64,15 +64,6 @@ PRECISION_FILES = Path(conf.__file__).parent / "precision"
 REFERENCE = kinds.REFERENCE  # fp32: every candidate's speed reference, built always, verified when it could ship
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
 AUTO_ONLY = ("name", "candidates", "budget_s", "screen")  # precision keys of auto itself, not of its candidates
-# screening: a candidate whose speed-up over fp32 stays below this in three timing rounds of
-# four (p75) is measurably slower; it is reported as such and not verified (it cannot win)
-SCREEN_SLOWER = 0.8
-# the screening's first look: 3 rounds of one run each (after the warm-up); a candidate slower
-# than 1/FAR_SLOWER x fp32 in every round is decided on it
-FIRST_LOOK = {"rounds": 3, "runs": 1, "max_seconds": 0.0, "round_ms": 0.0, "tight": None}
-FAR_SLOWER = 0.5
-SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
-SLOWER = "slower than fp32"
 NOT_BUILT = "not built"
 
 
@@ -195,15 +186,9 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [str(err)]}
         return
     configs[precision] = (raw, checked)
-    whole = kinds.partial_of(precision)  # mixed: int8 with the ops the search chooses in float
-    if whole and tried.get(whole, {}).get("verdict") == "pass":
-        tried[precision] = {**tried[whole], "precision": precision, "same_as": whole,
-                            "verdict": f"same build as {whole}",
-                            "not_built": f"{whole} passes: the {precision} search would keep nothing in float"}
-        return
-    if whole and tried.get(whole, {}).get("verdict") == SLOWER:
-        tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [
-            f"not built: {whole} is slower than fp32 here, and {precision} is {whole} with some ops in float"]}
+    decided = _decided_by_whole(precision, tried)
+    if decided is not None:
+        tried[precision] = decided
         return
     too_long = budget.fits(precision) if precision != REFERENCE else None
     if too_long is not None:  # its estimate does not fit in what is left: the promise is kept
@@ -214,7 +199,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
     try:
         built = run_pipeline(_candidate_stages(checked), folder, until="build")
         ahead.start(checked, built)  # the reference's answers, while the candidates calibrate and build
-        twin = next((p for p, o in outcomes.items() if _artifact(o) == _artifact(built)), None)
+        twin = next((p for p, o in outcomes.items() if artifact(o) == artifact(built)), None)
         if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
             tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
                                 "same_as": twin, "run_folder": str(folder)}
@@ -224,7 +209,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
             outcomes[precision] = built
             tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
             return
-        timed = _screened(outcomes.get(REFERENCE), built, checked) if screen else None
+        timed = screened(outcomes.get(REFERENCE), built, checked) if screen else None
         if timed and timed.get("verdict") == SLOWER:
             tried[precision] = {**_row(precision, built), **timed}
             return
@@ -238,6 +223,19 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
     # threshold would buy (a passing one is timed again with the others, _time)
     tried[precision] = {**_row(precision, outcomes[precision]), **(timed or {}),
                         "target_memory": _memory(configs[precision])}
+
+
+def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
+    """mixed (int8 with the ops the search chooses in float) after int8: the same build where
+    int8 passes, not built where int8 is slower than fp32; None otherwise."""
+    whole = kinds.partial_of(precision)
+    if whole and tried.get(whole, {}).get("verdict") == "pass":
+        return {**tried[whole], "precision": precision, "same_as": whole, "verdict": f"same build as {whole}",
+                "not_built": f"{whole} passes: the {precision} search would keep nothing in float"}
+    if whole and tried.get(whole, {}).get("verdict") == SLOWER:
+        return {"precision": precision, "verdict": NOT_BUILT, "reasons": [
+            f"not built: {whole} is slower than fp32 here, and {precision} is {whole} with some ops in float"]}
+    return None
 
 
 def _probe(budget: Budget, built: RunOutcome, checked) -> None:
@@ -299,54 +297,6 @@ def _over_budget(outcome: RunOutcome) -> bool:
     return outcome.verify is not None and outcome.verify.failed_check("memory")
 
 
-def _screened(fp32: Optional[RunOutcome], built: RunOutcome, checked) -> Optional[dict]:
-    """The row of a candidate measurably slower than fp32 on a short interleaved timing of one
-    validation sample (SCREEN_SLOWER), or None: it is then verified. A candidate that cannot
-    win on speed is not verified in full (int8 with dynamic ranges ran 6x slower than fp32 on
-    a convolutional network, and its verify took 155 s). Not screened: a run with a memory
-    budget (a slower build may be the one that fits) and a model of several input shapes
-    (speed as served is a stream, timed after verify)."""
-    if fp32 is None or checked.validation.max_memory_mb is not None:
-        return None
-    timings, timed_on = _screen_timings(fp32, built, checked)
-    up = speed.speedups(timings).get("candidate")
-    if up is None:
-        return None
-    if up["speedup_p75"] >= SCREEN_SLOWER:
-        return {"speedup": up, "latency": timings["candidate"], "timed_on": f"{timed_on}, before verification"}
-    return {"verdict": SLOWER, "speedup": up, "latency": timings["candidate"], "timed_on": timed_on,
-            "reasons": [f"{up['speedup']:.2f}x fp32 (rounds {up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}x) on a "
-                        f"short timing before verification: {_how_slower(timed_on)}, so it "
-                        f"cannot ship and was not verified"]}
-
-
-def _how_slower(timed_on: str) -> str:
-    if "first look" in timed_on:
-        return f"under {FAR_SLOWER:g}x fp32 in each of {FIRST_LOOK['rounds']} single runs"
-    return "slower than fp32 in three rounds of four"
-
-
-def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> Tuple[dict, str]:
-    """The screening's timings of fp32 and the candidate, taken once per pair of builds,
-    runtime versions and machine: a warm rerun reads them from the stage cache."""
-    from pipeline import environment
-    from pipeline.artifacts import read_json, write_json
-    from stages import memo
-
-    def produce(folder: Path) -> None:
-        job_step("timing against fp32")
-        found = _time_builds({REFERENCE: fp32, "candidate": built}, checked, one_sample_only=True,
-                             first_look=_far_slower, rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
-        write_json(folder / "timings.json", {"timings": found[0], "timed_on": found[1]} if found else {})
-
-    material = {"format": 2, "builds": [_artifact(fp32), _artifact(built)], "threads": checked.target.threads,
-                "data": str(checked.data), "machine": environment.fingerprint(), "runtimes": environment.versions()}
-    cache = Path(checked.pipeline.cache_dir).expanduser() if checked.pipeline.cache else None
-    folder, _ = memo(cache, built.run_dir, "auto-screen", material, produce)
-    found = read_json(folder / "timings.json")
-    return found.get("timings", {}), found.get("timed_on", "")
-
-
 def _candidate_stages(checked):
     """The candidate's stages up to verify, verified for the verdict alone: the diagnosis
     (layerwise, advice trials) is the shipped run's, and only when it fails."""
@@ -355,19 +305,6 @@ def _candidate_stages(checked):
     staged.validation.layerwise = Layerwise.off
     staged.validation.advice_trials = 0
     return staged
-
-
-def _artifact(outcome: RunOutcome) -> Optional[dict]:
-    """What runs: the build's files by content and the runtime options it loads them with
-    (OpenVINO's fp32 and bf16 share their files and differ by the precision hint)."""
-    from pipeline.artifacts import sha256_file
-
-    build = outcome.results.get("build")
-    if build is None:
-        return None
-    runtime = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
-    return {"files": {name: sha256_file(build.out_dir / name) for name in build.summary.files},
-            "options": runtime.get("options"), "device": runtime.get("device")}
 
 
 def _in_order(wanted: List[str]) -> List[str]:
@@ -411,7 +348,7 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
     if _timed_by_verify(outcomes, timed, tried):
         return
     job_phase(f"precision=auto: timing {', '.join(timed)} interleaved")
-    found = _time_builds({p: outcomes[p] for p in timed}, run_cfg)
+    found = time_builds({p: outcomes[p] for p in timed}, run_cfg)
     if found is None:
         return
     timings, timed_on = found
@@ -421,60 +358,6 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
         tried[precision]["timed_on"] = timed_on
         if precision in ups:
             tried[precision]["speedup"] = ups[precision]
-
-
-def _far_slower(timings: dict) -> bool:
-    """A first look already shows the candidate far slower than fp32 in every round."""
-    up = speed.speedups(timings).get("candidate")
-    return up is not None and up["speedup_p75"] < FAR_SLOWER
-
-
-def _time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool = False,
-                 first_look: Optional[Callable[[dict], bool]] = None, **overrides):
-    """(timings by name, what they were timed on) of the builds interleaved in their own
-    workers, or None when a worker crashed. ``overrides``: speed.interleaved's options
-    (a screening's shorter timing). A model whose samples differ in shape is timed on the
-    stream of samples in order (speed as served), except with ``one_sample_only``, which
-    then times nothing (None). ``first_look``: one sample, FIRST_LOOK's single-run rounds
-    first, which stand when it says they decide (a dynamic int8 build 3x slower than fp32
-    took 89 s of full screening rounds on a 320x320 segmenter)."""
-    from pipeline.data import TensorSpec, open_dataset
-    from pipeline.worker import BackendWorker
-
-    validation = run_cfg.validation
-    first = next(iter(builds.values()))
-    inputs = [TensorSpec(**spec) for spec in first.results["convert"].summary.inputs]
-    split = open_dataset(run_cfg.data, inputs).validation
-    stream = speed.stream_samples(split, validation.timing_stream_samples)
-    several_shapes = len({shapes.shape_key(feeds) for feeds in stream}) > 1  # decide on speed as served
-    if several_shapes and one_sample_only:  # decided before any build is loaded
-        return None
-    with contextlib.ExitStack() as stack:
-        workers = {}
-        for name, outcome in builds.items():
-            build = outcome.results["build"]
-            settings = yaml.safe_load((build.out_dir / "runtime.yaml").read_text())
-            worker = BackendWorker(backends.spec(settings["backend"]).__name__, build.out_dir, settings,
-                                   label=f"{settings['backend']} {name}", timeout_s=validation.worker_timeout_s,
-                                   memory_mb=validation.worker_memory_mb)
-            stack.callback(worker.close)
-            worker.launch()
-            workers[name] = worker
-        try:
-            for worker in workers.values():
-                worker.wait_loaded()
-            if several_shapes:
-                return (speed.stream_interleaved(workers, stream, **speed.options(validation, stream=True)),
-                        f"stream of {len(stream)} validation samples in order")
-            if first_look is not None:
-                look = speed.interleaved(workers, split.read(0), **FIRST_LOOK)
-                if first_look(look):
-                    return look, "one validation sample (a first look of single runs)"
-            return (speed.interleaved(workers, split.read(0), **{**speed.options(validation), **overrides}),
-                    "one validation sample")
-        except BackendCrashed as err:
-            log.warning("precision=auto: timing stopped: %s", first_line(err))
-            return None
 
 
 def _timed_by_verify(outcomes: Dict[str, RunOutcome], timed: List[str], tried: Dict[str, dict]) -> bool:
