@@ -19,7 +19,11 @@ Trained at 160x160 (the shapes are 12-40 % of the side at any size; a fully conv
 network at a quarter of the pixels trains 4x faster), exported at 320x320. Deterministic
 seeds; about 10 minutes on 2 CPU cores.
 
-Run:  pip install torch==2.13.0 torchvision==0.28.0 ultralytics && python scripts/train_yolo.py
+Run, in a venv of its own (ultralytics needs a torchvision built for its torch; the index here
+has no CPU torchvision for parity's torch 2.13.0+cpu), which is what ``.[yolo]`` lists:
+    python -m venv /tmp/yolo && /tmp/yolo/bin/pip install ultralytics==8.4.190 onnx scikit-image
+    /tmp/yolo/bin/python scripts/train_yolo.py
+(as it was made: ultralytics 8.4.190 with torch 2.14.1 and torchvision 0.29.1).
 """
 import argparse
 import os
