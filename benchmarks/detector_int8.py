@@ -24,60 +24,21 @@ metric=detection). The CPU's int8-relevant flags are printed with the result.
 
 from __future__ import annotations
 
-import argparse
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from int8_peers import arguments, ort_runner, ort_static, parity_build, timed
 from detector_data import CALIBRATION_SEED, DETECTOR, VALIDATION_SEED, scenes, to_input  # noqa: E402
-from pipeline.detection_metric import Detection, f1, matches  # noqa: E402
+from pipeline.detection_metric import Detection, f1, matches, ranked_ap  # noqa: E402
 
 INPUT = "images"
 
 
 def photos(count: int, seed: int) -> np.ndarray:
     return np.concatenate([to_input(image) for image, _ in scenes(count, seed)])
-
-
-def parity_build(work: Path, data: Path, target: str) -> Path:
-    args = [str(Path(sys.executable).parent / "parity"), f"model.path={DETECTOR}", "data.kind=tensors",
-            f"data.path={data}", "metric=detection", "precision=int8", f"target={target}",
-            "pipeline.stages=[convert,calibrate,sensitivity,build]", "target.threads=2"]
-    started = time.perf_counter()
-    done = subprocess.run(args, cwd=work, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
-    runs = sorted((work / "outputs").glob("*/*_*"), key=lambda p: p.stat().st_mtime)
-    folder = runs[-1] / "stages" / "build" if runs else None
-    found = sorted(folder.glob("*.xml" if target == "openvino_cpu" else "model.onnx")) if folder else []
-    if not found:
-        raise SystemExit(f"parity failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    print(f"  parity int8 {target}: {time.perf_counter() - started:.1f} s")
-    return found[0]
-
-
-def ort_static(calibration: np.ndarray, out: Path) -> Path:
-    from onnxruntime import quantization as q
-
-    class Reader(q.CalibrationDataReader):
-        def __init__(self):
-            self.items = iter([{INPUT: sample[None]} for sample in calibration])
-
-        def get_next(self):
-            return next(self.items, None)
-
-    started = time.perf_counter()
-    q.quantize_static(str(DETECTOR), str(out), Reader(), quant_format=q.QuantFormat.QDQ, per_channel=True,
-                      activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
-                      calibrate_method=q.CalibrationMethod.MinMax)
-    print(f"  ONNX Runtime quantize_static: {time.perf_counter() - started:.1f} s")
-    return out
 
 
 def nncf_builds(calibration: np.ndarray, work: Path) -> dict:
@@ -98,20 +59,11 @@ def nncf_builds(calibration: np.ndarray, work: Path) -> dict:
                             "ignored_scope": nncf.IgnoredScope(names=head, validate=False)})):
         started = time.perf_counter()
         quantized = nncf.quantize(model, dataset, subset_size=len(calibration), **extra)
-        path = work / f"{name.split(',')[0].replace(' ', '_')}_{len(found)}.xml"
+        path = work / f"nncf_{len(found)}.xml"
         ov.save_model(quantized, str(path))
         print(f"  {name}: {time.perf_counter() - started:.1f} s")
         found[name] = path
     return found
-
-
-def ort_runner(path: Path):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = 2, 1
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return lambda x: session.run(None, {INPUT: x})[0]
 
 
 def ov_runner(path: Path):
@@ -127,30 +79,10 @@ def ov_runner(path: Path):
     return lambda x: next(iter(request.infer({0: x}).values())).copy()
 
 
-def timed(runners: dict, validation: np.ndarray, rounds: int, images: int) -> dict:
-    """Per build: median ms and the per-round speed-up against the first build (fp32)."""
-    for run in runners.values():
-        run(validation[:1])
-    medians = {name: [] for name in runners}
-    for number in range(rounds):
-        for name in (list(runners) if number % 2 == 0 else list(reversed(runners))):
-            times = []
-            for x in validation[:images]:
-                started = time.perf_counter()
-                runners[name](x[None])
-                times.append(time.perf_counter() - started)
-            medians[name].append(float(np.median(times)))
-    base = np.array(next(iter(medians.values())))
-    return {name: {"ms": 1000 * float(np.median(m)), "speedup": float(np.median(base / np.array(m))),
-                   "p25": float(np.percentile(base / np.array(m), 25)),
-                   "p75": float(np.percentile(base / np.array(m), 75))} for name, m in medians.items()}
-
-
 def dataset_ap(found: list, expected: list, match_iou: float = 0.5) -> float:
     """mAP@match_iou over the photos: per class, every photo's boxes ranked together."""
-    classes = sorted({int(c) for rows in expected for c in rows[:, 5]})
     aps = []
-    for kind in classes:
+    for kind in sorted({int(c) for rows in expected for c in rows[:, 5]}):
         hits, scores, total = [], [], 0
         for mine, theirs in zip(found, expected):
             mine, theirs = mine[mine[:, 5] == kind], theirs[theirs[:, 5] == kind]
@@ -158,17 +90,8 @@ def dataset_ap(found: list, expected: list, match_iou: float = 0.5) -> float:
             order = np.argsort(-mine[:, 4], kind="stable")
             hits += list(matches(mine[order], theirs, match_iou))
             scores += list(mine[order, 4])
-        if not total:
-            continue
         order = np.argsort(-np.array(scores), kind="stable")
-        true = np.cumsum(np.array(hits, dtype=float)[order]) if hits else np.zeros(0)
-        if not len(true):
-            aps.append(0.0)
-            continue
-        precision, recall = true / np.arange(1, len(true) + 1), true / total
-        envelope = np.maximum.accumulate(precision[::-1])[::-1]
-        at = np.searchsorted(recall, np.linspace(0, 1, 101), side="left")
-        aps.append(float(np.mean(np.where(at < len(envelope), envelope[np.minimum(at, len(envelope) - 1)], 0.0))))
+        aps.append(ranked_ap(np.array(hits, dtype=bool)[order], total))
     return float(np.mean(aps)) if aps else 1.0
 
 
@@ -191,22 +114,18 @@ def judged(runners: dict, validation: np.ndarray) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--images", type=int, default=8)
-    args = parser.parse_args()
-    from pipeline.environment import cpu
-
-    info = cpu()
-    print(f"CPU: {info.get('model')}; flags: {' '.join(info.get('flags', []))}")
+    args = arguments(__doc__)
     calibration, validation = photos(16, CALIBRATION_SEED), photos(40, VALIDATION_SEED)
     with tempfile.TemporaryDirectory(prefix="parity-detector-") as scratch:
         work = Path(scratch)
         data = work / "data.npz"
         np.savez(data, **{f"calibration/{INPUT}": calibration, f"validation/{INPUT}": validation})
-        on_ort = {"fp32": ort_runner(DETECTOR), "parity int8": ort_runner(parity_build(work, data, "ort_cpu")),
-                  "quantize_static": ort_runner(ort_static(calibration, work / "ort_static.onnx"))}
-        on_ov = {"fp32": ov_runner(DETECTOR), "parity int8": ov_runner(parity_build(work, data, "openvino_cpu")),
+        model_args = [f"model.path={DETECTOR}", "data.kind=tensors", f"data.path={data}", "metric=detection"]
+        on_ort = {"fp32": ort_runner(DETECTOR, INPUT),
+                  "parity int8": ort_runner(parity_build(work, [*model_args, "target=ort_cpu"]), INPUT),
+                  "quantize_static": ort_runner(ort_static(DETECTOR, INPUT, calibration, work / "static.onnx"), INPUT)}
+        on_ov = {"fp32": ov_runner(DETECTOR),
+                 "parity int8": ov_runner(parity_build(work, [*model_args, "target=openvino_cpu"], "*.xml")),
                  **{name: ov_runner(path) for name, path in nncf_builds(calibration, work).items()}}
         for runtime, runners in (("ONNX Runtime", on_ort), ("OpenVINO", on_ov)):
             speed, accuracy = timed(runners, validation, args.rounds, args.images), judged(runners, validation)

@@ -161,18 +161,23 @@ def f1(found: np.ndarray, expected: np.ndarray, match_iou: float) -> float:
 
 
 def average_precision(found: np.ndarray, expected: np.ndarray, match_iou: float) -> float:
-    """AP of ``found`` (ranked by score) against ``expected``, COCO's way: the mean over the
-    101 recall thresholds 0, 0.01, ..., 1 of the best precision at a recall at least that
-    high (0 where none reaches it). Nothing expected: 1 when nothing is found, else 0."""
+    """AP of ``found`` (ranked by score) against ``expected``, COCO's way (``ranked_ap``).
+    Nothing expected: 1 when nothing is found, else 0."""
     if not len(expected):
         return 1.0 if not len(found) else 0.0
-    if not len(found):
-        return 0.0
     ranked = found[np.argsort(-found[:, 4], kind="stable")]
-    hits = matches(ranked, expected, match_iou)
+    return ranked_ap(matches(ranked, expected, match_iou), len(expected))
+
+
+def ranked_ap(hits: np.ndarray, expected: int) -> float:
+    """AP of detections ranked best first (``hits``: whether each matched) against
+    ``expected`` boxes: the mean over the 101 recall thresholds 0, 0.01, ..., 1 of the best
+    precision at a recall at least that high, 0 where none reaches it (pycocotools' way)."""
+    if not len(hits) or not expected:
+        return 0.0
     true = np.cumsum(hits)
     precision = true / np.arange(1, len(hits) + 1)
-    recall = true / len(expected)
+    recall = true / expected
     envelope = np.maximum.accumulate(precision[::-1])[::-1]
     at = np.searchsorted(recall, np.linspace(0.0, 1.0, 101), side="left")
     return float(np.mean(np.where(at < len(envelope), envelope[np.minimum(at, len(envelope) - 1)], 0.0)))
