@@ -167,9 +167,10 @@ def _context():
     return context
 
 
-# the fork server listens on <multiprocessing's temp folder>/listener-XXXXXXXX, an AF_UNIX path,
-# which Linux ends at 107 bytes: under a long TMPDIR every worker failed ("AF_UNIX path too long")
-SOCKET_NAME_BYTES = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+# the fork server listens on an AF_UNIX socket in multiprocessing's temp folder ("pymp-" and 8
+# random characters, in it "listener-" and 8 more), a path Linux ends at 107 bytes: under a long
+# TMPDIR every worker failed ("AF_UNIX path too long")
+SOCKET_NAME_BYTES = len("/pymp-") + 8 + len("/listener-") + 8
 SOCKET_PATH_MAX = 107
 
 

@@ -183,7 +183,7 @@ def memo(cache_root: Optional[Path], out_dir: Path, name: str, material: dict,
          produce: Callable[[Path], None]) -> Tuple[Path, bool]:
     """StageContext.memo for callers outside a stage (precision=auto's screening timing):
     without a cache, ``produce`` writes into a fresh folder under ``out_dir``."""
-    key = sha256_json({"memo": name, "code": code_version(), "material": material})[:32]
+    key = _memo_key(name, material)
     if cache_root is None:
         folder = out_dir / f"{name}-{key}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -203,9 +203,12 @@ def peek(cache_root: Optional[Path], name: str, material: dict) -> Optional[Path
     """The folder ``memo`` would reuse for this material, or None where nothing produced it yet."""
     if cache_root is None:
         return None
-    key = sha256_json({"memo": name, "code": code_version(), "material": material})[:32]
-    entry = cache_root / "memo" / name / key
+    entry = cache_root / "memo" / name / _memo_key(name, material)
     return entry if (entry / COMPLETE).is_file() else None
+
+
+def _memo_key(name: str, material: dict) -> str:
+    return sha256_json({"memo": name, "code": code_version(), "material": material})[:32]
 
 
 REFERENCE_MODULE = backends.MODULES[backends.REFERENCE]  # THE reference: ONNX Runtime

@@ -349,6 +349,7 @@ def _quantize(ctx: StageContext):
         keep_float = read_json(found.path("qtable"))["float_ops"]
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     keep_float, unknown = _requested_float(ctx, prepared, keep_float)
+    searched = kinds.searched(precision.kind) and bool(keep_float)  # mixed with ops kept float
     backend = backends.spec(ctx.cfg.target.backend.value)
     by_backend = _backend_float_ops(ctx, backend, prepared, keep_float)
     keep_float = [*keep_float, *by_backend["ops"]]
@@ -365,7 +366,7 @@ def _quantize(ctx: StageContext):
     for fix in reshaped:
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
-    refined = _refinements(ctx, quantized, keep_float)
+    refined = _refinements(ctx, quantized, keep_float, searched)
     model = onnx.load(str(quantized))
     folded = fold_relus(model) if "Relu" in settings.passthrough_ops else 0  # after what needs the Relus
     if folded:
@@ -426,9 +427,10 @@ REFINEMENTS = (("weight_rounding", weight_rounding.round_file, {"ops": []}),
                ("bias_correction", bias_correction.correct_file, {"corrected": {}}))
 
 
-def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str]) -> dict:
+def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str], searched: bool) -> dict:
     """Every refinement's summary; judged on the validation samples (a mixed build keeping ops
-    float), they share the fp32 outputs and each model's cosine (bias_correction.Judged)."""
+    float), they share the fp32 outputs and each model's cosine (bias_correction.Judged).
+    ``searched``: a mixed build keeping ops float (``_refine``)."""
     samples = _judged_on(ctx, float_ops)
     judged_on = None
     refining = any(_refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step) for step, _, _ in REFINEMENTS)
@@ -437,23 +439,16 @@ def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str]) -> di
         size = bias_correction.batch_size_for(prepared, [o.name for o in prepared.graph.output])
         judged_on = bias_correction.Judged(prepared, samples, size)
     memo = refining and ctx.cache_root is not None and not _has_external_data(quantized)  # the memo keeps one file
-    searched = kinds.searched(ctx.cfg.precision.kind) and bool(_qtable_float_ops(ctx))
-    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing, memo, searched)
+    # what every refinement's memo depends on beyond its step, hashed once for both steps
+    shared = {"prepared": sha256_file(ctx.results["calibrate"].path("prepared")),
+              "data": (hash_files(ctx.dataset().files), str(ctx.cfg.data)), "cpu": environment.fingerprint()} \
+        if memo else None
+    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing, shared, searched)
             for step, refine_file, nothing in REFINEMENTS}
 
 
-def _all_int8_material(ctx: StageContext, step: str) -> dict:
-    """What an all-int8 build's refinement outcome depends on, without its QDQ model: a mixed
-    build of the same calibration, data, placement and CPU looks it up (``_refine``)."""
-    dataset = ctx.dataset()
-    settings = QdqSettings.resolve(ctx.cfg.precision, backends.spec(ctx.cfg.target.backend.value).NAME)
-    return {"step": step, "prepared": sha256_file(ctx.results["calibrate"].path("prepared")),
-            "data": (hash_files(dataset.files), str(ctx.cfg.data)), "settings": settings.describe(),
-            "cpu": environment.fingerprint()}
-
-
 def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict,
-            memo: bool, searched: bool = False) -> dict:
+            shared: Optional[dict], searched: bool = False) -> dict:
     """precision.<step> on the QDQ model, in place where it brings the outputs closer to fp32
     (pipeline/precision/calibration/weight_rounding.py, bias_correction.py); the build's summary.
     A mixed build (``searched``: ops kept float by the search) does not measure a refinement
@@ -462,7 +457,11 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
         return {"enabled": False}
     label = step.replace("_", " ")
-    outcome = _all_int8_material(ctx, step) if memo else None
+    # what an all-int8 build's outcome depends on, without its QDQ model: a mixed build of the
+    # same calibration, data, placement and CPU looks it up
+    outcome = None if shared is None else {
+        **shared, "step": step,
+        "settings": QdqSettings.resolve(ctx.cfg.precision, backends.spec(ctx.cfg.target.backend.value).NAME).describe()}
     if searched and outcome is not None:
         found = peek(ctx.cache_root, f"build-{step}-all-int8", outcome)
         if found is not None and not read_json(found / "summary.json")["applied"]:
@@ -483,13 +482,12 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
         shutil.copyfile(quantized, folder / quantized.name)
         write_json(folder / "summary.json", refine(folder / quantized.name))
 
-    if not memo:  # no stage cache, or weights in files of their own
+    if shared is None:  # no stage cache, or weights in files of their own
         return _logged(refine(quantized), label, judged_on, reused=False)
     # the same QDQ model from the same data refines alike whatever the target (ort_cpu and
     # ncnn_cpu build one; so do int8 and a mixed build keeping nothing float)
-    material = {"step": step, "quantized": sha256_file(quantized), "prepared": sha256_file(prepared),
-                "data": (hash_files(dataset.files), str(ctx.cfg.data)), "judged_on_validation": judged_on is not None,
-                "cpu": environment.fingerprint()}
+    material = {**shared, "step": step, "quantized": sha256_file(quantized),
+                "judged_on_validation": judged_on is not None}
     folder, reused = ctx.memo(f"build-{step}", material, produce)
     summary = read_json(folder / "summary.json")
     if summary.get("applied"):

@@ -235,20 +235,18 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     judge = Judge(prepared, list(islice(samples, JUDGE_SAMPLES)), settings, (), make_table,
                   base_statistics=base_statistics)
     scores = {"none": judge.loss(prepared)}
-    models = {}
+    scaled = {alpha: with_scales(found, maxima, alpha) for alpha in ALPHAS}
+    # only the scaled activations change (the consumers take the scale back in float)
+    changed = {alpha: sorted({name for pair in ready for name in [pair.tensor, *pair.rescaled]})
+               for alpha, ready in scaled.items()}
+    models = {alpha: equalized(prepared, ready) for alpha, ready in scaled.items()}
     for alpha in ALPHAS:
-        scaled = with_scales(found, maxima, alpha)
-        models[alpha] = equalized(prepared, scaled)
-        # only the scaled activations change (the consumers take the scale back in float)
-        changed = {name for pair in scaled for name in [pair.tensor, *pair.rescaled]}
-        scores[f"alpha {alpha:g}"] = judge.recollected_loss(models[alpha], changed)
+        scores[f"alpha {alpha:g}"] = judge.recollected_loss(models[alpha], changed[alpha])
     best = min(ALPHAS, key=lambda alpha: scores[f"alpha {alpha:g}"]["loss"])
-    summary = {"pairs": len(found), "outlier_pairs": describe(with_scales(found, maxima, best)),
+    summary = {"pairs": len(found), "outlier_pairs": describe(scaled[best]),
                "judged_on": len(judge.samples), "candidates": scores,
                "seconds": round(time.perf_counter() - started, 3)}
     if scores[f"alpha {best:g}"]["loss"] < (1.0 - MIN_GAIN) * scores["none"]["loss"]:
-        scaled = with_scales(found, maxima, best)
-        changed = sorted({name for pair in scaled for name in [pair.tensor, *pair.rescaled]})
-        return models[best], {"applied": True, "alpha": best, **summary, "scaled_tensors": changed}
+        return models[best], {"applied": True, "alpha": best, **summary, "scaled_tensors": changed[best]}
     return prepared, {"applied": False, "reason": f"the int8 model did not do {MIN_GAIN:.0%} better with it",
                       **summary}

@@ -132,7 +132,7 @@ class OutputStats:
     def result(self) -> dict:
         found = self._float_result()
         if self.groups:  # the gated cosine and SQNR are the worst group's; the whole output's stay beside
-            judged = [{"rows": group.label, **{key: group.stats._float_result()[key] for key in ("cosine", "sqnr_db")}}
+            judged = [{"rows": group.label, **{key: group.stats.result()[key] for key in ("cosine", "sqnr_db")}}
                       for group in self.groups]
             worst = min(judged, key=lambda g: g["cosine"])
             sqnrs = [g["sqnr_db"] for g in judged if g["sqnr_db"] is not None]
@@ -180,14 +180,16 @@ class RowGroup:
         return f"{self.start}-{self.stop - 1}" if self.stop - self.start > 1 else str(self.start)
 
     def take(self, values: np.ndarray) -> np.ndarray:
-        return np.take(values, range(self.start, self.stop), axis=self.axis)
+        """The group's rows, a view (no copy)."""
+        return values[(slice(None),) * self.axis + (slice(self.start, self.stop),)]
 
 
 def row_groups(reference: np.ndarray) -> List[RowGroup]:
     """The groups of an output whose rows differ in scale by GROUP_RATIO or more, from one
-    sample's table (two axes larger than 1, the last two): along the shorter (a YOLOv8 head [1, 4+C, N]: axis 1; a
-    YOLOv5 one [1, N, 5+C]: the last), consecutive rows within a factor 10 of their group's
-    first; [] for an output of like rows (one group), a vector, or non-finite values."""
+    sample's table (two axes larger than 1, the last two): along the shorter (a YOLOv8 head
+    [1, 4+C, N]: axis 1; a YOLOv5 one [1, N, 5+C]: the last), consecutive rows within a factor
+    10 of their group's first; [] for an output of like rows (one group), a vector, or
+    non-finite values."""
     table = [size for size in reference.shape if size != 1]
     if len(table) != 2 or reference.shape[-2:] != tuple(table) or reference.dtype.kind != "f" \
             or not np.isfinite(reference).all():
