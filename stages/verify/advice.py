@@ -46,8 +46,7 @@ def run_layerwise(ctx, live: Live, dataset, progress, budget: "diagnosis.Budget"
     validation = ctx.cfg.validation
     mode = validation.layerwise.value
     reason = "always (validation.layerwise=always)" if mode == "always" else "the verdict failed"
-    model = onnx.load(str(ctx.results["convert"].path("model")))
-    graph = layerwise.Graph(model)
+    graph = layerwise.Graph(onnx.load(str(ctx.results["convert"].path("model"))))
     samples = [sample.feeds for _, sample in zip(range(validation.layerwise_samples), dataset.validation)]
     always = mode == "always"  # every tensor, whatever the budget (the user asked for the whole table)
     try:
@@ -55,7 +54,7 @@ def run_layerwise(ctx, live: Live, dataset, progress, budget: "diagnosis.Budget"
         result = layerwise.compare(reference, target, graph, samples, validation.layer_min_cosine,
                                    progress=progress, stop_at_divergence=not always,
                                    deadline=None if always else budget.deadline, rescaled=_rescaled(ctx),
-                                   clamped=_clamped(ctx, model))
+                                   clamped=_clamped(ctx, graph))
     except BackendCrashed as err:
         return {"mode": mode, "ran": False, "reason": f"layerwise probing failed: {err}"}
     budget.spent("layerwise", result.seconds, cut=result.cut)
@@ -71,7 +70,7 @@ def _rescaled(ctx) -> List[str]:
     return calibrate.summary.rescaled if calibrate else []
 
 
-def _clamped(ctx, model) -> List[str]:
+def _clamped(ctx, graph: layerwise.Graph) -> List[str]:
     """The tensors an int8 build holds clamped at zero: an int8 op's output whose only reader is
     a pass-through Relu, folded into that output's Q (docs/calibration.md, "Pass-through ops");
     compared with the reference's through the same Relu, not as a divergence."""
@@ -79,16 +78,10 @@ def _clamped(ctx, model) -> List[str]:
     quantization = build.summary.quantization if build else None
     if quantization is None or "Relu" not in (quantization.passthrough_ops or []):
         return []
-    int8 = set(quantization.quantized_ops or [])
-    float_ops = set(quantization.float_ops or [])
-    producer = {out: node for node in model.graph.node for out in node.output}
-    readers: dict = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    return [name for name, read in readers.items()
-            if len(read) == 1 and read[0].op_type == "Relu" and name in producer
-            and producer[name].op_type in int8 and producer[name].name not in float_ops]
+    int8_types, float_ops = set(quantization.quantized_ops or []), set(quantization.float_ops or [])
+    return [tensor.name for tensor in graph.tensors
+            if tensor.op_type in int8_types and tensor.op not in float_ops
+            and [graph.nodes[op].op_type for op in graph.consumers(tensor.name)] == ["Relu"]]
 
 
 ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
