@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.precision.passthrough import passthrough_ranges
+from pipeline.precision.passthrough import float_neighbours, passthrough_ranges
 from pipeline.precision.quantize import MixedModels, QdqSettings, keep_in_float, quantize_static_qdq
 
 WEIGHTED = ("A", "B", "C", "D", "E")
@@ -81,20 +81,42 @@ SETTINGS = [QdqSettings(), QdqSettings(quantize_outputs=False), QdqSettings(acti
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["uint8-outputs", "inputs-only", "int8-per-tensor", "passthrough"])
 def test_derived_mixed_models_are_the_quantizers_own(settings):
-    model = _branchy_model()
-    feeds = {"x": np.random.default_rng(1).normal(0, 1, (1, 3, 16, 16)).astype(np.float32)}
-    table = _table(model, feeds)
-    all_int8 = quantize_static_qdq(model, table, settings)
-    for size in range(1, len(WEIGHTED) + 1):
-        for float_ops in itertools.combinations(WEIGHTED, size):
-            derived = keep_in_float(all_int8, model, float_ops, settings)
-            built = quantize_static_qdq(model, table, settings, keep_float=float_ops)
-            assert _placement(derived) == _placement(built), float_ops
-            np.testing.assert_array_equal(_run(derived, feeds), _run(built, feeds))
-    everything_float = keep_in_float(all_int8, model, WEIGHTED, settings)
-    assert _placement(everything_float)[1] == [0, 0]
-    np.testing.assert_allclose(_run(everything_float, feeds), _run(model, feeds), rtol=1e-6)
-    assert len(all_int8.graph.node) > len(model.graph.node)  # the derivation copied, never edited it
+    for model, weighted, shape in [(_branchy_model(), WEIGHTED, (1, 3, 16, 16)),
+                                   (_unet_like_model(), ("conv1", "conv2", "conv3"), (1, 3, 32, 32))]:
+        feeds = {"x": np.random.default_rng(1).normal(0, 1, shape).astype(np.float32)}
+        table = _table(model, feeds)
+        all_int8 = quantize_static_qdq(model, table, settings)
+        for size in range(1, len(weighted) + 1):
+            for float_ops in itertools.combinations(weighted, size):
+                derived = keep_in_float(all_int8, model, float_ops, settings)
+                with_neighbours = sorted(float_neighbours(model, float_ops, settings.passthrough_ops))
+                built = quantize_static_qdq(model, table, settings, keep_float=with_neighbours)
+                assert _placement(derived) == _placement(built), float_ops
+                np.testing.assert_array_equal(_run(derived, feeds), _run(built, feeds))
+        everything_float = keep_in_float(all_int8, model, weighted, settings)
+        assert _placement(everything_float)[1] == [0, 0]
+        np.testing.assert_allclose(_run(everything_float, feeds), _run(model, feeds), rtol=1e-5)
+        assert len(all_int8.graph.node) > len(model.graph.node)  # the derivation copied, never edited it
+
+
+def test_a_float_op_takes_its_passthrough_neighbours_along():
+    """conv2 float: the MaxPool feeding it, its Relu, the Resize after that, the Concat they
+    reach and the Relu feeding the Concat go float; conv1 and conv3 stay int8 and nothing
+    between them and the float ops is requantized at the float op's boundary."""
+    model = _unet_like_model()
+    assert float_neighbours(model, ["conv2"], PASSTHROUGH) == {"conv2", "pool", "relu2", "up", "cat", "relu1"}
+    assert float_neighbours(model, ["conv2"], ()) == {"conv2"}
+    feeds = {"x": np.random.default_rng(6).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)}
+    table = _around_convs(_table(model, feeds), model)
+    settings = QdqSettings(passthrough_ops=PASSTHROUGH)
+    mixed = MixedModels(model, table, settings).build(["conv2"])
+    producer = {out: node for node in mixed.graph.node for out in node.output}
+    by_name = {node.name: node for node in mixed.graph.node}
+    for name in ("pool", "relu2", "up", "cat"):  # they read float tensors
+        assert producer[by_name[name].input[0]].op_type != "DequantizeLinear", name
+    assert producer[by_name["conv3"].input[0]].op_type == "DequantizeLinear"  # conv3 still int8
+    assert producer[by_name["conv1"].input[1]].op_type == "DequantizeLinear"
+    assert np.corrcoef(_run(mixed, feeds).ravel(), _run(model, feeds).ravel())[0, 1] > 0.99
 
 
 def test_quantizer_builds_mixed_models_itself_when_it_fuses_ops():

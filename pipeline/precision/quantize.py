@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from pipeline import backends
-from pipeline.precision.passthrough import int8_after, passthrough_for, quantizer_inputs
+from pipeline.precision.passthrough import float_neighbours, int8_after, passthrough_for, quantizer_inputs
 from pipeline.errors import InputError, first_line
 
 RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
@@ -290,11 +290,13 @@ class MixedModels:
         self._all_int8 = None
 
     def build(self, keep_float: Iterable[str] = ()):
-        keep_float = sorted(set(keep_float) | set(self.always_float))
+        keep_float = sorted(float_neighbours(self.prepared, set(keep_float) | set(self.always_float),
+                                             self.settings.passthrough_ops))
         if keep_float and not set(self.settings.quantize_ops) <= set(WEIGHTED_OPS):
             return quantize_static_qdq(self.prepared, self.table, self.settings, keep_float)
         if self._all_int8 is None:
-            self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings, self.always_float)
+            self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings, sorted(
+                float_neighbours(self.prepared, self.always_float, self.settings.passthrough_ops)))
         return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings)
 
 
@@ -438,7 +440,7 @@ def _first_failing(ops: List[str], fails: Callable[[Sequence[str]], bool]) -> Op
 
 def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSettings):
     """A copy of ``quantized`` (every op of WEIGHTED_OPS in int8) with the ops named in
-    ``float_ops`` back in float: their weights and biases are the prepared model's, and an
+    ``float_ops`` and their pass-through neighbours (float_neighbours) back in float: their weights and biases are the prepared model's, and an
     activation keeps its Q/DQ pair only while an op still in int8 produces (with output
     quantization) or reads it, which is where ONNX Runtime's quantizer puts pairs for
     ``nodes_to_exclude=float_ops`` (checked graph for graph in tests/test_quantize.py).
@@ -446,7 +448,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
     of a second on PP-OCR, and the selection in stages/sensitivity.py measures dozens."""
     import onnx
 
-    float_ops = set(float_ops)
+    float_ops = float_neighbours(prepared, float_ops, settings.passthrough_ops)
     model = onnx.ModelProto()
     model.CopyFrom(quantized)
     if not float_ops:
