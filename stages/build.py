@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import onnx
 
-from pipeline import backends, environment
+from pipeline import backends, deadline, environment
 from pipeline.backends import artifact
 from pipeline.precision import dynamic, fp16, kinds
 from pipeline.release import compile_cache
@@ -242,7 +242,8 @@ def run(ctx: StageContext) -> StageResult:
         summary["traced_at_data_ranges"] = traced_ranges
     if kinds.quantized(precision):  # where the activation ranges come from: the calibration table, or each call
         summary["activation_ranges"] = ctx.cfg.precision.activation_ranges.value
-    return StageResult(ctx.out_dir, files, BuildSummary.from_json(summary))
+    cut = [entry["cut"] for entry in (quantization or {}).values() if isinstance(entry, dict) and "cut" in entry]
+    return StageResult(ctx.out_dir, files, BuildSummary.from_json(summary), cache=not cut)
 
 
 def _ir_dir(convert: StageResult) -> Optional[Path]:
@@ -425,6 +426,11 @@ def _judged_on(ctx: StageContext, float_ops: List[str]):
 # the QDQ model's refinements, in order: precision.<step>, its function, its empty result
 REFINEMENTS = (("weight_rounding", weight_rounding.round_file, {"ops": []}),
                ("bias_correction", bias_correction.correct_file, {"corrected": {}}))
+# model runs a refinement costs a calibration sample (the real-size segmenter, 16 samples, a
+# 244 ms probe: weight rounding 21.9 s, bias correction 23.0 s; docs/time.md), and a
+# validation sample where a mixed build's refinement is judged on them
+REFINEMENT_RUNS = {"weight_rounding": 6.0, "bias_correction": 6.0}
+JUDGED_RUNS = 2.0
 
 
 def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str], searched: bool) -> dict:
@@ -470,6 +476,14 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
                     "not_measured": "the all-int8 build of the same calibration measured it and did not keep it"}
     dataset = ctx.dataset()
     prepared = ctx.results["calibrate"].path("prepared")
+    material = None if shared is None else {**shared, "step": step, "quantized": sha256_file(quantized),
+                                            "judged_on_validation": judged_on is not None}
+    if material is None or peek(ctx.cache_root, f"build-{step}", material) is None:  # it would be measured now
+        runs = REFINEMENT_RUNS[step] * len(dataset.calibration) + \
+            (JUDGED_RUNS * len(dataset.validation) if judged_on is not None else 0.0)
+        why = deadline.cut(f"build's {label}", runs)
+        if why is not None:
+            return {"enabled": True, "applied": False, **nothing, "samples": 0, "seconds": 0.0, "cut": why}
 
     def refine(path: Path) -> dict:
         try:
@@ -486,8 +500,6 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
         return _logged(refine(quantized), label, judged_on, reused=False)
     # the same QDQ model from the same data refines alike whatever the target (ort_cpu and
     # ncnn_cpu build one; so do int8 and a mixed build keeping nothing float)
-    material = {**shared, "step": step, "quantized": sha256_file(quantized),
-                "judged_on_validation": judged_on is not None}
     folder, reused = ctx.memo(f"build-{step}", material, produce)
     summary = read_json(folder / "summary.json")
     if summary.get("applied"):

@@ -13,7 +13,7 @@ from typing import Dict, List
 import onnx
 
 from pipeline.artifacts import hash_files, sha256_file, write_json
-from pipeline import backends, shapes
+from pipeline import backends, deadline, shapes
 from pipeline.precision import equalization, fp16, kinds, smoothing
 from pipeline.precision.calibration import auto, statistics, tables, thresholds
 from pipeline.console import progress_bar
@@ -32,6 +32,9 @@ AUTO_CANDIDATES = ("kl", "percentile", "mse", "max")
 ORT_QUANTIZE_CACHE = "ort_quantize_cache.json"  # quantize_static(calibration_cache_path=...)
 CANDIDATES = "candidates.json"  # every method's entry per tensor, for the sensitivity search
 FP16_FINDINGS = "fp16_findings.json"  # what fp16 cannot hold, for fp16 builds
+# model runs equalization costs a calibration sample (the real-size segmenter: 40.7 s of
+# 16 samples at a 244 ms probe; docs/time.md)
+EQUALIZATION_RUNS = 10.0
 
 
 def needed(cfg) -> bool:
@@ -114,7 +117,8 @@ def run(ctx: StageContext) -> StageResult:
              **{role: name for role, name in (("candidates", CANDIDATES), ("fp16_findings", FP16_FINDINGS))
                 if (ctx.out_dir / name).exists()},
              **{kind: path.name for kind, path in exports.items()}}
-    return StageResult(ctx.out_dir, files, CalibrateSummary.from_json(summary))
+    return StageResult(ctx.out_dir, files, CalibrateSummary.from_json(summary),
+                       cache=not (equalized or {}).get("cut"))
 
 
 def _smoothing_key(cfg):
@@ -145,8 +149,11 @@ def _equalize(ctx: StageContext, model_path: Path, base):
     cfg = ctx.cfg
     if _equalization_key(cfg) is None:
         return None
-    prepared = onnx.load(str(model_path))
     split = ctx.dataset().calibration
+    why = deadline.cut("calibrate's equalization", EQUALIZATION_RUNS * len(split))
+    if why is not None:
+        return {"enabled": True, "applied": False, "cut": why}
+    prepared = onnx.load(str(model_path))
     whole = base[0] if base is not None and len(split) <= equalization.JUDGE_SAMPLES else None
     model, summary = equalization.choose(prepared, split, cfg.precision.equalization,
                                          QdqSettings.resolve(cfg.precision, backends.REFERENCE),

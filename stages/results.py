@@ -140,9 +140,9 @@ class Quantization(Shape):
                                                       ("bias_correction", self.bias_correction)) if summary]
 
     def refined(self, step: str) -> bool:
-        """Whether the build applied that refinement (enabled, no error)."""
+        """Whether the build applied that refinement (enabled, no error, not cut by the budget)."""
         summary = dict(self.refinements()).get(step) or {}
-        return bool(summary.get("enabled")) and not summary.get("error")
+        return bool(summary.get("enabled")) and not summary.get("error") and not summary.get("cut")
 
     def refinement_seconds(self) -> float:
         return sum(float(summary.get("seconds") or 0.0) for _, summary in self.refinements())

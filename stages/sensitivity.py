@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import onnx
 
-from pipeline import backends, environment, shapes
+from pipeline import backends, deadline, environment, shapes
 from pipeline.artifacts import read_json, write_json
 from pipeline.config.schemas import plain
 from pipeline.precision import kinds
@@ -37,6 +37,9 @@ QTABLE_TPU_MLIR = "qtable.txt"
 CHUNK = 64  # validation samples measured in one run
 EDGE_WEIGHT = 1.0  # a new edge between an int8 chain and a float island costs about a median op (latency-aware)
 FLOOR_SHARE = 0.01  # no op is taken to cost less than 1 % of all the ops' costs
+# model runs the per-layer ranking costs per quantizable op and ranking sample (about one run
+# of half the graph each; pipeline/app/budget.py counts the same)
+RANKING_RUNS = 0.5
 
 
 def needed(cfg) -> bool:
@@ -99,9 +102,13 @@ def run(ctx: StageContext) -> StageResult:
         return _write(ctx, table, [], [], summary)
     started = time.perf_counter()
     ranked = ranked_ops(cfg)
+    ops = search.quantizable_ops(prepared, candidates, _settings(cfg).quantize_ops)
+    why = deadline.cut("the mixed search's per-layer ranking", RANKING_RUNS * len(ops) * count)
+    if why is not None:  # the int8 build, said so; not cached (a job with more time searches)
+        summary.update({"skipped": why, "cut": why})
+        return _write(ctx, table, [], [], summary, cache=False)
     with progress_bar() as progress:
-        task = progress.add_task("sensitivity search", total=len(search.quantizable_ops(prepared, candidates,
-                                                                                    _settings(cfg).quantize_ops)))
+        task = progress.add_task("sensitivity search", total=len(ops))
         trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
                                   _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n),
@@ -129,11 +136,14 @@ def run(ctx: StageContext) -> StageResult:
                     "float_op_details": _float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
     final = [p for p in curve if not p.get("kept")]
     summary["mixed"] = final[-1] if final else plain
+    if deadline.passed():
+        summary["cut"] = "cut by precision.budget_s: the selection stopped at the deadline with the best set measured"
     if cfg.sensitivity.select.value == "target" and not measure.meets(summary["mixed"]):
         goal_cos, goal_drop = measure.goal
         summary["warning"] = (f"the target (cosine {goal_cos}, task-metric drop <= {goal_drop}) was not reached "
-                              f"with {len(float_ops)} float ops (sensitivity.max_float_ops)")
-    return _write(ctx, best_table, float_ops, trials, summary)
+                              f"with {len(float_ops)} float ops ("
+                              f"{'precision.budget_s' if 'cut' in summary else 'sensitivity.max_float_ops'})")
+    return _write(ctx, best_table, float_ops, trials, summary, cache="cut" not in summary)
 
 
 def _skipped(ctx: StageContext, why: str) -> StageResult:
@@ -425,10 +435,10 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
         return measured[length]
 
     failing, length = 0, 1
-    while not measure.meets(at(length)) and length < len(order):
+    while not measure.meets(at(length)) and length < len(order) and not deadline.passed():
         failing, length = length, min(2 * length, len(order))
     if measure.meets(at(length)):
-        while length - failing > 1:
+        while length - failing > 1 and not deadline.passed():
             middle = (failing + length) // 2
             failing, length = (failing, middle) if measure.meets(at(middle)) else (middle, length)
     curve = [{"float_ops": k, "added": order[k - 1], "cost_ms": latency.estimate_ms(order[:k], costs), **measured[k]}
@@ -467,6 +477,8 @@ def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, c
         floor_ms = FLOOR_SHARE * sum(costs.values())
         order = [op for op in order if not 0.0 <= costs.get(op, 0.0) < floor_ms]
     for op in order:
+        if deadline.passed():
+            break
         trial = [o for o in float_ops if o != op]
         result = measure(table, trial)
         if measure.meets(result):
@@ -498,7 +510,7 @@ def _float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict],
              "cost_ms": costs.get(op)} for op in float_ops]
 
 
-def _write(ctx: StageContext, table, float_ops: List[str], trials, summary) -> StageResult:
+def _write(ctx: StageContext, table, float_ops: List[str], trials, summary, cache: bool = True) -> StageResult:
     write_json(ctx.out_dir / "qtable.json", {"float_ops": float_ops, "select": summary["select"],
                                              "expected_cos": summary["expected_cos"]})
     (ctx.out_dir / QTABLE_TPU_MLIR).write_text(to_tpu_mlir_qtable(float_ops))
@@ -509,7 +521,7 @@ def _write(ctx: StageContext, table, float_ops: List[str], trials, summary) -> S
              "tpu_mlir": tables.TPU_MLIR_FILE, "losses": "losses.json"}
     if (ctx.out_dir / "costs.json").exists():
         files["costs"] = "costs.json"
-    return StageResult(ctx.out_dir, files, SensitivitySummary.from_json(summary))
+    return StageResult(ctx.out_dir, files, SensitivitySummary.from_json(summary), cache=cache)
 
 
 def to_tpu_mlir_qtable(float_ops: List[str]) -> str:

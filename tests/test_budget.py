@@ -5,11 +5,15 @@ that model: its int8 and mixed candidates are estimated beyond a 20 s budget."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
 
+from pipeline import deadline
 from pipeline.app.budget import CUT, VERIFY_RUNS, Budget
-from conftest import read_report, run_cli, run_dirs
+from conftest import composed, read_report, run_cli, run_dirs
 from segmenter_data import REAL_FUSED_OUTPUT, REAL_MODEL
 
 COUNTS = {"calibration": 16, "validation": 40, "sensitivity": 8, "quantized_ops": 119}
@@ -106,3 +110,95 @@ def test_the_real_size_fp32_verify_does_not_run_a_320x320_network_through_the_nu
     _, run_dir = real_size_job
     truth = read_report(run_dir)["verify"]["truth"]
     assert truth["ran"] is False and truth["reason"].startswith("not run: ONNX Runtime has no float64 kernel"), truth
+
+
+def test_the_closing_steps_are_set_aside_and_the_deadline_follows():
+    budget = _probed(0.2, budget_s=100.0)
+    assert budget.reserve() == pytest.approx(VERIFY_RUNS * 40 * 0.2)  # fp32's verify, should it ship
+    assert budget.deadline() == pytest.approx(budget.started + 100.0 - budget.reserve())
+    assert budget.run_s() == pytest.approx(0.2)
+    assert Budget(100.0).run_s() is None and Budget(None).deadline() is None  # nothing is cut then
+
+
+def test_a_step_is_cut_only_when_its_estimate_passes_the_deadline():
+    assert deadline.cut("anything", 1e9) is None  # no deadline outside precision=auto
+    with deadline.until(time.monotonic() + 60.0, run_s=0.1):
+        assert deadline.cut("a short step", 100) is None  # 10 s of 60
+        why = deadline.cut("calibrate's equalization", 1000)
+        assert why.startswith("cut by precision.budget_s: calibrate's equalization estimated 100 s "
+                              "(1000 runs of 100 ms), ") and why.endswith("s left")
+        assert not deadline.passed()
+    assert deadline.current() is None  # restored after the block
+    with deadline.until(time.monotonic() - 1.0, run_s=0.1):
+        assert deadline.passed()
+
+
+def test_a_started_candidate_cuts_the_steps_that_would_not_fit_and_caches_none_of_them(tmp_path):
+    """int8 with a deadline 1 s away and runs estimated at 5 s: equalization, weight
+    rounding and bias correction are not started, each says why; the stages they belong to
+    are not cached, so a later job with time computes them."""
+    from pipeline.app.runner import run_pipeline
+    from pipeline.config.validation import validate
+
+    run = validate(composed("precision=int8", f"pipeline.cache_dir={tmp_path / 'cache'}"))
+    with deadline.until(time.monotonic() + 1.0, run_s=5.0):
+        cut = run_pipeline(run, tmp_path / "cut", until="build")
+    equalization = cut.results["calibrate"].summary.equalization
+    assert equalization["cut"].startswith("cut by precision.budget_s: calibrate's equalization estimated")
+    quantization = cut.results["build"].summary.quantization
+    for step in ("weight_rounding", "bias_correction"):
+        assert getattr(quantization, step)["cut"].startswith(f"cut by precision.budget_s: build's "
+                                                             f"{step.replace('_', ' ')} estimated"), step
+        assert not quantization.refined(step)
+    again = run_pipeline(run, tmp_path / "again", until="build")  # no deadline: computed, not served the cut
+    status = {record["stage"]: record["status"] for record in again.records}
+    assert (status["convert"], status["calibrate"], status["build"]) == ("cached", "computed", "computed")
+    assert "cut" not in again.results["calibrate"].summary.equalization
+    assert all("cut" not in summary for _, summary in again.results["build"].summary.quantization.refinements())
+
+
+def test_the_mixed_search_ranks_nothing_it_has_no_time_for(tmp_path):
+    """precision=mixed with the ranking estimated past the deadline: no op is ranked, the
+    qtable is empty (the int8 build) and says why; not cached."""
+    from pipeline.app.runner import run_pipeline
+    from pipeline.config.validation import validate
+
+    run = validate(composed("precision=mixed", "sensitivity.select=top_n", "sensitivity.top_n=2",
+                            f"pipeline.cache_dir={tmp_path / 'cache'}"))
+    with deadline.until(time.monotonic() + 1.0, run_s=5.0):
+        cut = run_pipeline(run, tmp_path / "cut", until="sensitivity")
+    searched = cut.results["sensitivity"]
+    assert searched.summary.to_json()["cut"].startswith("cut by precision.budget_s: the mixed search's "
+                                                        "per-layer ranking estimated")
+    assert json.loads(searched.path("qtable").read_text())["float_ops"] == []
+    again = run_pipeline(run, tmp_path / "again", until="sensitivity")
+    assert again.records[-1]["status"] == "computed"
+    assert json.loads(again.results["sensitivity"].path("qtable").read_text())["float_ops"]  # top 2 float
+
+
+class _Measured:
+    """A stand-in for the search's whole-model measure (no runtime involved: the selection's
+    own loop is what is tested): the target is met with 5 or more ops float."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, table, float_ops):
+        self.calls.append(len(float_ops))
+        return {"cosine": 0.9 + 0.01 * len(float_ops), "metric_drop": None}
+
+    def meets(self, result):
+        return result["cosine"] >= 0.95
+
+
+def test_the_selection_stops_at_the_deadline_with_the_best_set_measured():
+    from stages.sensitivity import _select_for_target
+
+    ranking = [{"op": f"op{i}"} for i in range(16)]
+    measure = _Measured()
+    float_ops, _ = _select_for_target(measure, {}, ranking, 16, {}, {})
+    assert len(float_ops) == 5 and len(measure.calls) > 3  # doubled to 8, halved to 5, pruned
+    late = _Measured()
+    with deadline.until(time.monotonic() - 1.0, run_s=0.1):
+        float_ops, curve = _select_for_target(late, {}, ranking, 16, {}, {})
+    assert late.calls == [1] and float_ops == ["op0"] and curve[-1]["kept_best"]

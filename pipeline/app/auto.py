@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 import conf
-from pipeline import backends
+from pipeline import backends, deadline
 from pipeline.backends.protocol import memory_mode
 from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
@@ -197,28 +197,36 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
     progress_log.info("precision=auto: candidate %s", precision)
     folder = run_dir / "candidates" / precision
     try:
-        built = run_pipeline(_candidate_stages(checked), folder, until="build")
-        ahead.start(checked, built)  # the reference's answers, while the candidates calibrate and build
-        twin = next((p for p, o in outcomes.items() if artifact(o) == artifact(built)), None)
-        if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
-            tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
-                                "same_as": twin, "run_folder": str(folder)}
-            return
-        if precision == REFERENCE:  # the speed reference; verified only when it could ship (below)
-            _probe(budget, built, checked)
-            outcomes[precision] = built
-            tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
-            return
-        timed = screened(outcomes.get(REFERENCE), built, checked) if screen else None
-        if timed and timed.get("verdict") == SLOWER:
-            tried[precision] = {**_row(precision, built), **timed}
-            return
-        ahead.stop()  # from here verify runs the reference itself where the store has no answer
-        outcomes[precision], configs[precision] = _verified(configs[precision], folder)
+        with deadline.until(budget.deadline(), budget.run_s()):
+            _built_and_verified(checked, precision, folder, ahead, found, budget, screen)
     except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
                             "reasons": [str(err)]}
+
+
+def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceAhead, found: tuple,
+                        budget: Budget, screen: bool) -> None:
+    """A started candidate: built, then a twin of one built before, fp32 (probed, not
+    verified), screened slower than fp32, or verified."""
+    tried, configs, outcomes = found
+    built = run_pipeline(_candidate_stages(checked), folder, until="build")
+    ahead.start(checked, built)  # the reference's answers, while the candidates calibrate and build
+    twin = next((p for p, o in outcomes.items() if artifact(o) == artifact(built)), None)
+    if twin:  # e.g. mixed with an empty qtable is the int8 build, byte for byte: verified once
+        tried[precision] = {**tried[twin], "precision": precision, "verdict": f"same build as {twin}",
+                            "same_as": twin, "run_folder": str(folder)}
         return
+    if precision == REFERENCE:  # the speed reference; verified only when it could ship (below)
+        _probe(budget, built, checked)
+        outcomes[precision] = built
+        tried[precision] = {**_row(precision, built), "verdict": UNVERIFIED}
+        return
+    timed = screened(outcomes.get(REFERENCE), built, checked) if screen else None
+    if timed and timed.get("verdict") == SLOWER:
+        tried[precision] = {**_row(precision, built), **timed}
+        return
+    ahead.stop()  # from here verify runs the reference itself where the store has no answer
+    outcomes[precision], configs[precision] = _verified(configs[precision], folder)
     # the screening's speed-up stays on the row: a failing build's speed is what a looser
     # threshold would buy (a passing one is timed again with the others, _time)
     tried[precision] = {**_row(precision, outcomes[precision]), **(timed or {}),

@@ -4,8 +4,9 @@ promise rather than a starting rule.
 Before a candidate starts, its cost is estimated from a probe: one validation sample's fp32
 run time on ONNX Runtime (what calibration, the search and the reference run on) times the
 model runs the candidate makes, counted per calibration sample and per validation sample
-(COST_RUNS). A candidate whose estimate does not fit in what is left is not started; its
-row says what it would have cost. After each candidate the estimate is compared with what
+(COST_RUNS). A candidate whose estimate does not fit in what is left, less what fp32's verify
+would need should it ship, is not started; its row says what it would have cost. Inside a
+started candidate the steps that refine or search are cut the same way (pipeline/deadline.py). After each candidate the estimate is compared with what
 it took, and later estimates are scaled by the ratio seen so far (a machine, a backend or a
 model that costs more or less than the counts assume).
 
@@ -112,9 +113,24 @@ class Budget:
                 f"validation samples{corrected}")
 
     def fits(self, precision: str) -> Optional[float]:
-        """None when ``precision`` may start, else its estimate (which does not fit)."""
+        """None when ``precision`` may start, else its estimate (which does not fit in what is
+        left once the closing steps are set aside)."""
         estimate, left = self.estimate(precision), self.left()
-        return estimate if estimate is not None and left is not None and estimate > left else None
+        return estimate if estimate is not None and left is not None and estimate > left - self.reserve() else None
+
+    def reserve(self) -> float:
+        """The seconds set aside for after the candidates: fp32's verify, should it ship."""
+        if self.probe_s is None:
+            return 0.0
+        return VERIFY_RUNS * self.counts.get("validation", 0) * self.probe_s * self.correction()
+
+    def deadline(self) -> Optional[float]:
+        """When a started candidate's steps must be done (time.monotonic()), or None."""
+        return None if self.seconds is None else self.started + self.seconds - self.reserve()
+
+    def run_s(self) -> Optional[float]:
+        """One model run's estimated seconds (the probe, corrected), or None before the probe."""
+        return None if self.probe_s is None else self.probe_s * self.correction()
 
     def record(self, tried: Dict[str, dict]) -> dict:
         return {"seconds": self.seconds, "elapsed_s": round(self.elapsed(), 1),

@@ -1,0 +1,67 @@
+"""precision.budget_s inside a started candidate: the steps that refine or search ask before
+they start whether their estimated cost fits in what is left, and are cut when it does not.
+
+precision=auto sets the deadline around each candidate (pipeline/app/auto.py), from its
+Budget: the end of the budget less what the closing steps need, and the one-sample probe
+(one validation sample's fp32 run on ONNX Runtime, scaled by how much more the candidates
+so far took than estimated). A step estimates itself as model runs x the probe. Outside
+precision=auto, or before the probe, nothing is cut.
+
+A cut step is logged, named in its stage's summary with what it would have cost, and its
+stage's result is not cached (a later job with more time computes it)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+log = logging.getLogger("parity")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    ends_at: float  # time.monotonic() seconds
+    run_s: float  # one model run's estimated seconds (the probe, corrected)
+
+    def left(self) -> float:
+        return self.ends_at - time.monotonic()
+
+
+_current: Optional[Deadline] = None
+
+
+@contextmanager
+def until(ends_at: Optional[float], run_s: Optional[float]) -> Iterator[None]:
+    """The deadline while the block runs (none where either is None)."""
+    global _current
+    before = _current
+    _current = Deadline(ends_at, run_s) if ends_at is not None and run_s is not None else None
+    try:
+        yield
+    finally:
+        _current = before
+
+
+def current() -> Optional[Deadline]:
+    return _current
+
+
+def passed() -> bool:
+    return _current is not None and _current.left() <= 0
+
+
+def cut(step: str, runs: float) -> Optional[str]:
+    """Why ``step``, ``runs`` model runs long, is not started (logged), or None where it fits
+    or no deadline is set."""
+    if _current is None:
+        return None
+    estimate, left = runs * _current.run_s, _current.left()
+    if estimate <= left:
+        return None
+    why = (f"cut by precision.budget_s: {step} estimated {estimate:.0f} s ({runs:.0f} runs of "
+           f"{1000 * _current.run_s:.0f} ms), {max(left, 0):.0f} s left")
+    log.info("%s", why)
+    return why
