@@ -10,6 +10,9 @@ reference's (no labels needed):
 - an extra, per image: AP@``match_iou`` of the build's detections down to ``low_conf``
   (0.001, as a validation run scores them) ranked against the reference's at ``conf``,
   which score 1 (the reference against itself: 1).
+- with labels (boxes in the input's pixels, pipeline/data/boxes.py), figures of the whole
+  set: mAP@0.5 and mAP@0.5:0.95 of the detections down to ``low_conf`` against them, COCO's
+  way (``records`` per image, ``set_extras`` over the set); reported, not gated.
 
 Heads (``format``, or recognised from the output's shape and said in the report):
 - ``yolov8``: [1, 4+C, N], rows 0-3 box centre and size, then C class scores (YOLOv8/v11:
@@ -23,12 +26,14 @@ A leaf module (numpy only): pipeline/task_metrics.py exports the class as a buil
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 FORMATS = ("auto", "yolov8", "yolov5", "nms")
 LOW_CONF = 0.001  # what a validation run keeps for its AP
+IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)  # COCO's mAP@0.5:0.95
+RECENT = 4  # batches whose detections are kept: the build's at two thresholds, the reference's
 
 
 class Detection:
@@ -45,15 +50,45 @@ class Detection:
             raise ValueError(f"metric.max_det={max_det!r}: an integer >= 1")
         self.format, self.conf, self.iou, self.match_iou = format, float(conf), float(iou), float(match_iou)
         self.agnostic, self.max_det, self.low_conf = bool(agnostic), max_det, float(low_conf)
+        self._recent: List[tuple] = []  # (batch, conf, detections), newest first
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
-        return np.array([f1(self.detect(mine, self.conf), self.detect(theirs, self.conf), self.match_iou)
-                         for mine, theirs in zip(outputs, reference)])
+        return np.array([f1(mine, theirs, self.match_iou) for mine, theirs in
+                         zip(self.detections(outputs, self.conf), self.detections(reference, self.conf))])
 
     def extras(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> Dict[str, np.ndarray]:
         key = f"ap{round(100 * self.match_iou)}"
-        return {key: np.array([average_precision(self.detect(mine, self.low_conf), self.detect(theirs, self.conf),
-                                                 self.match_iou) for mine, theirs in zip(outputs, reference)])}
+        return {key: np.array([average_precision(mine, theirs, self.match_iou) for mine, theirs in
+                               zip(self.detections(outputs, self.low_conf), self.detections(reference, self.conf))])}
+
+    def records(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> Optional[list]:
+        """With labels, per image what the set's mAP counts (``LabelRecord``): the build's
+        detections down to ``low_conf`` matched against the labels at COCO's 10 IoU
+        thresholds. None without labels."""
+        if labels is None:
+            return None
+        return [label_record(found, _label_boxes(label))
+                for found, label in zip(self.detections(outputs, self.low_conf), labels)]
+
+    @staticmethod
+    def set_extras(records: Sequence["LabelRecord"]) -> Dict[str, float]:
+        """mAP@0.5 and mAP@0.5:0.95 over every image's detections against the labels (no
+        labelled box in the set: none)."""
+        per_threshold = dataset_ap(records)
+        if per_threshold is None:
+            return {}
+        return {"map50_labels": float(per_threshold[0]), "map50_95_labels": float(np.mean(per_threshold))}
+
+    def detections(self, outputs: np.ndarray, conf: float) -> List[np.ndarray]:
+        """``detect`` on each image of a batch; the last few batches' kept, as the score,
+        the extras and the records of one batch (and the reference's, for every build)
+        decode the same arrays."""
+        for batch, threshold, found in self._recent:
+            if batch is outputs and threshold == conf:
+                return found
+        found = [self.detect(head, conf) for head in outputs]
+        self._recent = [(outputs, conf, found), *self._recent[:RECENT - 1]]
+        return found
 
     def decode(self, output: np.ndarray) -> str:
         """One image's detections at ``conf`` as JSON (what ``parity-bundle run`` prints)."""
@@ -137,19 +172,40 @@ def nms(rows: np.ndarray, iou: float, agnostic: bool = False) -> np.ndarray:
     return np.array(kept, dtype=np.float32).reshape(-1, 6)
 
 
+def pairwise_iou(found: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """[len(found), len(expected)] IoUs, -1 where the classes differ."""
+    one, many = found[:, np.newaxis, :], expected[np.newaxis, :, :]
+    width = np.clip(np.minimum(one[..., 2], many[..., 2]) - np.maximum(one[..., 0], many[..., 0]), 0, None)
+    height = np.clip(np.minimum(one[..., 3], many[..., 3]) - np.maximum(one[..., 1], many[..., 1]), 0, None)
+    inter = width * height
+    area = (one[..., 2] - one[..., 0]) * (one[..., 3] - one[..., 1])
+    areas = (many[..., 2] - many[..., 0]) * (many[..., 3] - many[..., 1])
+    overlap = inter / np.maximum(area + areas - inter, 1e-9)
+    return np.where(one[..., 5] == many[..., 5], overlap, -1.0)
+
+
+def match_table(found: np.ndarray, expected: np.ndarray, thresholds: Sequence[float]) -> np.ndarray:
+    """[len(found), len(thresholds)]: at each IoU threshold, whether each of ``found`` (best
+    first) matches a not yet matched box of ``expected`` of its class at IoU >= the
+    threshold, the best-overlapping one (COCO's matching, per image)."""
+    hits = np.zeros((len(found), len(thresholds)), bool)
+    if not len(found) or not len(expected):
+        return hits
+    overlaps = pairwise_iou(found, expected)
+    for column, threshold in enumerate(thresholds):
+        taken = np.zeros(len(expected), bool)
+        for index in np.flatnonzero(overlaps.max(axis=1) >= threshold):  # a box overlapping none matches nothing
+            overlap = np.where(taken, -1.0, overlaps[index])
+            best = int(np.argmax(overlap))
+            if overlap[best] >= threshold:
+                taken[best], hits[index, column] = True, True
+    return hits
+
+
 def matches(found: np.ndarray, expected: np.ndarray, match_iou: float) -> np.ndarray:
     """For each of ``found`` (best first), whether it matches a not yet matched box of
     ``expected`` of its class at IoU >= match_iou (the best-overlapping one)."""
-    taken = np.zeros(len(expected), bool)
-    hits = np.zeros(len(found), bool)
-    for index, row in enumerate(found):
-        if not len(expected):
-            break
-        overlap = np.where((expected[:, 5] == row[5]) & ~taken, box_iou(row, expected), -1.0)
-        best = int(np.argmax(overlap))
-        if overlap[best] >= match_iou:
-            taken[best], hits[index] = True, True
-    return hits
+    return match_table(found, expected, [match_iou])[:, 0]
 
 
 def f1(found: np.ndarray, expected: np.ndarray, match_iou: float) -> float:
@@ -181,3 +237,45 @@ def ranked_ap(hits: np.ndarray, expected: int) -> float:
     envelope = np.maximum.accumulate(precision[::-1])[::-1]
     at = np.searchsorted(recall, np.linspace(0.0, 1.0, 101), side="left")
     return float(np.mean(np.where(at < len(envelope), envelope[np.minimum(at, len(envelope) - 1)], 0.0)))
+
+
+class LabelRecord(NamedTuple):
+    """One image's detections against its labels: their scores and classes, and whether each
+    matched a label box at each of IOU_THRESHOLDS ([D, 10]); the labels' classes."""
+
+    scores: np.ndarray
+    classes: np.ndarray
+    hits: np.ndarray
+    labelled: np.ndarray
+
+
+def label_record(found: np.ndarray, labels: np.ndarray) -> LabelRecord:
+    ranked = found[np.argsort(-found[:, 4], kind="stable")]
+    return LabelRecord(ranked[:, 4], ranked[:, 5], match_table(ranked, labels, IOU_THRESHOLDS), labels[:, 5])
+
+
+def dataset_ap(records: Sequence[LabelRecord]) -> Optional[np.ndarray]:
+    """AP at each of IOU_THRESHOLDS over the whole set (COCO's way: every image's detections
+    of a class ranked together, ``ranked_ap`` against the class's label boxes), averaged
+    over the classes that have label boxes; None where no image has one."""
+    labelled = np.concatenate([record.labelled for record in records]) if records else np.zeros(0)
+    if not len(labelled):
+        return None
+    scores, classes = (np.concatenate([getattr(r, key) for r in records]) for key in ("scores", "classes"))
+    hits = np.concatenate([record.hits for record in records]).reshape(-1, len(IOU_THRESHOLDS))
+    order = np.argsort(-scores, kind="stable")  # ties keep the images' order, as pycocotools' mergesort
+    per_class = []
+    for kind in np.unique(labelled):
+        ranked = order[classes[order] == kind]
+        expected = int(np.sum(labelled == kind))
+        per_class.append([ranked_ap(hits[ranked, column], expected) for column in range(len(IOU_THRESHOLDS))])
+    return np.mean(per_class, axis=0)
+
+
+def _label_boxes(label) -> np.ndarray:
+    """One image's label boxes ([K, 6], pipeline/data/boxes.py), or a one-line error."""
+    boxes = np.asarray(label, dtype=np.float32) if isinstance(label, np.ndarray) else None
+    if boxes is None or boxes.ndim != 2 or boxes.shape[1] != 6:
+        raise ValueError(f"label {label!r} is not a list of boxes: detection labels come as YOLO txt files or a "
+                         "COCO json (data.labels, docs/metrics.md), not labels.csv")
+    return boxes

@@ -18,7 +18,9 @@ reference)`` (per-sample 0/1: the build's prediction equals the reference's),
 for a metric that needs labels, ``without_labels(shape, output)`` (what it measures on a
 split without labels for one sample's output of that shape and name, called then with
 labels None, its scores the agreement with the reference; None: nothing. top1: on class
-scores).
+scores), and ``records(outputs, reference, labels)`` (one object per sample, or None) with
+``set_extras(records)`` (figures of the whole set from every sample's record, reported
+beside the extras: detection's mAPs against box labels).
 A ``set_level`` metric (nearest neighbours: pipeline/embedding_metric.py) is called once on
 every sample's ``features``. Samples whose outputs differ in shape are scored per shape.
 """
@@ -368,6 +370,18 @@ def check_scores(name: str, scores, count: int, what: str = "scores") -> np.ndar
         raise MetricError(f"metric {name}: returned {values[bad[0]]} for sample {int(bad[0])} of the batch; "
                           "scores must be finite numbers")
     return values
+
+
+def check_records(name: str, records, count: int) -> list:
+    """A metric's ``records``: one object per sample, or a MetricError naming it."""
+    try:
+        found = list(records)
+    except TypeError:
+        found = None
+    if found is None or len(found) != count:
+        raise MetricError(f"metric {name}: records returned {type(records).__name__} for a batch of {count} "
+                          f"samples; it returns one record per sample, or None")
+    return found
 
 
 def load_metric(config: Optional[Dict[str, Any]], root: Optional[str] = None) -> Optional[TaskMetric]:

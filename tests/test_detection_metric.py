@@ -89,3 +89,75 @@ def test_per_image_scores_and_the_ap_extra():
 def test_bad_settings_say_which(bad):
     with pytest.raises(ValueError, match=f"metric.{next(iter(bad))}"):
         Detection(**bad)
+
+
+def _head(*rows, count: int = 4) -> np.ndarray:
+    """One image's NMS'd head [1, count, 6], padded with empty rows (score 0: below low_conf)."""
+    head = np.zeros((count, 6), np.float32)
+    head[:len(rows)] = rows
+    return head[None]
+
+
+def _labels(*boxes):
+    """Label boxes as pipeline/data/boxes.py gives them: x0, y0, x1, y1, 1, class."""
+    return np.array([(*box[1:], 1.0, box[0]) for box in boxes], dtype=np.float32).reshape(-1, 6)
+
+
+LABELS = [_labels((0, 0, 0, 10, 10), (1, 20, 20, 40, 40)), _labels((0, 50, 50, 70, 70)),
+          _labels((0, 100, 100, 120, 120))]
+BUILD = np.stack([_head((0, 0, 10, 10, 0.9, 0), (21, 21, 40, 40, 0.6, 1), (0, 0, 10, 11, 0.3, 0)),
+                  _head((50, 50, 70, 76, 0.8, 0)),
+                  _head((200, 200, 220, 220, 0.7, 0))])
+PERFECT = np.stack([_head(*[(*box[:4], 0.9, box[5]) for box in labels]) for labels in LABELS])
+
+
+def test_map_against_labels_over_the_whole_set_by_hand():
+    """Three images; class 0 has 3 label boxes, class 1 one. Class 0's detections ranked over
+    the set: 0.9 (image 1, IoU 1), 0.8 (image 2, IoU 400/520 = 0.77), 0.7 (image 3, on
+    nothing), 0.3 (image 1, a duplicate of a matched box): up to IoU 0.75 hits 1, 1, 0, 0
+    (recall 2/3 at precision 1: 67 of the 101 recall points, AP 67/101); from 0.80 on
+    hits 1, 0, 0, 0 (34 points, AP 34/101). Class 1: one detection at IoU 361/400 = 0.9025,
+    AP 1 up to 0.90 and 0 at 0.95. mAP@0.5 = (67/101 + 1) / 2 = 168/202; mAP@0.5:0.95 =
+    ((6 * 67 + 4 * 34) / 1010 + 9/10) / 2 = 1447/2020. pycocotools 2.0.11's COCOeval on the
+    same boxes (run once by hand, bbox, maxDets 100): 0.716337 and 0.831683."""
+    metric = Detection(format="nms")
+    figures = metric.set_extras(metric.records(BUILD, BUILD, LABELS))
+    assert figures["map50_labels"] == pytest.approx(168 / 202)
+    assert figures["map50_95_labels"] == pytest.approx(1447 / 2020)
+    assert metric.set_extras(metric.records(PERFECT, PERFECT, LABELS)) == {"map50_labels": 1.0,
+                                                                             "map50_95_labels": 1.0}
+    assert metric.records(BUILD, BUILD, None) is None  # no labels: nothing to count
+    assert metric.set_extras(metric.records(BUILD, BUILD, [_labels()] * 3)) == {}  # no labelled box at all
+
+
+def test_the_scorer_reports_fp32_and_the_build_against_the_labels_side_by_side():
+    """Through TaskScorer as verify scores: the gate stays the F1 against the reference; the
+    set's mAPs against the labels come as extras, the reference's (fp32) beside the build's.
+    Without labels the task is what it was: F1 and the per-image ap50, nothing else."""
+    from pipeline.task_metrics import load_metric
+    from pipeline.verification.scoring import TaskScorer
+
+    config = {"_target_": "pipeline.task_metrics.Detection", "name": "detection_f1", "format": "nms"}
+    results = []
+    for labels in (LABELS, [None] * 3):
+        scorer = TaskScorer(load_metric(config), "output0")
+        for build, reference, label in zip(BUILD, PERFECT, labels):
+            assert scorer.active(label, reference)
+            scorer.add("reference", reference, reference, label)
+            scorer.add("int8", build, reference, label)
+        scorer.finish()
+        results.append(scorer.result("int8", 0.05))
+    labeled, unlabeled = results
+    assert labeled["labeled"] and labeled["extras"]["map50_labels"] == {"reference": 1.0,
+                                                                        "target": pytest.approx(168 / 202)}
+    assert labeled["extras"]["map50_95_labels"]["target"] == pytest.approx(1447 / 2020)
+    assert set(unlabeled["extras"]) == {"ap50"} and not unlabeled["labeled"]
+    assert unlabeled["target"] == labeled["target"] and unlabeled["extras"]["ap50"] == labeled["extras"]["ap50"]
+
+
+def test_a_class_label_is_no_box_list():
+    from pipeline.task_metrics import MetricError, load_metric
+
+    metric = load_metric({"_target_": "pipeline.task_metrics.Detection", "name": "detection_f1"})
+    with pytest.raises(MetricError, match="detection_f1 raised ValueError: label 3 is not a list of boxes"):
+        metric.call(metric.hook("records"), BUILD, BUILD, [3, 1, 2])

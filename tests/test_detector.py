@@ -1,7 +1,8 @@
 """The real-size YOLOv8n-architecture detector (tests/assets/yolov8n_320.onnx, issue 56): its
 run-time anchor grid, DFL decode and one Concat of pixel boxes and 0..1 scores go through
 calibrate, build and verify with metric=detection, and the verdict judges the boxes. One
-job on ort_cpu (int8, 8 calibration / 16 validation photos of tests/detector_data.py)."""
+job on ort_cpu (int8, 8 calibration / 16 validation photos of tests/detector_data.py as PNGs, the
+validation photos' boxes as YOLO labels)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,33 @@ import onnx
 import pytest
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from detector_data import CALIBRATION_SEED, DETECTOR, VALIDATION_SEED, scenes, to_input
+from detector_data import CALIBRATION_SEED, DETECTOR, SIZE, VALIDATION_SEED, scenes, to_input
+
+
+def _photos(folder, count: int, seed: int, labels: bool = False) -> None:
+    """PNG photos (read as the exported detector takes them: RGB / 255, already 320x320) and,
+    with ``labels``, their boxes as YOLO txt files in labels/."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    if labels:
+        (folder / "labels").mkdir()
+    for index, (image, boxes) in enumerate(scenes(count, seed)):
+        Image.fromarray(image).save(folder / f"photo{index:02d}.png")
+        if labels:
+            lines = [f"{kind} {(x0 + x1) / 2 / SIZE:.6f} {(y0 + y1) / 2 / SIZE:.6f} {(x1 - x0) / SIZE:.6f} "
+                     f"{(y1 - y0) / SIZE:.6f}" for kind, x0, y0, x1, y1 in boxes]
+            (folder / "labels" / f"photo{index:02d}.txt").write_text("\n".join(lines) + "\n")
 
 
 @pytest.fixture(scope="module")
 def detector_job(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("detector")
-    photos = {"calibration/images": np.concatenate([to_input(im) for im, _ in scenes(8, CALIBRATION_SEED)]),
-              "validation/images": np.concatenate([to_input(im) for im, _ in scenes(16, VALIDATION_SEED)])}
-    np.savez(cwd / "photos.npz", **photos)
-    result = run_cli([f"model.path={DETECTOR}", "data.kind=tensors", f"data.path={cwd / 'photos.npz'}",
-                      "metric=detection", "precision=int8", "target.threads=2"], cwd, timeout=600)
+    _photos(cwd / "photos" / "calibration", 8, CALIBRATION_SEED)
+    _photos(cwd / "photos" / "validation", 16, VALIDATION_SEED, labels=True)
+    result = run_cli([f"model.path={DETECTOR}", "data.kind=images", f"data.path={cwd / 'photos'}",
+                      "data.preprocess.resize=[320,320]", "metric=detection", "precision=int8", "target.threads=2"],
+                     cwd, timeout=600)
     return result, run_dirs(cwd)[-1]
 
 
@@ -39,6 +56,11 @@ def test_a_detector_goes_through_every_stage_and_is_judged_by_its_boxes(detector
     task = report["verify"]["task"]
     assert task["metric"] == "detection_f1" and 0.0 <= task["target"] <= 1.0 and task["reference"] == 1.0, task
     assert "ap50" in str(report["verify"]), "the per-image AP@0.5 extra is reported"
+    # the photos' boxes as YOLO labels: the set's mAPs against them, fp32's beside the build's
+    assert report["data"]["splits"]["validation"]["labeled"] and task["labeled"], report["data"]
+    at50, at50_95 = task["extras"]["map50_labels"], task["extras"]["map50_95_labels"]
+    assert 0.4 < at50["reference"] <= 1.0 and 0.0 < at50["target"] <= 1.0, task["extras"]  # fp32 0.61 on these 16
+    assert all(at50_95[build] <= at50[build] for build in ("reference", "target")), task["extras"]
     assert [stage["stage"] for stage in report["stages"]][:4] == ["convert", "calibrate", "sensitivity", "build"]
     assert report["build"]["quantization"]["int8_ops"] > 50
     # boxes in pixels beside scores in 0..1: each group of like rows judged apart, the worst gated

@@ -45,7 +45,8 @@ class TensorSpec:
 class Sample:
     name: str
     feeds: Dict[str, np.ndarray]
-    label: Union[int, float, str, None] = None  # a class index, a number or a text (task metrics convert it)
+    # a class index, a number, a text, or a detector's boxes ([K, 6]: pipeline/data/boxes.py); task metrics convert it
+    label: Union[int, float, str, np.ndarray, None] = None
 
 
 @dataclass
@@ -290,8 +291,8 @@ def _directory_dataset(path: Path, cfg: DataConfig, inputs: Sequence[TensorSpec]
             raise InputError(f"data.path: {folder} contains no {_sample_kinds(cfg)} files "
                              f"(data.kind={cfg.kind.value})")
         chosen = found[:split_size(cfg, split, len(found), warnings)]
-        labels, label_file = _read_labels(folder / cfg.labels, chosen)
-        files += chosen + ([label_file] if label_file else [])
+        labels, label_files = _split_labels(folder, split, chosen, cfg, inputs)
+        files += chosen + label_files
         reader = file_reader(cfg.kind, cfg.preprocess, inputs)
         splits[split] = Split(split, str(folder), [p.name for p in chosen],
                               lambda index, chosen=chosen, reader=reader: reader(chosen[index]), labels, len(found))
@@ -378,6 +379,29 @@ def preprocess_from_record(record: dict):
 
 
 LABEL_HEADERS = {"sample", "file", "name", "image", "path"}
+
+
+def _split_labels(folder: Path, split: str, chosen: List[Path], cfg: DataConfig, inputs: Sequence[TensorSpec]):
+    """(the split's labels or None, the files read): box labels (pipeline/data/boxes.py, YOLO
+    txt or COCO json) for the validation images, mapped into the input's pixels; else a
+    labels.csv. The calibration split never scores a metric: it reads no box labels."""
+    from pipeline.data import boxes
+
+    if split != "validation":
+        return (None, []) if boxes.names_boxes(folder / cfg.labels) else _csv_labels(folder / cfg.labels, chosen)
+    source = boxes.box_source(folder, cfg.labels, cfg.labels == DataConfig.labels and cfg.kind is DataKind.images)
+    if source is None:
+        return _csv_labels(folder / cfg.labels, chosen)
+    if cfg.kind is not DataKind.images:
+        raise InputError(f"data.labels: {source[1]} holds box labels, which need data.kind=images (the boxes "
+                         f"follow the image's resize); data.kind={cfg.kind.value}")
+    spec, pre = inputs[0], cfg.preprocess
+    return boxes.read_boxes(source, chosen, lambda height, width: image_size(height, width, spec, pre)[1])
+
+
+def _csv_labels(label_file: Path, samples: List[Path]):
+    labels, found = _read_labels(label_file, samples)
+    return labels, [found] if found else []
 
 
 def _read_labels(label_file: Path, samples: List[Path]):

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from pipeline.task_metrics import BATCH, MetricError, TaskMetric, check_scores
+from pipeline.task_metrics import BATCH, MetricError, TaskMetric, check_records, check_scores
 from pipeline.verification import confidence
 from pipeline.verification.sample_groups import in_order, shape_groups, weighted_mean
 
@@ -26,6 +26,7 @@ class TaskScorer:
         self.extras: Dict[str, Dict[str, List[np.ndarray]]] = {}
         self.agreement: Dict[str, List[np.ndarray]] = {}
         self.weights: Dict[str, List[np.ndarray]] = {}  # per-sample weights of a pooled metric
+        self.records: Dict[str, List[np.ndarray]] = {}  # what a metric's set_extras count (objects, per sample)
         self.labeled: Optional[bool] = None
         # a metric that needs labels on a split without them: what it measures instead (top1
         # on class scores: the agreement with the reference), and whether some sample's output
@@ -72,7 +73,7 @@ class TaskScorer:
                 raise MetricError(f"metric {self.metric.name}: the samples' features differ in shape; a set-level "
                                   "metric reduces every sample to one shape in features(outputs)") from None
             found = self._measured(build, outputs, reference, labels)
-            for known in (self.scores, self.weights, self.extras, self.agreement):
+            for known in (self.scores, self.weights, self.extras, self.agreement, self.records):
                 known.pop(build, None)
             self._record(build, found)
 
@@ -116,6 +117,12 @@ class TaskScorer:
         extras = self.metric.hook("extras")
         for key, values in (self.metric.call(extras, outputs, reference, labels) if extras else {}).items():
             found[f"extras/{key}"] = check_scores(name, values, count, f"extras[{key!r}]")
+        records = self.metric.hook("records")
+        kept = self.metric.call(records, outputs, reference, labels) if records else None
+        if kept is not None:  # objects, one per sample: an array of them keeps the samples' order
+            found["records"] = np.empty(count, dtype=object)
+            for index, record in enumerate(check_records(name, kept, count)):
+                found["records"][index] = record
         agreement = self.metric.hook("agreement")
         if labels is None and self.metric.needs_labels:  # scored without labels: the scores are the agreement
             if build != "reference":
@@ -131,6 +138,8 @@ class TaskScorer:
             self.weights.setdefault(build, []).append(found["weights"])
         if "agreement" in found:
             self.agreement.setdefault(build, []).append(found["agreement"])
+        if "records" in found:
+            self.records.setdefault(build, []).append(found["records"])
         for key, values in found.items():
             if key.startswith("extras/"):
                 self.extras.setdefault(build, {}).setdefault(key[len("extras/"):], []).append(values)
@@ -174,6 +183,8 @@ class TaskScorer:
         extras = {key: {"reference": float(np.mean(np.concatenate(self.extras["reference"][key]))),
                         "target": float(np.mean(np.concatenate(values)))}
                   for key, values in self.extras.get(build, {}).items()}
+        theirs, mine = self.set_extras("reference"), self.set_extras(build)
+        extras.update({key: {"reference": theirs[key], "target": value} for key, value in mine.items() if key in theirs})
         task = {"metric": self.metric.name, "output": self.output,
                 "samples": int(sum(len(p) for p in self.scores[build])), "reference": reference, "target": target,
                 "drop": drop, "agreement": float(np.mean(np.concatenate(agreement))) if agreement else None,
@@ -186,6 +197,17 @@ class TaskScorer:
             task["reason"] = (f"task metric {self.metric.name} {worse} by {abs(drop):.4g} ({reference:.4f} -> "
                               f"{target:.4f}), allowed {max_drop:.4g} (validation.max_metric_drop)")
         return task
+
+    def set_extras(self, build: str) -> Dict[str, float]:
+        """The metric's figures of the whole set (``set_extras`` of every sample's ``records``:
+        a detector's mAP over all images against the labels), {} where it has none."""
+        summarize = self.metric.hook("set_extras")
+        if summarize is None or not self.records.get(build):
+            return {}
+        found = dict(self.metric.call(summarize, list(np.concatenate(self.records[build]))) or {})
+        for key, value in found.items():
+            check_scores(self.metric.name, [value], 1, f"set_extras[{key!r}]")  # a finite number each
+        return {str(key): float(value) for key, value in found.items()}
 
     def _confidence(self, build: str, task: dict, require: bool) -> dict:
         """The drop's interval, the agreement's, the disagreement rate's exact one (a plain
