@@ -19,7 +19,10 @@ Heads (``format``, or recognised from the output's shape and said in the report)
   no objectness);
 - ``yolov5``: [1, N, 5+C], columns box centre and size, objectness, C class scores
   (YOLOv5/v7: the score is objectness x class);
-- ``nms``: [1, K, 6] rows already NMS'd, x0, y0, x1, y1, score, class.
+- ``nms``: [1, K, 6] rows already NMS'd, x0, y0, x1, y1, score, class;
+- ``pair``: two outputs (SSD / RetinaNet), boxes [1, N, 4] (``box_format`` xyxy or
+  cxcywh) and scores [1, N, C]; the metric gets them as a pair (boxes, scores) of stacked
+  arrays, and ``auto`` recognises such a pair.
 
 A leaf module (numpy only): pipeline/task_metrics.py exports the class as a built-in."""
 
@@ -30,7 +33,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-FORMATS = ("auto", "yolov8", "yolov5", "nms")
+FORMATS = ("auto", "yolov8", "yolov5", "nms", "pair")
+BOX_FORMATS = ("xyxy", "cxcywh")  # a pair's boxes: corners, or centre and size
 LOW_CONF = 0.001  # what a validation run keeps for its AP
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)  # COCO's mAP@0.5:0.95
 RECENT = 4  # batches whose detections are kept: the build's at two thresholds, the reference's
@@ -40,9 +44,11 @@ class Detection:
     """Per-image F1 of the build's detections against the reference's (extra: per-image AP)."""
 
     def __init__(self, format: str = "auto", conf: float = 0.25, iou: float = 0.45, match_iou: float = 0.5,
-                 agnostic: bool = False, max_det: int = 300, low_conf: float = LOW_CONF):
+                 agnostic: bool = False, max_det: int = 300, low_conf: float = LOW_CONF, box_format: str = "xyxy"):
         if format not in FORMATS:
             raise ValueError(f"metric.format={format!r}: one of {', '.join(FORMATS)}")
+        if box_format not in BOX_FORMATS:
+            raise ValueError(f"metric.box_format={box_format!r}: one of {', '.join(BOX_FORMATS)} (a pair's boxes)")
         for name, value in (("conf", conf), ("iou", iou), ("match_iou", match_iou), ("low_conf", low_conf)):
             if not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"metric.{name}={value!r}: a number in [0, 1]")
@@ -50,6 +56,7 @@ class Detection:
             raise ValueError(f"metric.max_det={max_det!r}: an integer >= 1")
         self.format, self.conf, self.iou, self.match_iou = format, float(conf), float(iou), float(match_iou)
         self.agnostic, self.max_det, self.low_conf = bool(agnostic), max_det, float(low_conf)
+        self.box_format = box_format
         self._recent: List[tuple] = []  # (batch, conf, detections), newest first
 
     def __call__(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
@@ -86,35 +93,74 @@ class Detection:
         for batch, threshold, found in self._recent:
             if batch is outputs and threshold == conf:
                 return found
-        found = [self.detect(head, conf) for head in outputs]
+        found = [self.detect(head, conf) for head in images(outputs)]
         self._recent = [(outputs, conf, found), *self._recent[:RECENT - 1]]
         return found
 
-    def decode(self, output: np.ndarray) -> str:
+    def decode(self, output) -> str:
         """One image's detections at ``conf`` as JSON (what ``parity-bundle run`` prints)."""
-        rows = self.detect(np.asarray(output), self.conf)
+        rows = self.detect(output, self.conf)
         return json.dumps([{"box": [round(float(v), 2) for v in row[:4]], "score": round(float(row[4]), 4),
                             "class": int(row[5])} for row in rows])
 
-    def detect(self, head: np.ndarray, conf: float) -> np.ndarray:
-        """One image's detections: rows x0, y0, x1, y1, score, class after NMS, best first."""
-        head = np.asarray(head)
-        head = head.reshape(head.shape[-2:]) if head.ndim > 2 else head  # a leading batch of 1
-        kind = self.format if self.format != "auto" else recognise(head.shape)
-        rows = decode(head, kind)
+    def detect(self, head, conf: float) -> np.ndarray:
+        """One image's detections: rows x0, y0, x1, y1, score, class after NMS, best first.
+        ``head``: the output, or a pair's (boxes, scores)."""
+        kind = self.kind_of(head)
+        rows = decode_pair(*head, self.box_format) if kind == "pair" else decode(_table(head), kind)
         rows = rows[rows[:, 4] >= conf]
         if kind != "nms":
             rows = nms(rows, self.iou, self.agnostic)
         return rows[: self.max_det]
 
-    def describe(self, shape: Sequence[int]) -> str:
+    def kind_of(self, head) -> str:
+        """One image's head format: ``format``, or recognised from the shape (two arrays: a pair)."""
+        shape = head_shape(head)
+        kind = self.format if self.format != "auto" else recognise(shape)
+        if kind == "pair":
+            return _pair_kind(shape)
+        if is_pair(head):
+            raise ValueError(f"metric.format={kind} takes one output, but the metric was given two "
+                             f"({', '.join(str(list(s)) for s in shape)}); a box and score pair: metric.format=pair")
+        return kind
+
+    def describe(self, shape) -> str:
         kind = self.format if self.format != "auto" else recognise(shape)
         how = "given" if self.format != "auto" else "recognised from the shape"
         return f"{kind} head ({how}: {list(shape)})"
 
 
-def recognise(shape: Sequence[int]) -> str:
-    """A head's format from one image's output shape (its leading batch of 1 dropped)."""
+def images(outputs) -> list:
+    """Each image's head of a batch: the outputs stacked [N, ...], or a pair of them
+    (boxes [N, ...], scores [N, ...]) as one (boxes, scores) per image."""
+    if is_pair(outputs):
+        if len(outputs) != 2:
+            raise ValueError(f"a detector's outputs are one array or a pair (boxes, scores), not {len(outputs)}")
+        return list(zip(*outputs))
+    return list(outputs)
+
+
+def is_pair(head) -> bool:
+    return isinstance(head, (tuple, list))
+
+
+def head_shape(head) -> tuple:
+    """One image's output shape; a pair's: the two arrays' shapes."""
+    if is_pair(head):
+        return tuple(tuple(np.shape(part)) for part in head)
+    return tuple(np.shape(head))
+
+
+def _table(head) -> np.ndarray:
+    head = np.asarray(head)
+    return head.reshape(head.shape[-2:]) if head.ndim > 2 else head  # a leading batch of 1
+
+
+def recognise(shape) -> str:
+    """A head's format from one image's output shape (its leading batch of 1 dropped), or
+    from two outputs' shapes (a pair)."""
+    if len(shape) and not isinstance(shape[0], (int, np.integer)):
+        return _pair_kind(shape)
     dims = [int(d) for d in shape if int(d) != 1] if len(shape) > 2 else [int(d) for d in shape]
     if len(dims) != 2:
         raise ValueError(f"a detection head of shape {list(shape)}: expected [1, 4+C, N], [1, N, 5+C] or "
@@ -146,6 +192,37 @@ def decode(head: np.ndarray, kind: str) -> np.ndarray:
     best = scores[np.arange(len(scores)), classes]
     centre, size = table[:, :2], table[:, 2:4]
     return np.column_stack([centre - size / 2, centre + size / 2, best, classes]).astype(np.float32)
+
+
+def _pair_kind(shapes) -> str:
+    """"pair" where the two shapes are boxes [1, N, 4] and scores [1, N, C], in that order."""
+    two = len(shapes) == 2 and not any(isinstance(s, (int, np.integer)) for s in shapes)
+    if two:
+        boxes, scores = (_last_two(shape) for shape in shapes)
+        if boxes and scores and boxes[1] == 4 and boxes[0] == scores[0]:
+            return "pair"
+    given = f"outputs of shapes {list(shapes[0])} and {list(shapes[1])}" if two else f"one output of shape {list(shapes)}"
+    raise ValueError(f"{given}: metric.format=pair takes two outputs, boxes [1, N, 4] and scores [1, N, C], "
+                     "named in that order by metric.output")
+
+
+def _last_two(shape) -> Optional[List[int]]:
+    dims = [int(d) for d in shape]
+    return dims[-2:] if len(dims) >= 2 and all(d == 1 for d in dims[:-2]) else None
+
+
+def decode_pair(boxes: np.ndarray, scores: np.ndarray, box_format: str = "xyxy") -> np.ndarray:
+    """Rows x0, y0, x1, y1, score, class of a box and score pair (SSD, RetinaNet): boxes
+    [1, N, 4] (``box_format`` xyxy: corners; cxcywh: centre and size), scores [1, N, C], each
+    box's class its best score's."""
+    corners = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
+    table = np.asarray(scores, dtype=np.float32).reshape(len(corners), -1)
+    if box_format == "cxcywh":
+        centre, size = corners[:, :2], corners[:, 2:]
+        corners = np.column_stack([centre - size / 2, centre + size / 2])
+    classes = table.argmax(axis=1)
+    best = table[np.arange(len(table)), classes]
+    return np.column_stack([corners, best, classes]).astype(np.float32)
 
 
 def box_iou(one: np.ndarray, many: np.ndarray) -> np.ndarray:

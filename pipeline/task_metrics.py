@@ -31,14 +31,14 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from pipeline.detection_metric import Detection  # noqa: F401 - a built-in: metric=detection
 from pipeline.embedding_metric import Embedding  # noqa: F401 - a built-in: metric=embedding
 from pipeline.errors import ConfigError
-from pipeline.verification.sample_groups import per_sample  # noqa: F401 - sensitivity
+from pipeline.verification.sample_groups import count_of, per_sample  # noqa: F401 - per_sample: sensitivity
 
 # read by parity, not passed to the metric
 PARITY_KEYS = ("output", "path", "higher_is_better", "needs_labels", "set_level", "name")
@@ -305,6 +305,7 @@ class TaskMetric:
     needs_labels: bool = False
     config: Dict[str, Any] = field(default_factory=dict)
     set_level: bool = False  # scored once on the whole set (nearest neighbours), not in batches
+    names: Tuple[str, ...] = ()  # metric.output's names: one, or two for a pair (a detector's boxes and scores)
 
     def aggregate(self, scores: np.ndarray) -> float:
         own = getattr(self.score, "aggregate", None)
@@ -331,7 +332,7 @@ class TaskMetric:
 
     def scored(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> np.ndarray:
         """The metric on what it takes as is (a set-level metric: features), checked."""
-        return check_scores(self.name, self.call(self.score, outputs, reference, labels), len(outputs))
+        return check_scores(self.name, self.call(self.score, outputs, reference, labels), count_of(outputs))
 
     def features(self, outputs: np.ndarray) -> np.ndarray:
         """A set-level metric's reduction of each sample's output (``features``: one
@@ -408,11 +409,21 @@ def load_metric(config: Optional[Dict[str, Any]], root: Optional[str] = None) ->
         value = config.get(key)
         return bool(getattr(score, key, getattr(target, key, default)) if value is None else value)
 
-    output = config.get("output")
-    return TaskMetric(name=name, score=score, output=None if output is None else str(output),
+    names = output_names(config.get("output"))
+    return TaskMetric(name=name, score=score, output=names[0] if names else None,
                       higher_is_better=declared("higher_is_better", True),
                       needs_labels=declared("needs_labels", False), config=config,
-                      set_level=declared("set_level", False))
+                      set_level=declared("set_level", False), names=names)
+
+
+def output_names(output) -> Tuple[str, ...]:
+    """metric.output as names: none (null), one, or a list of them (a pair metric's two); a
+    name is a string however it looks (torch.onnx.export names outputs by number)."""
+    if output is None:
+        return ()
+    if isinstance(output, Sequence) and not isinstance(output, str):  # a list (Hydra's ListConfig too)
+        return tuple(str(name) for name in output)
+    return (str(output),)
 
 
 def _instantiate(name: str, arguments: Dict[str, Any]):

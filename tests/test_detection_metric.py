@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.detection_metric import Detection, average_precision, decode, f1, nms, recognise
+from pipeline.detection_metric import Detection, average_precision, decode, decode_pair, f1, nms, recognise
 
 
 def _padded(candidates: np.ndarray, count: int = 16) -> np.ndarray:
@@ -161,3 +161,79 @@ def test_a_class_label_is_no_box_list():
     metric = load_metric({"_target_": "pipeline.task_metrics.Detection", "name": "detection_f1"})
     with pytest.raises(MetricError, match="detection_f1 raised ValueError: label 3 is not a list of boxes"):
         metric.call(metric.hook("records"), BUILD, BUILD, [3, 1, 2])
+
+
+# --- SSD / RetinaNet style: a box output and a score output, as a pair ---------------------
+
+PAIR_BOXES = np.array([[[10, 10, 50, 50], [12, 10, 50, 52], [100, 100, 150, 160], [0, 0, 1, 1]]], np.float32)
+PAIR_SCORES = np.array([[[0.9, 0.1], [0.8, 0.1], [0.2, 0.7], [0.01, 0.02]]], np.float32)
+
+
+def test_a_box_and_score_pair_is_decoded_recognised_and_nms_d():
+    """boxes [1, N, 4] corners and scores [1, N, C]: each box's class is its best score's; the
+    two overlapping class-0 boxes leave one; centre-and-size boxes (box_format=cxcywh) give
+    the same detections."""
+    assert recognise(((1, 4, 4), (1, 4, 2))) == "pair"
+    found = Detection().detect((PAIR_BOXES, PAIR_SCORES), 0.25)  # auto: two arrays are a pair
+    assert found.tolist() == [[10, 10, 50, 50, pytest.approx(0.9), 0], [100, 100, 150, 160, pytest.approx(0.7), 1]]
+    corners = PAIR_BOXES[0]
+    centres = np.column_stack([(corners[:, :2] + corners[:, 2:]) / 2, corners[:, 2:] - corners[:, :2]])[None]
+    assert Detection(format="pair", box_format="cxcywh").detect((centres, PAIR_SCORES), 0.25).tolist() == found.tolist()
+    assert decode_pair(PAIR_BOXES, PAIR_SCORES).shape == (4, 6)
+
+
+def test_a_pair_is_scored_as_a_stacked_pair_of_outputs():
+    """The interface's outputs for a pair metric: (boxes [N, 1, A, 4], scores [N, 1, A, C]).
+    The same detections as NMS'd rows score alike: F1, the ap50 extra and the label mAPs."""
+    boxes = np.stack([PAIR_BOXES, PAIR_BOXES + 200])  # 2 images
+    scores = np.stack([PAIR_SCORES, PAIR_SCORES])
+    moved = (boxes.copy(), scores)
+    moved[0][1, :, :2, :] += 60  # image 2's class-0 box moved away: 1 of its 2 boxes matches, F1 2/4
+    metric = Detection(format="pair")
+    assert metric((boxes, scores), (boxes, scores), None).tolist() == [1.0, 1.0]
+    assert metric(moved, (boxes, scores), None).tolist() == [1.0, 0.5]
+    rows = np.stack([metric.detect((b, s), 0.001)[None] for b, s in zip(*moved)])
+    as_rows = Detection(format="nms")
+    assert as_rows(rows, rows, None).tolist() == metric(moved, moved, None).tolist()
+    labels = [_labels((0, 10, 10, 50, 50), (1, 100, 100, 150, 160))] * 2
+    assert metric.set_extras(metric.records(moved, None, labels)) == as_rows.set_extras(as_rows.records(rows, None, labels))
+
+
+@pytest.mark.parametrize("detection, head, says", [
+    ({"format": "pair"}, PAIR_BOXES, "one output of shape \\[1, 4, 4\\]: metric.format=pair takes two outputs"),
+    ({"format": "yolov8"}, (PAIR_BOXES, PAIR_SCORES), "metric.format=yolov8 takes one output"),
+    ({}, (PAIR_SCORES, PAIR_BOXES), "boxes \\[1, N, 4\\] and scores \\[1, N, C\\], named in that order"),
+    ({}, (PAIR_BOXES, PAIR_SCORES[:, :3]), "shapes \\[1, 4, 4\\] and \\[1, 3, 2\\]")])
+def test_a_pair_that_is_not_one_says_what_a_pair_is(detection, head, says):
+    with pytest.raises(ValueError, match=says):
+        Detection(**detection).detect(head, 0.25)
+
+
+def test_the_scorer_hands_a_pair_metric_both_outputs():
+    """TaskScorer.task_values picks the two outputs metric.output names from a run's outputs
+    (a tuple), stacks each, and scores them as the metric's interface takes them."""
+    from pipeline.task_metrics import load_metric
+    from pipeline.verification.scoring import TaskScorer
+
+    metric = load_metric({"_target_": "pipeline.task_metrics.Detection", "name": "detection_f1", "format": "pair",
+                          "output": ["boxes", "scores"]})
+    assert metric.names == ("boxes", "scores") and metric.output == "boxes"
+    scorer = TaskScorer(metric, metric.output)
+    run = {"boxes": PAIR_BOXES, "scores": PAIR_SCORES, "other": np.zeros(3)}
+    assert scorer.task_values({"boxes": PAIR_BOXES}) is None
+    for build in ("reference", "int8"):
+        values = scorer.task_values(run)
+        assert isinstance(values, tuple) and values[1] is PAIR_SCORES and scorer.active(None, values)
+        scorer.add(build, values, scorer.task_values(run), None)
+    scorer.finish()
+    assert scorer.result("int8", 0.05)["target"] == 1.0
+
+
+def test_two_metric_outputs_stop_at_validation_until_verify_passes_them():
+    from conftest import composed
+    from pipeline.config import validation
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="two outputs \\(metric.format=pair\\) reach the metric through its "
+                                          "Python interface, not through verify yet"):
+        validation.validate(composed("metric=detection", "metric.format=pair", "metric.output=[boxes,scores]"))

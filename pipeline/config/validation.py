@@ -248,15 +248,22 @@ def _check_metric(run: RunConfig) -> None:
     error before any work (a metric's import loads no model). An output name is a string
     however it looks (Hydra reads ``metric.output=461`` as an int; torch.onnx.export names
     outputs by number), and every output the config names must be the model's."""
-    from pipeline.task_metrics import load_metric
+    from pipeline.task_metrics import load_metric, output_names
 
-    if run.metric and run.metric.get("output") is not None:
-        run.metric["output"] = str(run.metric["output"])
+    names = output_names((run.metric or {}).get("output"))
+    if names:
+        run.metric["output"] = names[0] if len(names) == 1 else list(names)
+    if len(names) > 2:
+        raise ConfigError(f"metric.output names {len(names)} outputs; a metric reads one, or two (a detector's boxes "
+                          "and scores, metric.format=pair)")
+    if len(names) == 2:  # the stages hand a metric one output (stages/verify's _Check._score): not yet two
+        raise ConfigError(f"metric.output={list(names)}: two outputs (metric.format=pair) reach the metric through "
+                          "its Python interface, not through verify yet; score one output or a graph that joins them")
     load_metric(run.metric)
     outputs = model_outputs(run.model.path)
     if outputs is None:  # convert says what is wrong with the file
         return
-    named = [("metric.output", (run.metric or {}).get("output")), ("validation", run.validation.task_output),
+    named = [*(("metric.output", name) for name in names), ("validation", run.validation.task_output),
              *(("validation", name) for name in run.validation.outputs)]
     for key, name in named:
         if name is not None and name not in outputs:

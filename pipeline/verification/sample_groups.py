@@ -16,8 +16,30 @@ def shape_groups(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray])
     one group when every sample's outputs agree in shape (the usual case, one metric call)."""
     groups: Dict[tuple, List[int]] = {}
     for index, (mine, theirs) in enumerate(zip(outputs, reference)):
-        groups.setdefault((np.shape(mine), np.shape(theirs)), []).append(index)
+        groups.setdefault((shape_of(mine), shape_of(theirs)), []).append(index)
     return list(groups.values())
+
+
+# A metric that reads two outputs (a detector's boxes and scores) gets each sample's as a
+# tuple of two arrays, and a batch of them as a tuple of two stacks.
+
+def shape_of(value) -> tuple:
+    """One sample's output shape; a pair's: the two shapes."""
+    if isinstance(value, tuple):
+        return tuple(tuple(np.shape(part)) for part in value)
+    return tuple(np.shape(value))
+
+
+def count_of(batch) -> int:
+    """The samples in a stacked batch (a pair: in its first stack)."""
+    return len(batch[0]) if isinstance(batch, tuple) else len(batch)
+
+
+def stack(values: Sequence):
+    """The samples' outputs stacked on a new axis 0; pairs: a tuple of the two stacks."""
+    if len(values) and isinstance(values[0], tuple):
+        return tuple(np.stack(parts) for parts in zip(*values))
+    return np.stack(values)
 
 
 def in_order(parts: List[Dict[str, np.ndarray]], groups: List[List[int]]) -> Dict[str, np.ndarray]:

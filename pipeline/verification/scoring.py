@@ -9,7 +9,7 @@ import numpy as np
 
 from pipeline.task_metrics import BATCH, MetricError, TaskMetric, check_records, check_scores
 from pipeline.verification import confidence
-from pipeline.verification.sample_groups import in_order, shape_groups, weighted_mean
+from pipeline.verification.sample_groups import count_of, in_order, shape_groups, shape_of, stack, weighted_mean
 
 
 class TaskScorer:
@@ -46,7 +46,7 @@ class TaskScorer:
         self.labeled = label is not None if self.labeled is None else self.labeled and label is not None
         if not self.metric.needs_labels or self.labeled:
             return True
-        shape = None if reference is None else tuple(np.shape(reference))
+        shape = None if reference is None else shape_of(reference)
         if shape not in self._without:
             self._without[shape] = None if shape is None else self.metric.without_labels(shape, self.output)
         measures = self._without[shape]
@@ -55,6 +55,14 @@ class TaskScorer:
             return False
         self.unlabeled = measures
         return True
+
+    def task_values(self, values: Dict[str, np.ndarray]):
+        """What the metric scores of one run's outputs by name: the task output, or the two
+        outputs a pair metric names (a tuple); None where the run lacks one."""
+        names = self.metric.names if len(self.metric.names) > 1 else (self.output,)
+        if any(name not in values for name in names):
+            return None
+        return values[names[0]] if len(names) == 1 else tuple(values[name] for name in names)
 
     def add(self, build: str, output: np.ndarray, reference: np.ndarray, label) -> None:
         pending = self.pending.setdefault(build, [])
@@ -108,7 +116,7 @@ class TaskScorer:
     def _measured(self, build: str, outputs: np.ndarray, reference: np.ndarray, labels) -> Dict[str, Any]:
         """The scores of samples stacked alike (a set-level metric: their features), with
         the weights, extras and agreement the metric defines."""
-        name, count = self.metric.name, len(outputs)
+        name, count = self.metric.name, count_of(outputs)
         found: Dict[str, Any] = {"scores": self.metric.scored(outputs, reference, labels)}
         weights = self.metric.hook("weights")
         weighed = self.metric.call(weights, outputs, reference, labels) if weights else None
@@ -151,7 +159,7 @@ class TaskScorer:
         key = tuple(id(array) for array in arrays)
         if key in self._stacks:
             return self._stacks[key][1]
-        stacked = np.stack(arrays)
+        stacked = stack(arrays)
         if keep:
             self._stacks[key] = (arrays, stacked)  # the arrays kept: their ids stay theirs
         return stacked

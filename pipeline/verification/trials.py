@@ -159,8 +159,11 @@ def _measure_sample(sample, reference, workers: dict, stats: dict, scorer, tried
 
 
 def _score(scorer, build: str, expected: dict, actual: dict, label) -> None:
-    if scorer is not None and scorer.output in actual and scorer.active(label, expected.get(scorer.output)):
-        scorer.add(build, actual[scorer.output], expected[scorer.output], label)
+    if scorer is None:
+        return
+    mine, theirs = scorer.task_values(actual), scorer.task_values(expected)
+    if mine is not None and theirs is not None and scorer.active(label, theirs):
+        scorer.add(build, mine, theirs, label)
 
 
 def _slower_ms(target, trial, feeds) -> Optional[float]:
