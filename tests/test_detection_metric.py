@@ -196,7 +196,8 @@ def test_a_pair_is_scored_as_a_stacked_pair_of_outputs():
     as_rows = Detection(format="nms")
     assert as_rows(rows, rows, None).tolist() == metric(moved, moved, None).tolist()
     labels = [_labels((0, 10, 10, 50, 50), (1, 100, 100, 150, 160))] * 2
-    assert metric.set_extras(metric.records(moved, None, labels)) == as_rows.set_extras(as_rows.records(rows, None, labels))
+    expected = as_rows.set_extras(as_rows.records(rows, None, labels))
+    assert metric.set_extras(metric.records(moved, None, labels)) == expected
 
 
 @pytest.mark.parametrize("detection, head, says", [

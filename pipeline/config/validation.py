@@ -248,7 +248,7 @@ def _check_metric(run: RunConfig) -> None:
     error before any work (a metric's import loads no model). An output name is a string
     however it looks (Hydra reads ``metric.output=461`` as an int; torch.onnx.export names
     outputs by number), and every output the config names must be the model's."""
-    from pipeline.task_metrics import load_metric, output_names
+    from pipeline.metrics import load_metric, output_names
 
     names = output_names((run.metric or {}).get("output"))
     if names:

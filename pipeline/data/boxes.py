@@ -55,7 +55,8 @@ def box_source(folder: Path, name: str, search: bool) -> Optional[Tuple[str, Pat
     return None
 
 
-def read_boxes(source: Tuple[str, Path], images: Sequence[Path], resized: Resized) -> Tuple[List[np.ndarray], List[Path]]:
+def read_boxes(source: Tuple[str, Path], images: Sequence[Path],
+               resized: Resized) -> Tuple[List[np.ndarray], List[Path]]:
     """(one [K, 6] label per image, in the input's pixels; the files read)."""
     kind, path = source
     sizes = _sizes(resized)
@@ -131,7 +132,8 @@ def coco_boxes(file: Path, images: Sequence[Path], sizes) -> List[np.ndarray]:
         if entry is None:
             raise InputError(f"data: {file} has no image {image.name!r} (its images' file_name)")
         (width, height), (resized_width, resized_height) = sizes(image)
-        scale = (resized_width / float(entry.get("width") or width), resized_height / float(entry.get("height") or height))
+        frame = (float(entry.get("width") or width), float(entry.get("height") or height))  # the bbox's pixels
+        scale = (resized_width / frame[0], resized_height / frame[1])
         found = boxes.get(entry.get("id"), [])
         corners = np.array([box for box, _ in found], dtype=np.float64).reshape(-1, 4) * (*scale, *scale)
         labels.append(_labels(corners, np.array([kind for _, kind in found], dtype=np.float64)))

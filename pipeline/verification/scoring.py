@@ -1,4 +1,4 @@
-"""Scoring builds during verify: the task metric (pipeline/task_metrics.py) of the reference
+"""Scoring builds during verify: the task metric (pipeline/metrics/) of the reference
 and of each build, batch by batch, with the drop's confidence (confidence.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from pipeline.task_metrics import BATCH, MetricError, TaskMetric, check_records, check_scores
+from pipeline.metrics.base import BATCH, MetricError, TaskMetric, check_records, check_scores
 from pipeline.verification import confidence
 from pipeline.verification.sample_groups import count_of, in_order, shape_groups, shape_of, stack, weighted_mean
 
@@ -192,7 +192,8 @@ class TaskScorer:
                         "target": float(np.mean(np.concatenate(values)))}
                   for key, values in self.extras.get(build, {}).items()}
         theirs, mine = self.set_extras("reference"), self.set_extras(build)
-        extras.update({key: {"reference": theirs[key], "target": value} for key, value in mine.items() if key in theirs})
+        extras.update({key: {"reference": theirs[key], "target": value}
+                       for key, value in mine.items() if key in theirs})
         task = {"metric": self.metric.name, "output": self.output,
                 "samples": int(sum(len(p) for p in self.scores[build])), "reference": reference, "target": target,
                 "drop": drop, "agreement": float(np.mean(np.concatenate(agreement))) if agreement else None,

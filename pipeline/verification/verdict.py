@@ -78,7 +78,7 @@ def _task(task: Optional[dict]) -> List[dict]:
     if task.get("reason"):
         return [_check("task", str(task["reason"]))]
     metric = str(task.get("metric", "top1"))
-    if metric == "top1":  # without labels: the agreement with the reference's argmax (pipeline/task_metrics.py)
+    if metric == "top1":  # without labels: the agreement with the reference's argmax (pipeline/metrics/)
         metric = "top-1 accuracy" if task.get("labeled", True) else "top-1 agreement with the reference"
     return [_check("task", f"{metric} dropped {task['drop'] * 100:.2f} points ({task['reference']:.4f} -> "
                            f"{task['target']:.4f}), allowed {task['max_drop'] * 100:.2f}")]
