@@ -126,6 +126,7 @@ class SensitivitySummary(Shape):
 class Quantization(Shape):
     """build's ``quantization``: what the quantizer (or fp16 conversion) did; nested keys as the builder wrote them."""
     float_ops: Optional[List[str]] = None  # quantized ops kept in float (keep_float, the backend's own)
+    passthrough_float: Optional[List[str]] = None  # pass-through ops float beside them (float_neighbours)
     int8_ops: Optional[int] = None
     quantized_ops: Optional[List[str]] = None  # precision.quantize_ops
     passthrough_ops: Optional[List[str]] = None  # precision.passthrough_ops as resolved (none: absent)
@@ -163,6 +164,12 @@ class BuildSummary(Shape):
     def float_ops(self) -> Optional[List[str]]:
         """The quantized ops the build kept in float; None for a build with no such list."""
         return self.quantization.float_ops if self.quantization else None
+
+    @property
+    def kept_float(self) -> List[str]:
+        """Every op the build left float on purpose: float_ops and the pass-through ops beside them."""
+        quantization = self.quantization
+        return [*(quantization.float_ops or []), *(quantization.passthrough_float or [])] if quantization else []
 
 
 @dataclass

@@ -101,27 +101,14 @@ def run(ctx: StageContext) -> StageResult:
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
     started = time.perf_counter()
-    ranked = ranked_ops(cfg)
     ops = search.quantizable_ops(prepared, candidates, _settings(cfg).quantize_ops)
     why = deadline.cut("the mixed search's per-layer ranking", RANKING_RUNS * len(ops) * count)
     if why is not None:  # the int8 build, said so; not cached (a job with more time searches)
         summary.update({"skipped": why, "cut": why})
         return _write(ctx, table, [], [], summary, cache=False)
-    with progress_bar() as progress:
-        task = progress.add_task("sensitivity search", total=len(ops))
-        trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
-                                  _settings(cfg), cfg.sensitivity.screen,
-                                  progress=lambda n: progress.advance(task, n),
-                                  scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg),
-                                  ranked=ranked)
-    # an op float in every model anyway is no candidate (it would take a place and change nothing)
-    ranking = [row for row in _ranking(trials, cfg) if row["op"] not in measure.always_float]
+    trials, ranking = _ranked(cfg, prepared, candidates, (feeds, labels, count), len(ops), measure.always_float,
+                              summary)
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
-    screened_ops = len({t.op for t in trials}) - len({t.op for t in trials if t.loss is not None})
-    if screened_ops:
-        summary["op_screen"] = (f"{screened_ops} of {len({t.op for t in trials})} ops were ranked by their op-level "
-                                f"SQNR alone and stay int8: only the {ranked} worst (sensitivity.max_ranked) and the "
-                                f"ops just before an output were measured in full")
     best_table = _best_method_table(prepared, table, candidates, ranking)
     # Each op's best method was found with only that op in int8; together they can do worse
     # than calibrate's table (measured on PP-OCR): the better of the two is the base.
@@ -144,6 +131,28 @@ def run(ctx: StageContext) -> StageResult:
                               f"with {len(float_ops)} float ops ("
                               f"{'precision.budget_s' if 'cut' in summary else 'sensitivity.max_float_ops'})")
     return _write(ctx, best_table, float_ops, trials, summary, cache="cut" not in summary)
+
+
+def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: List[str], summary: dict):
+    """(trials, ranking) of the per-layer search on the ranking samples; the op screen's
+    note into ``summary``. An op float in every model anyway is no candidate (it would take a
+    place and change nothing)."""
+    feeds, labels, count = samples
+    ranked = ranked_ops(cfg)
+    with progress_bar() as progress:
+        task = progress.add_task("sensitivity search", total=ops)
+        trials = search.per_layer(prepared, candidates, feeds, count, cfg.sensitivity.methods,
+                                  _settings(cfg), cfg.sensitivity.screen,
+                                  progress=lambda n: progress.advance(task, n),
+                                  scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg),
+                                  ranked=ranked)
+    ranking = [row for row in _ranking(trials, cfg) if row["op"] not in always_float]
+    screened_ops = len({t.op for t in trials}) - len({t.op for t in trials if t.loss is not None})
+    if screened_ops:
+        summary["op_screen"] = (f"{screened_ops} of {len({t.op for t in trials})} ops were ranked by their op-level "
+                                f"SQNR alone and stay int8: only the {ranked} worst (sensitivity.max_ranked) and the "
+                                f"ops just before an output were measured in full")
+    return trials, ranking
 
 
 def _skipped(ctx: StageContext, why: str) -> StageResult:

@@ -164,6 +164,9 @@ def test_applying_the_recommendation_fixes_the_broken_layer(broken_table):
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(last_run(root))
     assert {"conv1", "conv2"} <= set(report["build"]["quantization"]["float_ops"])
+    # the pass-through ops beside them are float too (float_neighbours), and no fallback to warn of
+    assert report["build"]["quantization"]["passthrough_float"] == ["pool1", "relu1", "relu2"]
+    assert "int8 ran partly" not in result.stdout, result.stdout
     assert report["verify"]["effective"]["precision"] == "mixed"  # int8 with ops kept float is accepted
     not_quantized = run_cli(["precision=int8", f"calibration.table={table}", "precision.keep_float=[relu1]"], root)
     assert not_quantized.returncode == 2

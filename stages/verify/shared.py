@@ -130,7 +130,7 @@ def judge_output(name: str, stats: OutputStats, validation, task: Optional[dict]
 
 def judged_with(ctx) -> dict:
     return {"fail_on_float_fallback": ctx.cfg.validation.fail_on_float_fallback,
-            "intended_float": list(ctx.results["build"].summary.float_ops or []),
+            "intended_float": ctx.results["build"].summary.kept_float,
             "max_memory_mb": ctx.cfg.validation.max_memory_mb}
 
 
