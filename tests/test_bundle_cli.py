@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import yaml
 import onnxruntime as ort
 import pytest
 
@@ -282,3 +283,24 @@ def test_parity_bundle_and_parity_release_start_without_hydra_or_omegaconf():
              "print(sorted(m for m in ('hydra', 'omegaconf') if m in sys.modules))")
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stdout + imported.stderr
+
+
+@pytest.mark.parametrize("written,readable", [(1, True), (None, True), (2, False), ("1", False)])
+def test_runtime_yaml_of_a_newer_layout_is_refused(ort_bundle, written, readable, tmp_path):
+    """runtime.yaml carries its layout's version (format); a loader reads its own and older
+    (none written: the first), and refuses a newer one in one line."""
+    from pipeline.backends.artifact import RUNTIME_FORMAT
+    from pipeline.errors import InputError
+    from pipeline.release.bundle import runtime_settings
+
+    settings = yaml.safe_load((ort_bundle / "runtime.yaml").read_text())
+    assert settings["format"] == RUNTIME_FORMAT == 1 and "graph_optimization_level" in settings["options"]
+    settings.pop("format")
+    if written is not None:
+        settings["format"] = written
+    (tmp_path / "runtime.yaml").write_text(yaml.safe_dump(settings))
+    if readable:
+        assert runtime_settings(tmp_path)["backend"] == "onnxruntime"
+    else:
+        with pytest.raises(InputError, match=r"runtime.yaml format .*; this parity reads format 1 and older"):
+            runtime_settings(tmp_path)

@@ -15,6 +15,10 @@ import yaml
 from pipeline.errors import BackendUnavailable, ConfigError, ParityError, first_line, target_cannot
 
 RUNTIME = "runtime.yaml"
+# runtime.yaml's layout: what a loader gives the runtime (backend, device, model files, the
+# session options under ``options``, inputs, outputs), apart from what parity records about
+# the build (manifest.json, the reports). A loader refuses a layout newer than it knows.
+RUNTIME_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ def build(backend, model: Path, folder: Path, target, precision: str, signature:
     files, settings = _own_int8(backend, model, folder, target, precision, quantizer) if quantizer is not None \
         else _converted(backend, model, ir_dir, folder, target, precision)
     return {
-        "format": 1,
+        "format": RUNTIME_FORMAT,
         "backend": backend.NAME,
         "target": target.name,
         "device": target.device.upper(),

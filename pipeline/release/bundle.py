@@ -101,7 +101,17 @@ def check_files(root: Path, listed: dict, manifest_name: str, label: str) -> Non
 
 
 def runtime_settings(bundle: Path) -> dict:
-    return yaml.safe_load((Path(bundle) / "runtime.yaml").read_text())
+    """The bundle's runtime.yaml; one written in a layout newer than this parity's is refused
+    (a bundle from before the field was written reads as format 1)."""
+    from pipeline.backends.artifact import RUNTIME, RUNTIME_FORMAT
+
+    path = Path(bundle) / RUNTIME
+    settings = yaml.safe_load(path.read_text())
+    found = settings.get("format", 1) if isinstance(settings, dict) else None
+    if not isinstance(found, int) or isinstance(found, bool) or found > RUNTIME_FORMAT:
+        raise InputError(f"bundle: {path} is in runtime.yaml format {found!r}; this parity reads format "
+                         f"{RUNTIME_FORMAT} and older: run the bundle with the parity that packaged it, or upgrade")
+    return settings
 
 
 def open_session(bundle: Path):
