@@ -200,6 +200,13 @@ def test_a_pair_is_scored_as_a_stacked_pair_of_outputs():
     assert metric.set_extras(metric.records(moved, None, labels)) == expected
 
 
+def test_the_head_format_is_described_as_given_or_recognised():
+    """What TaskScorer reports as the task's ``format``: the head, and how parity knows it."""
+    assert Detection().describe((1, 7, 2100)) == "yolov8 head (recognised from the shape: [1, 7, 2100])"
+    assert Detection().describe(((1, 4, 4), (1, 4, 2))) == "pair head (recognised from the shapes: [1, 4, 4] and [1, 4, 2])"
+    assert Detection(format="pair").describe(((1, 4, 4), (1, 4, 2))) == "pair head (given: [1, 4, 4] and [1, 4, 2])"
+
+
 @pytest.mark.parametrize("detection, head, says", [
     ({"format": "pair"}, PAIR_BOXES, "one output of shape \\[1, 4, 4\\]: metric.format=pair takes two outputs"),
     ({"format": "yolov8"}, (PAIR_BOXES, PAIR_SCORES), "metric.format=yolov8 takes one output"),
@@ -230,11 +237,158 @@ def test_the_scorer_hands_a_pair_metric_both_outputs():
     assert scorer.result("int8", 0.05)["target"] == 1.0
 
 
-def test_two_metric_outputs_stop_at_validation_until_verify_passes_them():
+@pytest.mark.parametrize("overrides, says", [
+    (["metric.format=pair"], "metric.format=pair reads two outputs, boxes \\[1, N, 4\\] then scores \\[1, N, C\\], "
+                             "and metric.output names none"),
+    (["metric.format=pair", "metric.output=boxes"], "and metric.output names one, 'boxes'"),
+    (["metric.format=yolov8", "metric.output=[boxes,scores]"], "metric detection_f1 reads one output"),
+    (["metric.output=[boxes,scores]"], "the model has no output 'boxes'; outputs: "),  # the digits model's
+])
+def test_a_pair_config_that_cannot_be_scored_stops_at_validation_in_one_line(overrides, says):
     from conftest import composed
     from pipeline.config import validation
     from pipeline.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="two outputs \\(metric.format=pair\\) reach the metric through its "
-                                          "Python interface, not through verify yet"):
-        validation.validate(composed("metric=detection", "metric.format=pair", "metric.output=[boxes,scores]"))
+    with pytest.raises(ConfigError, match=says):
+        validation.validate(composed("metric=detection", *overrides))
+    with pytest.raises(ConfigError, match="metric top1 reads one output; two \\(boxes, then scores\\) are for"):
+        validation.validate(composed("metric=top1", "metric.output=[boxes,scores]"))
+
+
+def test_the_mixed_search_scores_a_pair_from_both_outputs():
+    """sensitivity's TaskDrop reads the two outputs metric.output names, wherever they are
+    among the graph's outputs, and gives the F1's drop of a build that moves one image's box."""
+    from conftest import composed
+    from stages.sensitivity import TaskDrop
+
+    cfg = composed("metric=detection", "metric.format=pair", "metric.output=[boxes,scores]")
+    boxes = np.concatenate([PAIR_BOXES, PAIR_BOXES + 200])  # 2 samples on axis 0, as the search runs them
+    scores = np.concatenate([PAIR_SCORES, PAIR_SCORES])
+    other = np.zeros((2, 5), np.float32)
+    drop = TaskDrop(cfg, ["other", "scores", "boxes"], [other, scores, boxes], None, 2)
+    assert drop.indices == (2, 1) and drop.reference_value == 1.0
+    assert drop([other, scores, boxes]) == 0.0
+    moved = boxes.copy()
+    moved[1, :2] += 60  # image 2's class-0 box moved away: its F1 1/2, the mean 3/4
+    assert drop([other, scores, moved]) == pytest.approx(0.25)
+
+
+# --- a pair detector through parity and parity-bundle, as a user runs them -----------------
+
+CELL, GRID, CLASSES = 4, 8, 3  # a 32x32 input, one anchor a 4-pixel cell
+
+
+def _ssd_like(path) -> None:
+    """A tiny SSD-like detector, fixed weights: boxes [1, 64, 4] (a 24-pixel anchor per cell,
+    moved a little by a 1x1 conv of the features: a square's cells overlap, NMS keeps one) and sigmoid class scores [1, 64, 3] (a cell's mean
+    colour: class c where colour plane c is bright and the others dark)."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    rng = np.random.default_rng(0)
+    features = np.zeros((8, 3, 3, 3), np.float32)
+    features[[0, 1, 2], [0, 1, 2], 1, 1] = 1.0  # the colour planes as they are, then five textures
+    features[3:] = rng.normal(0, 0.2, (5, 3, 3, 3))
+    classes = np.zeros((CLASSES, 8, 1, 1), np.float32)
+    classes[:, :3] = -4.0
+    classes[[0, 1, 2], [0, 1, 2]] = 12.0
+    centres = (np.arange(GRID) + 0.5) * CELL
+    y, x = np.meshgrid(centres, centres, indexing="ij")
+    anchors = np.stack([x - 12, y - 12, x + 12, y + 12], axis=-1).reshape(1, GRID * GRID, 4)
+    weights = {"w_features": features, "b_features": np.zeros(8), "w_classes": classes,
+               "b_classes": np.full(CLASSES, -6.0), "w_boxes": rng.normal(0, 0.1, (4, 8, 1, 1)),
+               "b_boxes": np.zeros(4), "anchors": anchors, "step": np.array(2.0),
+               "to_scores": np.array([1, CLASSES, GRID * GRID]), "to_boxes": np.array([1, 4, GRID * GRID])}
+    node = helper.make_node
+    nodes = [node("Conv", ["images", "w_features", "b_features"], ["c"], pads=[1, 1, 1, 1]),
+             node("Relu", ["c"], ["r"]), node("AveragePool", ["r"], ["cells"], kernel_shape=[CELL, CELL],
+                                              strides=[CELL, CELL]),
+             node("Conv", ["cells", "w_classes", "b_classes"], ["logits"]), node("Sigmoid", ["logits"], ["s"]),
+             node("Reshape", ["s", "to_scores"], ["s2"]), node("Transpose", ["s2"], ["scores"], perm=[0, 2, 1]),
+             node("Conv", ["cells", "w_boxes", "b_boxes"], ["d"]), node("Reshape", ["d", "to_boxes"], ["d2"]),
+             node("Transpose", ["d2"], ["d3"], perm=[0, 2, 1]), node("Mul", ["d3", "step"], ["d4"]),
+             node("Add", ["anchors", "d4"], ["boxes"])]
+    initializers = [numpy_helper.from_array(np.asarray(value, np.int64 if name.startswith("to_") else np.float32), name)
+                    for name, value in weights.items()]
+    size = CELL * GRID
+    graph = helper.make_graph(nodes, "ssd_like", [helper.make_tensor_value_info("images", TensorProto.FLOAT,
+                                                                                [1, 3, size, size])],
+                              [helper.make_tensor_value_info("boxes", TensorProto.FLOAT, [1, GRID * GRID, 4]),
+                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, GRID * GRID, CLASSES])],
+                              initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name="parity-tests")
+    model.ir_version = 8
+    save(model, str(path))
+
+
+def _scenes(count: int, seed: int):
+    """Images [count, 3, 32, 32] of dark noise with one to three 8x8 squares on the cell grid,
+    each bright in one colour plane, its class (a class a square: class-wise NMS keeps one
+    box each); and each image's classes."""
+    rng = np.random.default_rng(seed)
+    images = rng.uniform(0.0, 0.15, (count, 3, CELL * GRID, CELL * GRID)).astype(np.float32)
+    blocks = GRID // 2  # 2x2 cells a square
+    kinds = []
+    for image in images:
+        chosen = rng.permutation(CLASSES)[:int(rng.integers(1, CLASSES + 1))]
+        for kind, block in zip(chosen, rng.choice(blocks * blocks, size=len(chosen), replace=False)):
+            y, x = block // blocks * 2 * CELL, block % blocks * 2 * CELL
+            image[kind, y:y + 2 * CELL, x:x + 2 * CELL] = 0.9
+        kinds.append(sorted(int(kind) for kind in chosen))
+    return images, kinds
+
+
+@pytest.fixture(scope="module")
+def pair_job(tmp_path_factory):
+    from conftest import run_cli, run_dirs
+
+    cwd = tmp_path_factory.mktemp("pair")
+    _ssd_like(cwd / "ssd.onnx")
+    np.savez(cwd / "scenes.npz", **{"calibration/images": _scenes(8, 1)[0], "validation/images": _scenes(12, 2)[0]})
+    result = run_cli([f"model.path={cwd / 'ssd.onnx'}", "data.kind=tensors", f"data.path={cwd / 'scenes.npz'}",
+                      "metric=detection", "metric.format=pair", "metric.output=[boxes,scores]", "precision=int8",
+                      "target.threads=2"], cwd)
+    return cwd, result, run_dirs(cwd)[-1]
+
+
+def test_a_pair_detector_is_verified_on_both_outputs(pair_job):
+    """metric.output=[boxes,scores] through parity: the reference, the int8 build and the fp32
+    build beside it are scored on both outputs, the F1 against the reference's boxes; both
+    outputs are the task's (their cosine a floor); the head's format is in the report."""
+    from conftest import read_report, single_bundle
+
+    _, result, run_dir = pair_job
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    verify = read_report(run_dir)["verify"]
+    task = verify["task"]
+    assert (task["metric"], task["output"], task["outputs"]) == ("detection_f1", "boxes, scores", ["boxes", "scores"])
+    assert task["format"] == "pair head (given: [1, 64, 4] and [1, 64, 3])", task
+    assert task["samples"] == 12 and task["reference"] == 1.0 and task["target"] >= 0.95, task
+    assert "ap50" in task["extras"] and verify["comparison"]["fp32"]["task_metric"] == 1.0, verify["comparison"]
+    assert {o["name"]: o["cosine_gate"] for o in verify["outputs"]} == {"boxes": "task_min_cosine",
+                                                                        "scores": "task_min_cosine"}
+    assert "boxes, scores" in result.stdout and "detection_f1" in result.stdout
+    import yaml
+
+    recorded = yaml.safe_load((single_bundle(run_dir) / "runtime.yaml").read_text())["metric"]
+    assert (recorded["format"], recorded["output"]) == ("pair", ["boxes", "scores"])
+
+
+def test_a_pair_detector_bundle_prints_its_detections_as_json(pair_job, tmp_path):
+    """parity-bundle run decodes the two outputs together: one JSON list of boxes, scores and
+    classes, on this image one box of each square's class."""
+    import json
+
+    from conftest import run_cli, single_bundle
+
+    _, _, run_dir = pair_job
+    images, kinds = _scenes(12, 2)
+    np.save(tmp_path / "scene.npy", images[:1])
+    result = run_cli(["run", str(single_bundle(run_dir)), str(tmp_path / "scene.npy")], tmp_path,
+                     program="parity-bundle")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "boxes: shape [1, 64, 4]" in result.stdout and "scores: shape [1, 64, 3]" in result.stdout
+    line = next(line for line in result.stdout.splitlines()
+                if line.startswith("decoded boxes, scores (detection_f1): "))
+    found = json.loads(line.split("): ", 1)[1])
+    assert all(set(row) == {"box", "score", "class"} and row["score"] >= 0.25 for row in found), found
+    assert sorted(row["class"] for row in found) == kinds[0], (found, kinds[0])

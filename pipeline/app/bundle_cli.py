@@ -225,10 +225,16 @@ def _feeds(path: Path, settings: dict) -> dict:
 
 
 def _decoded(metric, outputs: dict) -> dict:
-    """The metric's decoding of its output (ctc: the text), where it has a decoder."""
+    """The metric's decoding of its output (ctc: the text; detection: the boxes as JSON),
+    where it has a decoder; a pair metric's (a detector's boxes and scores) of its two
+    outputs together, named "boxes, scores"."""
     decode = metric.hook("decode") if metric else None
     if decode is None or not outputs:
         return {}
+    if len(metric.names) > 1:
+        if any(name not in outputs for name in metric.names):
+            return {}
+        return {", ".join(metric.names): str(metric.call(decode, tuple(outputs[name] for name in metric.names)))}
     name = metric.output if metric.output in outputs else next(iter(outputs))
     text = metric.call(decode, outputs[name])
     return {name: str(text)}

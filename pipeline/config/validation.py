@@ -256,10 +256,7 @@ def _check_metric(run: RunConfig) -> None:
     if len(names) > 2:
         raise ConfigError(f"metric.output names {len(names)} outputs; a metric reads one, or two (a detector's boxes "
                           "and scores, metric.format=pair)")
-    if len(names) == 2:  # the stages hand a metric one output (stages/verify's _Check._score): not yet two
-        raise ConfigError(f"metric.output={list(names)}: two outputs (metric.format=pair) reach the metric through "
-                          "its Python interface, not through verify yet; score one output or a graph that joins them")
-    load_metric(run.metric)
+    _check_pair(load_metric(run.metric), names)
     outputs = model_outputs(run.model.path)
     if outputs is None:  # convert says what is wrong with the file
         return
@@ -268,6 +265,23 @@ def _check_metric(run: RunConfig) -> None:
     for key, name in named:
         if name is not None and name not in outputs:
             raise ConfigError(f"{key}: the model has no output {name!r}; outputs: {', '.join(outputs)}")
+
+
+def _check_pair(metric, names) -> None:
+    """Two outputs go to a metric that reads a pair (detection's pair format, a custom
+    metric), and detection's pair format gets two: one line where they disagree."""
+    from pipeline.metrics import BUILTIN_NAMES, Detection
+
+    score = metric.score if metric is not None else None
+    if isinstance(score, Detection) and score.format == "pair" and len(names) != 2:
+        given = f"names one, {names[0]!r}" if names else "names none"
+        raise ConfigError(f"metric.format=pair reads two outputs, boxes [1, N, 4] then scores [1, N, C], and "
+                          f"metric.output {given}: name both in that order, e.g. metric.output=[boxes,scores]")
+    one = isinstance(score, tuple(builtin for builtin, _ in BUILTIN_NAMES)) or (
+        isinstance(score, Detection) and score.format not in ("auto", "pair"))
+    if len(names) == 2 and one:
+        raise ConfigError(f"metric.output={list(names)}: metric {metric.name} reads one output; two (boxes, then "
+                          "scores) are for metric=detection metric.format=pair")
 
 
 def model_outputs(path: str) -> Optional[List[str]]:

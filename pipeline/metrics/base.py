@@ -21,7 +21,9 @@ split without labels for one sample's output of that shape and name, called then
 labels None, its scores the agreement with the reference; None: nothing. top1: on class
 scores), and ``records(outputs, reference, labels)`` (one object per sample, or None) with
 ``set_extras(records)`` (figures of the whole set from every sample's record, reported
-beside the extras: detection's mAPs against box labels).
+beside the extras: detection's mAPs against box labels), and ``describe(shape)`` (what it
+reads on the first sample's output of that shape, reported as the task's ``format``:
+detection's head).
 A ``set_level`` metric (nearest neighbours: pipeline/metrics/embedding.py) is called once on
 every sample's ``features``. Samples whose outputs differ in shape are scored per shape.
 """

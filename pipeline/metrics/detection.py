@@ -125,9 +125,13 @@ class Detection:
         return kind
 
     def describe(self, shape) -> str:
+        """The head's format on one image's output shape (a pair's: the two shapes), and whether
+        metric.format gave it or its shape told it: TaskScorer reports it as the task's ``format``."""
         kind = self.format if self.format != "auto" else recognise(shape)
         how = "given" if self.format != "auto" else "recognised from the shape"
-        return f"{kind} head ({how}: {list(shape)})"
+        pair = bool(len(shape)) and not isinstance(shape[0], (int, np.integer))
+        shapes = " and ".join(str([int(d) for d in part]) for part in shape) if pair else str([int(d) for d in shape])
+        return f"{kind} head ({how}{'s' if pair and how != 'given' else ''}: {shapes})"
 
 
 def images(outputs) -> list:

@@ -9,8 +9,8 @@ map wrong on one backend) could no longer be told from it.
 
 A failing drop of a build at the reference's own precision (fp32) is float noise when
 1. every output agrees with the reference at float level: no output check failed, and
-   the task output's worst sample keeps a cosine of at least FLOAT_COSINE (a broken map,
-   even on one sample, falls far below it), and
+   the task output's worst sample (a pair metric's: both outputs') keeps a cosine of at
+   least FLOAT_COSINE (a broken map, even on one sample, falls far below it), and
 2. the drop is what flipped decisions at the boundary produce: its bootstrap interval
    reaches 0 (a few samples moved, the rest are equal), or the drop itself is at most
    NOISE_DROP (a few boundary pixels on every sample).
@@ -45,8 +45,9 @@ def _why(task: dict, outputs: List[dict]) -> Optional[str]:
     """The reason the drop is float noise, or None when it may be a fault."""
     if any(output["failures"] for output in outputs):
         return None
-    scored = next((o for o in outputs if o["name"] == task["output"]), None)
-    worst = (scored or {}).get("metrics", {}).get("min_sample_cosine")
+    names = task.get("outputs") or [task["output"]]  # a pair metric's two: the worse of them
+    found = [o.get("metrics", {}).get("min_sample_cosine") for o in outputs if o["name"] in names]
+    worst = None if not found or None in found else min(found)
     if worst is None or worst < FLOAT_COSINE:
         return None
     interval = task.get("interval")

@@ -37,6 +37,9 @@ class TaskScorer:
         self.sets: Dict[str, List[tuple]] = {}  # set-level: per build, (features, reference's, labels) per batch
         self._batch: tuple = ()  # the ids of the current batch's reference outputs
         self._stacks: Dict[tuple, tuple] = {}  # its stacks by the arrays' ids, shared by the builds
+        # the outputs the metric reads: the task output, or the two a pair metric names (boxes, scores)
+        self.names = tuple(metric.names) if len(metric.names) > 1 else (output,)
+        self._shape: Optional[tuple] = None  # the first reference sample's (what ``describe`` says of it)
 
     def active(self, label, reference: Optional[np.ndarray] = None) -> bool:
         """Whether a sample with this label can be scored. A metric that needs labels scores
@@ -59,12 +62,13 @@ class TaskScorer:
     def task_values(self, values: Dict[str, np.ndarray]):
         """What the metric scores of one run's outputs by name: the task output, or the two
         outputs a pair metric names (a tuple); None where the run lacks one."""
-        names = self.metric.names if len(self.metric.names) > 1 else (self.output,)
-        if any(name not in values for name in names):
+        if any(name not in values for name in self.names):
             return None
-        return values[names[0]] if len(names) == 1 else tuple(values[name] for name in names)
+        return values[self.names[0]] if len(self.names) == 1 else tuple(values[name] for name in self.names)
 
     def add(self, build: str, output: np.ndarray, reference: np.ndarray, label) -> None:
+        if self._shape is None:
+            self._shape = shape_of(reference)
         pending = self.pending.setdefault(build, [])
         pending.append((output, reference, label))
         if len(pending) >= BATCH:
@@ -194,11 +198,16 @@ class TaskScorer:
         theirs, mine = self.set_extras("reference"), self.set_extras(build)
         extras.update({key: {"reference": theirs[key], "target": value}
                        for key, value in mine.items() if key in theirs})
-        task = {"metric": self.metric.name, "output": self.output,
+        task = {"metric": self.metric.name, "output": ", ".join(self.names),
                 "samples": int(sum(len(p) for p in self.scores[build])), "reference": reference, "target": target,
                 "drop": drop, "agreement": float(np.mean(np.concatenate(agreement))) if agreement else None,
                 "max_drop": max_drop, "passed": drop <= max_drop + 1e-12,
                 "higher_is_better": self.metric.higher_is_better, "labeled": bool(self.labeled), "extras": extras}
+        if len(self.names) > 1:  # a pair metric (a detector's boxes and scores): both outputs, in order
+            task["outputs"] = list(self.names)
+        described = self._described()
+        if described:
+            task["format"] = described  # detection: the head's format, given or recognised from the shapes
         if not self.labeled and self.unlabeled:
             task["judged_as"] = self.unlabeled  # a metric that needs labels, measuring what it can without
         if not task["passed"] and self.metric.name != "top1":  # top-1 keeps its points wording (pipeline/verification/verdict.py)
@@ -206,6 +215,15 @@ class TaskScorer:
             task["reason"] = (f"task metric {self.metric.name} {worse} by {abs(drop):.4g} ({reference:.4f} -> "
                               f"{target:.4f}), allowed {max_drop:.4g} (validation.max_metric_drop)")
         return task
+
+    def _described(self) -> Optional[str]:
+        """What the metric's ``describe(shape)`` says it read on the first reference sample's
+        output (detection: "pair head (given: [1, 100, 4] and [1, 100, 3])"), or None."""
+        describe = self.metric.hook("describe")
+        if describe is None or self._shape is None:
+            return None
+        found = self.metric.call(describe, self._shape)
+        return str(found) if found else None
 
     def set_extras(self, build: str) -> Dict[str, float]:
         """The metric's figures of the whole set (``set_extras`` of every sample's ``records``:
@@ -236,3 +254,10 @@ class TaskScorer:
             found.update(confidence.resolution(task["drop"], task["max_drop"], task["samples"], interval, counts))
         return found
 
+
+def task_outputs(task: Optional[dict]) -> List[str]:
+    """The outputs a task verdict (``TaskScorer.result``) scored: its output, or a pair
+    metric's two (``outputs``); none without a task."""
+    if not task:
+        return []
+    return list(task.get("outputs") or [task["output"]])

@@ -159,8 +159,8 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
     """One measurement (see _measurement) with its seconds: what the diagnosis budget scales."""
     started = time.perf_counter()
     cfg, (output_names, task_output, metric) = ctx.cfg, task_of
-    check = _Check(output_names, task_output, TaskScorer(metric, task_output) if metric else None,
-                   cfg.precision.kind, ctx.inputs())
+    check = _Check(output_names, TaskScorer(metric, task_output) if metric else None, cfg.precision.kind,
+                   ctx.inputs())
     ran = _compare(ctx, live, check, dataset, progress, reproduce)
     task = check.task_result(cfg.validation.max_metric_drop, cfg.validation.require_confidence)
     outputs = [judge_output(name, check.stats[name], cfg.validation, task) for name in output_names
@@ -200,12 +200,14 @@ def _target(ctx: StageContext):
 
 
 def _task_output(cfg, output_names: List[str]):
-    """(the task metric or None, the output it scores), checked against the model's outputs."""
+    """(the task metric or None, the output it scores: a pair metric's first, TaskScorer
+    reads both), checked against the model's outputs."""
     _check_output_names(cfg.validation, output_names)
     metric = load_metric(cfg.metric)
     task_output = (metric and metric.output) or cfg.validation.task_output or output_names[0]
-    if task_output not in output_names:
-        raise ConfigError(f"metric.output: the model has no output {task_output!r}; outputs: {', '.join(output_names)}")
+    for name in (metric.names if metric and len(metric.names) > 1 else (task_output,)):
+        if name not in output_names:
+            raise ConfigError(f"metric.output: the model has no output {name!r}; outputs: {', '.join(output_names)}")
     return metric, task_output
 
 
@@ -374,11 +376,9 @@ def _accepted_precisions(precision, float_ops: List[str]) -> List[str]:
 class _Check:
     """Reference vs target on every validation sample, with the side-by-side baselines."""
 
-    def __init__(self, output_names: List[str], task_output: str, scorer: Optional[TaskScorer], shipped: str,
-                 inputs: Sequence = ()):
+    def __init__(self, output_names: List[str], scorer: Optional[TaskScorer], shipped: str, inputs: Sequence = ()):
         self.stats = {name: OutputStats() for name in output_names}
         self.by_shape = ShapeAccuracy(inputs)  # a dynamic model: accuracy per input shape
-        self.task_output = task_output
         self.scorer, self.shipped = scorer, shipped  # the task metric, of the reference and every build
         self.missing: List[str] = []
         self.samples = 0
@@ -421,9 +421,13 @@ class _Check:
             self._score(name, expected, baseline.compare(expected, others[name]), sample.label)
 
     def _score(self, build: str, expected: dict, actual: Optional[dict], label) -> None:
-        if self.scorer and actual is not None and self.task_output in actual \
-                and self.scorer.active(label, expected.get(self.task_output)):
-            self.scorer.add(build, actual[self.task_output], expected[self.task_output], label)
+        """One build's outputs of a sample scored: what the metric reads of them (the task
+        output, or a pair metric's two outputs: TaskScorer.task_values)."""
+        if self.scorer is None or actual is None:
+            return
+        mine, theirs = self.scorer.task_values(actual), self.scorer.task_values(expected)
+        if mine is not None and theirs is not None and self.scorer.active(label, theirs):
+            self.scorer.add(build, mine, theirs, label)
 
     def task_result(self, max_drop: float, require_confidence: bool) -> Optional[dict]:
         if self.scorer is None:

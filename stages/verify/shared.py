@@ -15,6 +15,7 @@ from pipeline import tuning
 from pipeline.backends import artifact
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError
 from pipeline.verification.metrics import OutputStats, failures
+from pipeline.verification.scoring import task_outputs
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, StageContext, reference_settings
 
@@ -117,9 +118,10 @@ def judge_output(name: str, stats: OutputStats, validation, task: Optional[dict]
     """One output's checks; with a task metric scored (``task``), its output's cosine is
     gated at validation.task_min_cosine (docs/verify.md, "Task-first verdicts")."""
     metrics = stats.result()
-    limits = validation.thresholds_for(name, task["output"] if task else None)
+    scored = name in task_outputs(task)  # the task output, or either of a pair metric's two
+    limits = validation.thresholds_for(name, name if scored else None)
     failed = failures(metrics, limits)
-    task_gated = task is not None and task["output"] == name and validation.cosine_gate(True) != validation.min_cosine
+    task_gated = scored and validation.cosine_gate(True) != validation.min_cosine
     return {"name": name, "passed": not failed, "failures": failed, "thresholds": vars(limits),
             "cosine_gate": "task_min_cosine" if task_gated else "min_cosine",
             "metrics": metrics,
