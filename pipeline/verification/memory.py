@@ -54,7 +54,8 @@ def summary(target: Optional[dict], baselines: Dict[str, Optional[dict]], twin: 
     if baseline_samples is not None and baselines:
         found["baseline_samples"] = baseline_samples
         found["method"] += (f"; the side-by-side baselines ran one validation sample of each input shape "
-                            f"({baseline_samples}), what their run peak depends on (validation.baselines=timed)")
+                            f"({baseline_samples}) twice, what their run peak depends on (a runtime's memory "
+                            f"settles on a shape's second run; validation.baselines=timed)")
     others = {name: _figures(value) for name, value in baselines.items() if name != kinds.REFERENCE}
     if others:
         found["baselines"] = others
