@@ -126,7 +126,9 @@ def test_map_against_labels_over_the_whole_set_by_hand():
     assert figures["map50_95_labels"] == pytest.approx(1447 / 2020)
     assert metric.set_extras(metric.records(PERFECT, PERFECT, LABELS)) == {"map50_labels": 1.0,
                                                                              "map50_95_labels": 1.0}
-    assert metric.records(BUILD, BUILD, None) is None  # no labels: nothing to count
+    # no labels: the reference's detections stand for them (the reference against itself: 1)
+    assert metric.set_extras(metric.records(PERFECT, PERFECT, None)) == {"map50_reference": 1.0,
+                                                                         "map50_95_reference": 1.0}
     assert metric.set_extras(metric.records(BUILD, BUILD, [_labels()] * 3)) == {}  # no labelled box at all
 
 
@@ -151,8 +153,12 @@ def test_the_scorer_reports_fp32_and_the_build_against_the_labels_side_by_side()
     assert labeled["labeled"] and labeled["extras"]["map50_labels"] == {"reference": 1.0,
                                                                         "target": pytest.approx(168 / 202)}
     assert labeled["extras"]["map50_95_labels"]["target"] == pytest.approx(1447 / 2020)
-    assert set(unlabeled["extras"]) == {"ap50"} and not unlabeled["labeled"]
+    assert set(unlabeled["extras"]) == {"ap50", "map50_reference", "map50_95_reference"} and not unlabeled["labeled"]
     assert unlabeled["target"] == labeled["target"] and unlabeled["extras"]["ap50"] == labeled["extras"]["ap50"]
+    # without labels the set's mAP is the build's against the reference's detections (which score 1)
+    assert unlabeled["extras"]["map50_reference"]["reference"] == 1.0
+    assert 0.0 < unlabeled["extras"]["map50_reference"]["target"] < 1.0
+    assert unlabeled["extras"]["map50_95_reference"]["target"] <= unlabeled["extras"]["map50_reference"]["target"]
 
 
 def test_a_class_label_is_no_box_list():

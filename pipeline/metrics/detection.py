@@ -10,9 +10,11 @@ reference's (no labels needed):
 - an extra, per image: AP@``match_iou`` of the build's detections down to ``low_conf``
   (0.001, as a validation run scores them) ranked against the reference's at ``conf``,
   which score 1 (the reference against itself: 1).
-- with labels (boxes in the input's pixels, pipeline/data/boxes.py), figures of the whole
-  set: mAP@0.5 and mAP@0.5:0.95 of the detections down to ``low_conf`` against them, COCO's
-  way (``records`` per image, ``set_extras`` over the set); reported, not gated.
+- figures of the whole set: mAP@0.5 and mAP@0.5:0.95 of the detections down to ``low_conf``,
+  COCO's way (``records`` per image, ``set_extras`` over the set), against the labels where
+  the data have them (boxes in the input's pixels, pipeline/data/boxes.py; ``map50_labels``,
+  ``map50_95_labels``), else against the reference's detections at ``conf``
+  (``map50_reference``, ``map50_95_reference``; the reference scores 1); reported, not gated.
 
 Heads (``format``, or recognised from the output's shape and said in the report):
 - ``yolov8``: [1, 4+C, N], rows 0-3 box centre and size, then C class scores (YOLOv8/v11:
@@ -68,23 +70,26 @@ class Detection:
         return {key: np.array([average_precision(mine, theirs, self.match_iou) for mine, theirs in
                                zip(self.detections(outputs, self.low_conf), self.detections(reference, self.conf))])}
 
-    def records(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> Optional[list]:
-        """With labels, per image what the set's mAP counts (``LabelRecord``): the build's
-        detections down to ``low_conf`` matched against the labels at COCO's 10 IoU
-        thresholds. None without labels."""
+    def records(self, outputs: np.ndarray, reference: np.ndarray, labels: Optional[Sequence]) -> list:
+        """Per image what the set's mAP counts (``LabelRecord``): the build's detections down
+        to ``low_conf`` matched at COCO's 10 IoU thresholds against the labels, or without
+        labels against the reference's detections at ``conf`` (what the app shows)."""
+        found = self.detections(outputs, self.low_conf)
         if labels is None:
-            return None
-        return [label_record(found, _label_boxes(label))
-                for found, label in zip(self.detections(outputs, self.low_conf), labels)]
+            return [label_record(mine, theirs, REFERENCE)
+                    for mine, theirs in zip(found, self.detections(reference, self.conf))]
+        return [label_record(mine, _label_boxes(label)) for mine, label in zip(found, labels)]
 
     @staticmethod
     def set_extras(records: Sequence["LabelRecord"]) -> Dict[str, float]:
-        """mAP@0.5 and mAP@0.5:0.95 over every image's detections against the labels (no
-        labelled box in the set: none)."""
+        """mAP@0.5 and mAP@0.5:0.95 over every image's detections against the labels
+        (``map50_labels``, ...), or against the reference's (``map50_reference``, ...; the
+        reference scores 1); none where no image has a box to find."""
         per_threshold = dataset_ap(records)
         if per_threshold is None:
             return {}
-        return {"map50_labels": float(per_threshold[0]), "map50_95_labels": float(np.mean(per_threshold))}
+        against = records[0].against
+        return {f"map50_{against}": float(per_threshold[0]), f"map50_95_{against}": float(np.mean(per_threshold))}
 
     def detections(self, outputs: np.ndarray, conf: float) -> List[np.ndarray]:
         """``detect`` on each image of a batch; the last few batches' kept, as the score,
@@ -329,11 +334,15 @@ class LabelRecord(NamedTuple):
     classes: np.ndarray
     hits: np.ndarray
     labelled: np.ndarray
+    against: str = "labels"  # or REFERENCE: the reference's detections stand for the labels
 
 
-def label_record(found: np.ndarray, labels: np.ndarray) -> LabelRecord:
+REFERENCE = "reference"
+
+
+def label_record(found: np.ndarray, labels: np.ndarray, against: str = "labels") -> LabelRecord:
     ranked = found[np.argsort(-found[:, 4], kind="stable")]
-    return LabelRecord(ranked[:, 4], ranked[:, 5], match_table(ranked, labels, IOU_THRESHOLDS), labels[:, 5])
+    return LabelRecord(ranked[:, 4], ranked[:, 5], match_table(ranked, labels, IOU_THRESHOLDS), labels[:, 5], against)
 
 
 def dataset_ap(records: Sequence[LabelRecord]) -> Optional[np.ndarray]:
