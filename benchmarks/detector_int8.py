@@ -3,10 +3,11 @@
 and with the trainer's own ignored scope.
 
     pip install -e .[bench]
-    python benchmarks/detector_int8.py [--rounds 5] [--images 8]
+    python benchmarks/detector_int8.py [--rounds 5] [--images 8] [--size 320]
 
-Model: tests/assets/yolov8n_320.onnx (scripts/train_yolo.py), 16 calibration and 40
-validation photos of tests/detector_data.py at 320x320.
+Model: tests/assets/yolov8n_320.onnx (scripts/train_yolo.py; exported with dynamic axes, so
+that `--size 640` serves the same network at 640x640, the trainer's default, [1, 7, 8400]),
+16 calibration and 40 validation photos of tests/detector_data.py at that size.
 Builds, each timed against its own runtime's fp32 (2 threads, OpenVINO's in f32 as parity asks, `--rounds` interleaved rounds
 of `--images` images, median of round medians, the per-round ratio's p25-p75):
 - ONNX Runtime: fp32; parity int8 (`parity precision=int8 metric=detection target=ort_cpu`,
@@ -37,8 +38,11 @@ from pipeline.detection_metric import Detection, f1, matches, ranked_ap  # noqa:
 INPUT = "images"
 
 
+SIZE = [320]  # --size: the served input's side
+
+
 def photos(count: int, seed: int) -> np.ndarray:
-    return np.concatenate([to_input(image) for image, _ in scenes(count, seed)])
+    return np.concatenate([to_input(image) for image, _ in scenes(count, seed, SIZE[0])])
 
 
 def nncf_builds(calibration: np.ndarray, work: Path) -> dict:
@@ -47,7 +51,7 @@ def nncf_builds(calibration: np.ndarray, work: Path) -> dict:
     import openvino as ov
 
     model = ov.Core().read_model(str(DETECTOR))
-    model.reshape({INPUT: [1, 3, 320, 320]})
+    model.reshape({INPUT: [1, 3, SIZE[0], SIZE[0]]})
     dataset = nncf.Dataset([sample[None] for sample in calibration])
     head = [op.get_friendly_name() for op in model.get_ops()
             if op.get_type_name() in ("Add", "Subtract", "Multiply", "Divide", "Sigmoid")
@@ -71,7 +75,7 @@ def ov_runner(path: Path):
 
     core = ov.Core()
     model = core.read_model(str(path))
-    model.reshape({model.inputs[0].get_any_name(): [1, 3, 320, 320]})
+    model.reshape({model.inputs[0].get_any_name(): [1, 3, SIZE[0], SIZE[0]]})
     # f32 as parity's builds ask: on a CPU with avx512_bf16 or AMX OpenVINO would run "fp32" in bf16
     compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 2, "PERFORMANCE_HINT": "LATENCY",
                                                  "INFERENCE_PRECISION_HINT": "f32"})
@@ -114,7 +118,9 @@ def judged(runners: dict, validation: np.ndarray) -> dict:
 
 
 def main() -> None:
-    args = arguments(__doc__)
+    args = arguments(__doc__, sizes=True)
+    SIZE[0] = args.size
+    print(f"input: [1, 3, {args.size}, {args.size}]")
     calibration, validation = photos(16, CALIBRATION_SEED), photos(40, VALIDATION_SEED)
     with tempfile.TemporaryDirectory(prefix="parity-detector-") as scratch:
         work = Path(scratch)

@@ -19,11 +19,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def arguments(doc: str) -> argparse.Namespace:
-    """--rounds and --images, the options of every int8 benchmark; prints the CPU's flags."""
+def arguments(doc: str, sizes: bool = False) -> argparse.Namespace:
+    """--rounds and --images, the options of every int8 benchmark (``sizes``: --size, the
+    served input's side, too); prints the CPU's flags."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--images", type=int, default=8)
+    if sizes:
+        parser.add_argument("--size", type=int, default=320)
     args = parser.parse_args()
     from pipeline.environment import cpu
 
