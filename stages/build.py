@@ -32,6 +32,7 @@ NAME = "build"
 CACHEABLE = True
 ON_MACHINE = "device"  # compile caches, and builds searched on the device (ncnn's fp16 feature masks)
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
+UNFOLDED_QDQ = "quantized_unfolded.onnx"  # the refined Q/DQ model before fold_relus: mixed models derive from it
 
 
 def key_config(cfg):
@@ -221,11 +222,15 @@ def run(ctx: StageContext) -> StageResult:
         runtime, traced_ranges = ctx.build_into(ctx.out_dir, backend, precision, onnx_path, ir_dir,
                                                 dynamic=ctx.cfg.precision.dynamic_ranges)
     artifacts = runtime["files"]
-    qdq_file = None  # the Q/DQ model as refined, kept for verify's advice screening (never packaged)
+    qdq_file = None  # the Q/DQ model as refined, Relus not folded: verify's advice screening (never packaged)
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
         if kinds.quantized(precision) and not ctx.cfg.precision.dynamic_ranges:
             qdq_file = onnx_path.name
         else:
+            onnx_path.unlink()
+    if (ctx.out_dir / UNFOLDED_QDQ).exists():
+        qdq_file = UNFOLDED_QDQ
+        if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
             onnx_path.unlink()
     if _wants_masks(ctx.cfg, backend):
         quantization = {**(quantization or {}), "feature_masks": _feature_masks(ctx, backend, runtime)}
@@ -370,7 +375,8 @@ def _quantize(ctx: StageContext):
     refined = _refinements(ctx, quantized, keep_float, searched)
     model = onnx.load(str(quantized))
     folded = fold_relus(model) if "Relu" in settings.passthrough_ops else 0  # after what needs the Relus
-    if folded:
+    if folded:  # verify's advice derives models with ops back in float from the unfolded one
+        quantized.replace(ctx.out_dir / UNFOLDED_QDQ)
         onnx.save(model, str(quantized))
     beside = sorted(float_neighbours(prepared, keep_float, settings.passthrough_ops) - set(keep_float))
     settings = {**settings.describe(), "float_ops": keep_float, "passthrough_float": beside,

@@ -259,3 +259,21 @@ def test_new_verify_keys_missing_or_none_or_partial(key):
         md = render_markdown(report)
         parse(render_html(report))
         assert md.startswith("# parity report:")
+
+
+def test_the_console_prints_a_diagnosis_whose_op_names_look_like_markup():
+    """A PyTorch-exported op name (/enc2/enc2.0/Conv) in brackets reads as a closing markup
+    tag to rich; the diagnosis line must print it as text, not end the job in an error."""
+    import io
+
+    from rich.console import Console
+
+    from pipeline.report.summary import _diagnosis_lines
+
+    out = io.StringIO()
+    diagnosis = {"ran": True, "seconds": 4.5, "budget_seconds": 5.0, "measurement": "measured",
+                 "screened": [{"keep_float": ["/enc2/enc2.0/Conv"], "predicted_cosine": 0.999,
+                               "measured_cosine": 0.9991}], "cut": ["trial [/dec1/Conv]: not started"]}
+    _diagnosis_lines(Console(file=out, width=200), diagnosis)
+    assert "keep_float=[/enc2/enc2.0/Conv]: predicted cosine 0.999000, measured 0.999100" in out.getvalue()
+    assert "trial [/dec1/Conv]: not started" in out.getvalue()

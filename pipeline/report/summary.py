@@ -113,8 +113,8 @@ def _diagnosis_lines(console, diagnosis: dict) -> None:
                   f"(validation.diagnosis_budget); the check itself was {diagnosis['measurement']}")
     for entry in diagnosis.get("screened") or []:
         if entry.get("measured_cosine") is not None:
-            console.print(f"  keep_float=[{escape(','.join(entry['keep_float']))}]: predicted cosine "
-                          f"{entry['predicted_cosine']:.6f}, measured {entry['measured_cosine']:.6f} on the target")
+            console.print(escape(f"  keep_float=[{','.join(entry['keep_float'])}]: predicted cosine "
+                                 f"{entry['predicted_cosine']:.6f}, measured {entry['measured_cosine']:.6f} on the target"))
     for miss in (diagnosis.get("screening") or {}).get("misses") or []:
         console.print(f"  [yellow]the screening did not predict this target: {escape(miss)}[/]")
     for cut in diagnosis.get("cut") or []:

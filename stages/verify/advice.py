@@ -22,6 +22,7 @@ from pipeline.errors import BackendCrashed, ExitCode, first_line
 from pipeline.task_metrics import load_metric
 from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.calibration import bias_correction, weight_rounding
+from pipeline.precision.passthrough import fold_relus
 from pipeline.precision.quantize import WEIGHTED_OPS, QdqSettings, build_qdq, keep_in_float
 from pipeline.verification.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
@@ -366,11 +367,16 @@ def _qdq_maker(ctx, backend, stack):
 
 def _correct_like_the_build(ctx, quantized: Path) -> None:
     """Weight rounding and bias correction on a QDQ model made here, where the build stage
-    applied them to the shipped one."""
+    applied them to the shipped one, then its pass-through Relus folded as the build folds
+    them (the trial is timed against the build)."""
     quantization = ctx.results["build"].summary.quantization
     prepared = ctx.results["calibrate"].path("prepared")
     for step, refine in (("weight_rounding", weight_rounding.round_file),
                          ("bias_correction", bias_correction.correct_file)):
         if quantization and quantization.refined(step):
             refine(quantized, prepared, (sample.feeds for sample in ctx.dataset().calibration))
+    if quantization and quantization.relus_folded:
+        model = onnx.load(str(quantized))
+        fold_relus(model)
+        onnx.save(model, str(quantized))
 
