@@ -139,9 +139,14 @@ def bucket_names(feeds: Dict[str, object], ranges: Dict[str, Optional[ShapeRange
 
 
 def opt_shapes(inputs: Sequence[dict]) -> Dict[str, Tuple[int, ...]]:
-    """runtime.yaml's inputs with a range: {input: its opt shape} (what a backend compiles its
-    static copy for)."""
-    return {spec["name"]: tuple(int(d) for d in spec["range"]["opt"]) for spec in inputs if spec.get("range")}
+    """runtime.yaml's inputs with a range or a served shape: {input: the range's opt shape, or
+    the one shape the data fed it} (what a backend compiles its static copy for)."""
+    found = {}
+    for spec in inputs:
+        shape = spec["range"]["opt"] if spec.get("range") else spec.get("served")
+        if shape:
+            found[spec["name"]] = tuple(int(d) for d in shape)
+    return found
 
 
 def at_shapes(feeds: Dict[str, object], wanted: Dict[str, Tuple[int, ...]]) -> bool:

@@ -129,6 +129,25 @@ class StageContext:
         onnx.save(model, str(traced))
         return traced
 
+    def served_inputs(self) -> List[dict]:
+        """convert's inputs for runtime.yaml, where a dynamic input without a range is fed at
+        one shape by every calibration and validation sample (a detector exported with dynamic
+        axes, served at 320x320) given that shape as ``served``: the backends compile a static
+        copy for it as for a range's opt (shapes.opt_shapes); the dims stay dynamic."""
+        from pipeline import shapes
+
+        inputs = [dict(spec) for spec in self.converted().inputs]
+        undecided = [spec["name"] for spec in inputs if 0 in spec["shape"] and not spec.get("range")]
+        if not undecided:
+            return inputs
+        data = self.dataset()
+        found = shapes.of_samples((s.feeds for part in (data.calibration, data.validation) for s in part), undecided)
+        for spec in inputs:
+            one = found.get(spec["name"])
+            if one is not None and one.min == one.max:
+                spec["served"] = list(one.opt)
+        return inputs
+
     def build_into(self, folder: Path, backend: ModuleType, precision: str, model: Optional[Path],
                    ir_dir: Optional[Path] = None, own_float_ops: Optional[List[str]] = None,
                    dynamic: bool = False) -> Tuple[dict, Optional[dict]]:
@@ -142,7 +161,7 @@ class StageContext:
         from pipeline import shapes
         from pipeline.backends import artifact
 
-        signature = {"inputs": self.converted().inputs, "outputs": self.converted().outputs}
+        signature = {"inputs": self.served_inputs(), "outputs": self.converted().outputs}
         if own_float_ops is not None:
             quantizer = artifact.OwnQuantizer([sample.feeds for sample in self.dataset().calibration],
                                               self.cfg.calibration.method.value, own_float_ops)

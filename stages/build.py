@@ -55,6 +55,8 @@ def key_config(cfg):
             if _wants_masks(cfg, backend) or backends.own_quantizer(backend, precision.kind) else None,
             # a converter tracing at fixed shapes takes a range the data decides from the samples
             "traced_at": cfg.data if backend.CAPABILITIES.traces_at_shapes else None,
+            # runtime.yaml's served shapes: a dynamic input the data feeds at one shape (served_inputs)
+            "served_at": cfg.data,
             # a compile cache is made for this machine's CPU (pipeline/release/compile_cache.py)
             "machine": environment.fingerprint() if backend.CAPABILITIES.compile_cache else None,
             # verify's baselines, made here where verify runs (none: the key stays as it was)

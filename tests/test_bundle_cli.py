@@ -285,7 +285,7 @@ def test_parity_bundle_and_parity_release_start_without_hydra_or_omegaconf():
     assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stdout + imported.stderr
 
 
-@pytest.mark.parametrize("written,readable", [(1, True), (None, True), (2, False), ("1", False)])
+@pytest.mark.parametrize("written,readable", [(1, True), (None, True), (2, True), (3, False), ("1", False)])
 def test_runtime_yaml_of_a_newer_layout_is_refused(ort_bundle, written, readable, tmp_path):
     """runtime.yaml carries its layout's version (format); a loader reads its own and older
     (none written: the first), and refuses a newer one in one line."""
@@ -294,7 +294,7 @@ def test_runtime_yaml_of_a_newer_layout_is_refused(ort_bundle, written, readable
     from pipeline.release.bundle import runtime_settings
 
     settings = yaml.safe_load((ort_bundle / "runtime.yaml").read_text())
-    assert settings["format"] == RUNTIME_FORMAT == 1 and "graph_optimization_level" in settings["options"]
+    assert settings["format"] == RUNTIME_FORMAT == 2 and "graph_optimization_level" in settings["options"]
     settings.pop("format")
     if written is not None:
         settings["format"] = written
@@ -302,5 +302,5 @@ def test_runtime_yaml_of_a_newer_layout_is_refused(ort_bundle, written, readable
     if readable:
         assert runtime_settings(tmp_path)["backend"] == "onnxruntime"
     else:
-        with pytest.raises(InputError, match=r"runtime.yaml format .*; this parity reads format 1 and older"):
+        with pytest.raises(InputError, match=r"runtime.yaml format .*; this parity reads format 2 and older"):
             runtime_settings(tmp_path)

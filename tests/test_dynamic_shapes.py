@@ -175,6 +175,34 @@ def test_ncnn_without_a_range_is_traced_at_the_data_s_range(tmp_path, small):
     assert min(g["outputs"]["y"]["cosine"] for g in read_report(run_dir)["verify"]["shapes"]) > 0.9999
 
 
+@pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
+def test_a_dynamic_input_fed_at_one_shape_runs_a_static_copy_and_takes_any(tmp_path, small, target):
+    """No range, and every sample at one shape (a detector exported with dynamic axes, served
+    at one size): runtime.yaml records that shape as served, the build runs a static copy
+    compiled for it, and the bundle still takes another shape (its dims stay dynamic)."""
+    data = tmp_path / "data"
+    for split, count in (("calibration", 4), ("validation", 4)):
+        (data / split).mkdir(parents=True)
+        for index in range(count):
+            np.save(data / split / f"{index}.npy", np.random.default_rng(index).random((1, 3, 24, 40), np.float32))
+    result = run_cli([f"model.path={small}", f"data.path={data}", "metric=none", f"target={target}",
+                      "precision=int8", "validation.timing_rounds=3"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    assert read_report(run_dir)["verify"]["effective"]["static_copy_at"] == {"x": "1x3x24x40"}
+    bundle = single_bundle(run_dir)
+    import yaml
+
+    spec = yaml.safe_load((bundle / "runtime.yaml").read_text())["inputs"][0]
+    assert spec["served"] == [1, 3, 24, 40] and spec["range"] is None and spec["shape"] == [1, 3, 0, 0]
+    np.save(tmp_path / "other.npy", np.random.default_rng(9).random((1, 3, 32, 16), np.float32))
+    other = run_cli(["run", bundle, "--input", tmp_path / "other.npy", "--output", tmp_path / "out.npz"],
+                    tmp_path, program="parity-bundle")
+    assert other.returncode == 0, other.stdout + other.stderr
+    with np.load(tmp_path / "out.npz") as written:
+        assert written["y"].shape == (1, 4, 32, 16)
+
+
 # --- the real PP-OCRv4 models from the wheel, unchanged -----------------------------------------
 
 def _pages(folder: Path, count: int, seed: int) -> None:

@@ -18,7 +18,8 @@ RUNTIME = "runtime.yaml"
 # runtime.yaml's layout: what a loader gives the runtime (backend, device, model files, the
 # session options under ``options``, inputs, outputs), apart from what parity records about
 # the build (manifest.json, the reports). A loader refuses a layout newer than it knows.
-RUNTIME_FORMAT = 1
+# 2: an input may carry ``served``, the one shape the data fed a dynamic input without a range.
+RUNTIME_FORMAT = 2
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ class TensorSpec:
     batch_axis: Optional[int] = 0
     # a dynamic input's {min, opt, max} (pipeline.shapes); None: fixed, or the data decides
     range: Optional[dict] = None
+    # a dynamic input without a range that the data fed at one shape: that shape (runtime.yaml;
+    # backends compile a static copy for it, StageContext.served_inputs)
+    served: Optional[List[int]] = None
 
     @property
     def dynamic(self) -> bool:
