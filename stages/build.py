@@ -18,7 +18,7 @@ from pipeline.release import compile_cache
 from pipeline.artifacts import hash_files, read_json, sha256_file, write_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.precision.passthrough import float_neighbours, fold_relus
+from pipeline.precision.passthrough import fold_relus
 from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
                                         int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
@@ -380,7 +380,7 @@ def _quantize(ctx: StageContext):
     if folded:  # verify's advice derives models with ops back in float from the unfolded one
         quantized.replace(ctx.out_dir / UNFOLDED_QDQ)
         onnx.save(model, str(quantized))
-    beside = sorted(float_neighbours(prepared, keep_float, settings.passthrough_ops) - set(keep_float))
+    beside = sorted(settings.float_neighbours(prepared, keep_float) - set(keep_float))
     settings = {**settings.describe(), "float_ops": keep_float, "passthrough_float": beside,
                 "keep_float_not_found": unknown,
                 "backend_float_ops": by_backend, "slower_in_int8": slower,

@@ -44,6 +44,10 @@ class Capabilities:
     # parity's Q/DQ model surrounds them (precision.passthrough_ops=null): ONNX Runtime's
     # uint8 MaxPool and Resize, QLinearConcat, a Relu folded into the Q before it
     qdq_passthrough: Tuple[str, ...] = ()
+    # SiLU (x * Sigmoid(x) after a quantized op) run on quantized tensors when parity's Q/DQ
+    # model surrounds its Sigmoid and Mul with their own ranges (precision.quantize_swish=null):
+    # ONNX Runtime's QLinearSigmoid and QLinearMul
+    qdq_swish: bool = False
     # int8 with activations quantized per call at run time (precision.activation_ranges=dynamic):
     # build gets parity's dynamic model (pipeline/precision/dynamic.py: int8 weights, the
     # runtime's DynamicQuantizeLinear -> MatMulInteger / ConvInteger), no calibration

@@ -299,6 +299,11 @@ class PrecisionConfig:
     # instead of dequantizing and requantizing at each; never a decision of the mixed search.
     # null: per backend (ONNX Runtime with uint8 activations: those four; docs/calibration.md).
     passthrough_ops: Optional[List[str]] = None
+    # SiLU / Swish activations (x * Sigmoid(x), x made by a quantized op: YOLO's) quantized
+    # too, Sigmoid and Mul each with its own calibrated range, so that int8 flows from one
+    # convolution to the next; other Sigmoids and Muls (a detector's decode) stay float.
+    # null: per backend (ONNX Runtime with quantized outputs; docs/calibration.md).
+    quantize_swish: Optional[bool] = None
     # Also quantize MatMuls whose two inputs are activations (attention's Q K^T and
     # probabilities x V); false keeps them float, as NNCF's and ONNX Runtime's transformer
     # handling does (docs/calibration.md: Transformers).

@@ -7,7 +7,7 @@ float takes the pass-through ops next to it along (float_neighbours)."""
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -22,11 +22,44 @@ def passthrough_for(precision, capabilities, outputs_quantized: bool) -> Tuple[s
     return tuple(capabilities.qdq_passthrough) if outputs_quantized and unsigned else ()
 
 
+SWISH_OPS = ("Sigmoid", "Mul")
+
+
+def swish_ops(model, quantize_ops, table: Optional[Dict[str, dict]] = None) -> List[str]:
+    """The Sigmoid and the Mul of each x * Sigmoid(x) whose x an op of ``quantize_ops`` makes
+    (YOLO's SiLU after every Conv), where ``table`` has ranges for x, the Sigmoid's output and
+    the product (all of them without a table); nothing where ``quantize_ops`` names Sigmoid or
+    Mul itself (the user's own placement). ONNX Runtime runs the pair as QLinearSigmoid and
+    QLinearMul; left float, each costs a dequantize and a quantize between two convolutions
+    (the YOLOv8n-architecture detector: int8 1.43x fp32 with them float, 1.66x quantized)."""
+    if set(SWISH_OPS) & set(quantize_ops):
+        return []
+    producer = {out: node for node in model.graph.node for out in node.output}
+    found: List[str] = []
+    for mul in model.graph.node:
+        if mul.op_type != "Mul" or len(mul.input) != 2:
+            continue
+        for x, gate in (tuple(mul.input), tuple(mul.input)[::-1]):
+            sigmoid, made = producer.get(gate), producer.get(x)
+            if sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.input[0] == x \
+                    and made is not None and made.op_type in quantize_ops \
+                    and (table is None or all(name in table for name in (x, gate, mul.output[0]))):
+                found += [sigmoid.name, mul.name]
+                break
+    return found
+
+
 def quantizer_inputs(model, table: Dict[str, dict], quantize_ops, passthrough_ops, keep_float: List[str],
-                     options: dict) -> Tuple[Dict[str, dict], List[str], List[str]]:
+                     options: dict, swish: bool = False) -> Tuple[Dict[str, dict], List[str], List[str]]:
     """(the table, the op types to quantize, the ops to exclude) ONNX Runtime's quantizer gets;
-    ``options`` (its extra_options) updated in place."""
+    ``options`` (its extra_options) updated in place. ``swish``: the SiLU ops whose tensors
+    the table has are quantized too, every other Sigmoid and Mul excluded."""
     op_types = list(quantize_ops)
+    quantized = [name for name in swish_ops(model, quantize_ops, table) if name not in keep_float] if swish else []
+    if quantized:
+        op_types += [t for t in SWISH_OPS if t not in op_types]
+        keep_float = [*keep_float, *(node.name for node in model.graph.node if node.op_type in SWISH_OPS
+                                     and node.name not in quantized and node.name not in keep_float)]
     if not passthrough_ops:
         return table, op_types, list(keep_float)
     table, unresolved = passthrough_ranges(model, table, passthrough_ops)
@@ -54,14 +87,14 @@ def _float_relus_ranges(model, table: Dict[str, dict], keep_float: Iterable[str]
     return table
 
 
-def float_neighbours(model, float_ops: Iterable[str], passthrough_ops: Iterable[str]) -> set:
-    """``float_ops`` with the pass-through ops next to them, and next to those, in float too.
-    A quantized Relu, MaxPool or Concat beside a float op keeps its Q/DQ at the int8 scale, so
-    keeping the op float removed little error: on the real-size segmenter the fused logits'
-    Conv and the search's top 4 ops float gave map IoU 0.975 of fp32's with their neighbours
-    int8 and 0.986 with them float (docs/time.md)."""
-    chosen, passing = set(float_ops), set(passthrough_ops)
-    if not chosen or not passing:
+def float_neighbours(model, float_ops: Iterable[str], passthrough_ops: Iterable[str], swish: Iterable[str] = ()) -> set:
+    """``float_ops`` with the pass-through ops next to them, and next to those, in float too
+    (and the quantized SiLU ops named in ``swish``). A quantized Relu, MaxPool or Concat
+    beside a float op keeps its Q/DQ at the int8 scale, so keeping the op float removed little
+    error: on the real-size segmenter the fused logits' Conv and the search's top 4 ops float
+    gave map IoU 0.975 of fp32's with their neighbours int8 and 0.986 with them float (docs/time.md)."""
+    chosen, passing, swish = set(float_ops), set(passthrough_ops), set(swish)
+    if not chosen or not (passing or swish):
         return chosen
     producer = {out: node for node in model.graph.node for out in node.output}
     readers: Dict[str, list] = {}
@@ -75,18 +108,19 @@ def float_neighbours(model, float_ops: Iterable[str], passthrough_ops: Iterable[
         near = [producer[name] for name in node.input if name in producer] + \
                [reader for out in node.output for reader in readers.get(out, [])]
         for other in near:
-            if other.op_type in passing and other.name not in chosen:
+            if (other.op_type in passing or other.name in swish) and other.name not in chosen:
                 chosen.add(other.name)
                 todo.append(other)
     return chosen
 
 
-def int8_after(graph, producer: dict, quantize_ops, passthrough_ops, float_ops: set) -> set:
+def int8_after(graph, producer: dict, quantize_ops, passthrough_ops, float_ops: set, swish: Iterable[str] = ()) -> set:
     """The ops still int8 once ``float_ops`` are float, as the quantizer decides it: an op of
-    ``quantize_ops`` unless named; a pass-through op it quantized in the all-int8 model
-    (reads a DequantizeLinear) unless named, a Relu, MaxPool or Resize only while the op making
-    its input is still int8 (ONNX Runtime quantizes those only behind a quantized tensor), in
-    graph order."""
+    ``quantize_ops`` unless named; a SiLU op of ``swish`` or a pass-through op it quantized in
+    the all-int8 model (reads a DequantizeLinear) unless named, a Relu, MaxPool or Resize only
+    while the op making its input is still int8 (ONNX Runtime quantizes those only behind a
+    quantized tensor), in graph order."""
+    swish = set(swish)
     in_int8 = set()
 
     def source(name: str):  # the op making ``name``, through a Q -> DQ pair
@@ -97,8 +131,9 @@ def int8_after(graph, producer: dict, quantize_ops, passthrough_ops, float_ops: 
         return node
 
     for node in graph.node:
-        if node.op_type in quantize_ops:
-            if node.name not in float_ops:
+        if node.op_type in quantize_ops or node.name in swish:
+            dequantized = any(getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input)
+            if node.name not in float_ops and (node.op_type in quantize_ops or dequantized):
                 in_int8.add(node.name)
         elif node.op_type in passthrough_ops and node.name not in float_ops and any(
                 getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input):

@@ -12,7 +12,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from pipeline import backends
-from pipeline.precision.passthrough import float_neighbours, int8_after, passthrough_for, quantizer_inputs
+from pipeline.precision.gemm_bias import flatten_gemm_bias, gemm_bias_fixes  # noqa: F401 - re-exported
+from pipeline.precision.passthrough import float_neighbours, int8_after, passthrough_for, quantizer_inputs, swish_ops
 from pipeline.errors import InputError, first_line
 
 RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
@@ -99,6 +100,8 @@ class QdqSettings:
     activation_matmuls: bool = True
     # op types given Q/DQ around them only so that int8 flows through (passthrough_ranges)
     passthrough_ops: Tuple[str, ...] = ()
+    # SiLU's Sigmoid and Mul after a quantized op quantized too (passthrough.swish_ops)
+    swish: bool = False
 
     def quantizes_output(self, op_type: str) -> bool:
         """Whether an int8 op of this type gets a Q/DQ pair on its output."""
@@ -117,9 +120,20 @@ class QdqSettings:
             outputs = backends.capabilities(backend).qdq_placement != "inputs"
         # null: MatMul outputs float (FLOAT_OUTPUT_OPS); true: every quantized op's output
         float_outputs = FLOAT_OUTPUT_OPS if precision.quantize_outputs is None and outputs else ()
+        swish = precision.quantize_swish
+        if swish is None:
+            swish = backends.capabilities(backend).qdq_swish and outputs
         return cls(precision.activations.value, precision.per_channel, reduce_range,
                    tuple(precision.quantize_ops), outputs, float_outputs, precision.quantize_activation_matmuls,
-                   passthrough_for(precision, backends.capabilities(backend), outputs))
+                   passthrough_for(precision, backends.capabilities(backend), outputs), swish)
+
+    def swish_ops(self, model) -> List[str]:
+        """The model's SiLU ops these settings quantize (passthrough.swish_ops), or none."""
+        return swish_ops(model, self.quantize_ops) if self.swish else []
+
+    def float_neighbours(self, model, float_ops: Iterable[str]) -> set:
+        """``float_ops`` with the pass-through and SiLU ops beside them (passthrough.float_neighbours)."""
+        return float_neighbours(model, float_ops, self.passthrough_ops, self.swish_ops(model))
 
     def describe(self) -> dict:
         return {"weights": "int8 symmetric, " + ("per channel" if self.per_channel else "per tensor"),
@@ -131,7 +145,8 @@ class QdqSettings:
                    else {}),
                 **({} if self.activation_matmuls or "MatMul" not in self.quantize_ops
                    else {"activation_matmuls": "float (precision.quantize_activation_matmuls)"}),
-                **({"passthrough_ops": list(self.passthrough_ops)} if self.passthrough_ops else {})}
+                **({"passthrough_ops": list(self.passthrough_ops)} if self.passthrough_ops else {}),
+                **({"swish": "quantized (SiLU's Sigmoid and Mul after a quantized op)"} if self.swish else {})}
 
 
 def _is_depthwise(node, weights: Dict[str, tuple]) -> bool:
@@ -215,49 +230,6 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings
             for node, _, old, size in gemm_bias_fixes(prepared)] if settings.per_channel else []
 
 
-def gemm_bias_fixes(model) -> List[tuple]:
-    """Gemm ops whose bias C is an initializer of shape (1, N), (1, 1), (1,) or () with the
-    weight an initializer: (op name, bias name, old shape, N). C is broadcast to (M, N), so
-    a C with one row is the same as the (N,) vector, the one shape ONNX Runtime's
-    quantizer handles with per-channel weights (it raises on the others, ORT 1.31)."""
-    initializers = {t.name: t for t in model.graph.initializer}
-    found = []
-    for node in model.graph.node:
-        if node.op_type != "Gemm" or len(node.input) < 3 or node.input[1] not in initializers \
-                or node.input[2] not in initializers:
-            continue
-        dims = list(initializers[node.input[2]].dims)
-        transposed = any(a.name == "transB" and a.i for a in node.attribute)
-        weight = list(initializers[node.input[1]].dims)
-        columns = weight[0] if transposed else weight[-1]
-        one_row = (len(dims) == 2 and dims[0] == 1 and dims[1] in (1, columns)) or dims in ([], [1])
-        if one_row and len(weight) == 2 and dims != [columns]:
-            found.append((node.name, node.input[2], dims, columns))
-    return found
-
-
-def flatten_gemm_bias(model) -> None:
-    """Rewrite the biases gemm_bias_fixes finds as (N,) vectors, in place (a bias another
-    node also reads gets a copy of its own)."""
-    from onnx import numpy_helper
-
-    initializers = {t.name: t for t in model.graph.initializer}
-    readers: Dict[str, int] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    nodes = {node.name: node for node in model.graph.node}
-    for op, bias, _, columns in gemm_bias_fixes(model):
-        values = numpy_helper.to_array(initializers[bias]).reshape(-1)
-        name = bias if readers[bias] == 1 else f"{bias}_{op}_vector"
-        flat = numpy_helper.from_array(np.broadcast_to(values, (columns,)).copy(), name)
-        if name == bias:
-            initializers[bias].CopyFrom(flat)
-        else:
-            model.graph.initializer.append(flat)
-        nodes[op].input[2] = name
-
-
 FLOAT_TYPES = (1, 10, 11, 16)  # ONNX FLOAT, FLOAT16, DOUBLE, BFLOAT16
 
 
@@ -290,13 +262,12 @@ class MixedModels:
         self._all_int8 = None
 
     def build(self, keep_float: Iterable[str] = ()):
-        keep_float = sorted(float_neighbours(self.prepared, set(keep_float) | set(self.always_float),
-                                             self.settings.passthrough_ops))
+        keep_float = sorted(self.settings.float_neighbours(self.prepared, set(keep_float) | set(self.always_float)))
         if keep_float and not set(self.settings.quantize_ops) <= set(WEIGHTED_OPS):
             return quantize_static_qdq(self.prepared, self.table, self.settings, keep_float)
         if self._all_int8 is None:
             self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings, sorted(
-                float_neighbours(self.prepared, self.always_float, self.settings.passthrough_ops)))
+                self.settings.float_neighbours(self.prepared, self.always_float)))
         return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings)
 
 
@@ -376,7 +347,7 @@ def _run_quantizer(source, table: Dict[str, dict], settings: QdqSettings, keep_f
     elif settings.float_output_ops:
         options["OpTypesToExcludeOutputQuantization"] = list(settings.float_output_ops)
     table, op_types, keep_float = quantizer_inputs(source, table, settings.quantize_ops, settings.passthrough_ops,
-                                                   keep_float, options)
+                                                   keep_float, options, settings.swish)
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache, model_in, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
         write_ort_cache(table, settings.activations, cache)
@@ -448,7 +419,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
     of a second on PP-OCR, and the selection in stages/sensitivity.py measures dozens."""
     import onnx
 
-    float_ops = float_neighbours(prepared, float_ops, settings.passthrough_ops)
+    float_ops = settings.float_neighbours(prepared, float_ops)
     model = onnx.ModelProto()
     model.CopyFrom(quantized)
     if not float_ops:
@@ -461,7 +432,8 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
         raise KeyError(f"no op named {absent[0]!r} in the quantized model")
     weights = {init.name: init for init in prepared.graph.initializer}
     producer = {out: node for node in graph.node for out in node.output}
-    in_int8 = int8_after(graph, producer, settings.quantize_ops, settings.passthrough_ops, float_ops)
+    in_int8 = int8_after(graph, producer, settings.quantize_ops, settings.passthrough_ops, float_ops,
+                         settings.swish_ops(prepared))
 
     restored = []  # (node, input index, float initializer name): set once their DQ is gone
     for name in float_ops:
