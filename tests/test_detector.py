@@ -63,6 +63,15 @@ def test_a_detector_goes_through_every_stage_and_is_judged_by_its_boxes(detector
     assert all(at50_95[build] <= at50[build] for build in ("reference", "target")), task["extras"]
     assert [stage["stage"] for stage in report["stages"]][:4] == ["convert", "calibrate", "sensitivity", "build"]
     assert report["build"]["quantization"]["int8_ops"] > 50
+    # every SiLU after a convolution runs int8 on ONNX Runtime; the decode's Sigmoid and Muls stay float
+    assert report["build"]["quantization"]["swish"].startswith("quantized")
+    model = onnx.load(str(single_bundle(run_dir) / "model.onnx"))
+    producer = {out: node.op_type for node in model.graph.node for out in node.output}
+    int8_sigmoids = [node.name for node in model.graph.node
+                     if node.op_type == "Sigmoid" and producer.get(node.input[0]) == "DequantizeLinear"
+                     and any(reader.op_type == "QuantizeLinear" for reader in model.graph.node
+                             if node.output[0] in reader.input)]
+    assert len(int8_sigmoids) == 57 and "/model.22/Sigmoid" not in int8_sigmoids, len(int8_sigmoids)
     # boxes in pixels beside scores in 0..1: each group of like rows judged apart, the worst gated
     (output,) = report["verify"]["outputs"]
     metrics = output["metrics"]
