@@ -306,7 +306,11 @@ def test_silu_after_a_quantized_conv_runs_int8_and_the_decode_stays_float():
 
     model = _silu_model()
     assert swish_ops(model, ("Conv",)) == ["sig1", "silu1", "sig2", "silu2"]
-    assert swish_ops(model, ("Conv", "Sigmoid", "Mul")) == []  # the user's own placement rules
+    assert QdqSettings(swish=True).swish_ops(model) == ["sig1", "silu1", "sig2", "silu2"]
+    mine = QdqSettings(quantize_ops=("Conv", "Sigmoid", "Mul"), swish=True)
+    assert mine.swish_ops(model) == []  # the user's own placement rules
+    # a SiLU after an op whose output stays float (a SwiGLU's gate MatMul) stays float too
+    assert QdqSettings(quantize_ops=("MatMul",), float_output_ops=("MatMul",), swish=True).swish_after == ()
     feeds = {"x": np.random.default_rng(4).normal(0, 1, (1, 3, 16, 16)).astype(np.float32)}
     table = _table(model, feeds)
     settings = QdqSettings(passthrough_ops=PASSTHROUGH, swish=True)

@@ -25,14 +25,15 @@ def passthrough_for(precision, capabilities, outputs_quantized: bool) -> Tuple[s
 SWISH_OPS = ("Sigmoid", "Mul")
 
 
-def swish_ops(model, quantize_ops, table: Optional[Dict[str, dict]] = None) -> List[str]:
-    """The Sigmoid and the Mul of each x * Sigmoid(x) whose x an op of ``quantize_ops`` makes
-    (YOLO's SiLU after every Conv), where ``table`` has ranges for x, the Sigmoid's output and
-    the product (all of them without a table); nothing where ``quantize_ops`` names Sigmoid or
-    Mul itself (the user's own placement). ONNX Runtime runs the pair as QLinearSigmoid and
-    QLinearMul; left float, each costs a dequantize and a quantize between two convolutions
-    (the YOLOv8n-architecture detector: int8 1.43x fp32 with them float, 1.66x quantized)."""
-    if set(SWISH_OPS) & set(quantize_ops):
+def swish_ops(model, made_by: Iterable[str], table: Optional[Dict[str, dict]] = None) -> List[str]:
+    """The Sigmoid and the Mul of each x * Sigmoid(x) whose x an op of the types ``made_by``
+    makes (YOLO's SiLU after every Conv; QdqSettings.swish_after), where ``table`` has ranges for
+    x, the Sigmoid's output and the product (all of them without a table). ONNX Runtime runs
+    the pair as QLinearSigmoid and QLinearMul; left float, each costs a dequantize and a
+    quantize between two convolutions (the YOLOv8n-architecture detector: int8 1.43x fp32
+    with them float, 1.54x quantized)."""
+    made_by = set(made_by)
+    if not made_by:
         return []
     producer = {out: node for node in model.graph.node for out in node.output}
     found: List[str] = []
@@ -42,7 +43,7 @@ def swish_ops(model, quantize_ops, table: Optional[Dict[str, dict]] = None) -> L
         for x, gate in (tuple(mul.input), tuple(mul.input)[::-1]):
             sigmoid, made = producer.get(gate), producer.get(x)
             if sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.input[0] == x \
-                    and made is not None and made.op_type in quantize_ops \
+                    and made is not None and made.op_type in made_by \
                     and (table is None or all(name in table for name in (x, gate, mul.output[0]))):
                 found += [sigmoid.name, mul.name]
                 break
@@ -50,12 +51,13 @@ def swish_ops(model, quantize_ops, table: Optional[Dict[str, dict]] = None) -> L
 
 
 def quantizer_inputs(model, table: Dict[str, dict], quantize_ops, passthrough_ops, keep_float: List[str],
-                     options: dict, swish: bool = False) -> Tuple[Dict[str, dict], List[str], List[str]]:
+                     options: dict, swish_after: Iterable[str] = ()) -> Tuple[Dict[str, dict], List[str], List[str]]:
     """(the table, the op types to quantize, the ops to exclude) ONNX Runtime's quantizer gets;
-    ``options`` (its extra_options) updated in place. ``swish``: the SiLU ops whose tensors
-    the table has are quantized too, every other Sigmoid and Mul excluded."""
+    ``options`` (its extra_options) updated in place. ``swish_after``: the SiLU ops after
+    these op types whose tensors the table has are quantized too, every other Sigmoid and Mul
+    excluded."""
     op_types = list(quantize_ops)
-    quantized = [name for name in swish_ops(model, quantize_ops, table) if name not in keep_float] if swish else []
+    quantized = [name for name in swish_ops(model, swish_after, table) if name not in keep_float]
     if quantized:
         op_types += [t for t in SWISH_OPS if t not in op_types]
         keep_float = [*keep_float, *(node.name for node in model.graph.node if node.op_type in SWISH_OPS

@@ -13,7 +13,8 @@ import numpy as np
 
 from pipeline import backends
 from pipeline.precision.gemm_bias import flatten_gemm_bias, gemm_bias_fixes  # noqa: F401 - re-exported
-from pipeline.precision.passthrough import float_neighbours, int8_after, passthrough_for, quantizer_inputs, swish_ops
+from pipeline.precision.passthrough import (SWISH_OPS, float_neighbours, int8_after, passthrough_for, quantizer_inputs,
+                                           swish_ops)
 from pipeline.errors import InputError, first_line
 
 RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
@@ -127,9 +128,18 @@ class QdqSettings:
                    tuple(precision.quantize_ops), outputs, float_outputs, precision.quantize_activation_matmuls,
                    passthrough_for(precision, backends.capabilities(backend), outputs), swish)
 
+    @property
+    def swish_after(self) -> Tuple[str, ...]:
+        """The quantized op types whose SiLU is quantized too: those whose outputs are (a
+        SwiGLU's gate MatMul keeps its float output, FLOAT_OUTPUT_OPS); none where swish is off
+        or quantize_ops names Sigmoid or Mul itself (the user's own placement)."""
+        if not self.swish or set(SWISH_OPS) & set(self.quantize_ops):
+            return ()
+        return tuple(t for t in self.quantize_ops if self.quantizes_output(t))
+
     def swish_ops(self, model) -> List[str]:
-        """The model's SiLU ops these settings quantize (passthrough.swish_ops), or none."""
-        return swish_ops(model, self.quantize_ops) if self.swish else []
+        """The model's SiLU ops these settings quantize (passthrough.swish_ops)."""
+        return swish_ops(model, self.swish_after)
 
     def float_neighbours(self, model, float_ops: Iterable[str]) -> set:
         """``float_ops`` with the pass-through and SiLU ops beside them (passthrough.float_neighbours)."""
@@ -347,7 +357,7 @@ def _run_quantizer(source, table: Dict[str, dict], settings: QdqSettings, keep_f
     elif settings.float_output_ops:
         options["OpTypesToExcludeOutputQuantization"] = list(settings.float_output_ops)
     table, op_types, keep_float = quantizer_inputs(source, table, settings.quantize_ops, settings.passthrough_ops,
-                                                   keep_float, options, settings.swish)
+                                                   keep_float, options, settings.swish_after)
     with tempfile.TemporaryDirectory(prefix="parity-qdq-") as scratch:
         cache, model_in, out = (Path(scratch) / name for name in ("ranges.json", "prepared.onnx", "quantized.onnx"))
         write_ort_cache(table, settings.activations, cache)
