@@ -149,6 +149,14 @@ def opt_shapes(inputs: Sequence[dict]) -> Dict[str, Tuple[int, ...]]:
     return found
 
 
+def served_shapes(inputs: Sequence[dict]) -> Dict[str, Tuple[int, ...]]:
+    """runtime.yaml's served shapes, where no input has a range: {input: the one shape the data
+    fed it} (a backend may compile the model at these shapes and the dynamic one on demand)."""
+    if any(spec.get("range") for spec in inputs):
+        return {}
+    return {spec["name"]: tuple(int(d) for d in spec["served"]) for spec in inputs if spec.get("served")}
+
+
 def at_shapes(feeds: Dict[str, object], wanted: Dict[str, Tuple[int, ...]]) -> bool:
     return all(tuple(getattr(feeds.get(name), "shape", ())) == shape for name, shape in wanted.items())
 

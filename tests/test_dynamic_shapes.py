@@ -201,6 +201,14 @@ def test_a_dynamic_input_fed_at_one_shape_runs_a_static_copy_and_takes_any(tmp_p
     assert other.returncode == 0, other.stdout + other.stderr
     with np.load(tmp_path / "out.npz") as written:
         assert written["y"].shape == (1, 4, 32, 16)
+    if target == "openvino_cpu":  # the dynamic model is compiled only when another shape comes
+        from pipeline.release.bundle import open_session
+
+        session, _ = open_session(bundle)
+        served = np.random.default_rng(1).random((1, 3, 24, 40), np.float32)
+        assert session.run({"x": served})["y"].shape == (1, 4, 24, 40) and session._dynamic is None
+        assert session.run({"x": np.ones((1, 3, 8, 8), np.float32)})["y"].shape == (1, 4, 8, 8)
+        assert session._dynamic is not None
 
 
 # --- the real PP-OCRv4 models from the wheel, unchanged -----------------------------------------

@@ -128,21 +128,30 @@ def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> Non
     import openvino as ov
 
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(str(Path(artifact_dir) / settings["model"])),
-                                  settings.get("device", "CPU"), compile_config(settings.get("options", {})))
+    model = core.read_model(str(Path(artifact_dir) / settings["model"]))
+    served = shapes.served_shapes(settings.get("inputs", []))
+    if served:  # what the loader compiles first (Session)
+        model.reshape({name: list(shape) for name, shape in served.items()})
+    compiled = core.compile_model(model, settings.get("device", "CPU"), compile_config(settings.get("options", {})))
     (folder / BLOB).write_bytes(compiled.export_model().getvalue())
 
 
 class Session:
     def __init__(self, model_path: Path, device: str, options: dict, output_names: List[str],
                  cache_dir: Optional[Path] = None, cache_status: str = "none",
-                 opt_shapes: Optional[Dict[str, Tuple[int, ...]]] = None):
+                 opt_shapes: Optional[Dict[str, Tuple[int, ...]]] = None,
+                 served: Optional[Dict[str, Tuple[int, ...]]] = None):
+        """``opt_shapes``: a range's opt, compiled as a second, static copy beside the dynamic
+        model; ``served``: the one shape the data fed a dynamic model without a range, compiled
+        static as the model itself, the dynamic one only when another shape comes (its memory
+        and compile time are paid only then)."""
         import openvino as ov
 
         core = ov.Core()
         self._memory = "low" if memory_low(options) else "default"
         options = compile_config(options)
         self._core, self._model_path, self._device, self._options = core, Path(model_path), device, dict(options)
+        self._served, self._dynamic = served or None, None
         self._compiled, model = None, None
         if cache_dir is not None:
             try:
@@ -151,7 +160,7 @@ class Session:
             except Exception as err:  # noqa: BLE001 - a blob this runtime rejects: compile instead
                 cache_status = f"miss: OpenVINO rejected the cached blob ({first_line(err)})"
         if self._compiled is None:
-            model = core.read_model(str(model_path))
+            model = self._read()
             self._compiled = core.compile_model(model, device, dict(options))
         self._cache_status = cache_status
         self._probe = None
@@ -171,10 +180,29 @@ class Session:
         compiled = self._core.compile_model(model, self._device, dict(self._options))
         return opt_shapes, compiled.create_infer_request(), list(compiled.outputs)
 
+    def _read(self):
+        """The IR, at the served shapes where there are."""
+        model = self._core.read_model(str(self._model_path))
+        if self._served:
+            model.reshape({name: list(shape) for name, shape in self._served.items()})
+        return model
+
+    def _dynamic_model(self):
+        """(request, output ports) of the dynamic model, compiled on its first use."""
+        if self._dynamic is None:
+            compiled = self._core.compile_model(self._core.read_model(str(self._model_path)), self._device,
+                                                dict(self._options))
+            self._dynamic = (compiled.create_infer_request(), list(compiled.outputs))
+        return self._dynamic
+
     def run(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         if self._at_opt is not None and shapes.at_shapes(feeds, self._at_opt[0]):
             result = self._at_opt[1].infer(feeds)
             return {name: np.array(result[port]) for name, port in zip(self.outputs, self._at_opt[2])}
+        if self._served and not shapes.at_shapes(feeds, self._served):
+            request, ports = self._dynamic_model()
+            result = request.infer(feeds)
+            return {name: np.array(result[port]) for name, port in zip(self.outputs, ports)}
         result = self._request.infer(feeds)
         return {name: np.array(result[port]) for name, port in zip(self.outputs, self._compiled.outputs)}
 
@@ -184,7 +212,7 @@ class Session:
         outputs keep the tensors alive, which can stop some fusions around them."""
         from pipeline.backends.tensor_names import onnx_name
 
-        model = self._core.read_model(str(self._model_path))
+        model = self._read()
         ports, tensors = {}, set()
         for port, name in _activation_ports(model):
             base = onnx_name(name)
@@ -215,7 +243,7 @@ class Session:
 
         from pipeline import profiling
 
-        model = self._core.read_model(str(self._model_path))
+        model = self._read()
         compiled = self._core.compile_model(model, self._device, {**self._options, "PERF_COUNT": True})
         request = compiled.create_infer_request()
         timer, wall, plan = profiling.Timer(), 0.0, profiling.Runs(runs, warmup, budget_s)
@@ -255,6 +283,8 @@ class Session:
                                      "memory": self._memory}}
         if self._at_opt is not None:  # a dynamic model: the static copy compiled at the range's opt
             found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._at_opt[0].items()}
+        if self._served:  # compiled at the served shape; the dynamic model on demand
+            found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._served.items()}
         note = self._hint_note(read_back, precision, found["layers"])
         return {**found, "note": note} if note else found
 
@@ -336,9 +366,11 @@ def load(artifact_dir: Path, settings: dict) -> Session:
 
     outputs = [o["name"] for o in settings.get("outputs", [])]
     folder, status = compile_cache.usable(artifact_dir, settings, NAME, versions())
+    inputs = settings.get("inputs", [])
+    served = shapes.served_shapes(inputs)
     return Session(Path(artifact_dir) / settings["model"], settings.get("device", "CPU"),
                    settings.get("options", {}), outputs, cache_dir=folder, cache_status=status,
-                   opt_shapes=shapes.opt_shapes(settings.get("inputs", [])))
+                   opt_shapes=None if served else shapes.opt_shapes(inputs), served=served)
 
 
 def tuning_space(settings: dict, level: str, objective: str, devices: List[str]) -> List[Tuple[str, list]]:
