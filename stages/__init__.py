@@ -84,6 +84,7 @@ class StageContext:
     # each earlier stage's files and their sha256 (result.json left out), as the runner
     # hashed them for the cache keys; empty without a cache
     output_hashes: Dict[str, dict] = field(default_factory=dict)
+    _data_ranges: Dict[tuple, dict] = field(default_factory=dict, repr=False)  # data_ranges, read once
 
     def inputs(self) -> list:
         """The converted model's inputs (TensorSpec: shape, dtype, batch axis, range)."""
@@ -119,8 +120,7 @@ class StageContext:
         undecided = [name for name, found in ranges.items() if found is None]
         if not undecided:
             return onnx_path
-        data = self.dataset()
-        found = shapes.of_samples((s.feeds for part in (data.calibration, data.validation) for s in part), undecided)
+        found = self.data_ranges(undecided)
         if not found:  # no samples (random data is refused earlier): the converter says what it needs
             return onnx_path
         model = onnx.load(str(onnx_path))
@@ -129,19 +129,29 @@ class StageContext:
         onnx.save(model, str(traced))
         return traced
 
+    def data_ranges(self, names: List[str]) -> dict:
+        """The named inputs' ranges over the calibration and validation samples
+        (shapes.of_samples), read once per stage: the converter's trace and runtime.yaml's
+        served shapes both ask."""
+        from pipeline import shapes
+
+        key = tuple(sorted(names))
+        if key not in self._data_ranges:
+            data = self.dataset()
+            self._data_ranges[key] = shapes.of_samples(
+                (s.feeds for part in (data.calibration, data.validation) for s in part), list(key))
+        return self._data_ranges[key]
+
     def served_inputs(self) -> List[dict]:
         """convert's inputs for runtime.yaml, where a dynamic input without a range is fed at
         one shape by every calibration and validation sample (a detector exported with dynamic
         axes, served at 320x320) given that shape as ``served``: the backends compile a static
         copy for it as for a range's opt (shapes.opt_shapes); the dims stay dynamic."""
-        from pipeline import shapes
-
         inputs = [dict(spec) for spec in self.converted().inputs]
         undecided = [spec["name"] for spec in inputs if 0 in spec["shape"] and not spec.get("range")]
         if not undecided:
             return inputs
-        data = self.dataset()
-        found = shapes.of_samples((s.feeds for part in (data.calibration, data.validation) for s in part), undecided)
+        found = self.data_ranges(undecided)
         for spec in inputs:
             one = found.get(spec["name"])
             if one is not None and one.min == one.max:

@@ -224,15 +224,12 @@ def run(ctx: StageContext) -> StageResult:
         runtime, traced_ranges = ctx.build_into(ctx.out_dir, backend, precision, onnx_path, ir_dir,
                                                 dynamic=ctx.cfg.precision.dynamic_ranges)
     artifacts = runtime["files"]
-    qdq_file = None  # the Q/DQ model as refined, Relus not folded: verify's advice screening (never packaged)
+    # the Q/DQ model as refined, Relus not folded: verify's advice screening (never packaged)
+    qdq_file = UNFOLDED_QDQ if (ctx.out_dir / UNFOLDED_QDQ).exists() else None
     if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
-        if kinds.quantized(precision) and not ctx.cfg.precision.dynamic_ranges:
+        if qdq_file is None and kinds.quantized(precision) and not ctx.cfg.precision.dynamic_ranges:
             qdq_file = onnx_path.name
         else:
-            onnx_path.unlink()
-    if (ctx.out_dir / UNFOLDED_QDQ).exists():
-        qdq_file = UNFOLDED_QDQ
-        if onnx_path.parent == ctx.out_dir and onnx_path.name not in artifacts:
             onnx_path.unlink()
     if _wants_masks(ctx.cfg, backend):
         quantization = {**(quantization or {}), "feature_masks": _feature_masks(ctx, backend, runtime)}

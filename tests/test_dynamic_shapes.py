@@ -135,14 +135,19 @@ def test_int8_bundle_keeps_the_range_and_is_verified_per_shape(tmp_path, small, 
         _bundle_takes_the_range(tmp_path, bundle)
 
 
-def _bundle_takes_the_range(tmp_path, bundle: Path) -> None:
-    np.save(tmp_path / "inside.npy", np.random.default_rng(1).random((1, 3, 40, 24), np.float32))
-    np.save(tmp_path / "outside.npy", np.random.default_rng(1).random((1, 3, 80, 24), np.float32))
-    inside = run_cli(["run", bundle, "--input", tmp_path / "inside.npy", "--output", tmp_path / "out.npz"],
-                     tmp_path, program="parity-bundle")
-    assert inside.returncode == 0, inside.stdout + inside.stderr
+def _bundle_runs_at(tmp_path, bundle: Path, height: int, width: int) -> None:
+    """`parity-bundle run` on one [1, 3, height, width] input writes y of that size."""
+    np.save(tmp_path / "input.npy", np.random.default_rng(1).random((1, 3, height, width), np.float32))
+    found = run_cli(["run", bundle, "--input", tmp_path / "input.npy", "--output", tmp_path / "out.npz"],
+                    tmp_path, program="parity-bundle")
+    assert found.returncode == 0, found.stdout + found.stderr
     with np.load(tmp_path / "out.npz") as written:
-        assert written["y"].shape == (1, 4, 40, 24)
+        assert written["y"].shape == (1, 4, height, width)
+
+
+def _bundle_takes_the_range(tmp_path, bundle: Path) -> None:
+    _bundle_runs_at(tmp_path, bundle, 40, 24)
+    np.save(tmp_path / "outside.npy", np.random.default_rng(1).random((1, 3, 80, 24), np.float32))
     outside = run_cli(["run", bundle, "--input", tmp_path / "outside.npy"], tmp_path, program="parity-bundle")
     assert outside.returncode == ExitCode.USAGE and "takes 1x3x16x16 .. 1x3x64x64" in outside.stderr
     check = run_cli(["check", bundle], tmp_path, program="parity-bundle")  # recorded samples at their shapes
@@ -195,12 +200,7 @@ def test_a_dynamic_input_fed_at_one_shape_runs_a_static_copy_and_takes_any(tmp_p
 
     spec = yaml.safe_load((bundle / "runtime.yaml").read_text())["inputs"][0]
     assert spec["served"] == [1, 3, 24, 40] and spec["range"] is None and spec["shape"] == [1, 3, 0, 0]
-    np.save(tmp_path / "other.npy", np.random.default_rng(9).random((1, 3, 32, 16), np.float32))
-    other = run_cli(["run", bundle, "--input", tmp_path / "other.npy", "--output", tmp_path / "out.npz"],
-                    tmp_path, program="parity-bundle")
-    assert other.returncode == 0, other.stdout + other.stderr
-    with np.load(tmp_path / "out.npz") as written:
-        assert written["y"].shape == (1, 4, 32, 16)
+    _bundle_runs_at(tmp_path, bundle, 32, 16)
     if target == "openvino_cpu":  # the dynamic model is compiled only when another shape comes
         from pipeline.release.bundle import open_session
 

@@ -128,12 +128,18 @@ def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> Non
     import openvino as ov
 
     core = ov.Core()
-    model = core.read_model(str(Path(artifact_dir) / settings["model"]))
-    served = shapes.served_shapes(settings.get("inputs", []))
-    if served:  # what the loader compiles first (Session)
-        model.reshape({name: list(shape) for name, shape in served.items()})
+    # at the served shapes, as the loader compiles it first (Session)
+    model = _read_at(core, Path(artifact_dir) / settings["model"], shapes.served_shapes(settings.get("inputs", [])))
     compiled = core.compile_model(model, settings.get("device", "CPU"), compile_config(settings.get("options", {})))
     (folder / BLOB).write_bytes(compiled.export_model().getvalue())
+
+
+def _read_at(core, path: Path, served: Optional[Dict[str, Tuple[int, ...]]]):
+    """The IR at ``path``, reshaped to the served shapes where there are."""
+    model = core.read_model(str(path))
+    if served:
+        model.reshape({name: list(shape) for name, shape in served.items()})
+    return model
 
 
 class Session:
@@ -182,10 +188,7 @@ class Session:
 
     def _read(self):
         """The IR, at the served shapes where there are."""
-        model = self._core.read_model(str(self._model_path))
-        if self._served:
-            model.reshape({name: list(shape) for name, shape in self._served.items()})
-        return model
+        return _read_at(self._core, self._model_path, self._served)
 
     def _dynamic_model(self):
         """(request, output ports) of the dynamic model, compiled on its first use."""
@@ -281,10 +284,11 @@ class Session:
                  "compile_cache": self._cache_status,
                  "runtime_options": {**{name: _option_text(compiled.get_property(name)) for name in _READ_BACK},
                                      "memory": self._memory}}
-        if self._at_opt is not None:  # a dynamic model: the static copy compiled at the range's opt
-            found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._at_opt[0].items()}
-        if self._served:  # compiled at the served shape; the dynamic model on demand
-            found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in self._served.items()}
+        # a dynamic model: compiled at the served shape (the dynamic one on demand), or a static
+        # copy compiled at the range's opt
+        static = self._served or (self._at_opt[0] if self._at_opt is not None else None)
+        if static:
+            found["static_copy_at"] = {name: shapes.shape_text(shape) for name, shape in static.items()}
         note = self._hint_note(read_back, precision, found["layers"])
         return {**found, "note": note} if note else found
 

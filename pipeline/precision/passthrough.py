@@ -133,12 +133,12 @@ def int8_after(graph, producer: dict, quantize_ops, passthrough_ops, float_ops: 
         return node
 
     for node in graph.node:
-        if node.op_type in quantize_ops or node.name in swish:
-            dequantized = any(getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input)
-            if node.name not in float_ops and (node.op_type in quantize_ops or dequantized):
-                in_int8.add(node.name)
-        elif node.op_type in passthrough_ops and node.name not in float_ops and any(
-                getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input):
+        if node.name in float_ops:
+            continue
+        dequantized = any(getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input)
+        if node.op_type in quantize_ops or (node.name in swish and dequantized):
+            in_int8.add(node.name)
+        elif node.op_type in passthrough_ops and dequantized:
             made_by = source(node.input[0])
             if node.op_type == "Concat" or (made_by is not None and made_by.name in in_int8):
                 in_int8.add(node.name)

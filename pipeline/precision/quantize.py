@@ -429,7 +429,8 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
     of a second on PP-OCR, and the selection in stages/sensitivity.py measures dozens."""
     import onnx
 
-    float_ops = settings.float_neighbours(prepared, float_ops)
+    swish = settings.swish_ops(prepared)  # one scan of the graph: a search derives dozens of models
+    float_ops = float_neighbours(prepared, float_ops, settings.passthrough_ops, swish)
     model = onnx.ModelProto()
     model.CopyFrom(quantized)
     if not float_ops:
@@ -442,8 +443,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
         raise KeyError(f"no op named {absent[0]!r} in the quantized model")
     weights = {init.name: init for init in prepared.graph.initializer}
     producer = {out: node for node in graph.node for out in node.output}
-    in_int8 = int8_after(graph, producer, settings.quantize_ops, settings.passthrough_ops, float_ops,
-                         settings.swish_ops(prepared))
+    in_int8 = int8_after(graph, producer, settings.quantize_ops, settings.passthrough_ops, float_ops, swish)
 
     restored = []  # (node, input index, float initializer name): set once their DQ is gone
     for name in float_ops:
