@@ -5,6 +5,7 @@ real tiny BERT sentence embedder (pipeline/assets/tiny_bert.onnx) and real sente
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -198,3 +199,28 @@ def test_a_build_that_quantized_nothing_is_refused_and_would_not_pass_as_int8(tm
     _, reasons, code = verdict.judge([{"name": "sentence_embedding", "failures": []}], [], None,
                                      {"device": "CPU", "precision": "int8"}, effective, 1)
     assert code == 4 and reasons == ["requested precision int8 but fp32 ran"]
+
+
+def test_under_a_budget_a_build_slower_than_fp32_keeps_the_rules_width_unmeasured(tmp_path, monkeypatch):
+    """precision.budget_s set (auto's candidates): where the 7-bit build runs slower than fp32
+    on one calibration sample, the 8-bit build is neither made nor run (auto screens the build
+    out whatever its width); at fp32's speed or faster both widths are measured as without a
+    budget. The screen itself is a real timing: a positive speed-up."""
+    from pipeline import deadline
+
+    samples = np.load(REPO / "pipeline" / "assets" / "digits.npz")["validation/input"][:8]
+    feeds = [{"input": x[None]} for x in samples]
+    assert dynamic._speed_vs_float(DIGITS, DIGITS, feeds[0]) > 0
+    for speed, measured in ((0.3, False), (1.4, True)):
+        monkeypatch.setattr(dynamic, "_speed_vs_float", lambda *_, value=speed: value)
+        out = tmp_path / f"{speed}.onnx"
+        with deadline.until(time.monotonic() + 600, 0.001):
+            summary = dynamic.build(DIGITS, out, dynamic.DynamicSettings(reduce_range=True), samples=iter(feeds))
+        widths = summary["weight_widths"]
+        assert ("output_cosine" in widths) is measured
+        assert summary["reduce_range"] is True or measured
+        if not measured:
+            assert widths == {"measured_on": "one calibration sample's speed", "kept": 7, "speed_vs_fp32": 0.3}
+            assert "not measured against 8-bit: the build ran 0.30x fp32" in summary["reduce_range_rule"]
+            assert _largest_weight(out) <= 64
+        assert not out.with_name(out.stem + "-8bit.onnx").exists()

@@ -19,19 +19,25 @@ Where ``precision.reduce_range`` null chose 7-bit weights (an x86 CPU without VN
 guess from static builds: the model is built with 7-bit and with 8-bit weights, both run on
 the calibration samples, and the one whose outputs are closer to fp32 is kept (7-bit on a tie).
 The intent classifier of docs/benchmarks.md kept every top-1 decision with 8 bits and flipped
-two of 300 with 7.
+two of 300 with 7. Under precision.budget_s (precision=auto's candidates) the widths are not
+measured where the 7-bit build runs slower than fp32 on a calibration sample: auto screens such
+a build out whatever its width, and on the real-size segmenter (AVX2, 0.23x fp32) the two
+widths' runs took 80 of the candidate's 108 s (docs/time.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from pipeline import deadline
 from pipeline.errors import first_line
 from pipeline.precision.calibration import bias_correction
 from pipeline.precision.quantize import WEIGHTED_OPS, QuantizerFailed, needs_reduce_range, prepare
@@ -142,8 +148,16 @@ def _measured_width(prepared, prepared_path: Path, out_path: Path, settings: Dyn
 
     eight = replace(settings, reduce_range=False)
     wide = out_path.with_name(out_path.stem + "-8bit.onnx")
-    per_channel = {True: _one_width(prepared, prepared_path, out_path, settings, asked),
-                   False: _one_width(prepared, prepared_path, wide, eight, asked)}
+    seven = _one_width(prepared, prepared_path, out_path, settings, asked)
+    samples = iter(samples)
+    first = next(samples, None)
+    if first is None:
+        return settings, seven, None
+    samples = itertools.chain([first], samples)
+    speed = _speed_vs_float(prepared_path, out_path, first) if deadline.current() is not None else None
+    if speed is not None and speed < 1.0:  # screened out by auto whatever its width: not paid for
+        return settings, seven, {"measured_on": "one calibration sample's speed", "kept": 7, "speed_vs_fp32": speed}
+    per_channel = {True: seven, False: _one_width(prepared, prepared_path, wide, eight, asked)}
     judged = bias_correction.Judged(prepared, samples,
                                     bias_correction.batch_size_for(prepared, [o.name for o in prepared.graph.output]))
     if not judged.count:
@@ -157,7 +171,31 @@ def _measured_width(prepared, prepared_path: Path, out_path: Path, settings: Dyn
         "output_cosine": {"7-bit": round(cosines[7], 6), "8-bit": round(cosines[8], 6)}}
 
 
+def _speed_vs_float(prepared_path: Path, built_path: Path, feeds: Dict[str, np.ndarray]) -> float:
+    """The built model's speed-up over the prepared fp32 model on one sample (the faster of
+    two runs each, after a warm-up): a rough screen, not a timing."""
+    import onnxruntime as ort
+
+    from pipeline.backends.onnxruntime import untimed_options
+
+    def best(path: Path) -> float:
+        session = ort.InferenceSession(str(path), untimed_options(), providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        runs = []
+        for _ in range(2):
+            started = time.perf_counter()
+            session.run(None, feeds)
+            runs.append(time.perf_counter() - started)
+        return min(runs)
+
+    return round(best(prepared_path) / max(best(built_path), 1e-9), 3)
+
+
 def _width_rule(widths: dict) -> str:
+    if "speed_vs_fp32" in widths:
+        return (f"7-bit weights (the automatic rule: an x86 CPU without VNNI), not measured against 8-bit: the "
+                f"build ran {widths['speed_vs_fp32']:.2f}x fp32 on one calibration sample, slower than fp32 "
+                "whatever its width, and precision.budget_s is set")
     kept, other = (f"{widths['kept']}-bit", "8-bit" if widths["kept"] == 7 else "7-bit")
     cosines = widths["output_cosine"]
     return (f"measured on {widths['measured_on']}: {kept} weights kept, output cosine {cosines[kept]} against "
