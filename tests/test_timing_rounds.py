@@ -112,8 +112,9 @@ def test_rounds_are_slices_alternating_between_the_builds():
     found = speed.interleaved(steady, {}, rounds=5, runs=10, max_seconds=60, round_ms=20, tight=1.25)
     slices, fewest = speed.plan(10, 20)
     for worker in steady.values():
-        warm, *timed = worker.calls
-        assert warm["min_ms"] == 20 and warm["warmup"] == speed.WARMUP  # the warm-up lasts a round
+        first, warm, *timed = worker.calls
+        assert first == {"warmup": speed.WARMUP, "runs": 1, "min_ms": 0.0}  # one run's length sizes the rounds
+        assert warm["min_ms"] == 20 and warm["runs"] == 10  # the warm-up lasts a round
         assert len(timed) == 5 * slices and all(c == {"warmup": 0, "runs": fewest, "min_ms": speed.SLICE_MS}
                                                 for c in timed)
     assert found["int8"]["rounds"] == 5 and found["int8"]["runs_per_round"] == slices * fewest
@@ -129,7 +130,7 @@ def test_without_a_round_length_the_old_count_rounds_and_a_benchmark_worker_stil
 
 def _noisy_then_steady(noisy_calls, seed):
     rng = np.random.default_rng(seed)
-    return lambda i: float(np.exp(rng.normal(0, 1.0))) if i <= noisy_calls else 1.0
+    return lambda i: float(np.exp(rng.normal(0, 1.0))) if i <= noisy_calls + 1 else 1.0  # + the first run
 
 
 def test_a_wide_spread_is_measured_again_in_longer_rounds():
@@ -159,6 +160,21 @@ def test_only_an_undecided_pair_is_measured_longer():
     assert speed.undecided(medians, 1.25) == [("mixed", "int8")]
     assert speed.undecided(medians, 2.0) == []
     assert speed.undecided({"fp32": [1.0]}, 1.25) == []
+
+
+def test_a_build_slow_enough_to_time_alone_gets_fewer_runs_a_round_within_the_time():
+    """A run of 300 ms and one of 200 ms: 10 runs a round each would take 15 s over the
+    three rounds always timed; with 10 s, 6 runs a round in one slice (no round length)."""
+    assert speed.fitted_runs(10, 10, [300.0, 200.0]) == 6
+    assert speed.fitted_runs(10, 10, [3000.0, 2000.0]) == 1  # at least one
+    assert speed.fitted_runs(10, 10, [0.1, 0.05]) == 10  # a fast model: unchanged
+    slow = {"fp32": Scripted(lambda i: 300.0), "int8": Scripted(lambda i: 200.0)}
+    found = speed.interleaved(slow, {}, rounds=7, runs=10, max_seconds=10, round_ms=20, tight=1.25)
+    for worker in slow.values():
+        first, warm, *timed = worker.calls
+        assert warm == {"warmup": 0, "runs": 1, "min_ms": 0.0}
+        assert timed and all(c == {"warmup": 0, "runs": 6, "min_ms": 0.0} for c in timed)
+    assert found["int8"]["runs_per_round"] == 6 and speed.speedups(found)["int8"]["speedup"] == 1.5
 
 
 def test_the_time_budget_bounds_the_longer_rounds(monkeypatch):

@@ -32,6 +32,7 @@ STREAM_MAX_BYTES = 64 << 20  # input data of the stream timing, held by every bu
 SLICE_MS = 5.0  # a slice: back-to-back runs of one build; a round alternates the builds slice by slice
 TIGHT = 1.25  # a spread of per-round ratios (outer p75/p25) at most this is tight: a tie can be called
 MAX_PASSES = 32  # stream passes of one build a round (each pass is a call to its worker)
+MIN_ROUNDS = 3  # rounds timed whatever max_seconds says
 MAX_LENGTHEN = 2  # an undecided pair doubles the round length at most this often (4x), within the time budget
 
 
@@ -51,6 +52,16 @@ def plan(runs: int, round_ms: float) -> Tuple[int, int]:
         return 1, max(1, runs)
     slices = max(1, math.ceil(round_ms / SLICE_MS))
     return slices, max(1, math.ceil(runs / slices))
+
+
+def fitted_runs(runs: int, max_seconds: float, run_ms: List[float]) -> int:
+    """The runs a build's round holds: ``runs``, fewer where the MIN_ROUNDS rounds every
+    round of ``run_ms`` (each build's one run) would not end within ``max_seconds``; at
+    least one. The real-size segmenter (0.44 s a run on an AVX2 CPU): 12 runs a build and
+    round made one verify's timing 35 s; a run that long is a stable figure alone."""
+    if not run_ms or max_seconds <= 0:
+        return runs
+    return int(max(1, min(runs, (1000.0 * max_seconds) // (MIN_ROUNDS * sum(run_ms)))))
 
 
 def passes(pass_ms: Dict[str, float], round_ms: float) -> int:
@@ -114,8 +125,12 @@ def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int,
     ``{"error": ...}``."""
     order = list(workers)
     errors: Dict[str, str] = {}
+    first = {name: _latency(workers, name, feeds, WARMUP, 1, 0.0, errors) for name in order}
+    fitted = fitted_runs(runs, max_seconds, [found["median_ms"] for found in first.values() if found])
+    if fitted < runs:  # runs long enough to time one by one: rounds sized by count, within max_seconds
+        runs, round_ms = fitted, 0.0
     for name in order:  # warm-up: with round_ms, a round's worth of runs
-        _latency(workers, name, feeds, WARMUP, runs if round_ms > 0 else 1, round_ms, errors)
+        _latency(workers, name, feeds, 0, runs if round_ms > 0 else 1, round_ms, errors)
     slices, fewest = plan(runs, round_ms)
     slice_ms = SLICE_MS if round_ms > 0 else 0.0
 
@@ -174,7 +189,7 @@ def _interleave(order: List[str], measure: Callable[[str], Optional[Tuple[float,
         medians: Dict[str, List[float]] = {name: [] for name in order}
         counts: Dict[str, List[int]] = {name: [] for name in order}
         for index in range(rounds):
-            if index >= 3 and time.perf_counter() - started > max_seconds:
+            if index >= MIN_ROUNDS and time.perf_counter() - started > max_seconds:
                 break
             values: Dict[str, List[Tuple[float, int]]] = {name: [] for name in order}
             for part in range(slices):
