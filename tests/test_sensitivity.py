@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -45,7 +46,7 @@ def test_fragile_layer_ranks_first_and_stays_float(tmp_path):
     weights and let plain int8 pass (the next test), is off."""
     model = fragile_model(tmp_path / "fragile.onnx")
     result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max",
-                      "precision.equalization=false"], tmp_path)
+                      "precision.equalization=false", "sensitivity.heads_first=false"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]
     summary = sensitivity_summary(run_dir)
@@ -115,7 +116,8 @@ def test_search_runs_samples_one_by_one_when_axis_0_is_not_a_batch(tmp_path):
 
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
 def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
-    result = run_cli(["precision=mixed", f"target={target}", "sensitivity.expected_cos=0.99999"], tmp_path)
+    result = run_cli(["precision=mixed", f"target={target}", "sensitivity.expected_cos=0.99999",
+                      "sensitivity.heads_first=false"], tmp_path)  # the search itself
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]
     summary = sensitivity_summary(run_dir)
@@ -233,7 +235,8 @@ def test_with_more_ops_than_max_ranked_only_the_worst_by_op_sqnr_are_measured_in
     the two ops quantizing the fragile tensor are the two worst at the op itself."""
     model = fragile_model(tmp_path / "fragile.onnx")
     result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max",
-                      "precision.equalization=false", "sensitivity.max_ranked=2"], tmp_path)
+                      "precision.equalization=false", "sensitivity.max_ranked=2", "sensitivity.heads_first=false"],
+                     tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]
     summary = sensitivity_summary(run_dir)
@@ -262,3 +265,54 @@ def test_the_ops_just_before_an_output_are_always_measured_in_full():
     heads = {nodes[i].name for i in output_heads(model, convs)}
     assert heads == {"/fuse/Conv", *(f"/sides.{i}/Conv" for i in range(6))}, heads
     assert output_heads(model, convs, depth=1) != output_heads(model, convs)  # the sides behind a Resize
+
+
+class _MeetsWith:
+    """A stand-in for the whole-model measure: meets the target exactly when ``enough`` are
+    all float; records the float-op sets it measured."""
+
+    def __init__(self, enough):
+        self.enough, self.measured, self.always_float = set(enough), [], []
+
+    def __call__(self, table, float_ops):
+        self.measured.append(list(float_ops))
+        return {"cosine": 1.0 if self.enough <= set(float_ops) else 0.5, "metric_drop": None}
+
+    def meets(self, result):
+        return result["cosine"] >= 0.99
+
+
+def test_heads_first_measures_the_output_heads_float_before_any_ranking(tmp_path):
+    """The output heads (conv3 here: it writes the graph output) in float, measured first:
+    where that meets the target they are the selection; where not, [] (the search follows);
+    off, or select=top_n, nothing is measured."""
+    from pipeline.precision.calibration import sensitivity as search
+    from stages.sensitivity import _heads_first
+
+    model = onnx.load(str(fragile_model(tmp_path / "fragile.onnx")))
+    ops = search.quantizable_ops(model, {"x": {}, "b": {}, "c": {}})
+    cfg = SimpleNamespace(sensitivity=SimpleNamespace(heads_first=True, select=SimpleNamespace(value="target"),
+                                                      max_float_ops=32))
+    for enough, expected in ((["conv3"], ["conv3"]), (["conv2"], [])):
+        measure, summary = _MeetsWith(enough), {}
+        assert _heads_first(cfg, measure, {}, model, ops, summary) == expected
+        assert measure.measured == [["conv3"]] and summary["heads_first"]["met"] is bool(expected)
+    for setting, select in ((False, "target"), (True, "top_n")):
+        cfg.sensitivity.heads_first, cfg.sensitivity.select = setting, SimpleNamespace(value=select)
+        measure = _MeetsWith(["conv3"])
+        assert _heads_first(cfg, measure, {}, model, ops, {}) == [] and measure.measured == []
+
+
+def test_a_mixed_job_whose_heads_are_not_enough_runs_the_search_after_them(tmp_path):
+    """The fragile model with the defaults: conv3 alone float does not reach the target
+    (conv2's output is still quantized), so the ranking runs and keeps its choice; the
+    report says which way heads_first went."""
+    model = fragile_model(tmp_path / "fragile.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max",
+                      "precision.equalization=false"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    assert summary["heads_first"]["float_ops"] == ["conv3"] and summary["heads_first"]["met"] is False
+    assert summary["ranking"] and "conv2" in summary["float_ops"] and summary["trials"] > 0
+    assert "the target not met: the per-layer search follows" in (run_dir / "report.md").read_text()

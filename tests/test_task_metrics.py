@@ -495,7 +495,7 @@ def test_custom_preprocess_reads_text_files_in_verify_and_in_the_bundle(cli_jobs
 def mixed_search_runs(custom_metrics, cwd):
     """The search with no task metric, then with the user's Distance (one folder: one
     calibration): ((completed process, run folder), the same)."""
-    search = ["precision=mixed", "sensitivity.expected_cos=0.5", "validation.min_cosine=null",
+    search = ["precision=mixed", "sensitivity.expected_cos=0.5", "sensitivity.heads_first=false", "validation.min_cosine=null",
               "validation.max_metric_drop=1", "pipeline.stages=[convert,calibrate,sensitivity]"]
     return (new_run([*search, "metric=none"], cwd, env=SIDE_BY_SIDE_ENV),
             new_run([*search, "metric=custom", "metric._target_=usermetrics.Distance", f"metric.path={custom_metrics}",

@@ -383,6 +383,10 @@ class SensitivityConfig:
     # select=target: weigh each op's accuracy against its latency cost on the target (ONNX
     # Runtime, OpenVINO: per-op profiles of the fp32 and int8 builds); false: accuracy alone
     latency_aware: bool = True
+    # select=target: before the per-layer ranking, int8 with the output heads float (the
+    # weighted ops a graph output reads through at most two others); where that meets the
+    # target it is the selection, and no ranking is paid for (docs/sensitivity.md)
+    heads_first: bool = True
 
 
 @dataclass
