@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline import deadline
-from pipeline.app.budget import CUT, VERIFY_RUNS, Budget
+from pipeline.app.budget import CALIBRATE_RUNS, CUT, REFINE_RUNS, VERIFY_RUNS, Budget
 from conftest import composed, read_report, run_cli, run_dirs
 from segmenter_data import REAL_FUSED_OUTPUT, REAL_MODEL
 
@@ -28,7 +28,7 @@ def _probed(seconds: float, budget_s: float = 300.0) -> Budget:
 def test_estimates_grow_with_samples_ops_and_the_probe():
     budget = _probed(0.2)
     int8 = budget.estimate("int8")
-    assert int8 == pytest.approx((30 * 16 + 4 * 40) * 0.2)
+    assert int8 == pytest.approx(((CALIBRATE_RUNS + REFINE_RUNS) * 16 + 4 * 40) * 0.2)
     assert budget.estimate("fp16") == pytest.approx(VERIFY_RUNS * 40 * 0.2)
     assert budget.estimate("mixed") > int8  # the search: half the graph per op and ranking sample
     assert _probed(0.4).estimate("int8") == pytest.approx(2 * int8)
@@ -42,12 +42,28 @@ def test_a_candidate_that_does_not_fit_is_cut_ahead_and_says_what_it_would_cost(
     budget = _probed(0.2, budget_s=100.0)
     assert budget.fits("fp16") is None  # 32 s of 100
     too_long = budget.fits("int8")
-    assert too_long == pytest.approx(128.0)
+    assert too_long == pytest.approx(176.0)
     row = budget.cut_ahead("int8", too_long)
-    assert row["verdict"] == CUT and row["estimate_s"] == 128.0
-    assert row["reasons"][0].startswith("not tried: estimated 128 s (one sample's fp32 run 200 ms")
+    assert row["verdict"] == CUT and row["estimate_s"] == 176.0
+    assert row["reasons"][0].startswith("not tried: estimated 176 s (one sample's fp32 run 200 ms")
     assert "of precision.budget_s=100 s left" in row["reasons"][0]
     assert _probed(0.2, budget_s=None).fits("mixed") is None  # no budget: everything starts
+
+
+def test_mixed_pays_for_calibration_only_where_int8_did_not_run_and_heads_first_is_two_passes():
+    """mixed reuses int8's calibration where int8's candidate ran (cut: it calibrates
+    itself); with sensitivity.heads_first the search is estimated as two whole-model passes
+    over the validation set (the ranking after them is cut by the deadline where it does not
+    fit), far below the per-layer ranking over 119 ops."""
+    budget = _probed(0.2)
+    alone = budget.estimate("mixed")
+    budget.calibrated.add("int8")
+    after_int8 = budget.estimate("mixed")
+    assert alone - after_int8 == pytest.approx(CALIBRATE_RUNS * 16 * 0.2)
+    budget.counts["heads_first"] = True
+    heads = budget.estimate("mixed")
+    assert heads == pytest.approx((2 * 40 + REFINE_RUNS * 16 + VERIFY_RUNS * 40) * 0.2)
+    assert heads < after_int8 / 2
 
 
 def test_what_candidates_took_corrects_the_later_estimates():

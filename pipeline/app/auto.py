@@ -163,6 +163,8 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
         job_phase(f"precision=auto: candidate {precision} ({number} of {len(order)})")
         _candidate(cfg, precision, run_dir, ahead, found, budget, screen)
         tried[precision]["seconds"] = round(time.monotonic() - started, 1)
+        if tried[precision]["verdict"] not in (CUT, NOT_BUILT):
+            budget.calibrated.add(precision)
         if tried[precision]["verdict"] not in (CUT, SLOWER, NOT_BUILT) and "same_as" not in tried[precision]:
             budget.took(estimate, tried[precision]["seconds"])  # built and verified: what it cost
 
@@ -264,7 +266,8 @@ def _probe(budget: Budget, built: RunOutcome, checked) -> None:
         model = onnx.load(str(convert.path("model")), load_external_data=False)
         quantized = sum(node.op_type in set(checked.precision.quantize_ops) for node in model.graph.node)
         counts = {"calibration": len(dataset.calibration), "validation": len(dataset.validation),
-                  "sensitivity": checked.sensitivity.samples, "quantized_ops": quantized}
+                  "sensitivity": checked.sensitivity.samples, "quantized_ops": quantized,
+                  "heads_first": checked.sensitivity.heads_first and checked.sensitivity.select.value == "target"}
         budget.probe(convert.path("model"), first.feeds, checked.target.threads, counts)
     except Exception as err:  # noqa: BLE001 - no estimates then: candidates start while time is left
         log.info("precision=auto: no cost estimates (the probe failed: %s)", first_line(err))

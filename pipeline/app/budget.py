@@ -18,7 +18,9 @@ tables, equalization's judge, weight rounding, bias correction: 51 on an AVX2 AM
 read on a VNNI AMD EPYC and let int8 start where it could not end) and 4 a validation sample
 (the build and the reference side by side, the timing); the mixed search about one run of
 half the graph per quantized op and ranking sample, and 2 log2(ops) whole-model passes over
-the validation set to select."""
+the validation set to select; with sensitivity.heads_first, two whole-model passes (plain
+int8 and the output heads float) before a ranking the deadline cuts where it does not fit.
+mixed reuses int8's calibration where int8's candidate ran, else pays for its own."""
 
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ from typing import Dict, Optional
 from pipeline.precision import kinds
 
 CUT = "cut by the budget"
+CALIBRATE_RUNS = 35.0  # a calibration sample's runs in calibrate (statistics, auto's tables, equalization)
+REFINE_RUNS = 10.0  # ... in the build's weight rounding and bias correction
 # model runs a candidate costs: (per calibration sample, per validation sample)
-COST_RUNS = {"int8": (45.0, 4.0), "int8_dynamic": (0.0, 4.0)}
-# the mixed build's refinements a calibration sample (its calibration is int8's, cached)
-MIXED_BUILD_RUNS = 10.0
+COST_RUNS = {"int8": (CALIBRATE_RUNS + REFINE_RUNS, 4.0), "int8_dynamic": (0.0, 4.0)}
 VERIFY_RUNS = 4.0  # any other candidate: verified against the reference (fp16, bf16, ...)
 
 
@@ -45,6 +47,7 @@ class Budget:
         self.probe_s: Optional[float] = None  # one validation sample's fp32 run, ONNX Runtime
         self.counts: Dict[str, int] = {}  # calibration, validation, sensitivity samples, quantized ops
         self.ratios: list = []  # what each estimated candidate took / its estimate
+        self.calibrated: set = set()  # candidates that calibrated (int8: mixed reuses its calibration)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -81,11 +84,21 @@ class Budget:
         calibration, validation = self.counts.get("calibration", 0), self.counts.get("validation", 0)
         per_calibration, per_validation = COST_RUNS.get(precision, (0.0, VERIFY_RUNS))
         runs = per_calibration * calibration + per_validation * validation
-        if kinds.searched(precision):  # mixed: int8's calibration is cached; the search, a build, a verify
-            ops = max(self.counts.get("quantized_ops", 1), 2)
-            runs = 0.5 * ops * self.counts.get("sensitivity", 8) + 2 * math.log2(ops) * validation \
-                + MIXED_BUILD_RUNS * calibration + VERIFY_RUNS * validation
+        if kinds.searched(precision):  # mixed: the search, a build, a verify
+            runs = self._search_runs() + REFINE_RUNS * calibration + VERIFY_RUNS * validation
+            if kinds.partial_of(precision) not in self.calibrated:  # else int8's calibration is cached
+                runs += CALIBRATE_RUNS * calibration
         return runs * self.probe_s * self.correction()
+
+    def _search_runs(self) -> float:
+        """The mixed search's runs: with sensitivity.heads_first, two whole-model passes over
+        the validation set (plain int8, the heads float), the ranking after them cut by the
+        deadline where it does not fit; else the per-layer ranking and the selection."""
+        validation = self.counts.get("validation", 0)
+        if self.counts.get("heads_first"):
+            return 2.0 * validation
+        ops = max(self.counts.get("quantized_ops", 1), 2)
+        return 0.5 * ops * self.counts.get("sensitivity", 8) + 2 * math.log2(ops) * validation
 
     def correction(self) -> float:
         """How much more (or less) the candidates took than estimated so far: the median ratio."""
