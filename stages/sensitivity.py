@@ -162,11 +162,9 @@ def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: L
 
 
 def _heads_first(cfg, measure: "_MixedMeasure", table, prepared, ops: List[int], summary: dict) -> List[str]:
-    """The output heads (search.output_heads) in float, measured as a whole mixed model
-    before any ranking: the float ops where that meets the target (into ``summary``), else
-    []. Their error reaches the outputs undiluted, and a head is small (the real-size
-    segmenter's seven one-channel side and fuse convolutions: 1.85x -> 1.78x fp32 on
-    OpenVINO, the map IoU drop 0.0115 -> 0.0084, docs/time.md)."""
+    """The output heads (search.output_heads) float, measured as one mixed model before any
+    ranking: those ops where that meets the target (into ``summary``), else []. Their error
+    reaches the outputs undiluted, and a head is small (docs/sensitivity.md, "Selection")."""
     if not cfg.sensitivity.heads_first or cfg.sensitivity.select.value != "target":
         return []
     nodes = list(prepared.graph.node)

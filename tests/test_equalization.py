@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import cpu_note
 from pipeline.config.schemas import Precision, PrecisionConfig
 from pipeline.precision import equalization
 from pipeline.precision.quantize import QdqSettings
@@ -152,7 +154,13 @@ def test_calibration_measures_again_only_the_tensors_equalization_scaled():
                                                           around=settings.quantize_ops)
     assert merged.histograms.keys() == full.histograms.keys()
     for name, histogram in full.histograms.items():  # the consumers take the scale back in float: rounding apart
-        assert merged.histograms[name].to_json() == histogram.to_json(), name
+        ours, theirs = merged.histograms[name].to_json(), histogram.to_json()
+        # an AVX2-only CPU's float kernels round the rescaled consumers otherwise (max 3.3457532 vs 3.3457537)
+        for key in ("min", "max", "width"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (name, key, cpu_note())
+        assert (ours["count"], ours["zero_count"]) == (theirs["count"], theirs["zero_count"]), name
+        moved = np.abs(np.array(ours["counts"]) - np.array(theirs["counts"])).sum()
+        assert moved <= 2e-3 * theirs["count"], (name, moved, cpu_note())  # a value on a bin edge may move
         np.testing.assert_allclose(merged.kept[name], full.kept[name], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(merged.sample_ranges[name], full.sample_ranges[name], rtol=1e-4, atol=1e-6)
     # the judge given the base scores "none" as it does collecting it itself
