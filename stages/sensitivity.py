@@ -173,7 +173,7 @@ def _heads_first(cfg, measure: "_MixedMeasure", table, prepared, ops: List[int],
         return []
     result = measure(table, heads)
     summary["heads_first"] = {"float_ops": heads, **result, "met": measure.meets(result)}
-    if not measure.meets(result):
+    if not summary["heads_first"]["met"]:
         return []
     summary["mixed"] = result
     return heads

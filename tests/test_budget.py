@@ -57,7 +57,7 @@ def test_mixed_pays_for_calibration_only_where_int8_did_not_run_and_heads_first_
     fit), far below the per-layer ranking over 119 ops."""
     budget = _probed(0.2)
     alone = budget.estimate("mixed")
-    budget.calibrated.add("int8")
+    budget.ran.add("int8")
     after_int8 = budget.estimate("mixed")
     assert alone - after_int8 == pytest.approx(CALIBRATE_RUNS * 16 * 0.2)
     budget.counts["heads_first"] = True

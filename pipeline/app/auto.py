@@ -164,7 +164,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
         _candidate(cfg, precision, run_dir, ahead, found, budget, screen)
         tried[precision]["seconds"] = round(time.monotonic() - started, 1)
         if tried[precision]["verdict"] not in (CUT, NOT_BUILT):
-            budget.calibrated.add(precision)
+            budget.ran.add(precision)
         if tried[precision]["verdict"] not in (CUT, SLOWER, NOT_BUILT) and "same_as" not in tried[precision]:
             budget.took(estimate, tried[precision]["seconds"])  # built and verified: what it cost
 

@@ -47,7 +47,7 @@ class Budget:
         self.probe_s: Optional[float] = None  # one validation sample's fp32 run, ONNX Runtime
         self.counts: Dict[str, int] = {}  # calibration, validation, sensitivity samples, quantized ops
         self.ratios: list = []  # what each estimated candidate took / its estimate
-        self.calibrated: set = set()  # candidates that calibrated (int8: mixed reuses its calibration)
+        self.ran: set = set()  # candidates started and not cut (int8: mixed reuses its calibration)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -62,20 +62,14 @@ class Budget:
         """One validation sample's fp32 run time (the best of three after a warm-up)."""
         import onnxruntime as ort
 
-        from pipeline.backends.onnxruntime import untimed_options
+        from pipeline.backends.onnxruntime import fastest_run, untimed_options
 
         options = untimed_options()
         options.log_severity_level = 4
         if threads:
             options.intra_op_num_threads = threads
         session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-        session.run(None, feeds)
-        runs = []
-        for _ in range(3):
-            started = time.perf_counter()
-            session.run(None, feeds)
-            runs.append(time.perf_counter() - started)
-        self.probe_s, self.counts = min(runs), counts
+        self.probe_s, self.counts = fastest_run(session, feeds, 3), counts
 
     def estimate(self, precision: str) -> Optional[float]:
         """The seconds ``precision``'s candidate is expected to take, or None before the probe."""
@@ -86,7 +80,7 @@ class Budget:
         runs = per_calibration * calibration + per_validation * validation
         if kinds.searched(precision):  # mixed: the search, a build, a verify
             runs = self._search_runs() + REFINE_RUNS * calibration + VERIFY_RUNS * validation
-            if kinds.partial_of(precision) not in self.calibrated:  # else int8's calibration is cached
+            if kinds.partial_of(precision) not in self.ran:  # else int8's calibration is cached
                 runs += CALIBRATE_RUNS * calibration
         return runs * self.probe_s * self.correction()
 

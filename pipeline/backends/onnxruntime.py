@@ -150,6 +150,20 @@ def untimed_options():
     return options
 
 
+def fastest_run(session, feeds: dict, runs: int) -> float:
+    """Seconds of the fastest of ``runs`` runs of ``feeds`` after one warm-up run: a rough
+    look at one model's speed (the budget's probe, a build's screen), not a timing."""
+    import time
+
+    session.run(None, feeds)
+    found = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        session.run(None, feeds)
+        found.append(time.perf_counter() - started)
+    return min(found)
+
+
 def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> None:
     """ONNX Runtime's optimized graph for these options, loaded later with the graph
     optimizations off. Layout rewrites of level "all" (NCHWc) depend on the CPU: the

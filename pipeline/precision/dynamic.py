@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import logging
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -176,17 +175,11 @@ def _speed_vs_float(prepared_path: Path, built_path: Path, feeds: Dict[str, np.n
     two runs each, after a warm-up): a rough screen, not a timing."""
     import onnxruntime as ort
 
-    from pipeline.backends.onnxruntime import untimed_options
+    from pipeline.backends.onnxruntime import fastest_run, untimed_options
 
     def best(path: Path) -> float:
-        session = ort.InferenceSession(str(path), untimed_options(), providers=["CPUExecutionProvider"])
-        session.run(None, feeds)
-        runs = []
-        for _ in range(2):
-            started = time.perf_counter()
-            session.run(None, feeds)
-            runs.append(time.perf_counter() - started)
-        return min(runs)
+        return fastest_run(ort.InferenceSession(str(path), untimed_options(), providers=["CPUExecutionProvider"]),
+                           feeds, 2)
 
     return round(best(prepared_path) / max(best(built_path), 1e-9), 3)
 
