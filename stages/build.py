@@ -19,8 +19,8 @@ from pipeline.artifacts import hash_files, read_json, sha256_file, write_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
 from pipeline.precision.passthrough import fold_relus
-from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
-                                        int8_op_count, settings_float_ops)
+from pipeline.precision.quantize import (WEIGHTED_OPS, MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
+                                        gemm_bias_notes, int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
 from stages import (BASELINES, REFERENCE_MODULE, StageContext, StageResult, baseline_role, baselines, peek,
                     reference_settings)
@@ -279,7 +279,8 @@ def _baselines(ctx: StageContext, backend) -> dict:
 def _plain_int8(ctx: StageContext, backend, scratch: Path) -> Path:
     """mixed's plain int8 baseline: the Q/DQ model of calibrate's table with only
     precision.keep_float and the backend's own float kinds in float (as the target's int8
-    build keeps them), uncorrected, as the sensitivity search measures plain int8."""
+    build keeps them), refined as the int8 build refines it, as the sensitivity search
+    measures plain int8 (int8_refiner: served from the search's memo)."""
     calibrate = ctx.results["calibrate"]
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     by_backend = backend_float_ops(backend, ctx.cfg.target, prepared, ctx.cfg.precision.quantize_ops)
@@ -290,6 +291,7 @@ def _plain_int8(ctx: StageContext, backend, scratch: Path) -> Path:
                   keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
     except QuantizerFailed as err:
         raise err.with_run(ctx)
+    refine_as_int8(ctx, int8)
     return int8
 
 
@@ -365,13 +367,18 @@ def _quantize(ctx: StageContext):
     try:
         slower = _slower_in_int8(ctx, backend, calibrate.path("prepared"), table, settings, keep_float)
         keep_float = [*keep_float, *slower["ops"]]
-        reshaped = build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
+        refined = _from_refined_int8(ctx, table, settings, keep_float, by_backend["ops"], quantized) \
+            if searched else None
+        if refined is None:
+            build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
     except QuantizerFailed as err:
         raise err.with_run(ctx)
+    reshaped = gemm_bias_notes(prepared, settings)
     for fix in reshaped:
         log.info("build: Gemm %s: bias %s given to the quantizer as %s (per-channel weights need a vector)",
                  fix["op"], fix["bias_from"], fix["bias_to"])
-    refined = _refinements(ctx, quantized, keep_float, searched)
+    if refined is None:
+        refined = _refinements(ctx, quantized, keep_float, searched)
     model = onnx.load(str(quantized))
     folded = fold_relus(model) if "Relu" in settings.passthrough_ops else 0  # after what needs the Relus
     if folded:  # verify's advice derives models with ops back in float from the unfolded one
@@ -384,6 +391,28 @@ def _quantize(ctx: StageContext):
                 "gemm_bias_reshaped": reshaped, **refined, "relus_folded": folded,
                 "int8_ops": int8_op_count(model)}
     return quantized, settings
+
+
+def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, keep_float: List[str],
+                       by_backend: List[str], quantized: Path) -> Optional[dict]:
+    """A mixed build keeping ops float, written to ``quantized``: the int8 build's refined
+    all-int8 model (refine_as_int8) with those ops back in float, the very model the search
+    measured and chose them on (stages/sensitivity.py), so that its refinements are not
+    measured again on the mixed model (the real-size segmenter on AVX2: 100 s). Its
+    refinements' summaries; None where mixed models are built by the quantizer itself."""
+    if not set(settings.quantize_ops) <= set(WEIGHTED_OPS):
+        return None
+    found: dict = {}
+
+    def refine(model: onnx.ModelProto) -> onnx.ModelProto:
+        model, found["summaries"] = int8_refiner(ctx)(model)
+        return model
+
+    prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
+    always = [*ctx.cfg.precision.keep_float, *by_backend]  # float in the search's all-int8 model too
+    onnx.save(MixedModels(prepared, table, settings, always, refine).build(keep_float), str(quantized))
+    return {step: {**summary, "inherited": "the refined all-int8 model's, with the float ops restored"}
+            for step, summary in found.get("summaries", {}).items()}
 
 
 def _backend_float_ops(ctx: StageContext, backend, prepared: onnx.ModelProto, chosen: List[str]) -> dict:
@@ -438,6 +467,7 @@ REFINEMENTS = (("weight_rounding", weight_rounding.round_file, {"ops": []}),
 # validation sample where a mixed build's refinement is judged on them
 REFINEMENT_RUNS = {"weight_rounding": 6.0, "bias_correction": 6.0}
 JUDGED_RUNS = 2.0
+REFINED = "quantized.onnx"  # the refined model in a refinement's memo, whatever the file was called
 
 
 def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str], searched: bool) -> dict:
@@ -458,6 +488,29 @@ def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str], searc
         if memo else None
     return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing, shared, searched)
             for step, refine_file, nothing in REFINEMENTS}
+
+
+def refine_as_int8(ctx: StageContext, quantized: Path) -> dict:
+    """The int8 build's refinements (weight rounding, bias correction) on an all-int8 Q/DQ
+    file made elsewhere, in place: the mixed search's base model and mixed's plain int8
+    baseline, so that the search measures what verify measures (the real-size segmenter on
+    AVX2: plain int8 0.031 off the float map unrefined, 0.0115 built). Served from the int8
+    build's memo where it refined the same file. Not where mixed models are built by the
+    quantizer itself (quantized op types beyond WEIGHTED_OPS: MixedModels.build)."""
+    if not set(QdqSettings.resolve(ctx.cfg.precision, ctx.cfg.target.backend.value).quantize_ops) <= set(WEIGHTED_OPS):
+        return {}
+    return _refinements(ctx, quantized, [], searched=False)
+
+
+def int8_refiner(ctx: StageContext):
+    """all-int8 Q/DQ model -> (the same refined by refine_as_int8, the refinements' summaries)."""
+    def refine(model: onnx.ModelProto):
+        with tempfile.TemporaryDirectory(prefix="parity-refine-") as scratch:
+            path = Path(scratch) / "quantized.onnx"
+            onnx.save(model, str(path))
+            summary = refine_as_int8(ctx, path)
+            return onnx.load(str(path)), summary
+    return refine
 
 
 def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict,
@@ -500,8 +553,8 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
             return {"enabled": True, "applied": False, **nothing, "error": first_line(err)}
 
     def produce(folder: Path) -> None:
-        shutil.copyfile(quantized, folder / quantized.name)
-        write_json(folder / "summary.json", refine(folder / quantized.name))
+        shutil.copyfile(quantized, folder / REFINED)
+        write_json(folder / "summary.json", refine(folder / REFINED))
 
     if shared is None:  # no stage cache, or weights in files of their own
         return _logged(refine(quantized), label, judged_on, reused=False)
@@ -510,7 +563,7 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
     folder, reused = ctx.memo(f"build-{step}", material, produce)
     summary = read_json(folder / "summary.json")
     if summary.get("applied"):
-        shutil.copyfile(folder / quantized.name, quantized)
+        shutil.copyfile(folder / REFINED, quantized)
     if not searched and not ctx.cfg.precision.keep_float and "error" not in summary:  # what mixed looks up
         ctx.memo(f"build-{step}-all-int8", outcome, lambda to: write_json(to / "summary.json",
                                                                            {"applied": bool(summary.get("applied"))}))

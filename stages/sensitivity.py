@@ -27,7 +27,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.task_metrics import files as metric_files, load_metric, per_sample
 from pipeline.verification.sample_groups import shape_of
 from pipeline.precision.quantize import MixedModels, QdqSettings, QuantizerFailed, backend_float_ops
-from stages import StageContext, StageResult
+from stages import StageContext, StageResult, build
 from stages.results import SensitivitySummary
 
 NAME = "sensitivity"
@@ -90,12 +90,13 @@ def run(ctx: StageContext) -> StageResult:
     candidates = read_json(calibrate.path("candidates"))
     feeds, labels, count = _samples(ctx, cfg.sensitivity.samples)  # the per-layer ranking's samples
     # the skip and the selection are decided on every validation sample, the set verify judges
-    measure = _MixedMeasure(prepared, *_samples(ctx, len(ctx.dataset().validation)), cfg)
+    measure = _MixedMeasure(prepared, *_samples(ctx, len(ctx.dataset().validation)), cfg, build.int8_refiner(ctx))
     try:
         plain = measure(table, [])
     except QuantizerFailed as err:
         raise err.with_run(ctx)
-    summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "select": cfg.sensitivity.select.value,
+    summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "refined": measure.refinements,
+               "select": cfg.sensitivity.select.value,
                "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
                "expected_cos": measure.goal[0], "max_drop": measure.goal[1], "always_float": measure.always_float}
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
@@ -296,8 +297,10 @@ class _MixedMeasure:
     verify computes it), SQNR and the task metric's drop (cfg.metric, as verify scores it)
     against the float model. Runs CHUNK samples at a time."""
 
-    def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg):
+    def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg, refine=None):
+        """refine: all-int8 model -> (the same refined as the build refines it, summaries)."""
         self.prepared, self.feeds, self.labels, self.count, self.cfg = prepared, feeds, labels, count, cfg
+        self.refine, self.refinements = refine, {}
         self.outputs = [o.name for o in prepared.graph.output]
         # the cosine is the float outputs' (class ids and masks: verify compares them exactly)
         self.compared = [self.outputs.index(name) for name in float_outputs(prepared)]
@@ -311,8 +314,14 @@ class _MixedMeasure:
 
     def models(self, table: Dict[str, dict]) -> MixedModels:
         if self._models is None or self._models.table is not table:  # tables are never mutated
-            self._models = MixedModels(self.prepared, table, _settings(self.cfg), self.always_float)
+            self._models = MixedModels(self.prepared, table, _settings(self.cfg), self.always_float,
+                                       None if self.refine is None else self._refined)
         return self._models
+
+    def _refined(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        model, summaries = self.refine(model)
+        self.refinements = {step: bool(done.get("applied")) for step, done in summaries.items() if done.get("enabled")}
+        return model
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
         model = self.models(table).build(float_ops)
@@ -571,7 +580,7 @@ def _float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict],
 def _write(ctx: StageContext, table, float_ops: List[str], trials, summary, cache: bool = True) -> StageResult:
     write_json(ctx.out_dir / "qtable.json", {"float_ops": float_ops, "select": summary["select"],
                                              "expected_cos": summary["expected_cos"]})
-    (ctx.out_dir / QTABLE_TPU_MLIR).write_text(to_tpu_mlir_qtable(float_ops))
+    (ctx.out_dir / QTABLE_TPU_MLIR).write_text(tables.to_tpu_mlir_qtable(float_ops))
     write_json(ctx.out_dir / "calibration.json", {"method": "sensitivity", "tensors": table})
     (ctx.out_dir / tables.TPU_MLIR_FILE).write_text(tables.to_tpu_mlir(table))
     write_json(ctx.out_dir / "losses.json", [vars(t) for t in trials])
@@ -580,21 +589,3 @@ def _write(ctx: StageContext, table, float_ops: List[str], trials, summary, cach
     if (ctx.out_dir / "costs.json").exists():
         files["costs"] = "costs.json"
     return StageResult(ctx.out_dir, files, SensitivitySummary.from_json(summary), cache=cache)
-
-
-def to_tpu_mlir_qtable(float_ops: List[str]) -> str:
-    """TPU-MLIR's quantize table: one 'op_name mode' row per op kept in float."""
-    return "# op_name quantize_mode\n" + "".join(f"{op} F32\n" for op in float_ops)
-
-
-def from_tpu_mlir_qtable(text: str) -> List[str]:
-    ops = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        fields = line.split()
-        if len(fields) != 2:
-            raise ValueError(f"line {number}: expected 'op_name quantize_mode', got {line!r}")
-        if fields[1].upper() in ("F32", "F16", "BF16"):
-            ops.append(fields[0])
-    return ops

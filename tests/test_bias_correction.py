@@ -130,22 +130,19 @@ def test_correction_is_kept_only_when_the_output_gets_closer_to_fp32(classifier)
     assert summary["corrected"] == (summary["measured"] if summary["applied"] else {})
 
 
-def test_a_mixed_build_does_not_measure_again_what_the_all_int8_build_did_not_keep(tmp_path):
-    """The all-int8 build records whether it kept bias correction; a mixed build of the same
-    calibration keeping ops float reads it: not kept there, not measured again (23 s on the
-    real-size segmenter). Kept there, measured again for the mixed model."""
-    args = [STAGES.replace("build]", "sensitivity,build]"), "precision.weight_rounding=false"]
-    assert run_cli(["precision=int8", *args], tmp_path, shared_cache=False).returncode == 0
-    (entry,) = (tmp_path / "outputs" / ".cache" / "memo" / "build-bias_correction-all-int8").iterdir()
-    assert json.loads((entry / "summary.json").read_text()) == {"applied": True}  # digits: kept
-    mixed = ["precision=mixed", "precision.keep_float=[conv1]", *args]
-    assert run_cli(mixed, tmp_path, shared_cache=False).returncode == 0
-    measured = _build_summary(run_dirs(tmp_path)[-1])["bias_correction"]
-    assert "not_measured" not in measured and measured["samples"] >= 8, measured
-    # a model where it did not help (PP-OCRv4 det, the real-size segmenter): the entry says so
-    (entry / "summary.json").write_text(json.dumps({"applied": False}))
-    assert run_cli([*mixed[:1], "precision.keep_float=[conv2]", *args], tmp_path,
-                   shared_cache=False).returncode == 0  # built anew
-    skipped = _build_summary(run_dirs(tmp_path)[-1])["bias_correction"]
-    assert skipped["applied"] is False and skipped["samples"] == 0, skipped
-    assert skipped["not_measured"].startswith("the all-int8 build of the same calibration"), skipped
+def test_a_mixed_build_is_the_refined_all_int8_model_the_search_measured(tmp_path):
+    """A mixed build keeping ops float is the int8 build's refined all-int8 model with those
+    ops back in float: its refinements are inherited, not measured again on the mixed model
+    (100 s on the real-size segmenter), and verify finds the very cosine the search chose the
+    float ops at (both on ONNX Runtime, the same validation samples)."""
+    result = run_cli(["precision=mixed", "sensitivity.expected_cos=0.99999", "data.validation_size=30",
+                      "sensitivity.samples=30", "sensitivity.heads_first=false"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = run_dirs(tmp_path)[-1]
+    search = json.loads((run / "stages" / "sensitivity" / "result.json").read_text())["summary"]
+    assert search["float_ops"] and search["refined"] == {"weight_rounding": True, "bias_correction": True}
+    built = _build_summary(run)
+    assert all(built[step]["inherited"] for step in ("weight_rounding", "bias_correction")), built
+    assert built["bias_correction"]["judged_on"] == "calibration"
+    (output,) = json.loads((run / "report.json").read_text())["verify"]["outputs"]
+    assert output["metrics"]["cosine"] == pytest.approx(search["mixed"]["cosine"], abs=1e-9)

@@ -335,3 +335,31 @@ def test_silu_after_a_quantized_conv_runs_int8_and_the_decode_stays_float():
     assert sum(n.op_type == "QuantizeLinear" for n in plain.graph.node) < \
         sum(n.op_type == "QuantizeLinear" for n in built.graph.node)  # without swish the SiLU runs float
     assert np.corrcoef(_run(built, feeds).ravel(), _run(model, feeds).ravel())[0, 1] > 0.99
+
+
+def test_an_op_bias_correction_gave_a_bias_goes_back_to_float_without_it():
+    """keep_in_float on the refined all-int8 model (the mixed search's base): an op that had
+    no bias and got one from bias correction is the prepared op again, with no bias."""
+    from pipeline.precision.calibration import bias_correction
+
+    rng = np.random.default_rng(1)
+    weights = [numpy_helper.from_array(rng.normal(0, 0.5, shape).astype(np.float32), name)
+               for name, shape in (("w1", (4, 1, 3, 3)), ("w2", (2, 4, 3, 3)))]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+         helper.make_node("Conv", ["a", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1])],
+        "unbiased", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])], initializer=weights)
+    prepared = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    prepared.ir_version = 8
+    samples = [{"x": rng.uniform(0, 1, (1, 1, 8, 8)).astype(np.float32)} for _ in range(4)]
+
+    def corrected(model):
+        bias_correction.correct(model, prepared, samples)
+        assert len({n.name: n for n in model.graph.node}["conv2"].input) == 3  # a bias was added
+        return model
+
+    mixed = MixedModels(prepared, _table(prepared, samples[0]), QdqSettings(), refine=corrected)
+    model = mixed.build(["conv1", "conv2"])
+    assert [list(n.input) for n in model.graph.node] == [list(n.input) for n in prepared.graph.node]
+    assert np.array_equal(_run(model, samples[0]), _run(prepared, samples[0]))

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_report, run_cli, run_dirs, single_bundle
-from stages.sensitivity import from_tpu_mlir_qtable, to_tpu_mlir_qtable
+from pipeline.precision.calibration.tables import from_tpu_mlir_qtable, to_tpu_mlir_qtable
 
 
 def fragile_model(path):

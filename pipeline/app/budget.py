@@ -20,7 +20,8 @@ read on a VNNI AMD EPYC and let int8 start where it could not end) and 4 a valid
 half the graph per quantized op and ranking sample, and 2 log2(ops) whole-model passes over
 the validation set to select; with sensitivity.heads_first, two whole-model passes (plain
 int8 and the output heads float) before a ranking the deadline cuts where it does not fit.
-mixed reuses int8's calibration where int8's candidate ran, else pays for its own."""
+mixed reuses int8's calibration and refined all-int8 model where int8's candidate ran (its
+build inherits those refinements: docs/sensitivity.md), else pays for its own."""
 
 from __future__ import annotations
 
@@ -79,9 +80,9 @@ class Budget:
         per_calibration, per_validation = COST_RUNS.get(precision, (0.0, VERIFY_RUNS))
         runs = per_calibration * calibration + per_validation * validation
         if kinds.searched(precision):  # mixed: the search, a build, a verify
-            runs = self._search_runs() + REFINE_RUNS * calibration + VERIFY_RUNS * validation
-            if kinds.partial_of(precision) not in self.ran:  # else int8's calibration is cached
-                runs += CALIBRATE_RUNS * calibration
+            runs = self._search_runs() + VERIFY_RUNS * validation
+            if kinds.partial_of(precision) not in self.ran:  # else int8's calibration and refinements are cached
+                runs += (CALIBRATE_RUNS + REFINE_RUNS) * calibration
         return runs * self.probe_s * self.correction()
 
     def _search_runs(self) -> float:

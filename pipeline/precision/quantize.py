@@ -236,6 +236,11 @@ def build_qdq(model_path: Path, table: Dict[str, dict], out_path: Path, settings
     prepared = onnx.load(str(model_path))
     keep_float = list(keep_float)
     onnx.save(MixedModels(prepared, table, settings, always_float=keep_float).build(keep_float), str(out_path))
+    return gemm_bias_notes(prepared, settings)
+
+
+def gemm_bias_notes(prepared, settings: QdqSettings) -> List[dict]:
+    """The Gemm biases the quantizer is given as vectors (flatten_gemm_bias), as the build records them."""
     return [{"op": node, "bias_from": list(old), "bias_to": [size]}
             for node, _, old, size in gemm_bias_fixes(prepared)] if settings.per_channel else []
 
@@ -262,10 +267,13 @@ class MixedModels:
     adding Q/DQ pairs (it fuses a quantized Relu into its QuantizeLinear), the quantizer
     builds every mixed model itself."""
 
-    def __init__(self, prepared, table: Dict[str, dict], settings: QdqSettings, always_float: Iterable[str] = ()):
+    def __init__(self, prepared, table: Dict[str, dict], settings: QdqSettings, always_float: Iterable[str] = (),
+                 refine=None):
         """always_float: ops float in every model (precision.keep_float), left out of the
-        quantizer's own run too (names the prepared graph lacks are ignored)."""
-        self.prepared, self.table, self.settings = prepared, table, settings
+        quantizer's own run too (names the prepared graph lacks are ignored). refine: the
+        all-int8 model -> the same refined (weight rounding, bias correction as the build
+        refines it), once, before every mixed model derives from it."""
+        self.prepared, self.table, self.settings, self.refine = prepared, table, settings, refine
         names = {node.name for node in prepared.graph.node}
         self.always_float = sorted((set(always_float) | set(decision_ops(prepared, settings.quantize_ops))
                                     | set(settings_float_ops(prepared, settings))) & names)
@@ -278,6 +286,8 @@ class MixedModels:
         if self._all_int8 is None:
             self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings, sorted(
                 self.settings.float_neighbours(self.prepared, self.always_float)))
+            if self.refine is not None:
+                self._all_int8 = self.refine(self._all_int8)
         return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings)
 
 
@@ -448,6 +458,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
     restored = []  # (node, input index, float initializer name): set once their DQ is gone
     for name in float_ops:
         node = nodes[name]
+        del node.input[len(original[name].input):]  # a bias that bias correction gave an op without one
         for index, was in enumerate(original[name].input):
             now = producer.get(node.input[index])
             if was in weights and now is not None and now.op_type == "DequantizeLinear":

@@ -207,3 +207,21 @@ def _ort_array(value: np.float32) -> dict:
 def _ort_method(table: Mapping[str, Mapping]) -> str:
     methods = {_ORT_METHODS.get(entry.get("method")) for entry in table.values()}
     return methods.pop() if len(methods) == 1 and None not in methods else "MinMax"
+
+
+def to_tpu_mlir_qtable(float_ops: List[str]) -> str:
+    """TPU-MLIR's quantize table: one 'op_name mode' row per op kept in float."""
+    return "# op_name quantize_mode\n" + "".join(f"{op} F32\n" for op in float_ops)
+
+
+def from_tpu_mlir_qtable(text: str) -> List[str]:
+    ops = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise ValueError(f"line {number}: expected 'op_name quantize_mode', got {line!r}")
+        if fields[1].upper() in ("F32", "F16", "BF16"):
+            ops.append(fields[0])
+    return ops
