@@ -70,7 +70,7 @@ def choose(model: onnx.ModelProto, kept: Dict[str, np.ndarray], candidates: Dict
             measured = True
             reference = session.run(None, feeds)[0]
             for method, entry in entries.items():
-                output = session.run(None, {**feeds, name: fake_quantize(values, entry, activations)})[0]
+                output = session.run(None, {**feeds, name: fake_quantize(feeds[name], entry, activations)})[0]
                 errors[method] += float(np.mean((output - reference) ** 2))
         if not measured:
             errors = {m: float(np.mean((fake_quantize(values, e, activations) - values) ** 2))
@@ -91,14 +91,13 @@ def _weighted_consumers(model: onnx.ModelProto) -> Dict[str, List[onnx.NodeProto
 
 
 def _node_feeds(model: onnx.ModelProto, node: onnx.NodeProto, kept: Dict[str, np.ndarray]) -> Optional[dict]:
-    """Float inputs of ``node`` (weights from the initializers), or None when one was not kept."""
+    """Float inputs of ``node`` (weights from the initializers), or None when one was not kept.
+    Activations on as many kept samples as all of them have (a large tensor keeps fewer:
+    statistics.KEPT_VALUES)."""
     initializers = {t.name: t for t in model.graph.initializer}
-    feeds = {}
-    for name in (n for n in node.input if n):
-        if name in initializers:
-            feeds[name] = numpy_helper.to_array(initializers[name])
-        elif name in kept:
-            feeds[name] = kept[name]
-        else:
-            return None
-    return feeds
+    activations = [n for n in node.input if n and n not in initializers]
+    if any(name not in kept for name in activations):
+        return None
+    rows = min((len(kept[name]) for name in activations), default=0)
+    return {name: numpy_helper.to_array(initializers[name]) if name in initializers else kept[name][:rows]
+            for name in node.input if name}
