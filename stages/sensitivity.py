@@ -163,21 +163,25 @@ def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: L
 
 
 def _heads_first(cfg, measure: "_MixedMeasure", table, prepared, ops: List[int], summary: dict) -> List[str]:
-    """The output heads (search.output_heads) float, measured as one mixed model before any
-    ranking: those ops where that meets the target (into ``summary``), else []. Their error
-    reaches the outputs undiluted, and a head is small (docs/sensitivity.md, "Selection")."""
+    """Before any ranking, int8 with the output heads (search.output_heads) float, then with
+    the input stems (search.input_stems) float too: the first that meets the target (each try
+    into ``summary``), else []. A head's error reaches the outputs undiluted, a stem's passes
+    through the whole network, and both are few (docs/sensitivity.md, "Selection")."""
     if not cfg.sensitivity.heads_first or cfg.sensitivity.select.value != "target":
         return []
     nodes = list(prepared.graph.node)
-    heads = [nodes[i].name for i in search.output_heads(prepared, ops) if nodes[i].name not in measure.always_float]
-    if not heads or len(heads) > cfg.sensitivity.max_float_ops:
-        return []
-    result = measure(table, heads)
-    summary["heads_first"] = {"float_ops": heads, **result, "met": measure.meets(result)}
-    if not summary["heads_first"]["met"]:
-        return []
-    summary["mixed"] = result
-    return heads
+    heads, stems = ([nodes[i].name for i in found(prepared, ops) if nodes[i].name not in measure.always_float]
+                    for found in (search.output_heads, search.input_stems))
+    tries = {"heads_first": heads, "heads_and_stems": list(dict.fromkeys([*heads, *stems])) if stems else []}
+    for key, float_ops in tries.items():
+        if not float_ops or len(float_ops) > cfg.sensitivity.max_float_ops:
+            continue
+        result = measure(table, float_ops)
+        summary[key] = {"float_ops": float_ops, **result, "met": measure.meets(result)}
+        if summary[key]["met"]:
+            summary["mixed"] = result
+            return float_ops
+    return []
 
 
 def _skipped(ctx: StageContext, why: str) -> StageResult:

@@ -265,6 +265,9 @@ def test_the_ops_just_before_an_output_are_always_measured_in_full():
     heads = {nodes[i].name for i in output_heads(model, convs)}
     assert heads == {"/fuse/Conv", *(f"/sides.{i}/Conv" for i in range(6))}, heads
     assert output_heads(model, convs, depth=1) != output_heads(model, convs)  # the sides behind a Resize
+    from pipeline.precision.calibration.sensitivity import input_stems
+
+    assert [nodes[i].name for i in input_stems(model, convs)] == ["/encoder.0/conv_in/conv_in.0/Conv"]
 
 
 class _MeetsWith:
@@ -283,9 +286,10 @@ class _MeetsWith:
 
 
 def test_heads_first_measures_the_output_heads_float_before_any_ranking(tmp_path):
-    """The output heads (conv3 here: it writes the graph output) in float, measured first:
-    where that meets the target they are the selection; where not, [] (the search follows);
-    off, or select=top_n, nothing is measured."""
+    """The output heads (conv3 here: it writes the graph output) in float, measured first,
+    then with the input stems (conv1: it reads the graph input) float too: the first that
+    meets the target is the selection; where neither does, [] (the search follows); off, or
+    select=top_n, nothing is measured."""
     from pipeline.precision.calibration import sensitivity as search
     from stages.sensitivity import _heads_first
 
@@ -293,10 +297,13 @@ def test_heads_first_measures_the_output_heads_float_before_any_ranking(tmp_path
     ops = search.quantizable_ops(model, {"x": {}, "b": {}, "c": {}})
     cfg = SimpleNamespace(sensitivity=SimpleNamespace(heads_first=True, select=SimpleNamespace(value="target"),
                                                       max_float_ops=32))
-    for enough, expected in ((["conv3"], ["conv3"]), (["conv2"], [])):
+    tries = {"heads_first": ["conv3"], "heads_and_stems": ["conv3", "conv1"]}  # conv1 reads the input
+    for enough, expected in ((["conv3"], ["conv3"]), (["conv1"], ["conv3", "conv1"]), (["conv2"], [])):
         measure, summary = _MeetsWith(enough), {}
         assert _heads_first(cfg, measure, {}, model, ops, summary) == expected
-        assert measure.measured == [["conv3"]] and summary["heads_first"]["met"] is bool(expected)
+        measured = [tries["heads_first"]] if expected == ["conv3"] else list(tries.values())
+        assert measure.measured == measured and summary["heads_first"]["met"] is (expected == ["conv3"])
+        assert summary.get("heads_and_stems", {}).get("met", False) is (expected == ["conv3", "conv1"])
     for setting, select in ((False, "target"), (True, "top_n")):
         cfg.sensitivity.heads_first, cfg.sensitivity.select = setting, SimpleNamespace(value=select)
         measure = _MeetsWith(["conv3"])
@@ -304,8 +311,8 @@ def test_heads_first_measures_the_output_heads_float_before_any_ranking(tmp_path
 
 
 def test_a_mixed_job_whose_heads_are_not_enough_runs_the_search_after_them(tmp_path):
-    """The fragile model with the defaults: conv3 alone float does not reach the target
-    (conv2's output is still quantized), so the ranking runs and keeps its choice; the
+    """The fragile model with the defaults: conv3 alone float, or with conv1, does not reach
+    the target (conv2's output is still quantized), so the ranking runs and keeps its choice; the
     report says which way heads_first went."""
     model = fragile_model(tmp_path / "fragile.onnx")
     result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max",
@@ -314,5 +321,6 @@ def test_a_mixed_job_whose_heads_are_not_enough_runs_the_search_after_them(tmp_p
     run_dir = run_dirs(tmp_path)[-1]
     summary = sensitivity_summary(run_dir)
     assert summary["heads_first"]["float_ops"] == ["conv3"] and summary["heads_first"]["met"] is False
+    assert summary["heads_and_stems"]["float_ops"] == ["conv3", "conv1"] and not summary["heads_and_stems"]["met"]
     assert summary["ranking"] and "conv2" in summary["float_ops"] and summary["trials"] > 0
-    assert "the target not met: the per-layer search follows" in (run_dir / "report.md").read_text()
+    assert "input stems in float (2 ops, sensitivity.heads_first)" in (run_dir / "report.md").read_text()

@@ -113,7 +113,7 @@ def test_rounds_are_slices_alternating_between_the_builds():
     slices, fewest = speed.plan(10, 20)
     for worker in steady.values():
         first, warm, *timed = worker.calls
-        assert first == {"warmup": speed.WARMUP, "runs": 1, "min_ms": 0.0}  # one run's length sizes the rounds
+        assert first == {"warmup": speed.WARMUP, "runs": speed.FIT_RUNS, "min_ms": 0.0}  # their median sizes the rounds
         assert warm["min_ms"] == 20 and warm["runs"] == 10  # the warm-up lasts a round
         assert len(timed) == 5 * slices and all(c == {"warmup": 0, "runs": fewest, "min_ms": speed.SLICE_MS}
                                                 for c in timed)

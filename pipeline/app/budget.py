@@ -18,8 +18,9 @@ tables, equalization's judge, weight rounding, bias correction: 51 on an AVX2 AM
 read on a VNNI AMD EPYC and let int8 start where it could not end) and 4 a validation sample
 (the build and the reference side by side, the timing); the mixed search about one run of
 half the graph per quantized op and ranking sample, and 2 log2(ops) whole-model passes over
-the validation set to select; with sensitivity.heads_first, two whole-model passes (plain
-int8 and the output heads float) before a ranking the deadline cuts where it does not fit.
+the validation set to select; with sensitivity.heads_first, three whole-model passes (plain
+int8, the output heads float, the heads and input stems float) before a ranking the deadline
+cuts where it does not fit.
 mixed reuses int8's calibration and refined all-int8 model where int8's candidate ran (its
 build inherits those refinements: docs/sensitivity.md), else pays for its own."""
 
@@ -86,12 +87,12 @@ class Budget:
         return runs * self.probe_s * self.correction()
 
     def _search_runs(self) -> float:
-        """The mixed search's runs: with sensitivity.heads_first, two whole-model passes over
-        the validation set (plain int8, the heads float), the ranking after them cut by the
+        """The mixed search's runs: with sensitivity.heads_first, three whole-model passes over
+        the validation set (plain int8, the heads float, the heads and stems float), the ranking after them cut by the
         deadline where it does not fit; else the per-layer ranking and the selection."""
         validation = self.counts.get("validation", 0)
         if self.counts.get("heads_first"):
-            return 2.0 * validation
+            return 3.0 * validation
         ops = max(self.counts.get("quantized_ops", 1), 2)
         return 0.5 * ops * self.counts.get("sensitivity", 8) + 2 * math.log2(ops) * validation
 

@@ -32,12 +32,13 @@ def sensitivity_section(sensitivity: dict) -> list:
               ("ops kept in float", ", ".join(map(str, as_list(sensitivity.get("float_ops")))) or "none"),
               ("trials measured in full", f"{sensitivity.get('measured')} of {sensitivity.get('trials')}")]
     blocks.append(KeyValues(pairs))
-    heads = as_dict(sensitivity.get("heads_first"))
-    if heads:
-        blocks.append(Para(f"the output heads in float ({len(as_list(heads.get('float_ops')))} ops, "
-                           f"sensitivity.heads_first): cosine {fmt_cosine(heads.get('cosine'))}, "
-                           + ("the target met: no per-layer ranking" if heads.get("met")
-                              else "the target not met: the per-layer search follows")))
+    for key, what in (("heads_first", "the output heads"), ("heads_and_stems", "the output heads and input stems")):
+        tried = as_dict(sensitivity.get(key))
+        if tried:
+            blocks.append(Para(f"{what} in float ({len(as_list(tried.get('float_ops')))} ops, "
+                               f"sensitivity.heads_first): cosine {fmt_cosine(tried.get('cosine'))}, "
+                               + ("the target met: no per-layer ranking" if tried.get("met")
+                                  else "the target not met: the next try follows")))
     ranking = [r for r in as_list(sensitivity.get("ranking")) if isinstance(r, dict)][:10]
     if ranking:
         blocks += [Heading(3, "Most sensitive ops"),

@@ -33,6 +33,7 @@ SLICE_MS = 5.0  # a slice: back-to-back runs of one build; a round alternates th
 TIGHT = 1.25  # a spread of per-round ratios (outer p75/p25) at most this is tight: a tie can be called
 MAX_PASSES = 32  # stream passes of one build a round (each pass is a call to its worker)
 MIN_ROUNDS = 3  # rounds timed whatever max_seconds says
+FIT_RUNS = 3  # runs of each build, after the warm-up, that fitted_runs sizes the rounds from
 MAX_LENGTHEN = 2  # an undecided pair doubles the round length at most this often (4x), within the time budget
 
 
@@ -125,7 +126,8 @@ def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int,
     ``{"error": ...}``."""
     order = list(workers)
     errors: Dict[str, str] = {}
-    first = {name: _latency(workers, name, feeds, WARMUP, 1, 0.0, errors) for name in order}
+    # the median of FIT_RUNS: one run on a loaded 2-core machine took 100x its time and cut the rounds
+    first = {name: _latency(workers, name, feeds, WARMUP, FIT_RUNS, 0.0, errors) for name in order}
     fitted = fitted_runs(runs, max_seconds, [found["median_ms"] for found in first.values() if found])
     if fitted < runs:  # runs long enough to time one by one: rounds sized by count, within max_seconds
         runs, round_ms = fitted, 0.0

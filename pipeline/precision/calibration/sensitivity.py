@@ -128,6 +128,26 @@ def output_heads(model: onnx.ModelProto, ops: List[int], depth: int = HEAD_DEPTH
     return sorted(found)
 
 
+def input_stems(model: onnx.ModelProto, ops: List[int], depth: int = HEAD_DEPTH) -> List[int]:
+    """The ops of ``ops`` that read a graph input through at most ``depth`` other ops (a
+    normalization, a pad), the first of ``ops`` on each path: they quantize the raw input, and
+    their error passes through the whole network (on ONNX Runtime with 7-bit weights the
+    segmenter's search kept its first convolution float)."""
+    nodes = list(model.graph.node)
+    readers: Dict[str, List[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(index)
+    initializers = {t.name for t in model.graph.initializer}
+    wanted, found = set(ops), set()
+    frontier = [i for graph_input in model.graph.input if graph_input.name not in initializers
+                for i in readers.get(graph_input.name, [])]
+    for _ in range(depth + 1):
+        found.update(i for i in frontier if i in wanted)
+        frontier = [r for i in frontier if i not in wanted for out in nodes[i].output for r in readers.get(out, [])]
+    return sorted(found)
+
+
 def workers() -> int:
     return min(MAX_WORKERS, own_threads())
 
