@@ -19,7 +19,7 @@ from pipeline.artifacts import hash_files, read_json, sha256_file, write_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
 from pipeline.precision.passthrough import fold_relus
-from pipeline.precision.quantize import (WEIGHTED_OPS, MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
+from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
                                         gemm_bias_notes, int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
 from stages import (BASELINES, REFERENCE_MODULE, StageContext, StageResult, baseline_role, baselines, peek,
@@ -400,7 +400,7 @@ def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, ke
     measured and chose them on (stages/sensitivity.py), so that its refinements are not
     measured again on the mixed model (the real-size segmenter on AVX2: 100 s). Its
     refinements' summaries; None where mixed models are built by the quantizer itself."""
-    if not set(settings.quantize_ops) <= set(WEIGHTED_OPS):
+    if not settings.derives_mixed:
         return None
     found: dict = {}
 
@@ -496,8 +496,8 @@ def refine_as_int8(ctx: StageContext, quantized: Path) -> dict:
     baseline, so that the search measures what verify measures (the real-size segmenter on
     AVX2: plain int8 0.031 off the float map unrefined, 0.0115 built). Served from the int8
     build's memo where it refined the same file. Not where mixed models are built by the
-    quantizer itself (quantized op types beyond WEIGHTED_OPS: MixedModels.build)."""
-    if not set(QdqSettings.resolve(ctx.cfg.precision, ctx.cfg.target.backend.value).quantize_ops) <= set(WEIGHTED_OPS):
+    quantizer itself (QdqSettings.derives_mixed)."""
+    if not QdqSettings.resolve(ctx.cfg.precision, ctx.cfg.target.backend.value).derives_mixed:
         return {}
     return _refinements(ctx, quantized, [], searched=False)
 

@@ -141,6 +141,13 @@ class QdqSettings:
         """The model's SiLU ops these settings quantize (passthrough.swish_ops)."""
         return swish_ops(model, self.swish_after)
 
+    @property
+    def derives_mixed(self) -> bool:
+        """Mixed models are derived from the all-int8 one (keep_in_float): every quantized op
+        type is a weighted one. Otherwise the quantizer rewrites more than Q/DQ pairs (it fuses
+        a quantized Relu into its QuantizeLinear) and builds each mixed model itself."""
+        return set(self.quantize_ops) <= set(WEIGHTED_OPS)
+
     def float_neighbours(self, model, float_ops: Iterable[str]) -> set:
         """``float_ops`` with the pass-through and SiLU ops beside them (passthrough.float_neighbours)."""
         return float_neighbours(model, float_ops, self.passthrough_ops, self.swish_ops(model))
@@ -281,7 +288,7 @@ class MixedModels:
 
     def build(self, keep_float: Iterable[str] = ()):
         keep_float = sorted(self.settings.float_neighbours(self.prepared, set(keep_float) | set(self.always_float)))
-        if keep_float and not set(self.settings.quantize_ops) <= set(WEIGHTED_OPS):
+        if keep_float and not self.settings.derives_mixed:
             return quantize_static_qdq(self.prepared, self.table, self.settings, keep_float)
         if self._all_int8 is None:
             self._all_int8 = quantize_static_qdq(self.prepared, self.table, self.settings, sorted(

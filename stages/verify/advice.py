@@ -23,7 +23,7 @@ from pipeline.task_metrics import load_metric
 from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.calibration import bias_correction, weight_rounding
 from pipeline.precision.passthrough import fold_relus
-from pipeline.precision.quantize import WEIGHTED_OPS, QdqSettings, build_qdq, keep_in_float
+from pipeline.precision.quantize import QdqSettings, build_qdq, keep_in_float
 from pipeline.verification.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
 from stages import REFERENCE_MODULE, reference_settings
@@ -289,7 +289,7 @@ def _screen_maker(ctx, backend, qdq, stack):
     on ONNX Runtime, 16 lines, the build 0.99881 on the target and 0.99621 screened plain."""
     build = ctx.results["build"]
     settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
-    if "qdq" not in build.files or not set(settings.quantize_ops) <= set(WEIGHTED_OPS):
+    if "qdq" not in build.files or not settings.derives_mixed:
         return qdq
     refined = onnx.load(str(build.path("qdq")))
     prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))

@@ -120,12 +120,8 @@ def output_heads(model: onnx.ModelProto, ops: List[int], depth: int = HEAD_DEPTH
     flip pixels near the map's threshold), and their full measure runs almost no graph."""
     nodes = list(model.graph.node)
     producer = {out: index for index, node in enumerate(nodes) for out in node.output}
-    wanted, found = set(ops), set()
-    frontier = [producer[o.name] for o in model.graph.output if o.name in producer]
-    for _ in range(depth + 1):
-        found.update(i for i in frontier if i in wanted)
-        frontier = [producer[name] for i in frontier if i not in wanted for name in nodes[i].input if name in producer]
-    return sorted(found)
+    start = [producer[o.name] for o in model.graph.output if o.name in producer]
+    return _nearest(ops, start, lambda i: [producer[name] for name in nodes[i].input if name in producer], depth)
 
 
 def input_stems(model: onnx.ModelProto, ops: List[int], depth: int = HEAD_DEPTH) -> List[int]:
@@ -139,12 +135,18 @@ def input_stems(model: onnx.ModelProto, ops: List[int], depth: int = HEAD_DEPTH)
         for name in node.input:
             readers.setdefault(name, []).append(index)
     initializers = {t.name for t in model.graph.initializer}
-    wanted, found = set(ops), set()
-    frontier = [i for graph_input in model.graph.input if graph_input.name not in initializers
-                for i in readers.get(graph_input.name, [])]
+    start = [i for value in model.graph.input if value.name not in initializers for i in readers.get(value.name, [])]
+    return _nearest(ops, start, lambda i: [r for out in nodes[i].output for r in readers.get(out, [])], depth)
+
+
+def _nearest(ops: List[int], start: List[int], step, depth: int) -> List[int]:
+    """The ops of ``ops`` met walking from the nodes ``start`` through ``step`` (node index ->
+    the next ones) past at most ``depth`` other nodes, stopping at the first of ``ops`` on
+    each path."""
+    wanted, found, frontier = set(ops), set(), start
     for _ in range(depth + 1):
         found.update(i for i in frontier if i in wanted)
-        frontier = [r for i in frontier if i not in wanted for out in nodes[i].output for r in readers.get(out, [])]
+        frontier = [j for i in frontier if i not in wanted for j in step(i)]
     return sorted(found)
 
 
