@@ -50,7 +50,6 @@ def cpu() -> dict:
     return found
 
 
-@lru_cache(maxsize=1)
 def int8_vnni(backend: Optional[str] = None) -> bool:
     """Whether ``backend``'s int8 kernels have VNNI here: the CPU has it and, for OpenVINO,
     no ISA cap holds its oneDNN below it (ONNX Runtime's kernels ignore the cap)."""
