@@ -99,7 +99,7 @@ def run(ctx: StageContext) -> StageResult:
     # scales, the table: one pass over the calibration set instead of two
     base = None if cfg.calibration.table else _statistics(ctx, model_path)
     equalized = _equalize(ctx, model_path, base)  # the statistics, the table and the build use the model
-    smoothed = _smooth(ctx, model_path)  # rewritten by both
+    smoothed = _smooth(ctx, model_path, base)  # rewritten by both
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
@@ -154,13 +154,20 @@ def _equalize(ctx: StageContext, model_path: Path, base):
     if why is not None:
         return {"enabled": True, "applied": False, "cut": why}
     prepared = onnx.load(str(model_path))
-    whole = base[0] if base is not None and len(split) <= equalization.JUDGE_SAMPLES else None
+    judged_on = _judged_on(split, base)
+    whole = base[0] if base is not None and len(judged_on) == len(split) else None
     model, summary = equalization.choose(prepared, split, cfg.precision.equalization,
                                          QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                         _judge_tables(cfg, prepared), base_statistics=whole)
+                                         _judge_tables(cfg, prepared), base_statistics=whole, judged_on=judged_on)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
+
+
+def _judged_on(split, measured) -> list:
+    """The calibration samples the int8 judges run on: a subsample sized to the model that
+    keeps the samples holding the outliers (statistics.judge_samples), all of a small model's."""
+    return statistics.judge_samples(split, measured[0] if measured is not None else None)
 
 
 def _judge_tables(cfg, prepared):
@@ -179,7 +186,7 @@ def _judge_tables(cfg, prepared):
     return make_table
 
 
-def _smooth(ctx: StageContext, model_path: Path):
+def _smooth(ctx: StageContext, model_path: Path, base):
     """precision.smoothing for int8 and mixed (pipeline/precision/smoothing.py): prepared.onnx
     rewritten with the activations' outlier channels moved into the weights, when a fixed
     alpha is set or auto measures it better; the summary, or None where it does not apply
@@ -189,9 +196,9 @@ def _smooth(ctx: StageContext, model_path: Path):
         return None
     setting = smoothing.parse(cfg.precision.smoothing)
     prepared = onnx.load(str(model_path))
-    model, summary = smoothing.choose(prepared, ctx.dataset().calibration, setting,
-                                      QdqSettings.resolve(cfg.precision, backends.REFERENCE), (),
-                                      _judge_tables(cfg, prepared))
+    split = ctx.dataset().calibration
+    model, summary = smoothing.choose(prepared, split, setting, QdqSettings.resolve(cfg.precision, backends.REFERENCE),
+                                      (), _judge_tables(cfg, prepared), judged_on=_judged_on(split, base))
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
@@ -295,29 +302,37 @@ def _thresholds(stats, ctx: StageContext, model_path: Path, every_method=None):
              for name, entries in candidates.items()}
     decision = None
     if undecided and _judged_at_outputs(ctx.cfg):
-        table, decision = _auto_at_outputs(ctx, model_path, table, candidates)
+        table, decision = _auto_at_outputs(ctx, model_path, table, candidates, _judged_on(ctx.dataset().calibration,
+                                                                                          (stats,)))
     return table, {name: c["errors"] for name, c in list(choices.items())[:200]} or None, decision
 
 
-def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, dict], candidates):
+def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, dict], candidates, judged_on):
     """auto's final choice between the per-tensor table and each single method's table: the
     one whose int8 model (ONNX Runtime's placement, every quantizable op quantized) does best
-    at the network outputs on the whole calibration set (auto.choose_table). precision.keep_float
+    at the network outputs on the whole calibration set (auto.choose_table), every table
+    screened first on ``judged_on`` where that is a subsample of it. precision.keep_float
     is left out: the table a build is made with does not move when advice keeps an op float,
     so the advice trial built with it is what the rerun applying it gets."""
     tables_by_name = {"per-tensor": per_tensor}
     for method in AUTO_CANDIDATES:  # model inputs keep their own method (calibration.inputs)
         tables_by_name[method] = {name: entries[method] if method in entries else next(iter(entries.values()))
                                   for name, entries in candidates.items()}
-    split = ctx.dataset().calibration
     prepared = onnx.load(str(model_path))
-    samples = shapes.one_shape([sample.feeds for sample in split])  # compared as equal slices
-    judge = OutputJudge(prepared, samples)
     model = FakeQuantModel(prepared, per_tensor, QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE))
-    chosen, scores = auto.choose_table(lambda table: judge.score(model.run(table, samples, judge.outputs)), tables_by_name)
-    return tables_by_name[chosen], {"chosen": chosen, "samples": judge.count, "criterion": auto.CRITERION,
+
+    def measure_on(samples):
+        samples = shapes.one_shape([sample.feeds for sample in samples])  # compared as equal slices
+        judge = OutputJudge(prepared, samples)
+        return (lambda table: judge.score(model.run(table, samples, judge.outputs))), judge.count
+
+    split = list(ctx.dataset().calibration)
+    measure, count = measure_on(split)
+    screen, screened_on = measure_on(judged_on) if len(judged_on) < len(split) else (None, None)
+    chosen, scores = auto.choose_table(measure, tables_by_name, screen)
+    return tables_by_name[chosen], {"chosen": chosen, "samples": count, "criterion": auto.CRITERION,
                                     "measured_on": "the fake-quantized model (calibration/fake_quant.py)",
-                                    "candidates": scores}
+                                    **({"screened_on": screened_on} if screen else {}), "candidates": scores}
 
 
 def _method_options(cfg) -> Dict[str, dict]:

@@ -67,3 +67,52 @@ def test_a_large_tensor_keeps_fewer_samples_and_auto_still_chooses(monkeypatch):
                   for name in stats.histograms}
     chosen = auto.choose(model, stats.kept, candidates, "uint8")
     assert set(chosen) == set(stats.histograms) and all(c["method"] in ("max", "percentile") for c in chosen.values())
+
+
+def test_statistics_record_which_sample_holds_each_peak():
+    model = _wide_model()
+    rng = np.random.default_rng(2)
+    samples = [Sample(f"s{i}", {"x": rng.normal(0, 1, (1, 4, 64, 64)).astype(np.float32) * (9.0 if i == 3 else 1.0)})
+               for i in range(6)]
+    stats = statistics.collect(model, samples, len(samples), keep=1, batch_size=2, around=["Conv"])
+    assert stats.sample_names == [s.name for s in samples]
+    sizes = {"x": 4, "a": 16, "r": 16, "b": 2, "c": 2}  # channels of 64x64
+    assert stats.sample_values == sum(sizes[name] * 64 * 64 for name in stats.histograms)
+    for name, peaks in stats.sample_peaks.items():
+        assert len(peaks) == 6 and int(np.argmax(peaks)) == 3, name  # the scaled-up sample holds every peak
+        assert max(peaks) == pytest.approx(stats.histograms[name].abs_max)
+
+
+def _peaked_statistics(count: int, values: int, holders: dict) -> statistics.Statistics:
+    """Statistics of ``count`` samples of ``values`` values each, where holders[i] tensors peak on sample i."""
+    peaks, index = {}, 0
+    for holder, tensors in holders.items():
+        for _ in range(tensors):
+            row = [1.0] * count
+            row[holder] = 5.0
+            peaks[f"t{index}"] = row
+            index += 1
+    return statistics.Statistics({}, sample_peaks=peaks, sample_names=[f"s{i}" for i in range(count)],
+                                 sample_values=values)
+
+
+def test_a_large_model_is_judged_on_a_subsample_that_keeps_the_outlier_samples():
+    samples = [Sample(f"s{i}", {"x": np.zeros(1, np.float32)}) for i in range(16)]
+    stats = _peaked_statistics(16, 128 << 20, {9: 5, 13: 3, 2: 1})  # the real-size segmenter's 128 M values
+    chosen = statistics.judge_samples(samples, stats)
+    assert len(chosen) == statistics.JUDGE_MIN == 4
+    names = [s.name for s in chosen]
+    assert "s9" in names and "s13" in names  # the two samples holding the most peaks (half the subsample)
+    assert names == sorted(names, key=lambda n: int(n[1:]))  # in the calibration set's order
+    assert len(set(names)) == 4
+
+
+def test_a_small_model_is_judged_on_every_sample_up_to_the_cap():
+    samples = [Sample(f"s{i}", {"x": np.zeros(1, np.float32)}) for i in range(40)]
+    small = _peaked_statistics(40, 10_000, {39: 4})
+    assert len(statistics.judge_samples(samples[:12], small)) == 12
+    chosen = statistics.judge_samples(samples, small)
+    assert len(chosen) == statistics.JUDGE_MAX and chosen[-1].name == "s39"
+    middle = _peaked_statistics(40, statistics.JUDGE_VALUES // 6, {})  # sized between the bounds, no peaks known
+    spread = statistics.judge_samples(samples, middle)
+    assert len(spread) == 6 and spread[0].name == "s0" and spread[-1].name == "s39"

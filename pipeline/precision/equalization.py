@@ -213,12 +213,12 @@ def describe(ready: Sequence[Pair]) -> List[dict]:
 
 
 def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings, make_table: Callable,
-           base_statistics=None) -> Tuple[onnx.ModelProto, dict]:
+           base_statistics=None, judged_on: Optional[Sequence] = None) -> Tuple[onnx.ModelProto, dict]:
     """The model calibration and the int8 build use, and the summary the report records.
-    ``samples``: calibration samples (iterated twice): every one gives the channel maxima,
-    the first JUDGE_SAMPLES judge the int8 models with and without equalization.
-    ``base_statistics``: the prepared model's statistics on exactly those judge samples, if
-    the caller has them. An applied summary names the ``scaled_tensors``: the only
+    ``samples``: calibration samples (iterated twice): every one gives the channel maxima;
+    ``judged_on`` (default: the first JUDGE_SAMPLES) judge the int8 models with and without
+    equalization. ``base_statistics``: the prepared model's statistics on exactly those
+    judge samples, if the caller has them. An applied summary names the ``scaled_tensors``: the only
     activations whose values changed (their consumers take the scale back in float)."""
     from pipeline.precision.calibration import statistics
     from pipeline.precision.smoothing import Judge
@@ -232,8 +232,8 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     maxima = statistics.channel_maxima(prepared, (s.feeds for s in samples), [p.tensor for p in found], axis=1)
     if not with_scales(found, maxima):
         return prepared, {"applied": False, "reason": "no outlier channel", "pairs": len(found)}
-    judge = Judge(prepared, list(islice(samples, JUDGE_SAMPLES)), settings, (), make_table,
-                  base_statistics=base_statistics)
+    judged_on = list(islice(samples, JUDGE_SAMPLES)) if judged_on is None else list(judged_on)
+    judge = Judge(prepared, judged_on, settings, (), make_table, base_statistics=base_statistics)
     scores = {"none": judge.loss(prepared)}
     scaled = {alpha: with_scales(found, maxima, alpha) for alpha in ALPHAS}
     # only the scaled activations change (the consumers take the scale back in float)

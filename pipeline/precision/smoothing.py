@@ -362,10 +362,11 @@ def applies(found: Sequence[Group], setting: Setting) -> bool:
 
 
 def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, settings, keep_float: Iterable[str],
-           make_table: Callable, alphas: Sequence[float] = ALPHAS) -> Tuple[onnx.ModelProto, dict]:
+           make_table: Callable, alphas: Sequence[float] = ALPHAS, judged_on: Optional[Sequence] = None
+           ) -> Tuple[onnx.ModelProto, dict]:
     """The model calibration and the int8 build use, and the summary the report records.
     ``samples``: calibration samples (pipeline.data.Sample, iterated twice); every one gives
-    the channel maxima, the first JUDGE_SAMPLES judge auto's candidates: no smoothing, each
+    the channel maxima, ``judged_on`` (default: the first JUDGE_SAMPLES) judge auto's candidates: no smoothing, each
     alpha of ``alphas``, then REFINE steps from the best alpha either way (in (0, 1]) while
     the loss falls. No smoothing is kept on ties: smoothing has to pay."""
     from pipeline.precision.calibration import statistics
@@ -389,7 +390,8 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
         ready = with_scales(prepared, found, maxima, float(setting))
         return smoothed(prepared, ready), {"setting": setting, "applied": True, "alpha": float(setting),
                                            "groups": describe(ready), "seconds": seconds()}
-    judge = Judge(prepared, list(islice(samples, JUDGE_SAMPLES)), settings, keep_float, make_table,
+    judged_on = list(islice(samples, JUDGE_SAMPLES)) if judged_on is None else list(judged_on)
+    judge = Judge(prepared, judged_on, settings, keep_float, make_table,
                   [g.source for g in with_scales(prepared, found, maxima, 0.5)])
 
     def loss(alpha: Optional[float]) -> dict:

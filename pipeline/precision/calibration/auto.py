@@ -7,7 +7,9 @@
    is what propagates, so that is measured instead.
 2. ``choose_table``: that per-tensor table and every single method's table are each
    measured at the network outputs of the int8 model (one fake-quantized model whose
-   ranges are inputs, pipeline/precision/calibration/fake_quant.py); the lowest loss wins. The
+   ranges are inputs, pipeline/precision/calibration/fake_quant.py); the lowest loss wins.
+   On a model too large to run every table on every sample, the tables are screened on a
+   subsample that keeps the outlier samples and the two best measured in full. The
    single methods are candidates, so auto is never worse than the best of them on this
    measurement (a local criterion alone can clip what a few samples need)."""
 
@@ -27,17 +29,30 @@ WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
 CRITERION = "lowest (1 - cosine) + (1 - worst sample's cosine) at the outputs, calibration set"
 
 
-def choose_table(measure: Callable[[Dict[str, dict]], dict], tables: Dict[str, Dict[str, dict]]
-                 ) -> Tuple[str, Dict[str, dict]]:
+FINALISTS = 2  # tables measured on every calibration sample after a screening on a subsample
+
+
+def choose_table(measure: Callable[[Dict[str, dict]], dict], tables: Dict[str, Dict[str, dict]],
+                 screen: Optional[Callable[[Dict[str, dict]], dict]] = None) -> Tuple[str, Dict[str, dict]]:
     """(name of the best table, every table's measurement). ``measure(table)`` gives
     measure.OutputJudge's figures for the int8 model of that table; the loss adds the worst
     sample's 1 - cosine to the whole set's, so one sample wrecked by clipping counts as much
-    as the average. Ties go to the earlier table."""
-    scores = {}
-    for name, table in tables.items():
-        result = measure(table)
-        scores[name] = {**result, "loss": (1.0 - result["cosine"]) + (1.0 - result["worst_sample_cosine"])}
-    return min(scores, key=lambda name: scores[name]["loss"]), scores
+    as the average. ``screen``: the same measurement on a subsample that keeps the outlier
+    samples: every table is screened and only the FINALISTS best are measured in full (the
+    others keep their screening figures, marked ``screened_only``). Ties go to the earlier table."""
+    names = list(tables)
+    screened: Dict[str, dict] = {}
+    if screen is not None and len(tables) > FINALISTS:
+        screened = {name: {**_scored(screen(table)), "screened_only": True} for name, table in tables.items()}
+        best = sorted(names, key=lambda name: (screened[name]["loss"], names.index(name)))[:FINALISTS]
+        names = [name for name in names if name in best]
+    scores = {name: _scored(measure(tables[name])) for name in names}
+    chosen = min(scores, key=lambda name: scores[name]["loss"])
+    return chosen, {name: scores.get(name, screened.get(name)) for name in tables}
+
+
+def _scored(result: dict) -> dict:
+    return {**result, "loss": (1.0 - result["cosine"]) + (1.0 - result["worst_sample_cosine"])}
 
 
 def fake_quantize(values: np.ndarray, entry: dict, activations: str) -> np.ndarray:

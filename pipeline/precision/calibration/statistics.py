@@ -8,7 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -40,17 +40,24 @@ class Statistics:
     batch_note: str = ""  # why samples ran one at a time, when they did
     # tensor -> [mean over samples of the sample's min, ... of its max] (range estimator mean_min_max)
     sample_ranges: Dict[str, List[float]] = field(default_factory=dict)
+    # tensor -> each sample's largest |value|, in the order of sample_names: which samples hold
+    # the outliers (judge_samples keeps them)
+    sample_peaks: Dict[str, List[float]] = field(default_factory=dict)
+    sample_names: List[str] = field(default_factory=list)
+    sample_values: int = 0  # values of the measured tensors in one sample (the largest shape's)
 
     def save(self, folder: Path) -> None:
         meta = {"samples": self.samples, "batch_size": self.batch_size, "batch_note": self.batch_note,
-                "sample_ranges": self.sample_ranges, "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
+                "sample_ranges": self.sample_ranges, "sample_peaks": self.sample_peaks,
+                "sample_names": self.sample_names, "sample_values": self.sample_values, "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
         (folder / "statistics.json").write_text(json.dumps(meta))
         np.savez(folder / "kept.npz", **self.kept)
 
     def merged(self, other: "Statistics") -> "Statistics":
         """These statistics with ``other``'s tensors in place of their own (the same samples)."""
         return Statistics({**self.histograms, **other.histograms}, {**self.kept, **other.kept}, self.samples,
-                          self.batch_size, self.batch_note, {**self.sample_ranges, **other.sample_ranges})
+                          self.batch_size, self.batch_note, {**self.sample_ranges, **other.sample_ranges},
+                          {**self.sample_peaks, **other.sample_peaks}, self.sample_names, self.sample_values)
 
     @classmethod
     def load(cls, folder: Path) -> "Statistics":
@@ -59,7 +66,45 @@ class Statistics:
             arrays = {key: kept[key] for key in kept.files}
         return cls({n: AbsHistogram.from_json(h) for n, h in meta["histograms"].items()},
                    arrays, meta["samples"], meta["batch_size"], meta.get("batch_note", ""),
-                   meta.get("sample_ranges", {}))
+                   meta.get("sample_ranges", {}), meta.get("sample_peaks", {}), meta.get("sample_names", []),
+                   meta.get("sample_values", 0))
+
+
+# calibration samples the int8 judges (equalization, smoothing, calibration=auto's tables)
+# run on: as many as hold JUDGE_VALUES activation values, between JUDGE_MIN and JUDGE_MAX.
+# The real-size segmenter's 128 M values a sample: 4 samples (its judges ran 16 and took
+# 73 s of equalization and 43 s of auto's tables on an AVX2 CPU; docs/time.md)
+JUDGE_VALUES = 512 << 20
+JUDGE_MIN, JUDGE_MAX = 4, 16
+
+
+def judge_count(stats: Optional["Statistics"], available: int) -> int:
+    """How many calibration samples the judges run on, sized to the model's activations."""
+    if stats is None or stats.sample_values <= 0:
+        return min(available, JUDGE_MAX)
+    return min(available, max(JUDGE_MIN, min(JUDGE_MAX, JUDGE_VALUES // stats.sample_values)))
+
+
+def judge_samples(samples: Sequence[Sample], stats: Optional["Statistics"]) -> List[Sample]:
+    """The calibration samples a method is judged on (judge_count of them, in their order):
+    first the samples that hold the largest value of the most tensors (the outliers a
+    clipping range must keep: up to half of them), then samples spread evenly over the rest."""
+    samples = list(samples)
+    count = judge_count(stats, len(samples))
+    if count >= len(samples):
+        return samples
+    position = {sample.name: index for index, sample in enumerate(samples)}
+    wins: Dict[int, int] = {}
+    for peaks in (stats.sample_peaks.values() if stats is not None else ()):
+        if len(peaks) == len(stats.sample_names) and peaks:
+            holder = position.get(stats.sample_names[int(np.argmax(peaks))])
+            if holder is not None:
+                wins[holder] = wins.get(holder, 0) + 1
+    chosen = sorted(wins, key=lambda index: (-wins[index], index))[:count // 2]
+    rest = [index for index in range(len(samples)) if index not in chosen]
+    needed = count - len(chosen)
+    chosen += [rest[int(i)] for i in np.floor(np.linspace(0, len(rest) - 1, needed) + 0.5)] if needed else []
+    return [samples[index] for index in sorted(set(chosen))]
 
 
 def activation_names(model: onnx.ModelProto, around: Optional[Iterable[str]] = None) -> List[str]:
@@ -103,6 +148,9 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     histograms = {name: AbsHistogram(bins) for name in names}
     kept = _Kept(names, keep)
     extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
+    peaks: Dict[str, List[float]] = {name: [] for name in names}
+    order: List[str] = []
+    largest = 0  # values a sample of the measured tensors
     runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
     pending: Dict[str, List[Sample]] = {}  # shape -> samples waiting: a batch stacks samples of one shape
@@ -121,13 +169,17 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
                              f"{batch[0].name}..{batch[-1].name} ({err})") from err
         if per_sample.size:
             extremes[name] += (lows.sum() * len(batch) / len(per_sample), highs.sum() * len(batch) / len(per_sample))
+            peak = np.maximum(-lows, highs)
+            peaks[name] += [float(v) for v in (peak if len(peak) == len(batch) else np.repeat(peak.max(), len(batch)))]
         kept.add(name, value)
 
     def flush():
-        nonlocal seen, group
+        nonlocal seen, group, largest
         feeds = pack([s.feeds for s in batch])
         values = runner.run(feeds, len(batch))
         per_sample = sum(v.nbytes for v in values.values()) / len(batch)
+        largest = max(largest, sum(v.size for v in values.values()) // len(batch))
+        order.extend(getattr(s, "name", str(len(order) + i)) for i, s in enumerate(batch))
         # one sample at a time when the model takes no batch: grouping would only copy them together
         group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
         kept.start(batch)
@@ -152,7 +204,9 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
             flush()
     stacked = {name: np.concatenate(parts) for name, parts in kept.values.items() if parts}
     ranges = {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)] for name, (low, high) in extremes.items()}
-    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges)
+    complete = {name: values for name, values in peaks.items() if len(values) == len(order)}
+    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges, complete, order,
+                      largest)
 
 
 def histogram_values(value: np.ndarray, samples: int) -> np.ndarray:
