@@ -146,3 +146,37 @@ def test_a_mixed_build_is_the_refined_all_int8_model_the_search_measured(tmp_pat
     assert built["bias_correction"]["judged_on"] == "calibration"
     (output,) = json.loads((run / "report.json").read_text())["verify"]["outputs"]
     assert output["metrics"]["cosine"] == pytest.approx(search["mixed"]["cosine"], abs=1e-9)
+
+
+def test_a_large_models_refinements_measure_fewer_samples_sized_to_its_activations(classifier, monkeypatch):
+    from pipeline.precision.calibration import weight_rounding
+
+    prepared, quantized, samples = classifier
+    ops, _ = bias_correction.quantized_ops(model_copy(quantized), prepared)
+    sources = {op.source for op in ops}
+    per_sample = sum(int(v.size) for v in run_with_outputs(prepared, sorted(sources), samples[:1])[0].values())
+    # as if each sample's activations were a fifth of what the refinements may read: 5 samples,
+    # then the floor of MIN_SAMPLES
+    monkeypatch.setattr(bias_correction, "REFINE_VALUES", 5 * per_sample)
+    monkeypatch.setattr(bias_correction, "MIN_SAMPLES", 2)
+    assert bias_correction.correct(model_copy(quantized), prepared, samples)["samples"] == 8  # batches of 4
+    assert weight_rounding.round_weights(model_copy(quantized), prepared, samples)["samples"] == 8
+    monkeypatch.setattr(bias_correction, "MIN_SAMPLES", 12)
+    assert bias_correction.correct(model_copy(quantized), prepared, samples)["samples"] == 12
+    monkeypatch.setattr(bias_correction, "REFINE_VALUES", 1 << 40)  # a small model: every sample, up to the cap
+    assert bias_correction.correct(model_copy(quantized), prepared, samples)["samples"] == len(samples) == 16
+
+
+def test_a_model_already_judged_on_the_same_samples_is_not_run_again(classifier, monkeypatch):
+    prepared, quantized, samples = classifier
+    batches = [samples[i:i + 4] for i in range(0, 8, 4)]
+    reference = bias_correction.reference_outputs(prepared, batches)
+    other = bias_correction.reference_outputs(prepared, batches[:1])
+    monkeypatch.setattr(bias_correction, "_COSINES", {})
+    runs = []
+    real = bias_correction.model_outputs
+    monkeypatch.setattr(bias_correction, "model_outputs", lambda *args: runs.append(1) or real(*args))
+    first = bias_correction.output_cosine(quantized, batches, reference)
+    assert bias_correction.output_cosine(model_copy(quantized), batches, reference) == first and len(runs) == 1
+    bias_correction.output_cosine(quantized, batches[:1], other)  # other samples: measured
+    assert len(runs) == 2

@@ -238,7 +238,7 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
     batches = bias_correction.sample_batches(kept, max_samples, size)
     with progress_bar() as progress:  # a live bar with an ETA on a terminal (docs/verify.md)
         task = progress.add_task("weight rounding", total=len(batches) + len(layers))
-        reference = _hessians(layers, prepared, batches, lambda: progress.advance(task))
+        reference, batches = _hessians(layers, prepared, batches, lambda: progress.advance(task))
         candidate = onnx.ModelProto()
         candidate.CopyFrom(quantized)
         rounded = _apply(layers, candidate, skipped, lambda: progress.advance(task))
@@ -249,26 +249,26 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
     applied = bool(rounded) and (with_ > without or not only_if_closer)
     if applied:
         quantized.CopyFrom(candidate)
-    return {"enabled": True, "applied": applied, "samples": len(kept), "ops": rounded, "skipped": skipped,
+    return {"enabled": True, "applied": applied, "samples": sum(len(batch) for batch in batches), "ops": rounded, "skipped": skipped,
             "judged_on": "calibration" if judged_on is None else "validation",
             "output_cosine": {"without": round(without, 6), "with": round(with_, 6)},
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches, advance=lambda: None
-              ) -> List[Dict[str, np.ndarray]]:
-    """Accumulate every layer's H over the batches' fp32 activations; the fp32 outputs."""
+def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches, advance=lambda: None) -> tuple:
+    """Accumulate every layer's H over the batches' fp32 activations (as many as
+    bias_correction.sized_runs takes); the fp32 outputs and the batches measured."""
     outputs = [o.name for o in prepared.graph.output]
     names = list(dict.fromkeys([*(layer.op.source for layer in layers), *outputs]))
     runner = BatchRunner(prepared, names, len(batches[0]))
-    reference = []
-    for batch in batches:
-        values = runner.run(pack(batch), len(batch))
+    reference, measured = [], []
+    for batch, values in bias_correction.sized_runs(runner, batches, [layer.op.source for layer in layers]):
         for layer in layers:
             layer.accumulate(values[layer.op.source], len(batch))
         reference.append({name: values[name] for name in outputs})
+        measured.append(batch)
         advance()
-    return reference
+    return reference, measured
 
 
 def _apply(layers: List[_Layer], model: onnx.ModelProto, skipped: Dict[str, str], advance=lambda: None) -> List[str]:
