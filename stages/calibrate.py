@@ -97,7 +97,7 @@ def run(ctx: StageContext) -> StageResult:
                                  f"{first_line(err)}") from err
     # the prepared model's statistics serve equalization's judge and, beyond the tensors it
     # scales, the table: one pass over the calibration set instead of two
-    base = None if cfg.calibration.table else _statistics(ctx, model_path)
+    base = None if cfg.calibration.table else _statistics(ctx, model_path, channels=_equalized_tensors(cfg, model_path))
     equalized = _equalize(ctx, model_path, base)  # the statistics, the table and the build use the model
     smoothed = _smooth(ctx, model_path, base)  # rewritten by both
     if cfg.calibration.table:
@@ -158,7 +158,8 @@ def _equalize(ctx: StageContext, model_path: Path, base):
     whole = base[0] if base is not None and len(judged_on) == len(split) else None
     model, summary = equalization.choose(prepared, split, cfg.precision.equalization,
                                          QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                         _judge_tables(cfg, prepared), base_statistics=whole, judged_on=judged_on)
+                                         _judge_tables(cfg, prepared), base_statistics=whole, judged_on=judged_on,
+                                         maxima=base[0].channel_maxima if base is not None else None)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
@@ -204,9 +205,18 @@ def _smooth(ctx: StageContext, model_path: Path, base):
     return summary
 
 
-def _statistics(ctx: StageContext, model_path: Path, only=None):
+def _equalized_tensors(cfg, model_path: Path) -> List[str]:
+    """The tensors equalization would scale (its pairs' producers' outputs): the statistics
+    pass keeps their channel maxima."""
+    if _equalization_key(cfg) is None or not cfg.precision.equalization:
+        return []
+    return [pair.tensor for pair in equalization.pairs(onnx.load(str(model_path)))]
+
+
+def _statistics(ctx: StageContext, model_path: Path, only=None, channels: List[str] = ()):
     """(statistics of the model's measured tensors over the calibration set, seconds, reused
-    from the cache); ``only``: just these tensors (a pass that outputs only them)."""
+    from the cache); ``only``: just these tensors (a pass that outputs only them); ``channels``:
+    tensors whose channel maxima are kept too."""
     cfg = ctx.cfg.calibration
     dataset = ctx.dataset()
     split = dataset.calibration
@@ -215,6 +225,7 @@ def _statistics(ctx: StageContext, model_path: Path, only=None):
     material = {"model": sha256_file(model_path), "data": hash_files(dataset.files), "split": split.names,
                 "data_config": str(ctx.cfg.data), "bins": cfg.bins, "batch_size": cfg.batch_size,
                 "keep": cfg.auto_samples, "sample_ranges": True, "around": _measured_around(ctx.cfg),
+                **({"channels": sorted(channels)} if channels else {}),
                 **({"only": sorted(only)} if only is not None else {})}
     started = time.perf_counter()
 
@@ -223,7 +234,7 @@ def _statistics(ctx: StageContext, model_path: Path, only=None):
             task = progress.add_task("calibration statistics", total=len(split))
             statistics.collect(model_path, split, len(split), cfg.bins, cfg.batch_size, cfg.auto_samples,
                                progress=lambda n: progress.advance(task, n), around=_measured_around(ctx.cfg),
-                               only=set(only) if only is not None else None).save(out)
+                               only=set(only) if only is not None else None, channels=channels).save(out)
 
     folder, reused = ctx.memo("calibration-statistics", material, collect)
     return statistics.Statistics.load(folder), time.perf_counter() - started, reused

@@ -166,3 +166,28 @@ def test_calibration_measures_again_only_the_tensors_equalization_scaled():
     # the judge given the base scores "none" as it does collecting it itself
     _, own = equalization.choose(model, samples, True, settings, make_table)
     assert own["candidates"] == summary["candidates"]
+
+
+def test_the_statistics_pass_keeps_the_channel_maxima_equalization_scales_by(tmp_path, monkeypatch):
+    """calibrate's statistics pass keeps the pairs' channel maxima (saved with the statistics):
+    the same as a pass of their own, so equalization runs none."""
+    from pipeline.precision.calibration import statistics, tables
+
+    def make_table(stats):
+        return {name: tables.table_entry(histogram, "max") for name, histogram in stats.histograms.items()}
+
+    model, samples = onnx.shape_inference.infer_shapes(_model()), _samples(16)
+    settings = QdqSettings.resolve(PrecisionConfig(name=Precision.int8), "onnxruntime")
+    tensors = [pair.tensor for pair in equalization.pairs(model)]
+    base = statistics.collect(model, samples, len(samples), keep=4, around=settings.quantize_ops, batch_size=4,
+                              channels=tensors)
+    own = statistics.channel_maxima(model, (s.feeds for s in samples), tensors, axis=1)
+    assert tensors and set(base.channel_maxima) == set(tensors)
+    for name in tensors:
+        np.testing.assert_array_equal(base.channel_maxima[name], own[name])
+    base.save(tmp_path)
+    assert statistics.Statistics.load(tmp_path).channel_maxima.keys() == own.keys()
+    expected = equalization.choose(model, samples, True, settings, make_table)
+    monkeypatch.setattr(statistics, "channel_maxima", lambda *args, **kwargs: pytest.fail("a pass of its own"))
+    equalized, summary = equalization.choose(model, samples, True, settings, make_table, maxima=base.channel_maxima)
+    assert summary["candidates"] == expected[1]["candidates"] and summary["alpha"] == expected[1]["alpha"]

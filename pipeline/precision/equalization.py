@@ -213,12 +213,14 @@ def describe(ready: Sequence[Pair]) -> List[dict]:
 
 
 def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings, make_table: Callable,
-           base_statistics=None, judged_on: Optional[Sequence] = None) -> Tuple[onnx.ModelProto, dict]:
+           base_statistics=None, judged_on: Optional[Sequence] = None,
+           maxima: Optional[Dict[str, np.ndarray]] = None) -> Tuple[onnx.ModelProto, dict]:
     """The model calibration and the int8 build use, and the summary the report records.
     ``samples``: calibration samples (iterated twice): every one gives the channel maxima;
     ``judged_on`` (default: the first JUDGE_SAMPLES) judge the int8 models with and without
     equalization. ``base_statistics``: the prepared model's statistics on exactly those
-    judge samples, if the caller has them. An applied summary names the ``scaled_tensors``: the only
+    judge samples, if the caller has them. ``maxima``: the channel maxima of the pairs' tensors
+    over every sample where the caller has them (calibrate's statistics pass: no pass of its own). An applied summary names the ``scaled_tensors``: the only
     activations whose values changed (their consumers take the scale back in float)."""
     from pipeline.precision.calibration import statistics
     from pipeline.precision.smoothing import Judge
@@ -229,7 +231,8 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     found = pairs(prepared)
     if not found:
         return prepared, {"applied": False, "reason": "no Conv whose output only Convs read"}
-    maxima = statistics.channel_maxima(prepared, (s.feeds for s in samples), [p.tensor for p in found], axis=1)
+    if maxima is None or any(p.tensor not in maxima for p in found):
+        maxima = statistics.channel_maxima(prepared, (s.feeds for s in samples), [p.tensor for p in found], axis=1)
     if not with_scales(found, maxima):
         return prepared, {"applied": False, "reason": "no outlier channel", "pairs": len(found)}
     judged_on = list(islice(samples, JUDGE_SAMPLES)) if judged_on is None else list(judged_on)

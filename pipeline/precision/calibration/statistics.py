@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -45,6 +46,8 @@ class Statistics:
     sample_peaks: Dict[str, List[float]] = field(default_factory=dict)
     sample_names: List[str] = field(default_factory=list)
     sample_values: int = 0  # values of the measured tensors in one sample (the largest shape's)
+    # tensor -> max |x| per channel (axis 1) over every sample, for the tensors asked (``channels``)
+    channel_maxima: Dict[str, np.ndarray] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
         meta = {"samples": self.samples, "batch_size": self.batch_size, "batch_note": self.batch_note,
@@ -52,22 +55,27 @@ class Statistics:
                 "sample_names": self.sample_names, "sample_values": self.sample_values, "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
         (folder / "statistics.json").write_text(json.dumps(meta))
         np.savez(folder / "kept.npz", **self.kept)
+        np.savez(folder / "channels.npz", **self.channel_maxima)
 
     def merged(self, other: "Statistics") -> "Statistics":
         """These statistics with ``other``'s tensors in place of their own (the same samples)."""
         return Statistics({**self.histograms, **other.histograms}, {**self.kept, **other.kept}, self.samples,
                           self.batch_size, self.batch_note, {**self.sample_ranges, **other.sample_ranges},
-                          {**self.sample_peaks, **other.sample_peaks}, self.sample_names, self.sample_values)
+                          {**self.sample_peaks, **other.sample_peaks}, self.sample_names, self.sample_values,
+                          {**self.channel_maxima, **other.channel_maxima})
 
     @classmethod
     def load(cls, folder: Path) -> "Statistics":
         meta = json.loads((folder / "statistics.json").read_text())
         with np.load(folder / "kept.npz") as kept:
             arrays = {key: kept[key] for key in kept.files}
+        channels = folder / "channels.npz"
+        with np.load(channels) if channels.is_file() else nullcontext({}) as found:
+            maxima = {key: found[key] for key in found}
         return cls({n: AbsHistogram.from_json(h) for n, h in meta["histograms"].items()},
                    arrays, meta["samples"], meta["batch_size"], meta.get("batch_note", ""),
                    meta.get("sample_ranges", {}), meta.get("sample_peaks", {}), meta.get("sample_names", []),
-                   meta.get("sample_values", 0))
+                   meta.get("sample_values", 0), maxima)
 
 
 # calibration samples the int8 judges (equalization, smoothing, calibration=auto's tables)
@@ -140,15 +148,19 @@ def element_types(model: onnx.ModelProto) -> Dict[str, int]:
 
 def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int = 2048,
             batch_size: int = 16, keep: int = 4, progress=None, around: Optional[Iterable[str]] = None,
-            only: Optional[Iterable[str]] = None) -> Statistics:
+            only: Optional[Iterable[str]] = None, channels: Iterable[str] = ()) -> Statistics:
     """``around``: the op types whose tensors are measured (activation_names); None: all.
-    ``only`` (a set): of those, just these tensors. ``model_path`` may be the loaded model itself."""
+    ``only`` (a set): of those, just these tensors. ``channels``: tensors whose per-channel
+    maxima (axis 1) are kept too (equalization's scales: no pass of its own).
+    ``model_path`` may be the loaded model itself."""
     model = model_path if isinstance(model_path, onnx.ModelProto) else onnx.load(str(model_path))
     names = [name for name in activation_names(model, around) if only is None or name in only]
     histograms = {name: AbsHistogram(bins) for name in names}
     kept = _Kept(names, keep)
     extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
     peaks: Dict[str, List[float]] = {name: [] for name in names}
+    maxima: Dict[str, np.ndarray] = {}
+    wanted = set(channels) & set(names)
     order: List[str] = []
     largest = 0  # values a sample of the measured tensors
     runner = BatchRunner(model, names, batch_size)
@@ -169,6 +181,10 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
                              f"{batch[0].name}..{batch[-1].name} ({err})") from err
         if per_sample.size:
             extremes[name] += (lows.sum() * len(batch) / len(per_sample), highs.sum() * len(batch) / len(per_sample))
+            if name in wanted and value.ndim >= 2:
+                others = tuple(a for a in range(value.ndim) if a != 1)
+                found = np.maximum(-value.min(axis=others), value.max(axis=others)).astype(np.float64)
+                maxima[name] = found if name not in maxima else np.maximum(maxima[name], found)
             peak = np.maximum(-lows, highs)
             peaks[name] += [float(v) for v in (peak if len(peak) == len(batch) else np.repeat(peak.max(), len(batch)))]
         kept.add(name, value)
@@ -206,7 +222,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     ranges = {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)] for name, (low, high) in extremes.items()}
     complete = {name: values for name, values in peaks.items() if len(values) == len(order)}
     return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges, complete, order,
-                      largest)
+                      largest, maxima)
 
 
 def histogram_values(value: np.ndarray, samples: int) -> np.ndarray:
@@ -253,8 +269,10 @@ def channel_ranges(model: onnx.ModelProto, samples: Iterable[Dict[str, np.ndarra
                 continue
             if not np.isfinite(value).all():
                 raise InputError(f"calibration: tensor '{name}' holds non-finite values")
-            rows = np.moveaxis(value, axis, -1).reshape(-1, value.shape[axis])
-            low, high = rows.min(axis=0).astype(np.float64), rows.max(axis=0).astype(np.float64)
+            # reduced in place over the other axes: a moved-axis copy of a batch of 16 at
+            # 64x320x320 took most of equalization's 10 s channel pass (docs/time.md)
+            others = tuple(a for a in range(value.ndim) if a != axis % value.ndim)
+            low, high = value.min(axis=others).astype(np.float64), value.max(axis=others).astype(np.float64)
             if name in found:
                 low, high = np.minimum(found[name][0], low), np.maximum(found[name][1], high)
             found[name] = (low, high)
