@@ -12,10 +12,10 @@ model that costs more or less than the counts assume).
 
 The counts were read off the real-size segmenter (tests/assets/u2netp_320.onnx, 119
 convolutions at 320x320, 16 calibration and 40 validation samples, 2 cores, docs/time.md):
-its int8 candidate took about 45 runs a calibration sample (statistics, calibration=auto's
-tables, equalization's judge, weight rounding, bias correction: 51 on an AVX2 AMD EPYC,
-41 on an Intel Xeon with AMX, whose ONNX Runtime fp32 probe is relatively faster; 30 was
-read on a VNNI AMD EPYC and let int8 start where it could not end) and 4 a validation sample
+its int8 candidate took about 30 runs a calibration sample since calibrate's judges and
+the build's refinements run on subsamples sized to the model (docs/calibration.md, "Judges
+sized to the model"): 159 s at a 257 ms probe on a VNNI AMD EPYC, against 45 runs before
+(51 on an AVX2 AMD EPYC, 41 on an Intel Xeon with AMX); and 4 a validation sample
 (the build and the reference side by side, the timing); the mixed search about one run of
 half the graph per quantized op and ranking sample, and 2 log2(ops) whole-model passes over
 the validation set to select; with sensitivity.heads_first, three whole-model passes (plain
@@ -34,8 +34,8 @@ from typing import Dict, Optional
 from pipeline.precision import kinds
 
 CUT = "cut by the budget"
-CALIBRATE_RUNS = 35.0  # a calibration sample's runs in calibrate (statistics, auto's tables, equalization)
-REFINE_RUNS = 10.0  # ... in the build's weight rounding and bias correction
+CALIBRATE_RUNS = 22.0  # a calibration sample's runs in calibrate (statistics, auto's tables, equalization)
+REFINE_RUNS = 8.0  # ... in the build's weight rounding and bias correction
 # model runs a candidate costs: (per calibration sample, per validation sample)
 COST_RUNS = {"int8": (CALIBRATE_RUNS + REFINE_RUNS, 4.0), "int8_dynamic": (0.0, 4.0)}
 VERIFY_RUNS = 4.0  # any other candidate: verified against the reference (fp16, bf16, ...)
