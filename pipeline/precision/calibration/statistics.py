@@ -149,20 +149,11 @@ def element_types(model: onnx.ModelProto) -> Dict[str, int]:
 def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int = 2048,
             batch_size: int = 16, keep: int = 4, progress=None, around: Optional[Iterable[str]] = None,
             only: Optional[Iterable[str]] = None, channels: Iterable[str] = ()) -> Statistics:
-    """``around``: the op types whose tensors are measured (activation_names); None: all.
-    ``only`` (a set): of those, just these tensors. ``channels``: tensors whose per-channel
-    maxima (axis 1) are kept too (equalization's scales: no pass of its own).
-    ``model_path`` may be the loaded model itself."""
+    """``around``: the op types whose tensors are measured (activation_names); None: all. ``only``
+    (a set): of those, just these. ``channels``: tensors whose channel maxima are kept too."""
     model = model_path if isinstance(model_path, onnx.ModelProto) else onnx.load(str(model_path))
     names = [name for name in activation_names(model, around) if only is None or name in only]
-    histograms = {name: AbsHistogram(bins) for name in names}
-    kept = _Kept(names, keep)
-    extremes = {name: np.zeros(2) for name in names}  # sums of per-sample min and max
-    peaks: Dict[str, List[float]] = {name: [] for name in names}
-    maxima: Dict[str, np.ndarray] = {}
-    wanted = set(channels) & set(names)
-    order: List[str] = []
-    largest = 0  # values a sample of the measured tensors
+    histograms, kept, facts = {name: AbsHistogram(bins) for name in names}, _Kept(names, keep), _PerSample(names, channels)
     runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
     pending: Dict[str, List[Sample]] = {}  # shape -> samples waiting: a batch stacks samples of one shape
@@ -180,22 +171,15 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
             raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples "
                              f"{batch[0].name}..{batch[-1].name} ({err})") from err
         if per_sample.size:
-            extremes[name] += (lows.sum() * len(batch) / len(per_sample), highs.sum() * len(batch) / len(per_sample))
-            if name in wanted and value.ndim >= 2:
-                others = tuple(a for a in range(value.ndim) if a != 1)
-                found = np.maximum(-value.min(axis=others), value.max(axis=others)).astype(np.float64)
-                maxima[name] = found if name not in maxima else np.maximum(maxima[name], found)
-            peak = np.maximum(-lows, highs)
-            peaks[name] += [float(v) for v in (peak if len(peak) == len(batch) else np.repeat(peak.max(), len(batch)))]
+            facts.add(name, value, lows, highs, len(batch))
         kept.add(name, value)
 
     def flush():
-        nonlocal seen, group, largest
+        nonlocal seen, group
         feeds = pack([s.feeds for s in batch])
         values = runner.run(feeds, len(batch))
         per_sample = sum(v.nbytes for v in values.values()) / len(batch)
-        largest = max(largest, sum(v.size for v in values.values()) // len(batch))
-        order.extend(getattr(s, "name", str(len(order) + i)) for i, s in enumerate(batch))
+        facts.start(batch, values)
         # one sample at a time when the model takes no batch: grouping would only copy them together
         group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
         kept.start(batch)
@@ -219,10 +203,45 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
             batch.extend(waiting)
             flush()
     stacked = {name: np.concatenate(parts) for name, parts in kept.values.items() if parts}
-    ranges = {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)] for name, (low, high) in extremes.items()}
-    complete = {name: values for name, values in peaks.items() if len(values) == len(order)}
-    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, ranges, complete, order,
-                      largest, maxima)
+    return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, facts.ranges(seen),
+                      facts.complete_peaks(), facts.order, facts.largest, facts.maxima)
+
+
+class _PerSample:
+    """What a statistics pass learns sample by sample beside the histograms: each tensor's
+    summed per-sample min and max (mean_min_max), each sample's peak |value| per tensor
+    (judge_samples), the sample names in the order seen, the values a sample holds, and the
+    channel maxima (axis 1) of the ``channels`` tensors."""
+
+    def __init__(self, names: List[str], channels: Iterable[str]):
+        self.extremes = {name: np.zeros(2) for name in names}
+        self.peaks: Dict[str, List[float]] = {name: [] for name in names}
+        self.maxima: Dict[str, np.ndarray] = {}
+        self.wanted = set(channels) & set(names)
+        self.order: List[str] = []
+        self.largest = 0
+
+    def start(self, batch: List[Sample], values: Dict[str, np.ndarray]) -> None:
+        self.largest = max(self.largest, sum(v.size for v in values.values()) // len(batch))
+        self.order.extend(getattr(s, "name", str(len(self.order) + i)) for i, s in enumerate(batch))
+
+    def add(self, name: str, value: np.ndarray, lows: np.ndarray, highs: np.ndarray, count: int) -> None:
+        """One tensor's values for ``count`` samples; lows, highs: per sample where the values
+        split into samples, else one row."""
+        self.extremes[name] += (lows.sum() * count / len(lows), highs.sum() * count / len(lows))
+        if name in self.wanted and value.ndim >= 2:
+            others = tuple(a for a in range(value.ndim) if a != 1)
+            found = np.maximum(-value.min(axis=others), value.max(axis=others)).astype(np.float64)
+            self.maxima[name] = found if name not in self.maxima else np.maximum(self.maxima[name], found)
+        peak = np.maximum(-lows, highs)
+        self.peaks[name] += [float(v) for v in (peak if len(peak) == count else np.repeat(peak.max(), count))]
+
+    def ranges(self, seen: int) -> Dict[str, List[float]]:
+        return {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)]
+                for name, (low, high) in self.extremes.items()}
+
+    def complete_peaks(self) -> Dict[str, List[float]]:
+        return {name: values for name, values in self.peaks.items() if len(values) == len(self.order)}
 
 
 def histogram_values(value: np.ndarray, samples: int) -> np.ndarray:
