@@ -8,7 +8,7 @@ import sys
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import pipeline
 
@@ -57,6 +57,30 @@ def int8_vnni(backend: Optional[str] = None) -> bool:
     if backend == "openvino" and any(_below_vnni(cap) for cap in info.get("isa_cap", {}).values()):
         return False
     return bool(VNNI_FLAGS & set(info["flags"]))
+
+
+# oneDNN's ISA levels in order, and the level each CPU flag needs: what a cap leaves OpenVINO
+ISA_LEVELS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+              "AVX512_CORE_FP16", "AVX512_CORE_AMX")
+FLAG_LEVELS = {"avx": "AVX", "avx2": "AVX2", "fma": "AVX2", "f16c": "AVX2", "avx_vnni": "AVX2_VNNI",
+               "avx512f": "AVX512_CORE", "avx512bw": "AVX512_CORE", "avx512_vnni": "AVX512_CORE_VNNI",
+               "avx512_bf16": "AVX512_CORE_BF16", "avx512_fp16": "AVX512_CORE_FP16", "amx_tile": "AVX512_CORE_AMX",
+               "amx_bf16": "AVX512_CORE_AMX", "amx_int8": "AVX512_CORE_AMX"}
+
+
+def kernel_flags(backend: Optional[str] = None) -> List[str]:
+    """The CPU flags ``backend``'s kernels may use here: for OpenVINO, those at or below an
+    ISA cap (ONEDNN_MAX_CPU_ISA=AVX2 on a BF16 CPU leaves no native bf16: OpenVINO then
+    reports no BF16 capability and runs a bf16 request in f32); ONNX Runtime ignores the cap."""
+    flags = list(cpu()["flags"])
+    if backend != "openvino":
+        return flags
+    for cap in cpu().get("isa_cap", {}).values():
+        level = cap.strip().upper()
+        if level in ISA_LEVELS:
+            top = ISA_LEVELS.index(level)
+            flags = [f for f in flags if f not in FLAG_LEVELS or ISA_LEVELS.index(FLAG_LEVELS[f]) <= top]
+    return flags
 
 
 def _below_vnni(cap: str) -> bool:

@@ -224,3 +224,37 @@ def test_only_conv_and_gemm_inputs_are_quantized(int8_run, tmp_path):
     inputs_only = onnx.load(str(tmp_path / "inputs_only.onnx"))
     assert _dequantized_readers(inputs_only) == {"Conv", "Gemm"}
     assert "conv1_out" not in {n.input[0] for n in inputs_only.graph.node if n.op_type == "QuantizeLinear"}
+
+
+@pytest.mark.parametrize("cap", ["AVX2", "AVX512_CORE_VNNI", None])
+def test_an_isa_cap_below_bf16_takes_bf16_out_of_openvinos_auto_candidates(monkeypatch, cap):
+    """OpenVINO reports no BF16 capability under ONEDNN_MAX_CPU_ISA=AVX2 on a BF16 CPU and runs
+    a bf16 request in f32 (a 0.95x candidate verified for 48 s): auto leaves it out, as on a CPU
+    without the flags. ONNX Runtime's kernels ignore the cap."""
+    from conftest import composed
+    from pipeline import environment
+    from pipeline.app import auto
+    from pipeline.config.validation import validate
+
+    if cap:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    else:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("OV_CPU_MAX_ISA", raising=False)
+    environment.cpu.cache_clear()
+    try:
+        flags = set(environment.cpu()["flags"])
+        capped = set(environment.kernel_flags("openvino"))
+        assert set(environment.kernel_flags("onnxruntime")) == flags
+        if cap == "AVX2":
+            assert not capped & {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx_vnni"}
+            assert capped == flags - {f for f in flags if f in environment.FLAG_LEVELS
+                                      and environment.FLAG_LEVELS[f] not in ("AVX", "AVX2")}
+        elif cap == "AVX512_CORE_VNNI":
+            assert "avx512_bf16" not in capped and capped >= flags & {"avx512f", "avx512_vnni"}
+        else:
+            assert capped == flags
+        chosen = auto.candidates(validate(composed("target=openvino_cpu")))
+        assert ("bf16" in chosen) == bool(capped & {"avx512_bf16", "amx_bf16"})
+    finally:
+        environment.cpu.cache_clear()

@@ -84,11 +84,11 @@ def candidates(run_cfg) -> List[str]:
             raise ConfigError(f"precision.candidates: target {run_cfg.target.name} cannot build {unknown[0]!r}; "
                               f"allowed: {', '.join(allowed)}")
         return wanted
-    from pipeline.environment import cpu
+    from pipeline.environment import kernel_flags
 
     wanted = list(backend.CAPABILITIES.auto_candidates)
-    if run_cfg.target.device.upper() == "CPU":  # bf16 only where the CPU computes it (elsewhere it is emulated)
-        wanted = [p for p in wanted if not kinds.emulated(p, cpu()["flags"])]
+    if run_cfg.target.device.upper() == "CPU":  # bf16 only where the kernels compute it (elsewhere it is emulated)
+        wanted = [p for p in wanted if not kinds.emulated(p, kernel_flags(backend.NAME))]
     for variant in dynamic:  # right after static int8
         if kinds.config_name(variant) in wanted:
             wanted.insert(wanted.index(kinds.config_name(variant)) + 1, variant)
