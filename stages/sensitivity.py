@@ -90,12 +90,15 @@ def run(ctx: StageContext) -> StageResult:
     candidates = read_json(calibrate.path("candidates"))
     feeds, labels, count = _samples(ctx, cfg.sensitivity.samples)  # the per-layer ranking's samples
     # the skip and the selection are decided on every validation sample, the set verify judges
-    measure = _MixedMeasure(prepared, *_samples(ctx, len(ctx.dataset().validation)), cfg, build.int8_refiner(ctx))
+    judged = _samples(ctx, len(ctx.dataset().validation))
+    measure = _MixedMeasure(prepared, *judged, cfg, build.int8_refiner(ctx),
+                            stored=_stored_reference(ctx, judged[2], [o.name for o in prepared.graph.output]))
     try:
         plain = measure(table, [])
     except QuantizerFailed as err:
         raise err.with_run(ctx)
     summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "refined": measure.refinements,
+               "reference": measure.reference_from,
                "select": cfg.sensitivity.select.value,
                "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
                "expected_cos": measure.goal[0], "max_drop": measure.goal[1], "always_float": measure.always_float}
@@ -287,6 +290,30 @@ def _samples(ctx: StageContext, size: int):
     return feeds, labels, count
 
 
+def _stored_reference(ctx: StageContext, count: int, outputs: List[str]) -> Optional[Dict[str, np.ndarray]]:
+    """The fp32 outputs of the first ``count`` validation samples from verify's reference store
+    (precision=auto fills it while int8's candidate calibrates, and int8's verify completes it),
+    packed as BatchRunner packs them; None where it does not hold them all, or the search's
+    samples are not the first ``count`` (samples of several shapes)."""
+    from stages.verify import reference_store
+
+    dataset = ctx.dataset()
+    if count != len(dataset.validation):
+        return None
+    return stored_outputs(reference_store(ctx, dataset), count, outputs)
+
+
+def stored_outputs(store, count: int, outputs: List[str]) -> Optional[Dict[str, np.ndarray]]:
+    """Samples 0 .. count-1's ``outputs`` from a reference store, stacked on axis 0; None where
+    one is missing."""
+    if store is None or not store.holds(count):
+        return None
+    answers = [store.get(index) for index in range(count)]
+    if any(answer is None or any(name not in answer for name in outputs) for answer in answers):
+        return None
+    return {name: np.concatenate([np.atleast_1d(answer[name]) for answer in answers]) for name in outputs}
+
+
 def always_float(prepared: onnx.ModelProto, cfg) -> List[str]:
     """Ops float in every mixed model, as the build keeps them: precision.keep_float and the
     quantized ops of the kinds the target's backend keeps float (Capabilities.float_op_kinds)."""
@@ -301,15 +328,18 @@ class _MixedMeasure:
     verify computes it), SQNR and the task metric's drop (cfg.metric, as verify scores it)
     against the float model. Runs CHUNK samples at a time."""
 
-    def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg, refine=None):
-        """refine: all-int8 model -> (the same refined as the build refines it, summaries)."""
+    def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg, refine=None, stored=None):
+        """refine: all-int8 model -> (the same refined as the build refines it, summaries);
+        stored: the fp32 outputs verify's reference store holds for these samples (the
+        real-size segmenter's 40 took 10 s to compute again), else computed here."""
         self.prepared, self.feeds, self.labels, self.count, self.cfg = prepared, feeds, labels, count, cfg
         self.refine, self.refinements = refine, {}
         self.outputs = [o.name for o in prepared.graph.output]
         # the cosine is the float outputs' (class ids and masks: verify compares them exactly)
         self.compared = [self.outputs.index(name) for name in float_outputs(prepared)]
-        reference = self._chunked(prepared, lambda model, feeds, count: BatchRunner(model, self.outputs, count)
-                                  .run(feeds, count))
+        self.reference_from = "verify's reference store" if stored is not None else "computed"
+        reference = stored if stored is not None else self._chunked(
+            prepared, lambda model, feeds, count: BatchRunner(model, self.outputs, count).run(feeds, count))
         self.reference = [reference[name] for name in self.outputs]
         self.task_drop = TaskDrop(cfg, self.outputs, self.reference, labels, count)
         self.goal = goal(cfg, task=self.task_drop.indices is not None)  # a scored task metric: its cosine floor

@@ -324,3 +324,31 @@ def test_a_mixed_job_whose_heads_are_not_enough_runs_the_search_after_them(tmp_p
     assert summary["heads_and_stems"]["float_ops"] == ["conv3", "conv1"] and not summary["heads_and_stems"]["met"]
     assert summary["ranking"] and "conv2" in summary["float_ops"] and summary["trials"] > 0
     assert "input stems in float (2 ops, sensitivity.heads_first)" in (run_dir / "report.md").read_text()
+
+
+def test_the_search_reads_the_reference_answers_verify_stored(tmp_path):
+    """The mixed search's fp32 outputs come from verify's reference store where it holds every
+    validation sample (precision=auto fills it during int8's candidate): stacked as the
+    search's own run stacks them; a missing sample or output leaves the search to compute them."""
+    from pipeline.data import pack
+    from pipeline.precision.calibration.statistics import BatchRunner
+    from pipeline.verification.reference_store import ReferenceStore
+    from stages.sensitivity import stored_outputs
+
+    fragile_model(tmp_path / "m.onnx")
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    name, outputs = model.graph.input[0].name, [o.name for o in model.graph.output]
+    shape = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
+    rng = np.random.default_rng(0)
+    samples = [{name: rng.normal(0, 1, shape).astype(np.float32)} for _ in range(5)]
+    store = ReferenceStore(tmp_path / "store")
+    runner = BatchRunner(model, outputs, 1)
+    for index, feeds in enumerate(samples):
+        store.put(index, runner.run(feeds, 1))
+    own = BatchRunner(model, outputs, 5).run(pack(samples), 5)
+    stored = stored_outputs(store, 5, outputs)
+    for output in outputs:
+        np.testing.assert_allclose(stored[output], own[output], rtol=1e-6, atol=1e-6)
+    assert stored_outputs(store, 6, outputs) is None  # sample 5 was never answered
+    assert stored_outputs(store, 5, [*outputs, "not an output"]) is None
+    assert stored_outputs(None, 5, outputs) is None
