@@ -24,8 +24,8 @@ from pipeline.precision.calibration.measure import float_outputs, output_agreeme
 from pipeline.data import pack
 from pipeline.console import progress_bar
 from pipeline.errors import ConfigError, InputError
-from pipeline.task_metrics import files as metric_files, load_metric, per_sample
-from pipeline.verification.sample_groups import shape_of
+from pipeline.task_drop import TaskDrop
+from pipeline.task_metrics import files as metric_files, per_sample
 from pipeline.precision.quantize import MixedModels, QdqSettings, QuantizerFailed, backend_float_ops
 from stages import StageContext, StageResult, build
 from stages.results import SensitivitySummary
@@ -90,16 +90,13 @@ def run(ctx: StageContext) -> StageResult:
     candidates = read_json(calibrate.path("candidates"))
     feeds, labels, count = _samples(ctx, cfg.sensitivity.samples)  # the per-layer ranking's samples
     # the skip and the selection are decided on every validation sample, the set verify judges
-    judged = _samples(ctx, len(ctx.dataset().validation))
-    measure = _MixedMeasure(prepared, *judged, cfg, build.int8_refiner(ctx),
-                            stored=_stored_reference(ctx, judged[2], [o.name for o in prepared.graph.output]))
+    measure = _measure(ctx, prepared)
     try:
         plain = measure(table, [])
     except QuantizerFailed as err:
         raise err.with_run(ctx)
     summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "refined": measure.refinements,
-               "reference": measure.reference_from,
-               "select": cfg.sensitivity.select.value,
+               "reference": measure.reference_from, "select": cfg.sensitivity.select.value,
                "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
                "expected_cos": measure.goal[0], "max_drop": measure.goal[1], "always_float": measure.always_float}
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
@@ -290,28 +287,17 @@ def _samples(ctx: StageContext, size: int):
     return feeds, labels, count
 
 
-def _stored_reference(ctx: StageContext, count: int, outputs: List[str]) -> Optional[Dict[str, np.ndarray]]:
-    """The fp32 outputs of the first ``count`` validation samples from verify's reference store
-    (precision=auto fills it while int8's candidate calibrates, and int8's verify completes it),
-    packed as BatchRunner packs them; None where it does not hold them all, or the search's
-    samples are not the first ``count`` (samples of several shapes)."""
+def _measure(ctx: StageContext, prepared: onnx.ModelProto) -> "_MixedMeasure":
+    """The whole mixed models' measure on every validation sample, against verify's stored
+    fp32 answers where the store holds them all for these samples (precision=auto fills it
+    during int8's candidate), else against outputs computed here."""
     from stages.verify import reference_store
 
     dataset = ctx.dataset()
-    if count != len(dataset.validation):
-        return None
-    return stored_outputs(reference_store(ctx, dataset), count, outputs)
-
-
-def stored_outputs(store, count: int, outputs: List[str]) -> Optional[Dict[str, np.ndarray]]:
-    """Samples 0 .. count-1's ``outputs`` from a reference store, stacked on axis 0; None where
-    one is missing."""
-    if store is None or not store.holds(count):
-        return None
-    answers = [store.get(index) for index in range(count)]
-    if any(answer is None or any(name not in answer for name in outputs) for answer in answers):
-        return None
-    return {name: np.concatenate([np.atleast_1d(answer[name]) for answer in answers]) for name in outputs}
+    feeds, labels, count = _samples(ctx, len(dataset.validation))
+    store = reference_store(ctx, dataset) if count == len(dataset.validation) else None
+    stored = store.stacked(count, [o.name for o in prepared.graph.output]) if store is not None else None
+    return _MixedMeasure(prepared, feeds, labels, count, ctx.cfg, build.int8_refiner(ctx), stored=stored)
 
 
 def always_float(prepared: onnx.ModelProto, cfg) -> List[str]:
@@ -406,70 +392,6 @@ class _MixedMeasure:
         drop = result["metric_drop"]
         return result["cosine"] >= cos and (drop is None or drop <= max_drop + 1e-12) \
             and result.get("ids_short", 0.0) <= 1e-12
-
-
-class TaskDrop:
-    """The task metric's drop (cfg.metric, as verify scores it) of outputs against the float
-    reference outputs of the same ``count`` samples; None without a metric, or when it needs
-    labels the samples lack and measures nothing without them (top1 without labels: the
-    agreement with the reference's argmax, on class scores only). A pair metric (a
-    detector's boxes and scores, metric.output naming two) reads both outputs, as verify
-    hands them (TaskScorer.task_values)."""
-
-    def __init__(self, cfg, output_names: List[str], reference: List[np.ndarray], labels, count: int):
-        self.metric, self.labels, self.count = load_metric(cfg.metric), labels, count
-        self.indices: Optional[Tuple[int, ...]] = None  # the outputs the metric reads, in graph order's places
-        # a metric of the whole set (embedding's neighbours) needs two samples at least; the
-        # search's samples are those of one input shape, which text of natural lengths may not have
-        too_few = getattr(self.metric, "set_level", False) and count < 2
-        if self.metric is not None and not too_few:
-            names = self._names(cfg, output_names)
-            indices = tuple(output_names.index(name) for name in names)
-            # a metric that needs labels counts on samples without them only where it measures something
-            # there, as verify scores it (top1 on class scores: the agreement with the reference's argmax)
-            shape = shape_of(_first(self._read(reference, indices)))
-            if labels is not None or not self.metric.needs_labels or self.metric.without_labels(shape, names[0]):
-                self.indices = indices
-        self.reference = reference
-        # the reference's input once: a metric keeping its decoding by identity (detection) decodes it once
-        self.theirs = None if self.indices is None else self._read(reference, self.indices)
-        self.reference_value = self._value(reference)
-
-    @property
-    def index(self) -> Optional[int]:
-        """The (first) output the metric reads; None: nothing is scored."""
-        return None if self.indices is None else self.indices[0]
-
-    def _names(self, cfg, output_names: List[str]) -> Tuple[str, ...]:
-        """metric.output's names: a pair metric's two, else the one task output."""
-        names = tuple(self.metric.names) if len(self.metric.names) > 1 else \
-            (self.metric.output or cfg.validation.task_output or output_names[0],)
-        for name in names:
-            if name not in output_names:
-                raise ConfigError(f"metric.output: the model has no output {name!r}; outputs: {', '.join(output_names)}")
-        return names
-
-    def _read(self, outputs: List[np.ndarray], indices: Tuple[int, ...]):
-        """The metric's input of these outputs: [count, *output shape], a pair's as a tuple of two."""
-        parts = tuple(per_sample(outputs[index], self.count) for index in indices)
-        return parts[0] if len(parts) == 1 else parts
-
-    def _value(self, outputs: List[np.ndarray]) -> Optional[float]:
-        if self.indices is None:
-            return None
-        scores = self.metric(self._read(outputs, self.indices), self.theirs, self.labels)
-        return self.metric.aggregate(scores)
-
-    def __call__(self, outputs: List[np.ndarray]) -> Optional[float]:
-        value = self._value(outputs)
-        if value is None:
-            return None
-        return self.reference_value - value if self.metric.higher_is_better else value - self.reference_value
-
-
-def _first(stacked):
-    """The first sample of a stack (a pair's: of each of its two)."""
-    return tuple(part[0] for part in stacked) if isinstance(stacked, tuple) else stacked[0]
 
 
 def badness(loss: float, metric_drop: Optional[float], cfg) -> float:

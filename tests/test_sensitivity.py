@@ -333,8 +333,6 @@ def test_the_search_reads_the_reference_answers_verify_stored(tmp_path):
     from pipeline.data import pack
     from pipeline.precision.calibration.statistics import BatchRunner
     from pipeline.verification.reference_store import ReferenceStore
-    from stages.sensitivity import stored_outputs
-
     fragile_model(tmp_path / "m.onnx")
     model = onnx.load(str(tmp_path / "m.onnx"))
     name, outputs = model.graph.input[0].name, [o.name for o in model.graph.output]
@@ -346,9 +344,8 @@ def test_the_search_reads_the_reference_answers_verify_stored(tmp_path):
     for index, feeds in enumerate(samples):
         store.put(index, runner.run(feeds, 1))
     own = BatchRunner(model, outputs, 5).run(pack(samples), 5)
-    stored = stored_outputs(store, 5, outputs)
+    stored = store.stacked(5, outputs)
     for output in outputs:
         np.testing.assert_allclose(stored[output], own[output], rtol=1e-6, atol=1e-6)
-    assert stored_outputs(store, 6, outputs) is None  # sample 5 was never answered
-    assert stored_outputs(store, 5, [*outputs, "not an output"]) is None
-    assert stored_outputs(None, 5, outputs) is None
+    assert store.stacked(6, outputs) is None  # sample 5 was never answered
+    assert store.stacked(5, [*outputs, "not an output"]) is None

@@ -78,6 +78,14 @@ class ReferenceStore:
         except (OSError, ValueError, EOFError, zipfile.BadZipFile):
             return None
 
+    def stacked(self, count: int, outputs: List[str]) -> Optional[Dict[str, np.ndarray]]:
+        """Samples 0 .. count-1's ``outputs`` stacked on axis 0 (as BatchRunner packs samples);
+        None where one is not stored."""
+        answers = [self.get(index) for index in range(count)] if self.holds(count) else [None]
+        if any(answer is None or any(name not in answer for name in outputs) for answer in answers):
+            return None
+        return {name: np.concatenate([np.atleast_1d(answer[name]) for answer in answers]) for name in outputs}
+
     def put(self, index: int, outputs: Dict[str, np.ndarray], replace: bool = False) -> None:
         """Keep sample ``index``'s outputs, within MAX_BYTES (``replace``: over a file that
         is there but unreadable); outputs numpy cannot store without pickling (strings) are
