@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
