@@ -155,7 +155,7 @@ def _equalize(ctx: StageContext, model_path: Path, base):
     if why is not None:
         return {"enabled": True, "applied": False, "cut": why}
     prepared = onnx.load(str(model_path))
-    judged_on = _judged_on(split, base)
+    judged_on = statistics.judge_samples(split, base[0] if base is not None else None)
     whole = base[0] if base is not None and len(judged_on) == len(split) else None
     model, summary = equalization.choose(prepared, split, cfg.precision.equalization,
                                          QdqSettings.resolve(cfg.precision, backends.REFERENCE),
@@ -164,12 +164,6 @@ def _equalize(ctx: StageContext, model_path: Path, base):
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
-
-
-def _judged_on(split, measured) -> list:
-    """The calibration samples the int8 judges run on: a subsample sized to the model that
-    keeps the samples holding the outliers (statistics.judge_samples), all of a small model's."""
-    return statistics.judge_samples(split, measured[0] if measured is not None else None)
 
 
 def _judge_tables(cfg, prepared):
@@ -199,8 +193,9 @@ def _smooth(ctx: StageContext, model_path: Path, base):
     setting = smoothing.parse(cfg.precision.smoothing)
     prepared = onnx.load(str(model_path))
     split = ctx.dataset().calibration
+    judged_on = statistics.judge_samples(split, base[0] if base is not None else None)
     model, summary = smoothing.choose(prepared, split, setting, QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                      (), _judge_tables(cfg, prepared), judged_on=_judged_on(split, base))
+                                      (), _judge_tables(cfg, prepared), judged_on=judged_on)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
@@ -314,8 +309,8 @@ def _thresholds(stats, ctx: StageContext, model_path: Path, every_method=None):
              for name, entries in candidates.items()}
     decision = None
     if undecided and _judged_at_outputs(ctx.cfg):
-        table, decision = _auto_at_outputs(ctx, model_path, table, candidates, _judged_on(ctx.dataset().calibration,
-                                                                                          (stats,)))
+        judged_on = statistics.judge_samples(ctx.dataset().calibration, stats)
+        table, decision = _auto_at_outputs(ctx, model_path, table, candidates, judged_on)
     return table, {name: c["errors"] for name, c in list(choices.items())[:200]} or None, decision
 
 

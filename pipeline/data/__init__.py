@@ -67,9 +67,12 @@ class Split:
         return len(self.names)
 
     def __iter__(self) -> Iterator[Sample]:
-        for index, name in enumerate(self.names):
-            label = self.labels[index] if self.labels is not None else None
-            yield Sample(name, self.read(index), label)
+        for index in range(len(self.names)):
+            yield self.at(index)
+
+    def at(self, index: int) -> Sample:
+        """Sample ``index`` alone (only its data read)."""
+        return Sample(self.names[index], self.read(index), self.labels[index] if self.labels is not None else None)
 
 
 @dataclass

@@ -219,8 +219,9 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     ``samples``: calibration samples (iterated twice): every one gives the channel maxima;
     ``judged_on`` (default: the first JUDGE_SAMPLES) judge the int8 models with and without
     equalization. ``base_statistics``: the prepared model's statistics on exactly those
-    judge samples, if the caller has them. ``maxima``: the channel maxima of the pairs' tensors
-    over every sample where the caller has them (calibrate's statistics pass: no pass of its own). An applied summary names the ``scaled_tensors``: the only
+    judge samples, if the caller has them. ``maxima``: the channel maxima of the pairs'
+    tensors over every sample where the caller has them (calibrate's statistics pass: no
+    pass of its own). An applied summary names the ``scaled_tensors``: the only
     activations whose values changed (their consumers take the scale back in float)."""
     from pipeline.precision.calibration import statistics
     from pipeline.precision.smoothing import Judge

@@ -52,7 +52,8 @@ class Statistics:
     def save(self, folder: Path) -> None:
         meta = {"samples": self.samples, "batch_size": self.batch_size, "batch_note": self.batch_note,
                 "sample_ranges": self.sample_ranges, "sample_peaks": self.sample_peaks,
-                "sample_names": self.sample_names, "sample_values": self.sample_values, "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
+                "sample_names": self.sample_names, "sample_values": self.sample_values,
+                "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
         (folder / "statistics.json").write_text(json.dumps(meta))
         np.savez(folder / "kept.npz", **self.kept)
         np.savez(folder / "channels.npz", **self.channel_maxima)
@@ -93,15 +94,24 @@ def judge_count(stats: Optional["Statistics"], available: int) -> int:
     return min(available, max(JUDGE_MIN, min(JUDGE_MAX, JUDGE_VALUES // stats.sample_values)))
 
 
-def judge_samples(samples: Sequence[Sample], stats: Optional["Statistics"]) -> List[Sample]:
+def judge_samples(samples, stats: Optional["Statistics"]) -> List[Sample]:
     """The calibration samples a method is judged on (judge_count of them, in their order):
     first the samples that hold the largest value of the most tensors (the outliers a
-    clipping range must keep: up to half of them), then samples spread evenly over the rest."""
-    samples = list(samples)
-    count = judge_count(stats, len(samples))
-    if count >= len(samples):
-        return samples
-    position = {sample.name: index for index, sample in enumerate(samples)}
+    clipping range must keep: up to half of them), then samples spread evenly over the rest.
+    ``samples``: a data Split (only the chosen samples are read) or a list of samples."""
+    names = list(samples.names) if hasattr(samples, "names") else [sample.name for sample in samples]
+    chosen = judge_indices(names, stats)
+    if hasattr(samples, "names"):
+        return [samples.at(index) for index in chosen]
+    return [samples[index] for index in chosen]
+
+
+def judge_indices(names: Sequence[str], stats: Optional["Statistics"]) -> List[int]:
+    """judge_samples' choice as positions in ``names`` (the calibration samples' names)."""
+    count = judge_count(stats, len(names))
+    if count >= len(names):
+        return list(range(len(names)))
+    position = {name: index for index, name in enumerate(names)}
     wins: Dict[int, int] = {}
     for peaks in (stats.sample_peaks.values() if stats is not None else ()):
         if len(peaks) == len(stats.sample_names) and peaks:
@@ -109,10 +119,10 @@ def judge_samples(samples: Sequence[Sample], stats: Optional["Statistics"]) -> L
             if holder is not None:
                 wins[holder] = wins.get(holder, 0) + 1
     chosen = sorted(wins, key=lambda index: (-wins[index], index))[:count // 2]
-    rest = [index for index in range(len(samples)) if index not in chosen]
+    rest = [index for index in range(len(names)) if index not in chosen]
     needed = count - len(chosen)
     chosen += [rest[int(i)] for i in np.floor(np.linspace(0, len(rest) - 1, needed) + 0.5)] if needed else []
-    return [samples[index] for index in sorted(set(chosen))]
+    return sorted(set(chosen))
 
 
 def activation_names(model: onnx.ModelProto, around: Optional[Iterable[str]] = None) -> List[str]:
@@ -153,7 +163,8 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     (a set): of those, just these. ``channels``: tensors whose channel maxima are kept too."""
     model = model_path if isinstance(model_path, onnx.ModelProto) else onnx.load(str(model_path))
     names = [name for name in activation_names(model, around) if only is None or name in only]
-    histograms, kept, facts = {name: AbsHistogram(bins) for name in names}, _Kept(names, keep), _PerSample(names, channels)
+    histograms, kept = {name: AbsHistogram(bins) for name in names}, _Kept(names, keep)
+    facts = _PerSample(names, channels)
     runner = BatchRunner(model, names, batch_size)
     batch: List[Sample] = []
     pending: Dict[str, List[Sample]] = {}  # shape -> samples waiting: a batch stacks samples of one shape
@@ -223,7 +234,8 @@ class _PerSample:
 
     def start(self, batch: List[Sample], values: Dict[str, np.ndarray]) -> None:
         self.largest = max(self.largest, sum(v.size for v in values.values()) // len(batch))
-        self.order.extend(getattr(s, "name", str(len(self.order) + i)) for i, s in enumerate(batch))
+        seen = len(self.order)  # a sample without a name (a judge's feeds) is named by its place
+        self.order += [getattr(s, "name", f"#{seen + i}") for i, s in enumerate(batch)]
 
     def add(self, name: str, value: np.ndarray, lows: np.ndarray, highs: np.ndarray, count: int) -> None:
         """One tensor's values for ``count`` samples; lows, highs: per sample where the values

@@ -249,7 +249,8 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
     applied = bool(rounded) and (with_ > without or not only_if_closer)
     if applied:
         quantized.CopyFrom(candidate)
-    return {"enabled": True, "applied": applied, "samples": sum(len(batch) for batch in batches), "ops": rounded, "skipped": skipped,
+    return {"enabled": True, "applied": applied, "samples": sum(len(batch) for batch in batches), "ops": rounded,
+            "skipped": skipped,
             "judged_on": "calibration" if judged_on is None else "validation",
             "output_cosine": {"without": round(without, 6), "with": round(with_, 6)},
             "seconds": round(time.perf_counter() - started, 3)}
