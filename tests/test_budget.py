@@ -187,6 +187,11 @@ def test_the_mixed_search_ranks_nothing_it_has_no_time_for(tmp_path):
     assert searched.summary.to_json()["cut"].startswith("cut by precision.budget_s: the mixed search's "
                                                         "per-layer ranking estimated")
     assert json.loads(searched.path("qtable").read_text())["float_ops"] == []
+    # precision=auto runs a built candidate's folder again through verify: the cut search
+    # serves it in place instead of being computed again past the deadline
+    rerun = run_pipeline(run, tmp_path / "cut", until="sensitivity")
+    assert rerun.records[-1]["status"] == "cached"
+    assert rerun.results["sensitivity"].summary.to_json()["cut"] == searched.summary.to_json()["cut"]
     again = run_pipeline(run, tmp_path / "again", until="sensitivity")
     assert again.records[-1]["status"] == "computed"
     assert json.loads(again.results["sensitivity"].path("qtable").read_text())["float_ops"]  # top 2 float

@@ -32,6 +32,11 @@ log = logging.getLogger("parity")
 # "stage X: running / computed / cached": parity.log's record of each stage; on a terminal
 # the job's live line shows the stage instead (pipeline/console.py)
 progress_log = logging.getLogger(PROGRESS)
+# results computed in this process and not cached (a step cut by precision.budget_s): the
+# stage folder that holds each, by cache key. precision=auto builds a candidate, then runs
+# the same folder again through verify: the cut result serves that second run instead of
+# being computed again past the deadline (the mixed search of PP-OCRv4 det at 736: 66 s)
+_UNCACHED_THIS_JOB: Dict[tuple, Path] = {}
 
 
 @dataclass
@@ -71,6 +76,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: Optional[str] = None) -> 
         # the others wait and are served from it.
         with _locked_entry(cache_root, name, key):
             cached = _from_cache(cache_root / name / key, out_dir, name) if key else None
+            if cached is None and key:
+                cached = _from_this_job(cache_root, name, key, out_dir)
             if cached is not None:
                 result, computed_seconds = cached
                 status = "cached"
@@ -78,6 +85,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: Optional[str] = None) -> 
                 result, computed_seconds = _compute(stage, ctx, out_dir, started)
                 if key and result.cache:
                     _to_cache(out_dir, cache_root / name / key)
+                elif key:
+                    _UNCACHED_THIS_JOB[(str(cache_root), name, key)] = out_dir
                 status = "cached" if result.reused else "computed"
         seconds = time.perf_counter() - started
         progress_log.info("stage %s: %s in %.2f s", name, status, seconds)
@@ -169,6 +178,17 @@ def _from_cache(entry: Path, out_dir: Path, name: str):
         shutil.rmtree(entry, ignore_errors=True)  # the recomputed output takes its place
         return None
     return result, saved.get("computed_seconds", 0.0)
+
+
+def _from_this_job(cache_root: Path, name: str, key: str, out_dir: Path):
+    """An uncached result this process computed under the same key in this very folder (see
+    _UNCACHED_THIS_JOB), served in place; None otherwise (a later job, in its own run
+    folder, computes it again with the time it has)."""
+    folder = _UNCACHED_THIS_JOB.get((str(cache_root), name, key))
+    if folder is None or folder.resolve() != out_dir.resolve() or not (folder / "result.json").is_file():
+        return None
+    saved = read_json(folder / "result.json")
+    return StageResult(out_dir, saved["files"], summary_of(name, saved["summary"])), saved.get("computed_seconds", 0.0)
 
 
 def _to_cache(out_dir: Path, entry: Path) -> None:

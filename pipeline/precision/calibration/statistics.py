@@ -338,6 +338,14 @@ class _Kept:
             self.values[name].append(value[:room])
 
 
+# input values one batched run takes at most: a batch of large samples runs slower per sample
+# than the samples one at a time (2 cores, ONNX Runtime, ms a sample at 1 / 4 / 16 or 32 a run:
+# U^2-Net-p 320x320 227 / 299 / 645; PP-OCRv4 det 736x736 73 / 111 / 191; PP-OCRv4 rec
+# 48x320 18.2 / 12.3 / 25.8; the 96x96 segmenter 2.5 / 2.3 / 2.7): rec runs 4 a batch here,
+# the 320x320 and 736x736 models one at a time
+BATCH_VALUES = 192 * 1024
+
+
 class BatchRunner:
     """ONNX Runtime on the model with the named tensors as outputs (graph inputs among them
     come straight from the feeds). Feeds and results are packed (pipeline.data.pack):
@@ -402,13 +410,27 @@ class BatchRunner:
 
     def run(self, feeds: Dict[str, np.ndarray], count: int) -> Dict[str, np.ndarray]:
         samples = [unpack(feeds, i, count, self.shapes) for i in range(count)] if self.names else []
-        values = self._run_batch(samples) if self.batch_size > 1 and samples else None
+        values = self._run_batches(samples) if self.batch_size > 1 and samples else None
         if values is None:
             rows = [self._session.run(self.names, sample) for sample in samples]
             values = {name: np.atleast_1d(rows[0][j]) if len(rows) == 1 else
                       np.concatenate([np.atleast_1d(row[j]) for row in rows]) for j, name in enumerate(self.names)}
         values.update({name: np.atleast_1d(feeds[name]) for name in self.fed})
         return values
+
+    def _run_batches(self, samples: List[Dict[str, np.ndarray]]) -> Optional[Dict[str, np.ndarray]]:
+        """The samples in batches of at most BATCH_VALUES input values (at least one sample a
+        run), packed; None where the model does not batch them."""
+        per_run = max(1, BATCH_VALUES // max(1, sum(np.size(v) for v in samples[0].values())))
+        parts = []
+        for start in range(0, len(samples), per_run):
+            part = self._run_batch(samples[start:start + per_run]) if self.batch_size > 1 else None
+            if part is None:
+                return None
+            parts.append(part)
+        if len(parts) == 1:
+            return parts[0]
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
     def _run_batch(self, samples: List[Dict[str, np.ndarray]]) -> Optional[Dict[str, np.ndarray]]:
         """The batch's values packed, or None (and one at a time from now on) when the
