@@ -58,10 +58,19 @@ def cut(step: str, runs: float) -> Optional[str]:
     or no deadline is set."""
     if _current is None:
         return None
-    estimate, left = runs * _current.run_s, _current.left()
+    return _why(step, runs * _current.run_s, f"{runs:.0f} runs of {1000 * _current.run_s:.0f} ms")
+
+
+def cut_seconds(step: str, seconds: float, how: str) -> Optional[str]:
+    """As cut, for a step whose cost is known in seconds (``how``: where the figure comes from,
+    e.g. the same step measured before)."""
+    return None if _current is None else _why(step, seconds, how)
+
+
+def _why(step: str, estimate: float, how: str) -> Optional[str]:
+    left = _current.left()
     if estimate <= left:
         return None
-    why = (f"cut by precision.budget_s: {step} estimated {estimate:.0f} s ({runs:.0f} runs of "
-           f"{1000 * _current.run_s:.0f} ms), {max(left, 0):.0f} s left")
+    why = f"cut by precision.budget_s: {step} estimated {estimate:.0f} s ({how}), {max(left, 0):.0f} s left"
     log.info("%s", why)
     return why

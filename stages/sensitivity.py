@@ -36,6 +36,11 @@ READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of on
 ON_MACHINE = "cpu"  # it measures on the CPU (the reference, or the runtime's CPU int8 kernels)
 QTABLE_TPU_MLIR = "qtable.txt"
 CHUNK = 64  # validation samples measured in one run
+# model runs a validation sample one whole-model measure is estimated at before one was timed
+# (then the slowest measured stands): the real-size segmenter's took about 1, PP-OCRv4 det at
+# 736x736 4 while its samples ran 64 a batch (docs/time.md, eighth session)
+MEASURE_RUNS = 2.0
+NEXT = "the selection's next measure"
 EDGE_WEIGHT = 1.0  # a new edge between an int8 chain and a float island costs about a median op (latency-aware)
 FLOOR_SHARE = 0.01  # no op is taken to cost less than 1 % of all the ops' costs
 # model runs the per-layer ranking costs per quantizable op and ranking sample (about one run
@@ -91,14 +96,19 @@ def run(ctx: StageContext) -> StageResult:
     feeds, labels, count = _samples(ctx, cfg.sensitivity.samples)  # the per-layer ranking's samples
     # the skip and the selection are decided on every validation sample, the set verify judges
     measure = _measure(ctx, prepared)
+    summary = {"samples": count, "judged_samples": measure.count, "reference": measure.reference_from,
+               "select": cfg.sensitivity.select.value, "placement": _settings(cfg).describe(),
+               "measured_on": measured_on(cfg), "expected_cos": measure.goal[0], "max_drop": measure.goal[1],
+               "always_float": measure.always_float}
+    why = measure.no_time("the mixed search's measure of plain int8")
+    if why is not None:  # the int8 build, said so; not cached
+        summary.update({"skipped": why, "cut": why})
+        return _write(ctx, table, [], [], summary, cache=False)
     try:
         plain = measure(table, [])
     except QuantizerFailed as err:
         raise err.with_run(ctx)
-    summary = {"samples": count, "judged_samples": measure.count, "int8": plain, "refined": measure.refinements,
-               "reference": measure.reference_from, "select": cfg.sensitivity.select.value,
-               "placement": _settings(cfg).describe(), "measured_on": measured_on(cfg),
-               "expected_cos": measure.goal[0], "max_drop": measure.goal[1], "always_float": measure.always_float}
+    summary.update({"int8": plain, "refined": measure.refinements})
     if cfg.sensitivity.select.value == "target" and measure.meets(plain):
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
@@ -108,8 +118,8 @@ def run(ctx: StageContext) -> StageResult:
     if heads:
         summary.update({"float_ops": heads, "trials": 0, "measured": 0,
                         "seconds": {"heads_first": round(time.perf_counter() - started, 2)}})
-        return _write(ctx, table, heads, [], summary)
-    why = deadline.cut("the mixed search's per-layer ranking", RANKING_RUNS * len(ops) * count)
+        return _write(ctx, table, heads, [], summary, cache="cut" not in summary)
+    why = summary.get("cut") or deadline.cut("the mixed search's per-layer ranking", RANKING_RUNS * len(ops) * count)
     if why is not None:  # the int8 build, said so; not cached (a job with more time searches)
         summary.update({"skipped": why, "cut": why})
         return _write(ctx, table, [], [], summary, cache=False)
@@ -119,9 +129,10 @@ def run(ctx: StageContext) -> StageResult:
     best_table = _best_method_table(prepared, table, candidates, ranking)
     # Each op's best method was found with only that op in int8; together they can do worse
     # than calibrate's table (measured on PP-OCR): the better of the two is the base.
-    combined = measure(best_table, [])
+    why = measure.no_time("the mixed search's measure of the per-op methods' table")
+    combined = measure(best_table, []) if why is None else {"cut": why}
     summary["per_op_methods"] = combined
-    if combined["cosine"] < plain["cosine"]:
+    if why is not None or combined["cosine"] < plain["cosine"]:
         best_table = table
     summary["table"] = "per-op methods" if best_table is not table else "calibrate"
     float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
@@ -130,7 +141,7 @@ def run(ctx: StageContext) -> StageResult:
                     "float_op_details": _float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
     final = [p for p in curve if not p.get("kept")]
     summary["mixed"] = final[-1] if final else plain
-    if deadline.passed():
+    if deadline.passed() or measure.stopped:
         summary["cut"] = "cut by precision.budget_s: the selection stopped at the deadline with the best set measured"
     if cfg.sensitivity.select.value == "target" and not measure.meets(summary["mixed"]):
         goal_cos, goal_drop = measure.goal
@@ -176,6 +187,10 @@ def _heads_first(cfg, measure: "_MixedMeasure", table, prepared, ops: List[int],
     for key, float_ops in tries.items():
         if not float_ops or len(float_ops) > cfg.sensitivity.max_float_ops:
             continue
+        why = measure.no_time(f"the mixed search's {key.replace('_', ' ')} measure")
+        if why is not None:
+            summary.update({key: {"float_ops": float_ops, "cut": why}, "cut": why})
+            return []
         result = measure(table, float_ops)
         summary[key] = {"float_ops": float_ops, **result, "met": measure.meets(result)}
         if summary[key]["met"]:
@@ -331,6 +346,8 @@ class _MixedMeasure:
         self.goal = goal(cfg, task=self.task_drop.indices is not None)  # a scored task metric: its cosine floor
         self.always_float = always_float(prepared, cfg)
         self._models = None
+        self.seconds: Optional[float] = None  # the slowest measure's run and scoring so far
+        self.stopped: Optional[str] = None  # why a measure was not started (no_time)
 
     def models(self, table: Dict[str, dict]) -> MixedModels:
         if self._models is None or self._models.table is not table:  # tables are never mutated
@@ -345,14 +362,27 @@ class _MixedMeasure:
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
         model = self.models(table).build(float_ops)
+        started = time.perf_counter()
         # a target's run_model (OpenVINO) compiles once per call and runs one sample at a time anyway
         values = self._chunked(model, self._run, CHUNK if measured_on(self.cfg) == backends.REFERENCE else self.count)
         actual = [values[name] for name in self.outputs]
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
         agreement = output_agreement([self.reference[i] for i in self.compared],
                                      [actual[i] for i in self.compared])
-        return {"cosine": agreement["cosine"], "sqnr_db": agreement["sqnr_db"], "metric_drop": self.task_drop(actual),
-                "ids_short": self._ids_short(actual)}
+        result = {"cosine": agreement["cosine"], "sqnr_db": agreement["sqnr_db"],
+                  "metric_drop": self.task_drop(actual), "ids_short": self._ids_short(actual)}
+        self.seconds = max(self.seconds or 0.0, time.perf_counter() - started)
+        return result
+
+    def no_time(self, step: str) -> Optional[str]:
+        """Why ``step``, one more whole-model measure, is not started: the slowest measure so
+        far (else MEASURE_RUNS model runs a sample) does not fit before the deadline."""
+        if self.seconds is not None:
+            why = deadline.cut_seconds(step, self.seconds, "the slowest measure so far")
+        else:
+            why = deadline.cut(step, MEASURE_RUNS * self.count)
+        self.stopped = self.stopped or why
+        return why
 
     def _ids_short(self, actual: List[np.ndarray]) -> float:
         """How far the integer and boolean outputs (compared exactly by verify) fall short of
@@ -448,7 +478,7 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
     curve); a prune trial that had to keep its op records the op's measured gain (cosine
     with the op float minus with it int8)."""
     order = _joining_order(ranking, max_float_ops, costs, neighbours)
-    if not order:
+    if not order or measure.no_time(NEXT):
         return [], []
     measured: Dict[int, dict] = {}
 
@@ -458,10 +488,10 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
         return measured[length]
 
     failing, length = 0, 1
-    while not measure.meets(at(length)) and length < len(order) and not deadline.passed():
+    while not measure.meets(at(length)) and length < len(order) and not measure.no_time(NEXT):
         failing, length = length, min(2 * length, len(order))
     if measure.meets(at(length)):
-        while length - failing > 1 and not deadline.passed():
+        while length - failing > 1 and not measure.no_time(NEXT):
             middle = (failing + length) // 2
             failing, length = (failing, middle) if measure.meets(at(middle)) else (middle, length)
     curve = [{"float_ops": k, "added": order[k - 1], "cost_ms": latency.estimate_ms(order[:k], costs), **measured[k]}
@@ -500,7 +530,7 @@ def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, c
         floor_ms = FLOOR_SHARE * sum(costs.values())
         order = [op for op in order if not 0.0 <= costs.get(op, 0.0) < floor_ms]
     for op in order:
-        if deadline.passed():
+        if measure.no_time(NEXT):
             break
         trial = [o for o in float_ops if o != op]
         result = measure(table, trial)

@@ -174,8 +174,8 @@ def test_a_started_candidate_cuts_the_steps_that_would_not_fit_and_caches_none_o
 
 
 def test_the_mixed_search_ranks_nothing_it_has_no_time_for(tmp_path):
-    """precision=mixed with the ranking estimated past the deadline: no op is ranked, the
-    qtable is empty (the int8 build) and says why; not cached."""
+    """precision=mixed with its first whole-model measure estimated past the deadline: nothing
+    is measured or ranked, the qtable is empty (the int8 build) and says why; not cached."""
     from pipeline.app.runner import run_pipeline
     from pipeline.config.validation import validate
 
@@ -185,7 +185,8 @@ def test_the_mixed_search_ranks_nothing_it_has_no_time_for(tmp_path):
         cut = run_pipeline(run, tmp_path / "cut", until="sensitivity")
     searched = cut.results["sensitivity"]
     assert searched.summary.to_json()["cut"].startswith("cut by precision.budget_s: the mixed search's "
-                                                        "per-layer ranking estimated")
+                                                        "measure of plain int8 estimated")
+    assert "int8" not in searched.summary.to_json()  # not measured
     assert json.loads(searched.path("qtable").read_text())["float_ops"] == []
     # precision=auto runs a built candidate's folder again through verify: the cut search
     # serves it in place instead of being computed again past the deadline
@@ -211,6 +212,9 @@ class _Measured:
     def meets(self, result):
         return result["cosine"] >= 0.95
 
+    def no_time(self, step):
+        return "cut" if deadline.passed() else None
+
 
 def test_the_selection_stops_at_the_deadline_with_the_best_set_measured():
     from stages.sensitivity import _select_for_target
@@ -219,7 +223,11 @@ def test_the_selection_stops_at_the_deadline_with_the_best_set_measured():
     measure = _Measured()
     float_ops, _ = _select_for_target(measure, {}, ranking, 16, {}, {})
     assert len(float_ops) == 5 and len(measure.calls) > 3  # doubled to 8, halved to 5, pruned
-    late = _Measured()
+    late = _Measured()  # past the deadline: no measure is started
     with deadline.until(time.monotonic() - 1.0, run_s=0.1):
-        float_ops, curve = _select_for_target(late, {}, ranking, 16, {}, {})
-    assert late.calls == [1] and float_ops == ["op0"] and curve[-1]["kept_best"]
+        assert _select_for_target(late, {}, ranking, 16, {}, {}) == ([], [])
+    assert late.calls == []
+    stopped = _Measured()  # the deadline passes after the first measure: the best set measured stands
+    stopped.no_time = lambda step: "cut" if stopped.calls else None
+    float_ops, curve = _select_for_target(stopped, {}, ranking, 16, {}, {})
+    assert stopped.calls == [1] and float_ops == ["op0"] and curve[-1]["kept_best"]

@@ -148,6 +148,9 @@ class _SumOfLosses:
         self.calls += 1
         return {"cosine": 1 - sum(v for op, v in self.losses.items() if op not in float_ops), "metric_drop": None}
 
+    def no_time(self, step):  # no deadline here
+        return None
+
     def meets(self, result):
         return result["cosine"] >= self.goal
 
@@ -281,6 +284,9 @@ class _MeetsWith:
         self.measured.append(list(float_ops))
         return {"cosine": 1.0 if self.enough <= set(float_ops) else 0.5, "metric_drop": None}
 
+    def no_time(self, step):  # no deadline here
+        return None
+
     def meets(self, result):
         return result["cosine"] >= 0.99
 
@@ -308,6 +314,12 @@ def test_heads_first_measures_the_output_heads_float_before_any_ranking(tmp_path
         cfg.sensitivity.heads_first, cfg.sensitivity.select = setting, SimpleNamespace(value=select)
         measure = _MeetsWith(["conv3"])
         assert _heads_first(cfg, measure, {}, model, ops, {}) == [] and measure.measured == []
+    cfg.sensitivity.heads_first, cfg.sensitivity.select = True, SimpleNamespace(value="target")
+    measure, summary = _MeetsWith(["conv1"]), {}  # the deadline leaves room for one measure
+    measure.no_time = lambda step: f"cut by precision.budget_s: {step}" if measure.measured else None
+    assert _heads_first(cfg, measure, {}, model, ops, summary) == [] and measure.measured == [["conv3"]]
+    assert summary["cut"] == summary["heads_and_stems"]["cut"] == \
+        "cut by precision.budget_s: the mixed search's heads and stems measure"
 
 
 def test_a_mixed_job_whose_heads_are_not_enough_runs_the_search_after_them(tmp_path):
