@@ -126,15 +126,7 @@ def run(ctx: StageContext) -> StageResult:
     trials, ranking = _ranked(cfg, prepared, candidates, (feeds, labels, count), len(ops), measure.always_float,
                               summary)
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
-    best_table = _best_method_table(prepared, table, candidates, ranking)
-    # Each op's best method was found with only that op in int8; together they can do worse
-    # than calibrate's table (measured on PP-OCR): the better of the two is the base.
-    why = measure.no_time("the mixed search's measure of the per-op methods' table")
-    combined = measure(best_table, []) if why is None else {"cut": why}
-    summary["per_op_methods"] = combined
-    if why is not None or combined["cosine"] < plain["cosine"]:
-        best_table = table
-    summary["table"] = "per-op methods" if best_table is not table else "calibrate"
+    best_table = _base_table(measure, prepared, table, candidates, ranking, summary)
     float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
     summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
                     "measured": sum(t.loss is not None for t in trials),
@@ -149,6 +141,20 @@ def run(ctx: StageContext) -> StageResult:
                               f"with {len(float_ops)} float ops ("
                               f"{'precision.budget_s' if 'cut' in summary else 'sensitivity.max_float_ops'})")
     return _write(ctx, best_table, float_ops, trials, summary, cache="cut" not in summary)
+
+
+def _base_table(measure: "_MixedMeasure", prepared, table, candidates, ranking: List[dict], summary: dict):
+    """The selection's base table: each op at its best method, or calibrate's table where
+    that measures better (each op's best was found with only that op in int8; together they
+    can do worse: measured on PP-OCR) or where the deadline leaves no time to measure it."""
+    best_table = _best_method_table(prepared, table, candidates, ranking)
+    why = measure.no_time("the mixed search's measure of the per-op methods' table")
+    combined = measure(best_table, []) if why is None else {"cut": why}
+    summary["per_op_methods"] = combined
+    if why is not None or combined["cosine"] < summary["int8"]["cosine"]:
+        best_table = table
+    summary["table"] = "per-op methods" if best_table is not table else "calibrate"
+    return best_table
 
 
 def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: List[str], summary: dict):
