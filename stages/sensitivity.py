@@ -126,7 +126,7 @@ def run(ctx: StageContext) -> StageResult:
     trials, ranking = _ranked(cfg, prepared, candidates, (feeds, labels, count), len(ops), measure.always_float,
                               summary)
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
-    best_table = _base_table(measure, prepared, table, candidates, ranking, summary)
+    best_table = _base_table(measure, prepared, (table, plain), candidates, ranking, summary)
     float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
     summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
                     "measured": sum(t.loss is not None for t in trials),
@@ -143,15 +143,18 @@ def run(ctx: StageContext) -> StageResult:
     return _write(ctx, best_table, float_ops, trials, summary, cache="cut" not in summary)
 
 
-def _base_table(measure: "_MixedMeasure", prepared, table, candidates, ranking: List[dict], summary: dict):
+def _base_table(measure: "_MixedMeasure", prepared, calibrated: tuple, candidates, ranking: List[dict],
+                summary: dict):
     """The selection's base table: each op at its best method, or calibrate's table where
     that measures better (each op's best was found with only that op in int8; together they
-    can do worse: measured on PP-OCR) or where the deadline leaves no time to measure it."""
+    can do worse: measured on PP-OCR) or where the deadline leaves no time to measure it.
+    ``calibrated``: (calibrate's table, its measure)."""
+    table, measured = calibrated
     best_table = _best_method_table(prepared, table, candidates, ranking)
     why = measure.no_time("the mixed search's measure of the per-op methods' table")
     combined = measure(best_table, []) if why is None else {"cut": why}
     summary["per_op_methods"] = combined
-    if why is not None or combined["cosine"] < summary["int8"]["cosine"]:
+    if why is not None or combined["cosine"] < measured["cosine"]:
         best_table = table
     summary["table"] = "per-op methods" if best_table is not table else "calibrate"
     return best_table
