@@ -119,12 +119,10 @@ def run(ctx: StageContext) -> StageResult:
         summary.update({"float_ops": heads, "trials": 0, "measured": 0,
                         "seconds": {"heads_first": round(time.perf_counter() - started, 2)}})
         return _write(ctx, table, heads, [], summary, cache="cut" not in summary)
-    why = summary.get("cut") or deadline.cut("the mixed search's per-layer ranking", RANKING_RUNS * len(ops) * count)
-    if why is not None:  # the int8 build, said so; not cached (a job with more time searches)
-        summary.update({"skipped": why, "cut": why})
+    ranked = _ranked_in_time(cfg, prepared, candidates, (feeds, labels, count), len(ops), measure, summary)
+    if ranked is None:  # the int8 build, said so; not cached (a job with more time searches)
         return _write(ctx, table, [], [], summary, cache=False)
-    trials, ranking = _ranked(cfg, prepared, candidates, (feeds, labels, count), len(ops), measure.always_float,
-                              summary)
+    trials, ranking = ranked
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
     best_table = _base_table(measure, prepared, (table, plain), candidates, ranking, summary)
     float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
@@ -160,6 +158,21 @@ def _base_table(measure: "_MixedMeasure", prepared, calibrated: tuple, candidate
     return best_table
 
 
+def _ranked_in_time(cfg, prepared, candidates, samples: tuple, ops: int, measure: "_MixedMeasure", summary: dict):
+    """_ranked's (trials, ranking), or None where the deadline cuts the ranking: estimated past
+    it before it starts, or passed while it runs (a ranking cut half-way ranks nothing); why
+    into ``summary``."""
+    why = summary.get("cut") or deadline.cut("the mixed search's per-layer ranking", RANKING_RUNS * ops * samples[2])
+    if why is None:
+        try:
+            return _ranked(cfg, prepared, candidates, samples, ops, measure.always_float, summary)
+        except search.Stopped as stopped:
+            why = (f"cut by precision.budget_s: the deadline passed during the mixed search's per-layer "
+                   f"ranking ({stopped})")
+    summary.update({"skipped": why, "cut": why})
+    return None
+
+
 def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: List[str], summary: dict):
     """(trials, ranking) of the per-layer search on the ranking samples; the op screen's
     note into ``summary``. An op float in every model anyway is no candidate (it would take a
@@ -172,7 +185,7 @@ def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: L
                                   _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n),
                                   scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg),
-                                  ranked=ranked)
+                                  ranked=ranked, stop=deadline.passed)
     ranking = [row for row in _ranking(trials, cfg) if row["op"] not in always_float]
     screened_ops = len({t.op for t in trials}) - len({t.op for t in trials if t.loss is not None})
     if screened_ops:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -231,3 +232,29 @@ def test_the_selection_stops_at_the_deadline_with_the_best_set_measured():
     stopped.no_time = lambda step: "cut" if stopped.calls else None
     float_ops, curve = _select_for_target(stopped, {}, ranking, 16, {}, {})
     assert stopped.calls == [1] and float_ops == ["op0"] and curve[-1]["kept_best"]
+
+
+def test_a_ranking_the_deadline_passes_during_ranks_nothing(monkeypatch):
+    """The per-layer ranking asks the deadline before each chunk of ops (search.per_layer's
+    ``stop``): where it passed half-way, the search keeps nothing float and says why."""
+    from pipeline.precision.calibration import sensitivity as search
+    from stages import sensitivity
+
+    asked = {}
+
+    def stopped(*args, **kwargs):
+        raise search.Stopped("the ranking stopped after 8 of 62 ops")
+
+    monkeypatch.setattr(search, "per_layer", lambda *args, **kwargs: asked.update(kwargs) or stopped())
+    monkeypatch.setattr(sensitivity, "progress_bar", lambda: __import__("contextlib").nullcontext(
+        type("P", (), {"add_task": lambda self, *a, **k: 0, "advance": lambda self, *a: None})()))
+    monkeypatch.setattr(sensitivity, "_settings", lambda cfg: None)
+    cfg = SimpleNamespace(sensitivity=SimpleNamespace(methods=["max"], screen=2))
+    summary = {}
+    with deadline.until(time.monotonic() + 60.0, run_s=0.001):
+        monkeypatch.setattr(sensitivity, "ranked_ops", lambda cfg: 8)
+        got = sensitivity._ranked_in_time(cfg, None, {}, ({}, None, 4), 62,
+                                          type("M", (), {"always_float": []})(), summary)
+    assert got is None and asked["stop"] is deadline.passed
+    assert summary["cut"] == summary["skipped"] == ("cut by precision.budget_s: the deadline passed during the mixed "
+                                                    "search's per-layer ranking (the ranking stopped after 8 of 62 ops)")

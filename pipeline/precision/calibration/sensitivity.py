@@ -68,16 +68,22 @@ def quantizable_ops(model: onnx.ModelProto, candidates: Dict[str, dict], op_type
 HEAD_DEPTH = 2  # an output head: an op at most this many ops before a graph output
 
 
+class Stopped(Exception):
+    """per_layer was told to stop (``stop``) before it ranked every op."""
+
+
 def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], feeds: Dict[str, np.ndarray],
               count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
               screen: int = 2, progress: Optional[Callable[[int], None]] = None,
               scorer_for: Optional[Callable[[List[np.ndarray]], Optional[Callable]]] = None,
-              ranked: Optional[int] = None) -> List[Trial]:
+              ranked: Optional[int] = None, stop: Optional[Callable[[], bool]] = None) -> List[Trial]:
     """Every (op, method) trial; screen = methods measured in full per op (0: all);
     ``scorer_for(reference)``: given the float outputs (in graph order), a ``score(outputs)``
     giving the task metric's drop, or None without a metric. ``ranked``: with more ops than
     this, only the ``ranked`` ops whose int8 output is worst at the op itself (op-level SQNR,
-    ``op_screen``) are measured in full; the others' trials keep their op SQNR, loss None."""
+    ``op_screen``) are measured in full; the others' trials keep their op SQNR, loss None.
+    ``stop``: asked before each chunk of ops; Stopped is raised where it says so (the
+    deadline of precision.budget_s: a ranking cut half-way ranks nothing)."""
     nodes = list(model.graph.node)
     outputs = [o.name for o in model.graph.output]
     reference = BatchRunner(model, outputs, count).run(feeds, count)
@@ -98,6 +104,8 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
                 progress(len(ops) - len(worst))
             ops = sorted(worst)
         for start in range(0, len(ops), CHUNK_OPS):
+            if stop is not None and stop():
+                raise Stopped(f"the ranking stopped after {start} of {len(ops)} ops")
             chunk = ops[start:start + CHUNK_OPS]
             needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
             runner = BatchRunner(model, needed, count)
