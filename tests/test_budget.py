@@ -258,3 +258,17 @@ def test_a_ranking_the_deadline_passes_during_ranks_nothing(monkeypatch):
     assert got is None and asked["stop"] is deadline.passed
     assert summary["cut"] == summary["skipped"] == ("cut by precision.budget_s: the deadline passed during the mixed "
                                                     "search's per-layer ranking (the ranking stopped after 8 of 62 ops)")
+
+
+def test_the_reserve_for_fp32s_verify_is_at_least_the_slowest_verify_measured():
+    """fp32's verify runs the same samples as a candidate's: once one verify took longer than
+    the probe's estimate, the reserve (and so the deadline) follows it."""
+    budget = _probed(0.1)
+    estimated = budget.reserve()
+    assert estimated == pytest.approx(VERIFY_RUNS * 40 * 0.1)
+    deadline_before = budget.deadline()
+    budget.verified(estimated / 2)
+    assert budget.reserve() == pytest.approx(estimated)
+    budget.verified(3 * estimated)
+    assert budget.reserve() == pytest.approx(3 * estimated)
+    assert budget.deadline() == pytest.approx(deadline_before - 2 * estimated)

@@ -229,6 +229,7 @@ def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceA
         return
     ahead.stop()  # from here verify runs the reference itself where the store has no answer
     outcomes[precision], configs[precision] = _verified(configs[precision], folder)
+    budget.verified(sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify"))
     # the screening's speed-up stays on the row: a failing build's speed is what a looser
     # threshold would buy (a passing one is timed again with the others, _time)
     tried[precision] = {**_row(precision, outcomes[precision]), **(timed or {}),

@@ -5,7 +5,8 @@ Before a candidate starts, its cost is estimated from a probe: one validation sa
 run time on ONNX Runtime (what calibration, the search and the reference run on) times the
 model runs the candidate makes, counted per calibration sample and per validation sample
 (COST_RUNS). A candidate whose estimate does not fit in what is left, less what fp32's verify
-would need should it ship, is not started; its row says what it would have cost. Inside a
+would need should it ship (at least as long as the slowest candidate's verify so far), is
+not started; its row says what it would have cost. Inside a
 started candidate the steps that refine or search are cut the same way (pipeline/deadline.py). After each candidate the estimate is compared with what
 it took, and later estimates are scaled by the ratio seen so far (a machine, a backend or a
 model that costs more or less than the counts assume).
@@ -50,6 +51,7 @@ class Budget:
         self.counts: Dict[str, int] = {}  # calibration, validation, sensitivity samples, quantized ops
         self.ratios: list = []  # what each estimated candidate took / its estimate
         self.ran: set = set()  # candidates started and not cut (int8: mixed reuses its calibration)
+        self.verify_s = 0.0  # the slowest candidate's verify so far: what fp32's would take at least
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -131,11 +133,17 @@ class Budget:
         estimate, left = self.estimate(precision), self.left()
         return estimate if estimate is not None and left is not None and estimate > left - self.reserve() else None
 
+    def verified(self, seconds: float) -> None:
+        """A candidate's verify took ``seconds``: fp32's, on the same samples, is set aside as
+        at least as long (PP-OCRv4 det at 736: estimated 25 s from the probe, took 45 s)."""
+        self.verify_s = max(self.verify_s, seconds)
+
     def reserve(self) -> float:
-        """The seconds set aside for after the candidates: fp32's verify, should it ship."""
+        """The seconds set aside for after the candidates: fp32's verify, should it ship (the
+        probe's estimate, or the slowest candidate's verify so far where that is longer)."""
         if self.probe_s is None:
-            return 0.0
-        return VERIFY_RUNS * self.counts.get("validation", 0) * self.probe_s * self.correction()
+            return self.verify_s
+        return max(VERIFY_RUNS * self.counts.get("validation", 0) * self.probe_s * self.correction(), self.verify_s)
 
     def deadline(self) -> Optional[float]:
         """When a started candidate's steps must be done (time.monotonic()), or None."""
