@@ -367,9 +367,8 @@ def print_model(kind: str, rows: dict) -> list:
         if kind != "rec":
             figures.append((f"{kind} {target} auto wall s", auto["seconds"], GOALS["auto_s"]))
         if kind == "seg":
-            figures += [
-                        (f"seg {target} shipped map_iou drop", shipped_drop if shipped_drop is not None else 1.0,
-                         GOALS["seg_drop"])]
+            figures.append((f"seg {target} shipped map_iou drop", shipped_drop if shipped_drop is not None else 1.0,
+                            GOALS["seg_drop"]))
             int8 = rows.get("int8" if target == "openvino_cpu" else f"int8 {target}")
             if int8:
                 print(f"    parity precision=int8 drop {(int8['report']['verify'].get('task') or {}).get('drop')}")

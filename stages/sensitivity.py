@@ -35,7 +35,6 @@ CACHEABLE = True
 READS = {"convert": ["model"], "calibrate": None}  # shared by the targets of one placement (key_config)
 ON_MACHINE = "cpu"  # it measures on the CPU (the reference, or the runtime's CPU int8 kernels)
 QTABLE_TPU_MLIR = "qtable.txt"
-CHUNK = 64  # validation samples measured in one run
 # model runs a validation sample one whole-model measure is estimated at before one was timed
 # (then the slowest measured stands): the real-size segmenter's took about 1, PP-OCRv4 det at
 # 736x736 4 while its samples ran 64 a batch (docs/time.md, eighth session)
@@ -349,7 +348,7 @@ class _MixedMeasure:
     """The whole mixed model, really quantized (ONNX Runtime, the build's settings, the
     user's precision.keep_float in float too), on the validation samples: output cosine (as
     verify computes it), SQNR and the task metric's drop (cfg.metric, as verify scores it)
-    against the float model. Runs CHUNK samples at a time."""
+    against the float model. BatchRunner bounds how many samples one run takes."""
 
     def __init__(self, prepared: onnx.ModelProto, feeds, labels, count: int, cfg, refine=None, stored=None):
         """refine: all-int8 model -> (the same refined as the build refines it, summaries);
@@ -361,8 +360,7 @@ class _MixedMeasure:
         # the cosine is the float outputs' (class ids and masks: verify compares them exactly)
         self.compared = [self.outputs.index(name) for name in float_outputs(prepared)]
         self.reference_from = "verify's reference store" if stored is not None else "computed"
-        reference = stored if stored is not None else self._chunked(
-            prepared, lambda model, feeds, count: BatchRunner(model, self.outputs, count).run(feeds, count))
+        reference = stored if stored is not None else BatchRunner(prepared, self.outputs, count).run(feeds, count)
         self.reference = [reference[name] for name in self.outputs]
         self.task_drop = TaskDrop(cfg, self.outputs, self.reference, labels, count)
         self.goal = goal(cfg, task=self.task_drop.indices is not None)  # a scored task metric: its cosine floor
@@ -385,8 +383,7 @@ class _MixedMeasure:
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
         model = self.models(table).build(float_ops)
         started = time.perf_counter()
-        # a target's run_model (OpenVINO) compiles once per call and runs one sample at a time anyway
-        values = self._chunked(model, self._run, CHUNK if measured_on(self.cfg) == backends.REFERENCE else self.count)
+        values = self._run(model, self.feeds, self.count)
         actual = [values[name] for name in self.outputs]
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
         agreement = output_agreement([self.reference[i] for i in self.compared],
@@ -419,19 +416,6 @@ class _MixedMeasure:
             needed = self.cfg.validation.thresholds_for(name).min_agreement
             short = max(short, (1.0 if needed is None else needed) - float(same))
         return short
-
-    def _chunked(self, model: onnx.ModelProto, run, step: int = CHUNK) -> Dict[str, np.ndarray]:
-        """``run(model, feeds, count)`` on ``step`` samples at a time (sample i is the i-th of
-        ``count`` equal slices of axis 0, as BatchRunner packs them), outputs concatenated."""
-        parts = []
-        for start in range(0, self.count, step):
-            count = min(step, self.count - start)
-            feeds = {name: values[start * len(values) // self.count:(start + count) * len(values) // self.count]
-                     for name, values in self.feeds.items()}
-            parts.append(run(model, feeds, count))
-        if len(parts) == 1:  # all samples in one run: no copy (200 rec outputs are 200 MB)
-            return parts[0]
-        return {name: np.concatenate([part[name] for part in parts]) for name in self.outputs}
 
     def _run(self, model: onnx.ModelProto, feeds, count: int) -> Dict[str, np.ndarray]:
         runtime = measured_on(self.cfg)

@@ -167,8 +167,7 @@ def _from_cache(entry: Path, out_dir: Path, name: str):
         shutil.rmtree(out_dir)
     try:
         shutil.copytree(entry, out_dir)
-        saved = read_json(out_dir / "result.json")
-        result = StageResult(out_dir, saved["files"], summary_of(name, saved["summary"]))
+        result, computed_seconds = _saved_result(out_dir, name)
         missing = [f for f in result.files.values() if not (out_dir / f).exists() and not f.startswith("..")]
         if missing:
             raise OSError(f"missing {missing[0]}")
@@ -177,7 +176,13 @@ def _from_cache(entry: Path, out_dir: Path, name: str):
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(entry, ignore_errors=True)  # the recomputed output takes its place
         return None
-    return result, saved.get("computed_seconds", 0.0)
+    return result, computed_seconds
+
+
+def _saved_result(out_dir: Path, name: str):
+    """(the stage's result as its result.json in ``out_dir`` records it, typed, its computed seconds)."""
+    saved = read_json(out_dir / "result.json")
+    return StageResult(out_dir, saved["files"], summary_of(name, saved["summary"])), saved.get("computed_seconds", 0.0)
 
 
 def _from_this_job(cache_root: Path, name: str, key: str, out_dir: Path):
@@ -187,8 +192,7 @@ def _from_this_job(cache_root: Path, name: str, key: str, out_dir: Path):
     folder = _UNCACHED_THIS_JOB.get((str(cache_root), name, key))
     if folder is None or folder.resolve() != out_dir.resolve() or not (folder / "result.json").is_file():
         return None
-    saved = read_json(folder / "result.json")
-    return StageResult(out_dir, saved["files"], summary_of(name, saved["summary"])), saved.get("computed_seconds", 0.0)
+    return _saved_result(out_dir, name)
 
 
 def _to_cache(out_dir: Path, entry: Path) -> None:

@@ -424,7 +424,7 @@ class BatchRunner:
         per_run = max(1, BATCH_VALUES // max(1, sum(np.size(v) for v in samples[0].values())))
         parts = []
         for start in range(0, len(samples), per_run):
-            part = self._run_batch(samples[start:start + per_run]) if self.batch_size > 1 else None
+            part = self._run_batch(samples[start:start + per_run])
             if part is None:
                 return None
             parts.append(part)
