@@ -16,7 +16,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 log = logging.getLogger("parity")
 
@@ -51,6 +51,22 @@ def current() -> Optional[Deadline]:
 
 def passed() -> bool:
     return _current is not None and _current.left() <= 0
+
+
+def loop_stop() -> Callable[[], bool]:
+    """A stop check for a loop of like steps, asked before each: True where the deadline
+    passed or the longest step so far (the time between two asks) would end past it. Asking
+    only whether it passed let PP-OCRv4 det's ranking start a 30 s chunk with 10 s left."""
+    asked, longest = [None], [0.0]
+
+    def stop() -> bool:
+        now = time.monotonic()
+        if asked[0] is not None:
+            longest[0] = max(longest[0], now - asked[0])
+        asked[0] = now
+        return _current is not None and _current.left() <= longest[0]
+
+    return stop
 
 
 def cut(step: str, runs: float) -> Optional[str]:

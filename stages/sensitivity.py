@@ -184,7 +184,7 @@ def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: L
                                   _settings(cfg), cfg.sensitivity.screen,
                                   progress=lambda n: progress.advance(task, n),
                                   scorer_for=lambda reference: _ranking_score(prepared, reference, labels, count, cfg),
-                                  ranked=ranked, stop=deadline.passed)
+                                  ranked=ranked, stop=deadline.loop_stop())
     ranking = [row for row in _ranking(trials, cfg) if row["op"] not in always_float]
     screened_ops = len({t.op for t in trials}) - len({t.op for t in trials if t.loss is not None})
     if screened_ops:

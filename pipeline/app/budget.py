@@ -40,6 +40,11 @@ REFINE_RUNS = 8.0  # ... in the build's weight rounding and bias correction
 # model runs a candidate costs: (per calibration sample, per validation sample)
 COST_RUNS = {"int8": (CALIBRATE_RUNS + REFINE_RUNS, 4.0), "int8_dynamic": (0.0, 4.0)}
 VERIFY_RUNS = 4.0  # any other candidate: verified against the reference (fp16, bf16, ...)
+# after the candidates, whichever ships: its profile (3 warm-up and up to 20 profiled runs, at
+# most profile.max_seconds=5) and its bundle, reports and worker starts (PP-OCRv4 det at 736:
+# profile 5.4 s, package 1.6 s, the shipped run's cached stages 2.1 s)
+PROFILE_RUNS, PROFILE_MAX_S = 23.0, 5.0
+CLOSING_S = 4.0
 
 
 class Budget:
@@ -140,10 +145,13 @@ class Budget:
 
     def reserve(self) -> float:
         """The seconds set aside for after the candidates: fp32's verify, should it ship (the
-        probe's estimate, or the slowest candidate's verify so far where that is longer)."""
+        probe's estimate, or the slowest candidate's verify so far where that is longer), and
+        the shipped build's profile and package."""
         if self.probe_s is None:
-            return self.verify_s
-        return max(VERIFY_RUNS * self.counts.get("validation", 0) * self.probe_s * self.correction(), self.verify_s)
+            return self.verify_s + CLOSING_S
+        run_s = self.probe_s * self.correction()
+        verify = max(VERIFY_RUNS * self.counts.get("validation", 0) * run_s, self.verify_s)
+        return verify + min(PROFILE_RUNS * run_s, PROFILE_MAX_S) + CLOSING_S
 
     def deadline(self) -> Optional[float]:
         """When a started candidate's steps must be done (time.monotonic()), or None."""

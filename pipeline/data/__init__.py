@@ -18,6 +18,7 @@ import numpy as np
 
 from pipeline.config.schemas import Color, DataConfig, DataKind, Layout, PreprocessConfig
 from pipeline import shapes
+from pipeline.data import npz
 from pipeline.errors import InputError
 
 SPLITS = ("calibration", "validation")
@@ -544,7 +545,7 @@ def _npz_dataset(path: Path, cfg: DataConfig, inputs: Sequence[TensorSpec]) -> D
             if key not in keys:
                 raise InputError(f"data: {path} has no array '{key}' for model input '{spec.name}' "
                                  f"(keys: {', '.join(sorted(keys))})")
-            arrays[spec.name] = archive[key]
+            arrays[spec.name] = npz.member(archive, path, key)
         found = min(len(a) for a in arrays.values())
         count = split_size(cfg, split, found, warnings)
         if count == 0 and split == "validation":
@@ -552,7 +553,7 @@ def _npz_dataset(path: Path, cfg: DataConfig, inputs: Sequence[TensorSpec]) -> D
         labels = archive[prefix + "labels"][:count].tolist() if prefix + "labels" in keys else None
 
         def read(index, arrays=arrays, split=split):
-            return {name: conform(array[index], spec, f"{path.name}[{split}][{index}]")
+            return {name: conform(np.array(array[index]), spec, f"{path.name}[{split}][{index}]")  # a mapped one: copied
                     for (name, array), spec in zip(arrays.items(), inputs)}
 
         splits[split] = Split(split, f"{path}:{prefix or '*'}", [f"{split}[{i}]" for i in range(count)], read, labels,

@@ -165,6 +165,10 @@ class OutputStats:
 
 GROUP_RATIO = 100.0  # rows this many times apart in scale (RMS) are judged apart
 MAX_ROWS = 1024  # an axis longer than this holds samples of one kind (anchors, pixels), not rows
+# a table has few rows beside many entries (YOLOv8n at 320: 84 x 2100, YOLOv5: 25200 x 85);
+# axes within 4x of each other are a map's (PP-OCRv4 det's 736 x 736, whose blank rows are
+# 1e-12 in float64 and 0 in float32: cosine 0 for that "group")
+MAP_RATIO = 4
 
 
 @dataclass
@@ -186,7 +190,7 @@ class RowGroup:
 
 def row_groups(reference: np.ndarray) -> List[RowGroup]:
     """The groups of an output whose rows differ in scale by GROUP_RATIO or more, from one
-    sample's table (two axes larger than 1, the last two): along the shorter (a YOLOv8 head
+    sample's table (two axes larger than 1, the last two, one 4x the other): along the shorter (a YOLOv8 head
     [1, 4+C, N]: axis 1; a YOLOv5 one [1, N, 5+C]: the last), consecutive rows within a factor
     10 of their group's first; [] for an output of like rows (one group), a vector, or
     non-finite values."""
@@ -194,6 +198,8 @@ def row_groups(reference: np.ndarray) -> List[RowGroup]:
     if len(table) != 2 or reference.shape[-2:] != tuple(table) or reference.dtype.kind != "f" \
             or not np.isfinite(reference).all():
         return []  # a table per sample only: not a map, a vector, a batch of tables
+    if MAP_RATIO * min(table) > max(table):
+        return []  # an image's rows and columns (a probability map with blank rows), not a table's
     axis = reference.ndim - 2 if reference.shape[-2] <= reference.shape[-1] else reference.ndim - 1
     rows = reference.shape[axis]
     if not 2 <= rows <= MAX_ROWS:
