@@ -165,6 +165,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
         tried[precision]["seconds"] = round(time.monotonic() - started, 1)
         if tried[precision]["verdict"] not in (CUT, NOT_BUILT):
             budget.ran.add(precision)
+        budget.passed = budget.passed or (precision != REFERENCE and tried[precision]["verdict"] == "pass")
         if tried[precision]["verdict"] not in (CUT, SLOWER, NOT_BUILT) and "same_as" not in tried[precision]:
             budget.took(estimate, tried[precision]["seconds"])  # built and verified: what it cost
 

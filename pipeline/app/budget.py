@@ -57,6 +57,7 @@ class Budget:
         self.ratios: list = []  # what each estimated candidate took / its estimate
         self.ran: set = set()  # candidates started and not cut (int8: mixed reuses its calibration)
         self.verify_s = 0.0  # the slowest candidate's verify so far: what fp32's would take at least
+        self.passed = False  # a candidate other than fp32 passed: fp32 cannot ship, its verify needs no time
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -145,12 +146,12 @@ class Budget:
 
     def reserve(self) -> float:
         """The seconds set aside for after the candidates: fp32's verify, should it ship (the
-        probe's estimate, or the slowest candidate's verify so far where that is longer), and
-        the shipped build's profile and package."""
+        probe's estimate, or the slowest candidate's verify so far where that is longer; none
+        once another candidate passed), and the shipped build's profile and package."""
         if self.probe_s is None:
-            return self.verify_s + CLOSING_S
+            return (0.0 if self.passed else self.verify_s) + CLOSING_S
         run_s = self.probe_s * self.correction()
-        verify = max(VERIFY_RUNS * self.counts.get("validation", 0) * run_s, self.verify_s)
+        verify = 0.0 if self.passed else max(VERIFY_RUNS * self.counts.get("validation", 0) * run_s, self.verify_s)
         return verify + min(PROFILE_RUNS * run_s, PROFILE_MAX_S) + CLOSING_S
 
     def deadline(self) -> Optional[float]:
