@@ -5,6 +5,7 @@ the configured target. Skipped when plain int8 already meets it."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from pipeline.task_metrics import files as metric_files, per_sample
 from pipeline.precision.quantize import MixedModels, QdqSettings, QuantizerFailed, backend_float_ops
 from stages import StageContext, StageResult, build
 from stages.results import SensitivitySummary
+
+log = logging.getLogger("parity")
 
 NAME = "sensitivity"
 CACHEABLE = True
@@ -163,13 +166,24 @@ def _ranked_in_time(cfg, prepared, candidates, samples: tuple, ops: int, measure
     into ``summary``."""
     why = summary.get("cut") or deadline.cut("the mixed search's per-layer ranking", RANKING_RUNS * ops * samples[2])
     if why is None:
+        started = time.perf_counter()
         try:
-            return _ranked(cfg, prepared, candidates, samples, ops, measure.always_float, summary)
+            ranked = _ranked(cfg, prepared, candidates, samples, ops, measure.always_float, summary)
+            log.debug("sensitivity: the per-layer ranking took %.1f s%s", time.perf_counter() - started, _left())
+            return ranked
         except search.Stopped as stopped:
+            log.debug("sensitivity: the per-layer ranking stopped after %.1f s (%s)%s", time.perf_counter() - started,
+                      stopped, _left())
             why = (f"cut by precision.budget_s: the deadline passed during the mixed search's per-layer "
                    f"ranking ({stopped})")
     summary.update({"skipped": why, "cut": why})
     return None
+
+
+def _left() -> str:
+    """The deadline's seconds left, for parity.log (empty without a deadline)."""
+    found = deadline.current()
+    return "" if found is None else f", {found.left():.1f} s left before the deadline"
 
 
 def _ranked(cfg, prepared, candidates, samples: tuple, ops: int, always_float: List[str], summary: dict):
@@ -381,8 +395,8 @@ class _MixedMeasure:
         return model
 
     def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
+        started = time.perf_counter()  # the build counts: on openvino_cpu it refines and compiles the model
         model = self.models(table).build(float_ops)
-        started = time.perf_counter()
         values = self._run(model, self.feeds, self.count)
         actual = [values[name] for name in self.outputs]
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
@@ -390,7 +404,9 @@ class _MixedMeasure:
                                      [actual[i] for i in self.compared])
         result = {"cosine": agreement["cosine"], "sqnr_db": agreement["sqnr_db"],
                   "metric_drop": self.task_drop(actual), "ids_short": self._ids_short(actual)}
-        self.seconds = max(self.seconds or 0.0, time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self.seconds = max(self.seconds or 0.0, took)
+        log.debug("sensitivity: a measure with %d ops float took %.1f s%s", len(float_ops), took, _left())
         return result
 
     def no_time(self, step: str) -> Optional[str]:

@@ -302,3 +302,5 @@ def test_the_reserve_for_fp32s_verify_is_at_least_the_slowest_verify_measured():
     assert budget.deadline() == pytest.approx(deadline_before - 2 * estimated)
     budget.passed = True  # a candidate passed (bf16 on openvino_cpu): fp32 cannot ship, its verify is not set aside
     assert budget.reserve() == pytest.approx(closing)
+    # a started candidate's own steps end early enough for its own verify after them
+    assert budget.deadline(own_verify=True) == pytest.approx(budget.deadline() - 3 * estimated)

@@ -200,7 +200,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
     progress_log.info("precision=auto: candidate %s", precision)
     folder = run_dir / "candidates" / precision
     try:
-        with deadline.until(budget.deadline(), budget.run_s()):
+        with deadline.until(budget.deadline(own_verify=precision != REFERENCE), budget.run_s()):
             _built_and_verified(checked, precision, folder, ahead, found, budget, screen)
     except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
