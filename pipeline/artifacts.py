@@ -38,9 +38,10 @@ def sha256_file(path: Path) -> str:
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
+    found = digest.hexdigest()
     if status.st_size >= REMEMBERED_BYTES:
-        _remembered[identity] = digest.hexdigest()
-    return digest.hexdigest()
+        _remembered[identity] = found
+    return found
 
 
 def sha256_json(obj) -> str:

@@ -148,16 +148,13 @@ class Budget:
         """The seconds set aside for after the candidates: fp32's verify, should it ship (the
         probe's estimate, or the slowest candidate's verify so far where that is longer; none
         once another candidate passed), and the shipped build's profile and package."""
-        if self.probe_s is None:
-            return (0.0 if self.passed else self.verify_s) + CLOSING_S
-        run_s = self.probe_s * self.correction()
         verify = 0.0 if self.passed else self.verify_estimate()
-        return verify + min(PROFILE_RUNS * run_s, PROFILE_MAX_S) + CLOSING_S
+        profile = 0.0 if self.probe_s is None else min(PROFILE_RUNS * self.run_s(), PROFILE_MAX_S)
+        return verify + profile + CLOSING_S
 
     def verify_estimate(self) -> float:
         """One verify of the validation set: 4 runs a sample, or the slowest verify so far."""
-        run_s = 0.0 if self.probe_s is None else self.probe_s * self.correction()
-        return max(VERIFY_RUNS * self.counts.get("validation", 0) * run_s, self.verify_s)
+        return max(VERIFY_RUNS * self.counts.get("validation", 0) * (self.run_s() or 0.0), self.verify_s)
 
     def deadline(self, own_verify: bool = False) -> Optional[float]:
         """When a started candidate's steps must be done (time.monotonic()), or None;
