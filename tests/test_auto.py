@@ -40,6 +40,7 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     assert not (run_dir / "candidates" / "mixed").exists()
     if rows["int8"]["verdict"] == "pass":
         assert rows["mixed"]["verdict"] == "same build as int8" and rows["mixed"]["not_built"].startswith("int8 passes")
+        assert rows["mixed"].get("speedup") == rows["int8"].get("speedup")  # the build's final timing, not a copy
     else:
         assert rows["mixed"]["verdict"] == "not built" and "int8 is slower than fp32" in rows["mixed"]["reasons"][0]
     passing = {p: row for p, row in rows.items() if row["verdict"] == "pass"}
