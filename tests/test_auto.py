@@ -198,6 +198,52 @@ def _row(precision, median, p25, p75, size, verdict="pass"):
             "latency": {"median_ms": median, "p25_ms": p25, "p75_ms": p75, "round_medians_ms": rounds}}
 
 
+def test_bf16_waits_for_the_int8_candidates_and_is_not_verified_once_one_passes_faster():
+    from pipeline.app.auto import _deferrable, _settle_deferred
+    from pipeline.app.budget import Budget
+
+    assert _deferrable(["fp32", "bf16", "int8", "mixed"]) == {"bf16"}
+    assert _deferrable(["fp32", "bf16"]) == set() and _deferrable(["fp32", "int8", "bf16"]) == set()
+
+    def screened(p25, median, p75, verdict):
+        return {"verdict": verdict, "speedup": {"speedup": median, "speedup_p25": p25, "speedup_p75": p75}}
+
+    budget = Budget(300.0)
+    budget.deferred = {"bf16"}
+    tried = {"fp32": {"verdict": UNVERIFIED}, "bf16": screened(1.4, 1.5, 1.6, UNVERIFIED),
+             "int8": screened(1.5, 2.0, 2.2, "fail")}
+    _settle_deferred(tried, budget)  # int8 failed: bf16 could still ship
+    assert budget.deferred == {"bf16"} and "not_verified" not in tried["bf16"]
+    tried["mixed"] = screened(1.55, 1.7, 1.9, "pass")  # passes, but its p25 is under bf16's p75: bf16 may win
+    _settle_deferred(tried, budget)
+    assert budget.deferred == {"bf16"}
+    tried["mixed"] = screened(1.65, 1.8, 1.9, "pass")
+    _settle_deferred(tried, budget)
+    assert budget.deferred == set()
+    assert tried["bf16"]["not_verified"] == "not verified: mixed passes and runs faster (1.80x fp32 against 1.60x at most)"
+
+
+def test_bf16_is_verified_after_int8_and_only_where_it_could_ship(tmp_path):
+    """openvino_cpu's bf16 (every CPU: OpenVINO computes it in f32 where the CPU has no BF16)
+    is built and screened in its turn, verified after int8 and only when no passing candidate
+    outran it on the screening; its row keeps the screening's speed-up either way."""
+    result = run_cli(["precision=auto", "target=openvino_cpu", "precision.candidates=[fp32,bf16,int8]"], tmp_path)
+    assert result.returncode in (0, 3), result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = run_dirs(tmp_path)[-1]
+    rows = {row["precision"]: row for row in read_report(run_dir)["auto"]["candidates"]}
+    bf16, int8 = rows["bf16"], rows["int8"]
+    assert "speedup_p75" in bf16["speedup"]
+    outran = int8["verdict"] == "pass" and int8["speedup"]["speedup_p25"] > bf16["speedup"]["speedup_p75"]
+    if outran:
+        assert bf16["verdict"] == UNVERIFIED and bf16.get("cosine") is None
+        assert bf16["not_verified"].startswith("not verified: int8 passes and runs faster")
+    elif bf16["verdict"] != SLOWER:
+        assert bf16["cosine"] is not None  # verified at the end
+        bf16_verify = run_dir / "candidates" / "bf16" / "stages" / "verify"
+        int8_verify = run_dir / "candidates" / "int8" / "stages" / "verify"
+        assert bf16_verify.stat().st_mtime >= int8_verify.stat().st_mtime
+
+
 def test_choose_ties_go_to_the_smaller_then_the_higher_precision():
     rows = {"fp32": _row("fp32", 10.0, 9.5, 10.5, 400), "int8": _row("int8", 5.0, 4.8, 5.2, 100),
             "mixed": _row("mixed", 5.1, 4.7, 5.3, 150)}  # faster than int8 in its first round

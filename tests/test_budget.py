@@ -304,3 +304,5 @@ def test_the_reserve_for_fp32s_verify_is_at_least_the_slowest_verify_measured():
     assert budget.reserve() == pytest.approx(closing)
     # a started candidate's own steps end early enough for its own verify after them
     assert budget.deadline(own_verify=True) == pytest.approx(budget.deadline() - 3 * estimated)
+    budget.deferred.add("bf16")  # a candidate whose verify comes after the int8 ones: set aside until settled
+    assert budget.reserve() == pytest.approx(3 * estimated + closing)

@@ -450,3 +450,24 @@ def test_large_samples_run_in_batches_of_bounded_size_with_the_same_values():
     runner._run_batch = lambda batch: calls.append(len(batch)) or original(batch)
     assert np.allclose(runner.run({"x": small}, 5)["y"], small.mean(axis=1, keepdims=True), atol=1e-5)
     assert calls == [5]
+
+
+@pytest.mark.parametrize("bad", [0, 3])  # the first sample's run, and the last's (its histograms fill after the loop)
+def test_a_tensor_turning_non_finite_is_named_with_its_sample_whenever_its_histogram_fills(bad):
+    """The statistics pass fills a sample's histograms beside the next sample's run: a
+    non-finite activation still stops it with the tensor and the sample named."""
+    from onnx import TensorProto, helper
+
+    from pipeline.data import Sample
+    from pipeline.errors import InputError
+    from pipeline.precision.calibration import statistics
+
+    graph = helper.make_graph([helper.make_node("Log", ["x"], ["y"], name="log")], "log",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    samples = [Sample(f"s{i}", {"x": np.full((1, 4), 0.0 if i == bad else 1.0 + i, np.float32)}) for i in range(4)]
+    with pytest.raises(InputError, match=f"tensor 'y' holds non-finite values for samples s{bad}..s{bad}"):
+        statistics.collect(model, samples, len(samples), batch_size=1)
+    assert statistics.collect(model, samples[bad + 1:] or samples[:bad], 3, batch_size=1).histograms["y"].count > 0

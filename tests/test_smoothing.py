@@ -143,6 +143,31 @@ def test_the_judge_derives_a_smoothed_table_from_one_statistics_pass(residual):
     assert derived[smoothed_name] != judge.base.get(smoothed_name)  # the smoothing did change that range
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_only_the_smoothed_tensors_are_measured_again(residual):
+    """Calibration measures again only what smoothing names as changed (the folded norm's
+    output, or the inserted Mul's): merged into the prepared model's statistics they give
+    every tensor a full pass over the smoothed model gives, in its order."""
+    model, data = layer_norm_model(residual=residual), samples()
+    settings = QdqSettings(reduce_range=True)
+    around = settings.quantize_ops
+    smoothed_model, summary = smoothing.choose(model, data, 0.7, settings, (), _max_table)
+    changed = summary["smoothed_tensors"]
+    assert changed == [next(n for n in smoothed_model.graph.node if n.name == "dense").input[0]]
+    base = statistics.collect(model, data, len(data), around=around)
+    again = statistics.collect(smoothed_model, data, len(data), around=around, only=set(changed))
+    assert list(again.histograms) == changed
+    merged = base.merged(again, statistics.activation_names(smoothed_model, around))
+    full = statistics.collect(smoothed_model, data, len(data), around=around)
+    assert list(merged.histograms) == list(full.histograms)
+    for name, histogram in full.histograms.items():
+        assert merged.histograms[name].abs_max == pytest.approx(histogram.abs_max, rel=1e-5), name
+        assert merged.histograms[name].count == histogram.count, name
+    assert (changed[0] in base.histograms) == (not residual)  # folded: the norm's own output changed
+    if not residual:
+        assert merged.histograms["h"].abs_max != pytest.approx(base.histograms["h"].abs_max, rel=1e-3)
+
+
 def test_auto_measures_alphas_and_keeps_the_best_or_none(monkeypatch):
     """The grid, then the best one's neighbours; no smoothing wins ties; a fixed alpha is
     applied without a search."""

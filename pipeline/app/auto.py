@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -126,6 +127,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
         ahead = ReferenceAhead()
         stack.callback(ahead.stop)
         _candidates(cfg, requested, run_dir, ahead, (tried, configs, outcomes), budget, run_cfg.precision.screen)
+    _verify_deferred((tried, configs, outcomes), run_dir, budget)
     _time(outcomes, run_cfg, tried)
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
@@ -157,6 +159,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
     row says how many seconds its candidate took."""
     tried = found[0]
     order = _in_order(_with_reference(requested))
+    budget.deferrable = _deferrable(order)
     for number, precision in enumerate(order, 1):
         started = time.monotonic()
         estimate = budget.estimate(precision) if precision != REFERENCE else None
@@ -166,8 +169,9 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
         if tried[precision]["verdict"] not in (CUT, NOT_BUILT):
             budget.ran.add(precision)
         budget.passed = budget.passed or (precision != REFERENCE and tried[precision]["verdict"] == "pass")
-        if tried[precision]["verdict"] not in (CUT, SLOWER, NOT_BUILT) and "same_as" not in tried[precision]:
+        if tried[precision]["verdict"] not in (CUT, SLOWER, NOT_BUILT, UNVERIFIED) and "same_as" not in tried[precision]:
             budget.took(estimate, tried[precision]["seconds"])  # built and verified: what it cost
+        _settle_deferred(tried, budget)
 
 
 def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceAhead, found: tuple,
@@ -229,6 +233,10 @@ def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceA
     if timed and timed.get("verdict") == SLOWER:
         tried[precision] = {**_row(precision, built), **timed}
         return
+    if timed and precision in budget.deferrable:  # verified after the int8 candidates, where it could still ship
+        tried[precision] = {**_row(precision, built), **timed, "verdict": UNVERIFIED, "deferred": True}
+        budget.deferred.add(precision)
+        return
     ahead.stop()  # from here verify runs the reference itself where the store has no answer
     outcomes[precision], configs[precision] = _verified(configs[precision], folder)
     budget.verified(sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify"))
@@ -249,6 +257,52 @@ def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
         return {"precision": precision, "verdict": NOT_BUILT, "reasons": [
             f"not built: {whole} is slower than fp32 here, and {precision} is {whole} with some ops in float"]}
     return None
+
+
+# verified after the int8 candidates that follow it, and only where none of them passes faster:
+# bf16 runs only on CPUs whose int8 has VNNI or AMX, where int8 mostly runs faster (PP-OCRv4
+# rec on openvino_cpu: bf16 1.54x fp32 and failing, int8 1.95x passing; bf16's verify took 14 s)
+DEFERRED = ("bf16",)
+
+
+def _deferrable(order: List[str]) -> set:
+    """The candidates of DEFERRED with a quantized candidate after them in ``order``."""
+    return {p for i, p in enumerate(order) if p in DEFERRED and any(kinds.quantized(q) for q in order[i + 1:])}
+
+
+def _settle_deferred(tried: Dict[str, dict], budget: Budget) -> None:
+    """A deferred candidate that a passing one outruns (its screening's p75 speed-up under
+    the passing one's p25) cannot ship: it stays not verified, and its verify is no longer
+    set aside."""
+    for precision in sorted(budget.deferred):
+        mine = (tried[precision].get("speedup") or {}).get("speedup_p75")
+        faster = [(p, row["speedup"]) for p, row in tried.items() if row["verdict"] == "pass" and p != REFERENCE
+                  and (row.get("speedup") or {}).get("speedup_p25", 0) > (mine or math.inf)]
+        if faster:
+            winner, up = max(faster, key=lambda found: found[1]["speedup_p25"])
+            tried[precision]["not_verified"] = (f"not verified: {winner} passes and runs faster "
+                                                f"({up['speedup']:.2f}x fp32 against {mine:.2f}x at most)")
+            budget.deferred.discard(precision)
+
+
+def _verify_deferred(found: tuple, run_dir: Path, budget: Budget) -> None:
+    """The deferred candidates no passing one outran, verified now (their verify was set aside)."""
+    tried, configs, outcomes = found
+    for precision in [p for p in tried if p in budget.deferred]:
+        started = time.monotonic()
+        job_phase(f"precision=auto: verifying {precision}")
+        budget.deferred.discard(precision)
+        try:
+            outcomes[precision], configs[precision] = _verified(configs[precision], run_dir / "candidates" / precision)
+        except ParityError as err:  # as a candidate verified in turn (_candidate)
+            tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
+                                "reasons": [str(err)], "seconds": tried[precision]["seconds"]}
+            continue
+        budget.verified(sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify"))
+        screening = {k: tried[precision][k] for k in ("speedup", "latency", "timed_on") if k in tried[precision]}
+        tried[precision] = {**_row(precision, outcomes[precision]), **screening,
+                            "target_memory": _memory(configs[precision]),
+                            "seconds": round(tried[precision]["seconds"] + time.monotonic() - started, 1)}
 
 
 def _probe(budget: Budget, built: RunOutcome, checked) -> None:

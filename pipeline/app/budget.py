@@ -58,6 +58,8 @@ class Budget:
         self.ran: set = set()  # candidates started and not cut (int8: mixed reuses its calibration)
         self.verify_s = 0.0  # the slowest candidate's verify so far: what fp32's would take at least
         self.passed = False  # a candidate other than fp32 passed: fp32 cannot ship, its verify needs no time
+        self.deferrable: set = set()  # candidates verified after the int8 ones (auto.DEFERRED) ...
+        self.deferred: set = set()  # ... built and screened, their verify still to come: set aside
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -147,8 +149,9 @@ class Budget:
     def reserve(self) -> float:
         """The seconds set aside for after the candidates: fp32's verify, should it ship (the
         probe's estimate, or the slowest candidate's verify so far where that is longer; none
-        once another candidate passed), and the shipped build's profile and package."""
-        verify = 0.0 if self.passed else self.verify_estimate()
+        once another candidate passed), each deferred candidate's verify, and the shipped
+        build's profile and package."""
+        verify = (0.0 if self.passed else self.verify_estimate()) + len(self.deferred) * self.verify_estimate()
         profile = 0.0 if self.probe_s is None else min(PROFILE_RUNS * self.run_s(), PROFILE_MAX_S)
         return verify + profile + CLOSING_S
 

@@ -298,10 +298,8 @@ class Judge:
         if self.ranges is None:
             return self.make_table(self._statistics(model))
         table = dict(self.base)
-        nodes = {node.name: node for node in model.graph.node}
-        for group in ready:
+        for group, smoothed_name in zip(ready, smoothed_tensors(model, ready)):  # the source when folded, else the Mul's
             low, high = self.ranges[group.source]
-            smoothed_name = nodes[group.ops[0]].input[0]  # the source when folded, else the Mul's output
             table[smoothed_name] = range_entry(float((low / group.scale).min()), float((high / group.scale).max()))
         return table
 
@@ -388,8 +386,9 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
 
     if setting != "auto":
         ready = with_scales(prepared, found, maxima, float(setting))
-        return smoothed(prepared, ready), {"setting": setting, "applied": True, "alpha": float(setting),
-                                           "groups": describe(ready), "seconds": seconds()}
+        model = smoothed(prepared, ready)
+        return model, {"setting": setting, "applied": True, "alpha": float(setting), "groups": describe(ready),
+                       "smoothed_tensors": smoothed_tensors(model, ready), "seconds": seconds()}
     judged_on = list(islice(samples, JUDGE_SAMPLES)) if judged_on is None else list(judged_on)
     judge = Judge(prepared, judged_on, settings, keep_float, make_table,
                   [g.source for g in with_scales(prepared, found, maxima, 0.5)])
@@ -404,7 +403,17 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
     if best is None:
         return prepared, {**summary, "seconds": seconds()}
     ready = with_scales(prepared, found, maxima, best)
-    return smoothed(prepared, ready), {**summary, "groups": describe(ready), "seconds": seconds()}
+    model = smoothed(prepared, ready)
+    return model, {**summary, "groups": describe(ready), "smoothed_tensors": smoothed_tensors(model, ready),
+                   "seconds": seconds()}
+
+
+def smoothed_tensors(model: onnx.ModelProto, ready: Sequence[Group]) -> List[str]:
+    """The only tensors of the smoothed ``model`` whose values differ from the prepared
+    model's: what each group's ops read (the normalization's output it was folded into, or
+    the inserted Mul's). Every other tensor computes the same values."""
+    nodes = {node.name: node for node in model.graph.node}
+    return [nodes[group.ops[0]].input[0] for group in ready]  # one a group: each group has its own source
 
 
 def search(loss: Callable[[Optional[float]], dict], alphas: Sequence[float] = ALPHAS) -> Tuple[Optional[float], dict]:

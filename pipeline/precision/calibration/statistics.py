@@ -58,11 +58,17 @@ class Statistics:
         np.savez(folder / "kept.npz", **self.kept)
         np.savez(folder / "channels.npz", **self.channel_maxima)
 
-    def merged(self, other: "Statistics") -> "Statistics":
-        """These statistics with ``other``'s tensors in place of their own (the same samples)."""
-        return Statistics({**self.histograms, **other.histograms}, {**self.kept, **other.kept}, self.samples,
-                          self.batch_size, self.batch_note, {**self.sample_ranges, **other.sample_ranges},
-                          {**self.sample_peaks, **other.sample_peaks}, self.sample_names, self.sample_values,
+    def merged(self, other: "Statistics", names: Optional[List[str]] = None) -> "Statistics":
+        """These statistics with ``other``'s tensors in place of their own (the same samples);
+        ``names``: the tensors kept, in this order (a rewritten model's own, where a tensor
+        was added or no longer measured)."""
+        def joined(mine: dict, theirs: dict) -> dict:
+            both = {**mine, **theirs}
+            return both if names is None else {name: both[name] for name in names if name in both}
+
+        return Statistics(joined(self.histograms, other.histograms), joined(self.kept, other.kept), self.samples,
+                          self.batch_size, self.batch_note, joined(self.sample_ranges, other.sample_ranges),
+                          joined(self.sample_peaks, other.sample_peaks), self.sample_names, self.sample_values,
                           {**self.channel_maxima, **other.channel_maxima})
 
     @classmethod
@@ -171,31 +177,45 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     seen = 0
     group = 1  # the first sample alone measures how much memory a sample's activations take
 
-    def update(item):
+    def update(item, count: int, span: str):
         name, value = item
-        per_sample = value.reshape(len(batch), -1) if value.size % len(batch) == 0 else value.reshape(1, -1)
+        per_sample = value.reshape(count, -1) if value.size % count == 0 else value.reshape(1, -1)
         lows, highs = (per_sample.min(axis=1), per_sample.max(axis=1)) if per_sample.size else (None, None)
         bounds = None if lows is None else (float(lows.min()), float(highs.max()))  # exact, whatever is read
         try:
-            histograms[name].update(histogram_values(value, len(batch)), bounds)
+            histograms[name].update(histogram_values(value, count), bounds)
         except ValueError as err:  # NaN/Inf inside the network, not in the data
-            raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples "
-                             f"{batch[0].name}..{batch[-1].name} ({err})") from err
+            raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples {span} ({err})") from err
         if per_sample.size:
-            facts.add(name, value, lows, highs, len(batch))
+            facts.add(name, value, lows, highs, count)
         kept.add(name, value)
+
+    filling: list = []  # the last batch's histogram updates, still running
+
+    def settle() -> None:
+        for update_done in filling:
+            update_done.result()  # raises a tensor's InputError
+        filling.clear()
 
     def flush():
         nonlocal seen, group
         feeds = pack([s.feeds for s in batch])
-        values = runner.run(feeds, len(batch))
-        per_sample = sum(v.nbytes for v in values.values()) / len(batch)
+        values = runner.run(feeds, len(batch))  # while the last batch's histograms fill
+        settle()
+        batch_bytes = sum(v.nbytes for v in values.values())
         facts.start(batch, values)
         # one sample at a time when the model takes no batch: grouping would only copy them together
-        group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(per_sample, 1))))
+        group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(
+            batch_bytes / len(batch), 1))))
         kept.start(batch)
-        # numpy releases the GIL in its loops: histograms of different tensors fill in parallel
-        list(pool.map(update, values.items()))
+        # numpy releases the GIL in its loops (and ONNX Runtime in its run): histograms of
+        # different tensors fill in parallel, and beside the next batch's run where two
+        # batches' activations fit in ACTIVATION_BUDGET (PP-OCRv4 rec's 64 samples, 68 MB of
+        # activations each: 6.6 -> s, one sample at a time)
+        span = f"{getattr(batch[0], 'name', '?')}..{getattr(batch[-1], 'name', '?')}"
+        filling.extend(pool.submit(update, item, len(batch), span) for item in values.items())
+        if 2 * batch_bytes > ACTIVATION_BUDGET:
+            settle()
         del values
         seen += len(batch)
         if progress:
@@ -213,6 +233,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         for waiting in [samples for samples in pending.values() if samples]:
             batch.extend(waiting)
             flush()
+        settle()
     stacked = {name: np.concatenate(parts) for name, parts in kept.values.items() if parts}
     return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, facts.ranges(seen),
                       facts.complete_peaks(), facts.order, facts.largest, facts.maxima)
