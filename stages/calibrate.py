@@ -99,8 +99,11 @@ def run(ctx: StageContext) -> StageResult:
     # the prepared model's statistics serve equalization's judge and, beyond the tensors it
     # scales, the table: one pass over the calibration set instead of two
     base = None if cfg.calibration.table else _statistics(ctx, model_path, channels=_equalized_tensors(cfg, model_path))
-    equalized = _equalize(ctx, model_path, base)  # the statistics, the table and the build use the model
-    smoothed = _smooth(ctx, model_path, base)  # rewritten by both
+    judged: dict = {}  # the judges' fp32 outputs and statistics of the prepared model, while it stays as it is
+    equalized = _equalize(ctx, model_path, base, judged)  # the statistics, the table and the build use the model
+    if (equalized or {}).get("applied"):
+        judged.clear()
+    smoothed = _smooth(ctx, model_path, base, judged)  # rewritten by both
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
@@ -142,7 +145,7 @@ def _equalization_key(cfg):
             "judged": QdqSettings.resolve(cfg.precision, backends.REFERENCE) if cfg.precision.equalization else None}
 
 
-def _equalize(ctx: StageContext, model_path: Path, base):
+def _equalize(ctx: StageContext, model_path: Path, base, judged: dict):
     """precision.equalization for int8 and mixed (pipeline/precision/equalization.py):
     prepared.onnx rewritten with outlier channels scaled across Conv pairs, where the int8
     model does better with it; the summary, or None where it does not apply. ``base``: the
@@ -160,7 +163,7 @@ def _equalize(ctx: StageContext, model_path: Path, base):
     model, summary = equalization.choose(prepared, split, cfg.precision.equalization,
                                          QdqSettings.resolve(cfg.precision, backends.REFERENCE),
                                          _judge_tables(cfg, prepared), base_statistics=whole, judged_on=judged_on,
-                                         maxima=base[0].channel_maxima if base is not None else None)
+                                         maxima=base[0].channel_maxima if base is not None else None, shared=judged)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
@@ -182,7 +185,7 @@ def _judge_tables(cfg, prepared):
     return make_table
 
 
-def _smooth(ctx: StageContext, model_path: Path, base):
+def _smooth(ctx: StageContext, model_path: Path, base, judged: dict):
     """precision.smoothing for int8 and mixed (pipeline/precision/smoothing.py): prepared.onnx
     rewritten with the activations' outlier channels moved into the weights, when a fixed
     alpha is set or auto measures it better; the summary, or None where it does not apply
@@ -195,7 +198,7 @@ def _smooth(ctx: StageContext, model_path: Path, base):
     split = ctx.dataset().calibration
     judged_on = statistics.judge_samples(split, base[0] if base is not None else None)
     model, summary = smoothing.choose(prepared, split, setting, QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                      (), _judge_tables(cfg, prepared), judged_on=judged_on)
+                                      (), _judge_tables(cfg, prepared), judged_on=judged_on, shared=judged)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary

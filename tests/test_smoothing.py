@@ -168,6 +168,26 @@ def test_only_the_smoothed_tensors_are_measured_again(residual):
         assert merged.histograms["h"].abs_max != pytest.approx(base.histograms["h"].abs_max, rel=1e-3)
 
 
+def test_judges_of_one_calibration_share_the_prepared_models_outputs_and_statistics(monkeypatch):
+    """Equalization's judge, then smoothing's on the same prepared model and samples: the fp32
+    outputs and statistics are computed once; other samples compute their own."""
+    model, data = layer_norm_model(residual=True), samples()
+    settings = QdqSettings(reduce_range=True)
+    calls = []
+    for method in ("_statistics", "_run_float"):
+        original = getattr(smoothing.Judge, method)
+        monkeypatch.setattr(smoothing.Judge, method,
+                            lambda self, *args, _original=original, _name=method, **kw: calls.append(_name)
+                            or _original(self, *args, **kw))
+    shared = {}
+    first = smoothing.Judge(model, data, settings, (), _max_table, shared=shared)
+    assert sorted(calls) == ["_run_float", "_statistics"]
+    second = smoothing.Judge(model, data, settings, (), _max_table, shared=shared)
+    assert len(calls) == 2 and second.base == first.base and second.loss(model) == first.loss(model)
+    smoothing.Judge(model, data[:8], settings, (), _max_table, shared=shared)  # other samples
+    assert len(calls) == 4
+
+
 def test_auto_measures_alphas_and_keeps_the_best_or_none(monkeypatch):
     """The grid, then the best one's neighbours; no smoothing wins ties; a fixed alpha is
     applied without a search."""

@@ -214,7 +214,8 @@ def describe(ready: Sequence[Pair]) -> List[dict]:
 
 def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings, make_table: Callable,
            base_statistics=None, judged_on: Optional[Sequence] = None,
-           maxima: Optional[Dict[str, np.ndarray]] = None) -> Tuple[onnx.ModelProto, dict]:
+           maxima: Optional[Dict[str, np.ndarray]] = None, shared: Optional[dict] = None
+           ) -> Tuple[onnx.ModelProto, dict]:
     """The model calibration and the int8 build use, and the summary the report records.
     ``samples``: calibration samples (iterated twice): every one gives the channel maxima;
     ``judged_on`` (default: the first JUDGE_SAMPLES) judge the int8 models with and without
@@ -222,7 +223,8 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     judge samples, if the caller has them. ``maxima``: the channel maxima of the pairs'
     tensors over every sample where the caller has them (calibrate's statistics pass: no
     pass of its own). An applied summary names the ``scaled_tensors``: the only
-    activations whose values changed (their consumers take the scale back in float)."""
+    activations whose values changed (their consumers take the scale back in float).
+    ``shared``: see smoothing.Judge."""
     from pipeline.precision.calibration import statistics
     from pipeline.precision.smoothing import Judge
 
@@ -237,7 +239,7 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, enabled: bool, settings
     if not with_scales(found, maxima):
         return prepared, {"applied": False, "reason": "no outlier channel", "pairs": len(found)}
     judged_on = list(islice(samples, JUDGE_SAMPLES)) if judged_on is None else list(judged_on)
-    judge = Judge(prepared, judged_on, settings, (), make_table, base_statistics=base_statistics)
+    judge = Judge(prepared, judged_on, settings, (), make_table, base_statistics=base_statistics, shared=shared)
     scores = {"none": judge.loss(prepared)}
     scaled = {alpha: with_scales(found, maxima, alpha) for alpha in ALPHAS}
     # only the scaled activations change (the consumers take the scale back in float)
