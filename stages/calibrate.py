@@ -98,12 +98,12 @@ def run(ctx: StageContext) -> StageResult:
                                  f"{first_line(err)}") from err
     # the prepared model's statistics serve equalization's judge and, beyond the tensors it
     # scales, the table: one pass over the calibration set instead of two
-    base = None if cfg.calibration.table else _statistics(ctx, model_path, channels=_equalized_tensors(cfg, model_path))
+    base = None if cfg.calibration.table else _statistics(ctx, model_path, channels=_channel_tensors(cfg, model_path))
     judged: dict = {}  # the judges' fp32 outputs and statistics of the prepared model, while it stays as it is
     equalized = _equalize(ctx, model_path, base, judged)  # the statistics, the table and the build use the model
     if (equalized or {}).get("applied"):
         judged.clear()
-    smoothed = _smooth(ctx, model_path, base, judged)  # rewritten by both
+    smoothed = _smooth(ctx, model_path, base, judged, unchanged=not (equalized or {}).get("applied"))
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
@@ -185,11 +185,12 @@ def _judge_tables(cfg, prepared):
     return make_table
 
 
-def _smooth(ctx: StageContext, model_path: Path, base, judged: dict):
+def _smooth(ctx: StageContext, model_path: Path, base, judged: dict, unchanged: bool = True):
     """precision.smoothing for int8 and mixed (pipeline/precision/smoothing.py): prepared.onnx
     rewritten with the activations' outlier channels moved into the weights, when a fixed
     alpha is set or auto measures it better; the summary, or None where it does not apply
-    (fp16, an imported table whose tensors are the unsmoothed model's)."""
+    (fp16, an imported table whose tensors are the unsmoothed model's). ``unchanged``:
+    equalization left the model as it was, so the statistics' channel maxima are its."""
     cfg = ctx.cfg
     if _smoothing_key(cfg) is None:
         return None
@@ -198,21 +199,28 @@ def _smooth(ctx: StageContext, model_path: Path, base, judged: dict):
     split = ctx.dataset().calibration
     judged_on = statistics.judge_samples(split, base[0] if base is not None else None)
     model, summary = smoothing.choose(prepared, split, setting, QdqSettings.resolve(cfg.precision, backends.REFERENCE),
-                                      (), _judge_tables(cfg, prepared), judged_on=judged_on, shared=judged)
+                                      (), _judge_tables(cfg, prepared), judged_on=judged_on, shared=judged,
+                                      maxima=base[0].channel_maxima if base is not None and unchanged else None)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary
 
 
-def _equalized_tensors(cfg, model_path: Path) -> List[str]:
-    """The tensors equalization would scale (its pairs' producers' outputs): the statistics
-    pass keeps their channel maxima."""
-    if _equalization_key(cfg) is None or not cfg.precision.equalization:
-        return []
-    return [pair.tensor for pair in equalization.pairs(onnx.load(str(model_path)))]
+def _channel_tensors(cfg, model_path: Path) -> Dict[str, int]:
+    """The tensors whose channel maxima the statistics pass keeps, with their channel axis:
+    what equalization would scale (its pairs' producers' outputs, axis 1) and what smoothing
+    would divide (its groups' activations, the last axis): neither needs a pass of its own."""
+    prepared = onnx.load(str(model_path), load_external_data=False)
+    found: Dict[str, int] = {}
+    if _smoothing_key(cfg) is not None and smoothing.parse(cfg.precision.smoothing) is not None:
+        found.update({group.source: -1 for group in smoothing.groups(prepared, QdqSettings.resolve(
+            cfg.precision, backends.REFERENCE).quantize_ops)})
+    if _equalization_key(cfg) is not None and cfg.precision.equalization:
+        found.update({pair.tensor: 1 for pair in equalization.pairs(prepared)})
+    return found
 
 
-def _statistics(ctx: StageContext, model_path: Path, only=None, channels: List[str] = ()):
+def _statistics(ctx: StageContext, model_path: Path, only=None, channels: Dict[str, int] = None):
     """(statistics of the model's measured tensors over the calibration set, seconds, reused
     from the cache); ``only``: just these tensors (a pass that outputs only them); ``channels``:
     tensors whose channel maxima are kept too."""
@@ -224,7 +232,7 @@ def _statistics(ctx: StageContext, model_path: Path, only=None, channels: List[s
     material = {"model": sha256_file(model_path), "data": hash_files(dataset.files), "split": split.names,
                 "data_config": str(ctx.cfg.data), "bins": cfg.bins, "batch_size": cfg.batch_size,
                 "keep": cfg.auto_samples, "sample_ranges": True, "around": _measured_around(ctx.cfg),
-                **({"channels": sorted(channels)} if channels else {}),
+                **({"channels": sorted(channels.items())} if channels else {}),
                 **({"only": sorted(only)} if only is not None else {})}
     started = time.perf_counter()
 
@@ -233,7 +241,7 @@ def _statistics(ctx: StageContext, model_path: Path, only=None, channels: List[s
             task = progress.add_task("calibration statistics", total=len(split))
             statistics.collect(model_path, split, len(split), cfg.bins, cfg.batch_size, cfg.auto_samples,
                                progress=lambda n: progress.advance(task, n), around=_measured_around(ctx.cfg),
-                               only=set(only) if only is not None else None, channels=channels).save(out)
+                               only=set(only) if only is not None else None, channels=channels or {}).save(out)
 
     folder, reused = ctx.memo("calibration-statistics", material, collect)
     return statistics.Statistics.load(folder), time.perf_counter() - started, reused

@@ -188,6 +188,26 @@ def test_judges_of_one_calibration_share_the_prepared_models_outputs_and_statist
     assert len(calls) == 4
 
 
+def test_the_statistics_pass_gives_smoothing_its_channel_maxima_on_the_last_axis(monkeypatch):
+    """calibrate's statistics pass keeps the smoothed activations' channel maxima (last axis)
+    beside equalization's (axis 1): smoothing takes them instead of a pass of its own, and
+    chooses the same."""
+    model, data = layer_norm_model(residual=True), samples()
+    settings = QdqSettings(reduce_range=True)
+    kept = statistics.collect(model, data, len(data), around=settings.quantize_ops, channels={"h": -1}).channel_maxima
+    alone = statistics.channel_maxima(model, (s.feeds for s in data), ["h"])
+    assert kept["h"].shape == (CHANNELS,) and np.allclose(kept["h"], alone["h"])
+    expected = smoothing.choose(model, data, "auto", settings, (), _max_table)[1]
+    monkeypatch.setattr(statistics, "channel_maxima", lambda *a, **k: pytest.fail("a pass of its own"))
+    chosen = smoothing.choose(model, data, "auto", settings, (), _max_table, maxima=kept)[1]
+    assert chosen["alpha"] == expected["alpha"] and chosen["candidates"] == expected["candidates"]
+    rng = np.random.default_rng(3)
+    even = [Sample(f"{i:03d}", {"x": rng.normal(0, 1, (1, 6, CHANNELS)).astype(np.float32)}) for i in range(8)]
+    wrong_axis = statistics.collect(model, even, len(even), around=settings.quantize_ops, channels={"h": 1})
+    with pytest.raises(pytest.fail.Exception):  # per position, not per channel: not taken
+        smoothing.choose(model, even, "auto", settings, (), _max_table, maxima=wrong_axis.channel_maxima)
+
+
 def test_auto_measures_alphas_and_keeps_the_best_or_none(monkeypatch):
     """The grid, then the best one's neighbours; no smoothing wins ties; a fixed alpha is
     applied without a search."""

@@ -372,12 +372,15 @@ def applies(found: Sequence[Group], setting: Setting) -> bool:
 
 def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, settings, keep_float: Iterable[str],
            make_table: Callable, alphas: Sequence[float] = ALPHAS, judged_on: Optional[Sequence] = None,
-           shared: Optional[dict] = None) -> Tuple[onnx.ModelProto, dict]:
+           shared: Optional[dict] = None, maxima: Optional[Dict[str, np.ndarray]] = None
+           ) -> Tuple[onnx.ModelProto, dict]:
     """The model calibration and the int8 build use, and the summary the report records.
     ``samples``: calibration samples (pipeline.data.Sample, iterated twice); every one gives
     the channel maxima, ``judged_on`` (default: the first JUDGE_SAMPLES) judge auto's candidates: no smoothing, each
     alpha of ``alphas``, then REFINE steps from the best alpha either way (in (0, 1]) while
-    the loss falls. No smoothing is kept on ties: smoothing has to pay. ``shared``: see Judge."""
+    the loss falls. No smoothing is kept on ties: smoothing has to pay. ``shared``: see Judge.
+    ``maxima``: the groups' activations' channel maxima (last axis) over every sample, where
+    the caller has them (calibrate's statistics pass): no pass of its own."""
     from pipeline.precision.calibration import statistics
 
     started = time.perf_counter()
@@ -386,7 +389,11 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
         why = "off" if setting is None else ("no MatMul/Gemm with a constant weight" if not found
                                             else "auto: no MatMul/Gemm reads a normalization's output")
         return prepared, {"setting": setting, "applied": False, "reason": why}
-    maxima = statistics.channel_maxima(prepared, (s.feeds for s in samples), [g.source for g in found])
+    if maxima is None or any(g.source not in maxima or maxima[g.source].shape != weight_maxima(prepared, g).shape
+                             for g in found):  # a tensor equalization also scales: kept on its axis 1
+        maxima = statistics.channel_maxima(prepared, (s.feeds for s in samples), [g.source for g in found])
+    else:
+        maxima = {g.source: maxima[g.source] for g in found}
     if not maxima:
         return prepared, {"setting": setting, "applied": False, "reason": "no calibration samples"}
     if not with_scales(prepared, found, maxima, 0.5):

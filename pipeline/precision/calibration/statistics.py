@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
@@ -46,7 +46,7 @@ class Statistics:
     sample_peaks: Dict[str, List[float]] = field(default_factory=dict)
     sample_names: List[str] = field(default_factory=list)
     sample_values: int = 0  # values of the measured tensors in one sample (the largest shape's)
-    # tensor -> max |x| per channel (axis 1) over every sample, for the tensors asked (``channels``)
+    # tensor -> max |x| per channel (axis 1, or the axis asked) over every sample, for the tensors asked (``channels``)
     channel_maxima: Dict[str, np.ndarray] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
@@ -164,9 +164,10 @@ def element_types(model: onnx.ModelProto) -> Dict[str, int]:
 
 def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int = 2048,
             batch_size: int = 16, keep: int = 4, progress=None, around: Optional[Iterable[str]] = None,
-            only: Optional[Iterable[str]] = None, channels: Iterable[str] = ()) -> Statistics:
+            only: Optional[Iterable[str]] = None, channels: Union[Iterable[str], Dict[str, int]] = ()) -> Statistics:
     """``around``: the op types whose tensors are measured (activation_names); None: all. ``only``
-    (a set): of those, just these. ``channels``: tensors whose channel maxima are kept too."""
+    (a set): of those, just these. ``channels``: tensors whose channel maxima are kept too
+    (axis 1; a dict: each tensor's own axis, -1 for a MatMul input's last)."""
     model = model_path if isinstance(model_path, onnx.ModelProto) else onnx.load(str(model_path))
     names = [name for name in activation_names(model, around) if only is None or name in only]
     histograms, kept = {name: AbsHistogram(bins) for name in names}, _Kept(names, keep)
@@ -243,13 +244,14 @@ class _PerSample:
     """What a statistics pass learns sample by sample beside the histograms: each tensor's
     summed per-sample min and max (mean_min_max), each sample's peak |value| per tensor
     (judge_samples), the sample names in the order seen, the values a sample holds, and the
-    channel maxima (axis 1) of the ``channels`` tensors."""
+    channel maxima (axis 1, or each one's own) of the ``channels`` tensors."""
 
-    def __init__(self, names: List[str], channels: Iterable[str]):
+    def __init__(self, names: List[str], channels: Union[Iterable[str], Dict[str, int]]):
         self.extremes = {name: np.zeros(2) for name in names}
         self.peaks: Dict[str, List[float]] = {name: [] for name in names}
         self.maxima: Dict[str, np.ndarray] = {}
-        self.wanted = set(channels) & set(names)
+        axes = channels if isinstance(channels, dict) else dict.fromkeys(channels, 1)
+        self.wanted = {name: axis for name, axis in axes.items() if name in set(names)}
         self.order: List[str] = []
         self.largest = 0
 
@@ -263,7 +265,7 @@ class _PerSample:
         split into samples, else one row."""
         self.extremes[name] += (lows.sum() * count / len(lows), highs.sum() * count / len(lows))
         if name in self.wanted and value.ndim >= 2:
-            others = tuple(a for a in range(value.ndim) if a != 1)
+            others = tuple(a for a in range(value.ndim) if a != self.wanted[name] % value.ndim)
             found = np.maximum(-value.min(axis=others), value.max(axis=others)).astype(np.float64)
             self.maxima[name] = found if name not in self.maxima else np.maximum(self.maxima[name], found)
         peak = np.maximum(-lows, highs)
