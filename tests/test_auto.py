@@ -233,9 +233,9 @@ def test_bf16_is_verified_after_int8_and_only_where_it_could_ship(tmp_path):
     rows = {row["precision"]: row for row in read_report(run_dir)["auto"]["candidates"]}
     bf16, int8 = rows["bf16"], rows["int8"]
     assert "speedup_p75" in bf16["speedup"]
-    outran = int8["verdict"] == "pass" and int8["speedup"]["speedup_p25"] > bf16["speedup"]["speedup_p75"]
-    if outran:
-        assert bf16["verdict"] == UNVERIFIED and bf16.get("cosine") is None
+    # (the rows' speed-ups are the final timing's; the rule reads the screening's: unit test above)
+    if bf16["verdict"] == UNVERIFIED:
+        assert int8["verdict"] == "pass" and bf16.get("cosine") is None
         assert bf16["not_verified"].startswith("not verified: int8 passes and runs faster")
     elif bf16["verdict"] != SLOWER:
         assert bf16["cosine"] is not None  # verified at the end

@@ -178,45 +178,18 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
     seen = 0
     group = 1  # the first sample alone measures how much memory a sample's activations take
 
-    def update(item, count: int, span: str):
-        name, value = item
-        per_sample = value.reshape(count, -1) if value.size % count == 0 else value.reshape(1, -1)
-        lows, highs = (per_sample.min(axis=1), per_sample.max(axis=1)) if per_sample.size else (None, None)
-        bounds = None if lows is None else (float(lows.min()), float(highs.max()))  # exact, whatever is read
-        try:
-            histograms[name].update(histogram_values(value, count), bounds)
-        except ValueError as err:  # NaN/Inf inside the network, not in the data
-            raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples {span} ({err})") from err
-        if per_sample.size:
-            facts.add(name, value, lows, highs, count)
-        kept.add(name, value)
-
-    filling: list = []  # the last batch's histogram updates, still running
-
-    def settle() -> None:
-        for update_done in filling:
-            update_done.result()  # raises a tensor's InputError
-        filling.clear()
-
     def flush():
         nonlocal seen, group
         feeds = pack([s.feeds for s in batch])
         values = runner.run(feeds, len(batch))  # while the last batch's histograms fill
-        settle()
+        filler.settle()
         batch_bytes = sum(v.nbytes for v in values.values())
         facts.start(batch, values)
         # one sample at a time when the model takes no batch: grouping would only copy them together
         group = 1 if runner.batch_size == 1 else int(max(1, min(batch_size, ACTIVATION_BUDGET // max(
             batch_bytes / len(batch), 1))))
         kept.start(batch)
-        # numpy releases the GIL in its loops (and ONNX Runtime in its run): histograms of
-        # different tensors fill in parallel, and beside the next batch's run where two
-        # batches' activations fit in ACTIVATION_BUDGET (PP-OCRv4 rec's 64 samples, 68 MB of
-        # activations each: 6.6 -> s, one sample at a time)
-        span = f"{getattr(batch[0], 'name', '?')}..{getattr(batch[-1], 'name', '?')}"
-        filling.extend(pool.submit(update, item, len(batch), span) for item in values.items())
-        if 2 * batch_bytes > ACTIVATION_BUDGET:
-            settle()
+        filler.fill(values, batch, wait=2 * batch_bytes > ACTIVATION_BUDGET)
         del values
         seen += len(batch)
         if progress:
@@ -224,6 +197,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         batch.clear()
 
     with ThreadPoolExecutor(max_workers=own_threads()) as pool:
+        filler = _Filler(histograms, facts, kept, pool)
         for sample in samples:
             waiting = pending.setdefault(shape_key(sample.feeds), [])
             waiting.append(sample)
@@ -234,10 +208,46 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         for waiting in [samples for samples in pending.values() if samples]:
             batch.extend(waiting)
             flush()
-        settle()
+        filler.settle()
     stacked = {name: np.concatenate(parts) for name, parts in kept.values.items() if parts}
     return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, facts.ranges(seen),
                       facts.complete_peaks(), facts.order, facts.largest, facts.maxima)
+
+
+class _Filler:
+    """A batch's values into each tensor's histogram, per-sample facts and kept values, one
+    tensor a thread. numpy releases the GIL in its loops (and ONNX Runtime in its run), so
+    the histograms of different tensors fill in parallel, and beside the next batch's run
+    where two batches' activations fit in ACTIVATION_BUDGET (PP-OCRv4 rec's 64 lines, 68 MB
+    of activations each, one at a time: the pass 6.6 -> 5.3-5.8 s)."""
+
+    def __init__(self, histograms: Dict[str, AbsHistogram], facts: "_PerSample", kept: "_Kept", pool):
+        self.histograms, self.facts, self.kept, self.pool = histograms, facts, kept, pool
+        self.filling: list = []  # the last batch's updates, still running
+
+    def fill(self, values: Dict[str, np.ndarray], batch: List[Sample], wait: bool) -> None:
+        span = f"{getattr(batch[0], 'name', '?')}..{getattr(batch[-1], 'name', '?')}"
+        self.filling.extend(self.pool.submit(self._update, name, value, len(batch), span)
+                            for name, value in values.items())
+        if wait:
+            self.settle()
+
+    def settle(self) -> None:
+        for update_done in self.filling:
+            update_done.result()  # raises a tensor's InputError
+        self.filling.clear()
+
+    def _update(self, name: str, value: np.ndarray, count: int, span: str) -> None:
+        per_sample = value.reshape(count, -1) if value.size % count == 0 else value.reshape(1, -1)
+        lows, highs = (per_sample.min(axis=1), per_sample.max(axis=1)) if per_sample.size else (None, None)
+        bounds = None if lows is None else (float(lows.min()), float(highs.max()))  # exact, whatever is read
+        try:
+            self.histograms[name].update(histogram_values(value, count), bounds)
+        except ValueError as err:  # NaN/Inf inside the network, not in the data
+            raise InputError(f"calibration: tensor '{name}' holds non-finite values for samples {span} ({err})") from err
+        if per_sample.size:
+            self.facts.add(name, value, lows, highs, count)
+        self.kept.add(name, value)
 
 
 class _PerSample:
