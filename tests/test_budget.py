@@ -306,3 +306,15 @@ def test_the_reserve_for_fp32s_verify_is_at_least_the_slowest_verify_measured():
     assert budget.deadline(own_verify=True) == pytest.approx(budget.deadline() - 3 * estimated)
     budget.deferred.add("bf16")  # a candidate whose verify comes after the int8 ones: set aside until settled
     assert budget.reserve() == pytest.approx(3 * estimated + closing)
+
+
+def test_a_faster_candidates_verify_sets_aside_as_much_more_for_fp32s():
+    """A candidate verified at 1.65x fp32 ran its target that much faster: the verify set
+    aside for fp32 (and for a started candidate's own) grows by as much; a slower one by nothing."""
+    budget = _probed(0.001)
+    budget.verified(20.0, 1.65)
+    assert budget.verify_estimate() == pytest.approx(33.0)
+    budget.verified(30.0, 0.9)
+    assert budget.verify_estimate() == pytest.approx(33.0)
+    budget.verified(40.0)
+    assert budget.verify_estimate() == pytest.approx(40.0)

@@ -239,11 +239,15 @@ def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceA
         return
     ahead.stop()  # from here verify runs the reference itself where the store has no answer
     outcomes[precision], configs[precision] = _verified(configs[precision], folder)
-    budget.verified(sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify"))
+    budget.verified(_verify_seconds(outcomes[precision]), ((timed or {}).get("speedup") or {}).get("speedup"))
     # the screening's speed-up stays on the row: a failing build's speed is what a looser
     # threshold would buy (a passing one is timed again with the others, _time)
     tried[precision] = {**_row(precision, outcomes[precision]), **(timed or {}),
                         "target_memory": _memory(configs[precision])}
+
+
+def _verify_seconds(outcome: RunOutcome) -> float:
+    return sum(r["seconds"] for r in outcome.records if r["stage"] == "verify")
 
 
 def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
@@ -298,8 +302,8 @@ def _verify_deferred(found: tuple, run_dir: Path, budget: Budget) -> None:
             tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
                                 "reasons": [str(err)], "seconds": tried[precision]["seconds"]}
             continue
-        budget.verified(sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify"))
         screening = {k: tried[precision][k] for k in ("speedup", "latency", "timed_on") if k in tried[precision]}
+        budget.verified(_verify_seconds(outcomes[precision]), (screening.get("speedup") or {}).get("speedup"))
         tried[precision] = {**_row(precision, outcomes[precision]), **screening,
                             "target_memory": _memory(configs[precision]),
                             "seconds": round(tried[precision]["seconds"] + time.monotonic() - started, 1)}
