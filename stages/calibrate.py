@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import onnx
 
@@ -99,11 +99,9 @@ def run(ctx: StageContext) -> StageResult:
     # the prepared model's statistics serve equalization's judge and, beyond the tensors it
     # scales, the table: one pass over the calibration set instead of two
     base = None if cfg.calibration.table else _statistics(ctx, model_path, channels=_channel_tensors(cfg, model_path))
-    judged: dict = {}  # the judges' fp32 outputs and statistics of the prepared model, while it stays as it is
+    judged: dict = {}  # the judges' fp32 outputs and statistics of the prepared model
     equalized = _equalize(ctx, model_path, base, judged)  # the statistics, the table and the build use the model
-    if (equalized or {}).get("applied"):
-        judged.clear()
-    smoothed = _smooth(ctx, model_path, base, judged, unchanged=not (equalized or {}).get("applied"))
+    smoothed = _smooth(ctx, model_path, base, judged if not (equalized or {}).get("applied") else None)
     if cfg.calibration.table:
         table, summary = _imported_table(Path(cfg.calibration.table).expanduser(), model_path)
     else:
@@ -185,12 +183,13 @@ def _judge_tables(cfg, prepared):
     return make_table
 
 
-def _smooth(ctx: StageContext, model_path: Path, base, judged: dict, unchanged: bool = True):
+def _smooth(ctx: StageContext, model_path: Path, base, judged: Optional[dict]):
     """precision.smoothing for int8 and mixed (pipeline/precision/smoothing.py): prepared.onnx
     rewritten with the activations' outlier channels moved into the weights, when a fixed
     alpha is set or auto measures it better; the summary, or None where it does not apply
-    (fp16, an imported table whose tensors are the unsmoothed model's). ``unchanged``:
-    equalization left the model as it was, so the statistics' channel maxima are its."""
+    (fp16, an imported table whose tensors are the unsmoothed model's). ``judged``: what
+    equalization's judge learnt of the prepared model, None where equalization rewrote it
+    (then neither that nor the statistics' channel maxima are the model's)."""
     cfg = ctx.cfg
     if _smoothing_key(cfg) is None:
         return None
@@ -200,7 +199,7 @@ def _smooth(ctx: StageContext, model_path: Path, base, judged: dict, unchanged: 
     judged_on = statistics.judge_samples(split, base[0] if base is not None else None)
     model, summary = smoothing.choose(prepared, split, setting, QdqSettings.resolve(cfg.precision, backends.REFERENCE),
                                       (), _judge_tables(cfg, prepared), judged_on=judged_on, shared=judged,
-                                      maxima=base[0].channel_maxima if base is not None and unchanged else None)
+                                      maxima=base[0].channel_maxima if base is not None and judged is not None else None)
     if summary["applied"]:
         onnx.save(model, str(model_path))
     return summary

@@ -131,13 +131,7 @@ def run(cfg: DictConfig, run_cfg, run_dir: Path) -> Tuple[RunOutcome, object, di
     _time(outcomes, run_cfg, tried)
     tight = run_cfg.validation.timing_tight_spread
     if _fp32_could_ship(tried, requested, tight):
-        started = time.monotonic()
-        job_phase("precision=auto: verifying fp32")
-        outcomes[REFERENCE], configs[REFERENCE] = _verified(configs[REFERENCE], run_dir / "candidates" / REFERENCE)
-        timing = {k: tried[REFERENCE][k] for k in ("latency", "timed_on", "speedup") if k in tried[REFERENCE]}
-        tried[REFERENCE] = {**_row(REFERENCE, outcomes[REFERENCE]), **timing,
-                            "target_memory": _memory(configs[REFERENCE]),
-                            "seconds": round(tried[REFERENCE].get("seconds", 0.0) + time.monotonic() - started, 1)}
+        _verified_late(REFERENCE, (tried, configs, outcomes), run_dir, budget)
     elif tried.get(REFERENCE, {}).get("verdict") == UNVERIFIED:
         tried[REFERENCE]["not_verified"] = ("not verified: only the speed reference here" if REFERENCE not in requested
                                             else "not verified: a faster build passes, so fp32 could not ship")
@@ -238,16 +232,30 @@ def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceA
         budget.deferred.add(precision)
         return
     ahead.stop()  # from here verify runs the reference itself where the store has no answer
+    tried[precision] = _verified_row(precision, found, folder, budget, timed or {})
+
+
+def _verified_row(precision: str, found: tuple, folder: Path, budget: Budget, timing: dict) -> dict:
+    """A candidate verified (its outcome and config into ``found``), its verify's seconds
+    into the budget (with its speed-up over fp32), and its row. The timing so far (the
+    screening's, or fp32's timing) stays on the row: a failing build's speed is what a
+    looser threshold would buy (a passing one is timed again with the others, _time)."""
+    _, configs, outcomes = found
     outcomes[precision], configs[precision] = _verified(configs[precision], folder)
-    budget.verified(_verify_seconds(outcomes[precision]), ((timed or {}).get("speedup") or {}).get("speedup"))
-    # the screening's speed-up stays on the row: a failing build's speed is what a looser
-    # threshold would buy (a passing one is timed again with the others, _time)
-    tried[precision] = {**_row(precision, outcomes[precision]), **(timed or {}),
-                        "target_memory": _memory(configs[precision])}
+    seconds = sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify")
+    budget.verified(seconds, (timing.get("speedup") or {}).get("speedup") if precision != REFERENCE else None)
+    return {**_row(precision, outcomes[precision]), **timing, "target_memory": _memory(configs[precision])}
 
 
-def _verify_seconds(outcome: RunOutcome) -> float:
-    return sum(r["seconds"] for r in outcome.records if r["stage"] == "verify")
+def _verified_late(precision: str, found: tuple, run_dir: Path, budget: Budget) -> None:
+    """A candidate built and timed before, verified after the others (fp32 where it could
+    ship, a deferred bf16): its row keeps that timing and adds the verify's seconds."""
+    tried = found[0]
+    started = time.monotonic()
+    job_phase(f"precision=auto: verifying {precision}")
+    timing = {k: tried[precision][k] for k in ("latency", "timed_on", "speedup") if k in tried[precision]}
+    row = _verified_row(precision, found, run_dir / "candidates" / precision, budget, timing)
+    tried[precision] = {**row, "seconds": round(tried[precision].get("seconds", 0.0) + time.monotonic() - started, 1)}
 
 
 def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
@@ -291,22 +299,14 @@ def _settle_deferred(tried: Dict[str, dict], budget: Budget) -> None:
 
 def _verify_deferred(found: tuple, run_dir: Path, budget: Budget) -> None:
     """The deferred candidates no passing one outran, verified now (their verify was set aside)."""
-    tried, configs, outcomes = found
+    tried = found[0]
     for precision in [p for p in tried if p in budget.deferred]:
-        started = time.monotonic()
-        job_phase(f"precision=auto: verifying {precision}")
         budget.deferred.discard(precision)
         try:
-            outcomes[precision], configs[precision] = _verified(configs[precision], run_dir / "candidates" / precision)
+            _verified_late(precision, found, run_dir, budget)
         except ParityError as err:  # as a candidate verified in turn (_candidate)
             tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
                                 "reasons": [str(err)], "seconds": tried[precision]["seconds"]}
-            continue
-        screening = {k: tried[precision][k] for k in ("speedup", "latency", "timed_on") if k in tried[precision]}
-        budget.verified(_verify_seconds(outcomes[precision]), (screening.get("speedup") or {}).get("speedup"))
-        tried[precision] = {**_row(precision, outcomes[precision]), **screening,
-                            "target_memory": _memory(configs[precision]),
-                            "seconds": round(tried[precision]["seconds"] + time.monotonic() - started, 1)}
 
 
 def _probe(budget: Budget, built: RunOutcome, checked) -> None:

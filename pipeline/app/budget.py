@@ -155,7 +155,7 @@ class Budget:
         probe's estimate, or the slowest candidate's verify so far where that is longer; none
         once another candidate passed), each deferred candidate's verify, and the shipped
         build's profile and package."""
-        verify = (0.0 if self.passed else self.verify_estimate()) + len(self.deferred) * self.verify_estimate()
+        verify = ((0 if self.passed else 1) + len(self.deferred)) * self.verify_estimate()
         profile = 0.0 if self.probe_s is None else min(PROFILE_RUNS * self.run_s(), PROFILE_MAX_S)
         return verify + profile + CLOSING_S
 

@@ -390,7 +390,7 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
                                             else "auto: no MatMul/Gemm reads a normalization's output")
         return prepared, {"setting": setting, "applied": False, "reason": why}
     if maxima is None or any(g.source not in maxima or maxima[g.source].shape != weight_maxima(prepared, g).shape
-                             for g in found):  # a tensor equalization also scales: kept on its axis 1
+                             for g in found):  # maxima on another axis than the one its weights scale
         maxima = statistics.channel_maxima(prepared, (s.feeds for s in samples), [g.source for g in found])
     else:
         maxima = {g.source: maxima[g.source] for g in found}
