@@ -13,6 +13,7 @@ import pytest
 
 from conftest import read_report, run_cli, run_dirs
 from pipeline.app.auto import CUT, NOT_BUILT, SLOWER
+from pipeline.app.screening import SCREEN_SLOWER
 from pipeline.environment import cpu
 from segmenter_data import FUSED_OUTPUT, MEAN, MODEL, STD, write_photos
 from side_by_side import Jobs
@@ -57,19 +58,30 @@ def test_the_default_job_ships_a_passing_build_and_never_verifies_what_cannot_wi
     section = read_report(run_dir)["auto"]
     rows = {row["precision"]: row for row in section["candidates"]}
     assert set(rows) == {"fp32", "int8", "int8_dynamic", "mixed"}
-    # int8 with dynamic ranges runs ConvInteger, several times slower than fp32 on a
-    # convolutional net on every CPU measured: timed in seconds, never verified
-    dynamic = rows["int8_dynamic"]
-    assert dynamic["verdict"] == SLOWER and dynamic["speedup"]["speedup_p75"] < 0.8, (dynamic, _flags())
-    assert not (run_dir / "candidates" / "int8_dynamic" / "stages" / "verify").exists()
-    if dynamic["timed_on"].endswith("(a first look of single runs)"):  # decided without the screening's rounds
-        assert dynamic["latency"]["rounds"] == 3 and dynamic["speedup"]["speedup_p75"] < 0.5, dynamic
-        assert "under 0.5x fp32 in each of 3 single runs" in dynamic["reasons"][0], dynamic
+    _screened_by_the_rule(rows["int8_dynamic"], run_dir)
     assert all(row["verdict"] in ("pass", "fail", SLOWER, NOT_BUILT, "not verified", "same build as int8")
                for row in rows.values()), rows
     assert section["budget"]["cut"] == [] and CUT not in {row["verdict"] for row in rows.values()}
     assert rows[section["chosen"]]["verdict"] == "pass"
     assert f"precision=auto shipped {section['chosen']}" in result.stdout
+
+
+def _screened_by_the_rule(dynamic: dict, run_dir):
+    """int8 with dynamic ranges runs ConvInteger, 0.2-0.3x fp32 on this net on every idle CPU
+    measured: timed in seconds, never verified. Beside the suite's other jobs on 2 cores it
+    is not: fp32 gains 1.7x from its second thread, this build 1.2x (measured alone), and
+    fp32's spinning threads lose most when a core is taken. A screening there once saw it at
+    >= 0.8x, and then the rule verifies it."""
+    screened_at = dynamic["speedup"]["speedup_p75"]
+    verified = (run_dir / "candidates" / "int8_dynamic" / "stages" / "verify").exists()
+    if dynamic["verdict"] != SLOWER:
+        assert screened_at >= SCREEN_SLOWER and dynamic["timed_on"].endswith("before verification"), dynamic
+        assert verified and dynamic["verdict"] in ("pass", "fail"), dynamic
+        return
+    assert screened_at < SCREEN_SLOWER and not verified, (dynamic, _flags())
+    if dynamic["timed_on"].endswith("(a first look of single runs)"):  # decided without the screening's rounds
+        assert dynamic["latency"]["rounds"] == 3 and screened_at < 0.5, dynamic
+        assert "under 0.5x fp32 in each of 3 single runs" in dynamic["reasons"][0], dynamic
 
 
 def test_equalization_moves_the_saturated_channel_into_the_consumers(jobs):
