@@ -163,18 +163,46 @@ def test_only_an_undecided_pair_is_measured_longer():
 
 
 def test_a_build_slow_enough_to_time_alone_gets_fewer_runs_a_round_within_the_time():
-    """A run of 300 ms and one of 200 ms: 10 runs a round each would take 15 s over the
-    three rounds always timed; with 10 s, 6 runs a round in one slice (no round length)."""
-    assert speed.fitted_runs(10, 10, [300.0, 200.0]) == 6
+    """A run of 300 ms and one of 200 ms: 10 runs a round each would take 35 s over the
+    seven rounds asked; with 10 s, 2 runs a round in one slice (no round length), all seven
+    rounds (three at least: 6 runs a round where fewer rounds are asked)."""
+    assert speed.fitted_runs(10, 10, [300.0, 200.0], rounds=7) == 2
+    assert speed.fitted_runs(10, 10, [300.0, 200.0], rounds=2) == 6  # MIN_ROUNDS
     assert speed.fitted_runs(10, 10, [3000.0, 2000.0]) == 1  # at least one
-    assert speed.fitted_runs(10, 10, [0.1, 0.05]) == 10  # a fast model: unchanged
+    assert speed.fitted_runs(10, 10, [0.1, 0.05], rounds=7) == 10  # a fast model: unchanged
     slow = {"fp32": Scripted(lambda i: 300.0), "int8": Scripted(lambda i: 200.0)}
     found = speed.interleaved(slow, {}, rounds=7, runs=10, max_seconds=10, round_ms=20, tight=1.25)
     for worker in slow.values():
         first, warm, *timed = worker.calls
         assert warm == {"warmup": 0, "runs": 1, "min_ms": 0.0}
-        assert timed and all(c == {"warmup": 0, "runs": 6, "min_ms": 0.0} for c in timed)
-    assert found["int8"]["runs_per_round"] == 6 and speed.speedups(found)["int8"]["speedup"] == 1.5
+        assert len(timed) == 7 and all(c == {"warmup": 0, "runs": 2, "min_ms": 0.0} for c in timed)
+    assert found["int8"]["runs_per_round"] == 2 and speed.speedups(found)["int8"]["speedup"] == 1.5
+
+
+def test_the_warm_up_round_is_left_out_where_the_fitting_runs_lasted_a_round():
+    """A 300 ms build whose rounds keep their 10 runs (a long budget): its fitting's six runs
+    already lasted longer than a 20 ms round, so one warm-up run, not ten; a 0.1 ms build
+    still warms up for a whole round (issue 37: a round's worth of runs of a tiny model)."""
+    slow = {"fp32": Scripted(lambda i: 300.0), "int8": Scripted(lambda i: 200.0)}
+    speed.interleaved(slow, {}, rounds=3, runs=10, max_seconds=1000, round_ms=20)
+    assert all(worker.calls[1] == {"warmup": 0, "runs": 1, "min_ms": 20} for worker in slow.values())
+    fast = {"fp32": Scripted(lambda i: 0.1), "int8": Scripted(lambda i: 0.05)}
+    speed.interleaved(fast, {}, rounds=3, runs=10, max_seconds=1000, round_ms=20)
+    assert all(worker.calls[1] == {"warmup": 0, "runs": 10, "min_ms": 20} for worker in fast.values())
+
+
+def test_a_first_look_of_single_runs_is_not_fitted_and_warms_up_once():
+    """The screening's first look (3 rounds of one run, no time budget): one warm-up run a
+    build, then the rounds; no fitting runs (the segmenter's dynamic int8 ran 1.6 s a run,
+    and its first look took 18 s with them, 8 s without). Warm workers skip the WARMUP runs."""
+    workers = {"fp32": Scripted(lambda i: 200.0), "candidate": Scripted(lambda i: 900.0)}
+    found = speed.interleaved(workers, {}, rounds=3, runs=1, max_seconds=0.0)
+    for worker in workers.values():
+        assert worker.calls == [{"warmup": 0, "runs": 1, "min_ms": 0.0}] * 4
+    assert found["candidate"]["rounds"] == 3 and speed.speedups(found)["candidate"]["speedup_p75"] < 0.5
+    warm = {"fp32": Scripted(lambda i: 200.0), "candidate": Scripted(lambda i: 300.0)}
+    speed.interleaved(warm, {}, rounds=5, runs=10, max_seconds=3.0, round_ms=20, warm=True)
+    assert all(worker.calls[0]["warmup"] == 0 for worker in warm.values())
 
 
 def test_the_time_budget_bounds_the_longer_rounds(monkeypatch):

@@ -55,14 +55,16 @@ def plan(runs: int, round_ms: float) -> Tuple[int, int]:
     return slices, max(1, math.ceil(runs / slices))
 
 
-def fitted_runs(runs: int, max_seconds: float, run_ms: List[float]) -> int:
-    """The runs a build's round holds: ``runs``, fewer where the MIN_ROUNDS rounds every
-    round of ``run_ms`` (each build's one run) would not end within ``max_seconds``; at
-    least one. The real-size segmenter (0.44 s a run on an AVX2 CPU): 12 runs a build and
-    round made one verify's timing 35 s; a run that long is a stable figure alone."""
+def fitted_runs(runs: int, max_seconds: float, run_ms: List[float], rounds: int = MIN_ROUNDS) -> int:
+    """The runs a build's round holds: ``runs``, fewer where ``rounds`` rounds (at least
+    MIN_ROUNDS) of every build's ``run_ms`` (each build's one run) would not end within
+    ``max_seconds``; at least one. The real-size segmenter (0.44 s a run on an AVX2 CPU): 12
+    runs a build and round made one verify's timing 35 s; a run that long is a stable figure
+    alone, and 7 rounds of 4 runs give the speed-up's quartiles 7 ratios where 3 rounds of 12
+    gave 3 in the same time."""
     if not run_ms or max_seconds <= 0:
         return runs
-    return int(max(1, min(runs, (1000.0 * max_seconds) // (MIN_ROUNDS * sum(run_ms)))))
+    return int(max(1, min(runs, (1000.0 * max_seconds) // (max(rounds, MIN_ROUNDS) * sum(run_ms)))))
 
 
 def passes(pass_ms: Dict[str, float], round_ms: float) -> int:
@@ -118,21 +120,26 @@ def undecided(medians: Dict[str, List[float]], tight: float, baseline: str = kin
 
 
 def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int, max_seconds: float,
-                round_ms: float = 0.0, tight: Optional[float] = None) -> Dict[str, dict]:
+                round_ms: float = 0.0, tight: Optional[float] = None, warm: bool = False) -> Dict[str, dict]:
     """Latency of every worker's build: ``rounds`` rounds (at least 3 once ``max_seconds``
     is spent), rotated order, each build's round lasting at least ``round_ms`` in slices
     alternating between the builds (``plan``; at least ``runs`` runs); with ``tight``, an
-    undecided pair lengthens the rounds (``_interleave``). A worker that fails is reported as
-    ``{"error": ...}``."""
+    undecided pair lengthens the rounds (``_interleave``). ``warm``: the workers ran these
+    feeds just before (no WARMUP runs). A worker that fails is reported as ``{"error": ...}``."""
     order = list(workers)
     errors: Dict[str, str] = {}
-    # the median of FIT_RUNS: one run on a loaded 2-core machine took 100x its time and cut the rounds
-    first = {name: _latency(workers, name, feeds, WARMUP, FIT_RUNS, 0.0, errors) for name in order}
-    fitted = fitted_runs(runs, max_seconds, [found["median_ms"] for found in first.values() if found])
-    if fitted < runs:  # runs long enough to time one by one: rounds sized by count, within max_seconds
-        runs, round_ms = fitted, 0.0
-    for name in order:  # warm-up: with round_ms, a round's worth of runs
-        _latency(workers, name, feeds, 0, runs if round_ms > 0 else 1, round_ms, errors)
+    fit_ms: Dict[str, float] = {}  # how long each build's fitting runs lasted
+    if runs > 1 or round_ms > 0:  # rounds of single runs need no fitting (a first look: one warm-up run)
+        # the median of FIT_RUNS: one run on a loaded 2-core machine took 100x its time and cut the rounds
+        first = {name: _latency(workers, name, feeds, 0 if warm else WARMUP, FIT_RUNS, 0.0, errors) for name in order}
+        fit_ms = {name: (FIT_RUNS + (0 if warm else WARMUP)) * found["median_ms"] for name, found in first.items()
+                  if found}
+        fitted = fitted_runs(runs, max_seconds, [found["median_ms"] for found in first.values() if found], rounds)
+        if fitted < runs:  # runs long enough to time one by one: rounds sized by count, within max_seconds
+            runs, round_ms = fitted, 0.0
+    for name in order:  # warm-up: with round_ms, a round's worth of runs, unless the fitting lasted that long
+        whole_round = round_ms > 0 and fit_ms.get(name, 0.0) < round_ms
+        _latency(workers, name, feeds, 0, runs if whole_round else 1, round_ms, errors)
     slices, fewest = plan(runs, round_ms)
     slice_ms = SLICE_MS if round_ms > 0 else 0.0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import yaml
+from threadpoolctl import threadpool_limits
 
 from pipeline import backends, environment, shapes
 from pipeline.verification import diagnosis, float_noise, speed, verdict
@@ -395,7 +396,10 @@ class _Check:
         asked = reference if store is None else functools.partial(store.answer, run=reference.run)
         workers = {REFERENCE: asked, TARGET: target,
                    **{name: row.worker for name, row in baselines.items() if not row.error}}
-        with contextlib.closing(side_by_side(workers, dataset.validation)) as given:  # no run left in flight
+        # one BLAS thread here: this process's dot products beside the workers' spinning runtime
+        # threads on 2 cores took 10 ms a 32 Ki-value slice against 0.15 ms alone (docs/time.md)
+        with contextlib.closing(side_by_side(workers, dataset.validation)) as given, \
+                threadpool_limits(limits=1, user_api="blas"):  # no run left in flight
             for index, (sample, answers) in enumerate(given):
                 expected, actual = _answer(answers[REFERENCE]), _answer(answers[TARGET])
                 others = {name: baseline.receive(answers.get(name)) for name, baseline in baselines.items()}
