@@ -56,7 +56,8 @@ class Budget:
         self.counts: Dict[str, int] = {}  # calibration, validation, sensitivity samples, quantized ops
         self.ratios: list = []  # what each estimated candidate took / its estimate
         self.ran: set = set()  # candidates started and not cut (int8: mixed reuses its calibration)
-        self.verify_s = 0.0  # the slowest candidate's verify so far: what fp32's would take at least
+        self.verify_s = 0.0  # the slowest candidate's verify so far: what another's would take at least
+        self.fp32_verify_s = 0.0  # ... and fp32's, its target as much slower as the candidate was faster
         self.passed = False  # a candidate other than fp32 passed: fp32 cannot ship, its verify needs no time
         self.deferrable: set = set()  # candidates verified after the int8 ones (auto.DEFERRED) ...
         self.deferred: set = set()  # ... built and screened, their verify still to come: set aside
@@ -147,21 +148,26 @@ class Budget:
         as long again as the candidate ran faster than fp32 (``speedup``: its screening's), its
         target running that much faster in it: openvino_cpu capped to AVX2 on det at 736
         verified int8 (1.65x) in 21 s, then mixed in 30 s and fp32 in 31 s, and the job ended
-        at 325 s."""
-        self.verify_s = max(self.verify_s, seconds * max(1.0, speedup or 1.0))
+        at 325 s. Another candidate's verify (a deferred one, a started one's own) is set
+        aside as the slowest so far, unscaled: scaled, the segmenter's mixed search on
+        openvino_cpu was cut for a 44 s verify that took 22 s."""
+        self.verify_s = max(self.verify_s, seconds)
+        self.fp32_verify_s = max(self.fp32_verify_s, seconds * max(1.0, speedup or 1.0))
 
     def reserve(self) -> float:
         """The seconds set aside for after the candidates: fp32's verify, should it ship (the
         probe's estimate, or the slowest candidate's verify so far where that is longer; none
         once another candidate passed), each deferred candidate's verify, and the shipped
         build's profile and package."""
-        verify = ((0 if self.passed else 1) + len(self.deferred)) * self.verify_estimate()
+        verify = (0.0 if self.passed else self.verify_estimate(fp32=True)) + len(self.deferred) * self.verify_estimate()
         profile = 0.0 if self.probe_s is None else min(PROFILE_RUNS * self.run_s(), PROFILE_MAX_S)
         return verify + profile + CLOSING_S
 
-    def verify_estimate(self) -> float:
-        """One verify of the validation set: 4 runs a sample, or the slowest verify so far."""
-        return max(VERIFY_RUNS * self.counts.get("validation", 0) * (self.run_s() or 0.0), self.verify_s)
+    def verify_estimate(self, fp32: bool = False) -> float:
+        """One verify of the validation set: 4 runs a sample, or the slowest verify so far
+        (``fp32``: fp32's, scaled by the verified candidates' speed-ups)."""
+        measured = self.fp32_verify_s if fp32 else self.verify_s
+        return max(VERIFY_RUNS * self.counts.get("validation", 0) * (self.run_s() or 0.0), measured)
 
     def deadline(self, own_verify: bool = False) -> Optional[float]:
         """When a started candidate's steps must be done (time.monotonic()), or None;
