@@ -396,8 +396,8 @@ class _Check:
         asked = reference if store is None else functools.partial(store.answer, run=reference.run)
         workers = {REFERENCE: asked, TARGET: target,
                    **{name: row.worker for name, row in baselines.items() if not row.error}}
-        # one BLAS thread here: this process's dot products beside the workers' spinning runtime
-        # threads on 2 cores took 10 ms a 32 Ki-value slice against 0.15 ms alone (docs/time.md)
+        # one BLAS thread here: OpenBLAS's second thread fights the workers' spinning runtime
+        # threads (the segmenter's maps: 16.8 -> 7.4 ms a sample, benchmarks/scoring_threads.py)
         with contextlib.closing(side_by_side(workers, dataset.validation)) as given, \
                 threadpool_limits(limits=1, user_api="blas"):  # no run left in flight
             for index, (sample, answers) in enumerate(given):
