@@ -320,16 +320,19 @@ def _thresholds(stats, ctx: StageContext, model_path: Path, every_method=None):
              for name, entries in candidates.items()}
     decision = None
     if undecided and _judged_at_outputs(ctx.cfg):
-        judged_on = statistics.judge_samples(ctx.dataset().calibration, stats)
+        split = ctx.dataset().calibration
+        judged_on = statistics.judge_indices([sample.name for sample in split], stats)
         table, decision = _auto_at_outputs(ctx, model_path, table, candidates, judged_on)
     return table, {name: c["errors"] for name, c in list(choices.items())[:200]} or None, decision
 
 
-def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, dict], candidates, judged_on):
+def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, dict], candidates,
+                     judged_on: List[int]):
     """auto's final choice between the per-tensor table and each single method's table: the
     one whose int8 model (ONNX Runtime's placement, every quantizable op quantized) does best
     at the network outputs on the whole calibration set (auto.choose_table), every table
-    screened first on ``judged_on`` where that is a subsample of it. precision.keep_float
+    screened first on the samples at ``judged_on`` where that is a subsample of it (their
+    fp32 outputs taken from the whole set's). precision.keep_float
     is left out: the table a build is made with does not move when advice keeps an op float,
     so the advice trial built with it is what the rerun applying it gets."""
     tables_by_name = {"per-tensor": per_tensor}
@@ -339,14 +342,15 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
     prepared = onnx.load(str(model_path))
     model = FakeQuantModel(prepared, per_tensor, QdqSettings.resolve(ctx.cfg.precision, backends.REFERENCE))
 
-    def measure_on(samples):
-        samples = shapes.one_shape([sample.feeds for sample in samples])  # compared as equal slices
-        judge = OutputJudge(prepared, samples)
-        return (lambda table: judge.score(model.run(table, samples, judge.outputs))), judge.count
+    def measure_with(judge: OutputJudge):
+        return (lambda table: judge.score(model.run(table, judge.samples, judge.outputs))), judge.count
 
     split = list(ctx.dataset().calibration)
-    measure, count = measure_on(split)
-    screen, screened_on = measure_on(judged_on) if len(judged_on) < len(split) else (None, None)
+    kept = shapes.one_shape(list(range(len(split))), lambda i: split[i].feeds)  # compared as equal slices
+    whole = OutputJudge(prepared, [split[i].feeds for i in kept])
+    measure, count = measure_with(whole)
+    subsample = [kept.index(i) for i in judged_on if i in kept]
+    screen, screened_on = measure_with(whole.subset(subsample)) if len(subsample) < len(kept) else (None, None)
     chosen, scores = auto.choose_table(measure, tables_by_name, screen)
     return tables_by_name[chosen], {"chosen": chosen, "samples": count, "criterion": auto.CRITERION,
                                     "measured_on": "the fake-quantized model (calibration/fake_quant.py)",

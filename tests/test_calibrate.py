@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -258,3 +259,24 @@ def test_an_isa_cap_below_bf16_takes_bf16_out_of_openvinos_auto_candidates(monke
         assert ("bf16" in chosen) == bool(capped & {"avx512_bf16", "amx_bf16"})
     finally:
         environment.cpu.cache_clear()
+
+
+def test_a_judge_of_a_subsample_reads_the_whole_sets_reference_outputs():
+    """calibration=auto screens its tables on a subsample: that judge takes its fp32 outputs
+    from the whole set's judge (across its chunks of 32 samples) instead of running the
+    model again, and measures exactly as a judge made from those samples would."""
+    from pipeline.precision.calibration.measure import OutputJudge
+
+    model = onnx.load(str(Path(__file__).resolve().parent.parent / "pipeline" / "assets" / "segmenter.onnx"))
+    rng = np.random.default_rng(0)
+    samples = [{"input": rng.standard_normal((1, 3, 96, 96), np.float32)} for _ in range(35)]
+    whole = OutputJudge(model, samples)
+    picked = [0, 7, 31, 32, 34]
+    subset, fresh = whole.subset(picked), OutputJudge(model, [samples[i] for i in picked])
+    assert subset.count == fresh.count == 5 and subset.outputs == fresh.outputs
+    for mine, theirs in zip(subset.reference, fresh.reference):
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+    noisy = [[values + np.float32(0.01) * rng.standard_normal(values.shape, np.float32) for values in chunk]
+             for chunk in fresh.reference]
+    assert subset.score(noisy) == fresh.score(noisy) and subset.score(noisy)["cosine"] < 1.0

@@ -32,6 +32,24 @@ class OutputJudge:
     def count(self) -> int:
         return len(self.samples)
 
+    def subset(self, indices: Sequence[int]) -> "OutputJudge":
+        """The judge of the samples at ``indices`` (positions in this one's, ascending), its
+        reference outputs taken from this one's instead of run again."""
+        judge = object.__new__(OutputJudge)
+        judge.samples = [self.samples[i] for i in indices]
+        judge.labels = None if self.labels is None else [self.labels[i] for i in indices]
+        judge.outputs = self.outputs
+        per_output = []
+        for index in range(len(self.outputs)):
+            whole = np.concatenate([chunk[index] for chunk in self.reference])
+            rows = len(whole) // self.count  # sample i: rows i*rows .. (i+1)*rows (equal slices)
+            per_output.append(np.concatenate([whole[i * rows:(i + 1) * rows] for i in indices]))
+        judge.reference = [[values[start * len(values) // judge.count:min(start + CHUNK, judge.count)
+                                   * len(values) // judge.count] for values in per_output]
+                           for start in range(0, judge.count, CHUNK)]
+        judge.reference_top1 = judge._top1(judge.reference)
+        return judge
+
     def __call__(self, model: onnx.ModelProto) -> dict:
         """cosine: verify's (all samples together, per output), averaged over the outputs;
         worst_sample_cosine: the lowest cosine of one sample's output; sqnr_db over
