@@ -31,7 +31,7 @@ from pipeline.verification.metrics import OutputStats  # noqa: E402
 
 MODEL = REPO / "tests" / "assets" / "u2netp_320.onnx"
 BESIDE = """
-import sys, time
+import sys
 import numpy as np, onnxruntime as ort
 options = ort.SessionOptions(); options.intra_op_num_threads = 2
 session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])

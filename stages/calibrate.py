@@ -349,7 +349,8 @@ def _auto_at_outputs(ctx: StageContext, model_path: Path, per_tensor: Dict[str, 
     kept = shapes.one_shape(list(range(len(split))), lambda i: split[i].feeds)  # compared as equal slices
     whole = OutputJudge(prepared, [split[i].feeds for i in kept])
     measure, count = measure_with(whole)
-    subsample = [kept.index(i) for i in judged_on if i in kept]
+    position = {index: at for at, index in enumerate(kept)}
+    subsample = [position[i] for i in judged_on if i in position]
     screen, screened_on = measure_with(whole.subset(subsample)) if len(subsample) < len(kept) else (None, None)
     chosen, scores = auto.choose_table(measure, tables_by_name, screen)
     return tables_by_name[chosen], {"chosen": chosen, "samples": count, "criterion": auto.CRITERION,

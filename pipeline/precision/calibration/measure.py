@@ -39,14 +39,13 @@ class OutputJudge:
         judge.samples = [self.samples[i] for i in indices]
         judge.labels = None if self.labels is None else [self.labels[i] for i in indices]
         judge.outputs = self.outputs
-        per_output = []
+        per_output = []  # each output's slices of the samples picked (sample i: its i-th equal slice)
         for index in range(len(self.outputs)):
             whole = np.concatenate([chunk[index] for chunk in self.reference])
-            rows = len(whole) // self.count  # sample i: rows i*rows .. (i+1)*rows (equal slices)
-            per_output.append(np.concatenate([whole[i * rows:(i + 1) * rows] for i in indices]))
-        judge.reference = [[values[start * len(values) // judge.count:min(start + CHUNK, judge.count)
-                                   * len(values) // judge.count] for values in per_output]
-                           for start in range(0, judge.count, CHUNK)]
+            rows = len(whole) // self.count
+            per_output.append([whole[i * rows:(i + 1) * rows] for i in indices])
+        judge.reference = [[np.concatenate(slices[start:start + CHUNK]) for slices in per_output]
+                           for start in range(0, judge.count, CHUNK)]  # _run's chunks
         judge.reference_top1 = judge._top1(judge.reference)
         return judge
 
