@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from conftest import composed, cpu_note, read_report, run_cli, run_dirs, single_bundle
 from pipeline.artifacts import read_json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -345,3 +346,8 @@ def test_a_failing_candidate_keeps_its_speed_and_the_shipped_line_names_the_fast
     assert rows["int8"]["speedup"]["speedup"] > 0 and rows["int8"]["timed_on"].endswith("before verification")
     assert f"the fastest failing: int8 at {rows['int8']['speedup']['speedup']:.2f}x fp32 (" in section["why"]
     assert "cosine" in section["why"].split("the fastest failing: int8")[1]
+    # its verify left the timing out (validation.time_failing=false for auto's candidates)
+    verify = read_json(Path(rows["int8"]["run_folder"]) / "stages" / "verify" / "result.json")
+    speed = verify["summary"]["speed"]
+    assert "not_timed" in speed and not speed["speedups"], speed
+    assert verify["summary"]["comparison"]["int8"]["latency"] is None

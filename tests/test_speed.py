@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conftest import read_report, run_cli, run_dirs
 from pipeline.verification import speed
@@ -42,6 +43,20 @@ def test_min_speedup_fails_the_verdict_after_the_accuracy_checks(tmp_path):
     assert report["reasons"][-1].startswith("speed: the int8 build is ")
     assert "below validation.min_speedup 1000" in report["reasons"][-1]
     assert (run_dirs(tmp_path)[0] / "bundle").is_dir()  # the report and bundle are still written
+
+
+@pytest.mark.parametrize("setting, timed", [("validation.time_failing=null", True),
+                                             ("validation.time_failing=false", False)])
+def test_a_failing_build_is_timed_unless_time_failing_is_false(tmp_path, setting, timed):
+    """A build that fails its accuracy checks is timed as a passing one is (what a looser
+    threshold would buy), unless validation.time_failing=false (auto's candidates)."""
+    result = run_cli(["precision=int8", "metric=none", "validation.min_cosine=0.999999", "validation.layerwise=off",
+                      "validation.advice_trials=0", setting], tmp_path)
+    assert result.returncode == 3, result.stdout + result.stderr
+    verify = read_report(run_dirs(tmp_path)[0])["verify"]
+    assert (verify["comparison"]["int8"]["latency"] is not None) == timed, verify["comparison"]["int8"]
+    assert bool(verify["speed"]["speedups"]) == timed and ("not_timed" in verify["speed"]) == (not timed)
+    assert ("speed vs fp32: not timed: the build fails its accuracy checks" in result.stdout) == (not timed)
 
 
 def test_interleaved_rounds_and_time_budget():

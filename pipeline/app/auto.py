@@ -111,6 +111,8 @@ def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
     candidate.precision = chosen
     if candidate.validation.get("baselines") is None:  # fp32 is verified only when it could ship
         candidate.validation.baselines = "timed"
+    if candidate.validation.get("time_failing") is None:  # a failing candidate's row shows its screening's speed
+        candidate.validation.time_failing = False
     return candidate
 
 
@@ -243,7 +245,9 @@ def _verified_row(precision: str, found: tuple, folder: Path, budget: Budget, ti
     _, configs, outcomes = found
     outcomes[precision], configs[precision] = _verified(configs[precision], folder)
     seconds = sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify")
-    budget.verified(seconds, (timing.get("speedup") or {}).get("speedup") if precision != REFERENCE else None)
+    untimed = ((outcomes[precision].verify or VerifySummary()).speed or {}).get("not_timed") is not None
+    budget.verified(seconds, (timing.get("speedup") or {}).get("speedup") if precision != REFERENCE else None,
+                    timing_left_out=configs[precision][1].validation.timing_max_seconds if untimed else 0.0)
     return {**_row(precision, outcomes[precision]), **timing, "target_memory": _memory(configs[precision])}
 
 

@@ -45,6 +45,7 @@ VERIFY_RUNS = 4.0  # any other candidate: verified against the reference (fp16, 
 # profile 5.4 s, package 1.6 s, the shipped run's cached stages 2.1 s)
 PROFILE_RUNS, PROFILE_MAX_S = 23.0, 5.0
 CLOSING_S = 4.0
+TIMING_WARMUP = 1.2  # a verify's timing lasts this multiple of validation.timing_max_seconds at most
 
 
 class Budget:
@@ -142,7 +143,7 @@ class Budget:
         estimate, left = self.estimate(precision), self.left()
         return estimate if estimate is not None and left is not None and estimate > left - self.reserve() else None
 
-    def verified(self, seconds: float, speedup: Optional[float] = None) -> None:
+    def verified(self, seconds: float, speedup: Optional[float] = None, timing_left_out: float = 0.0) -> None:
         """A candidate's verify took ``seconds``: fp32's, on the same samples, is set aside as
         at least as long (PP-OCRv4 det at 736: estimated 25 s from the probe, took 45 s), and
         as long again as the candidate ran faster than fp32 (``speedup``: its screening's), its
@@ -150,7 +151,11 @@ class Budget:
         verified int8 (1.65x) in 21 s, then mixed in 30 s and fp32 in 31 s, and the job ended
         at 325 s. Another candidate's verify (a deferred one, a started one's own) is set
         aside as the slowest so far, unscaled: scaled, the segmenter's mixed search on
-        openvino_cpu was cut for a 44 s verify that took 22 s."""
+        openvino_cpu was cut for a 44 s verify that took 22 s. ``timing_left_out``: the
+        timing a failing candidate's verify left out (validation.time_failing), which
+        another's would add: validation.timing_max_seconds, plus its warm-up (the
+        segmenter's: 11.8 s of 10)."""
+        seconds += TIMING_WARMUP * timing_left_out
         self.verify_s = max(self.verify_s, seconds)
         self.fp32_verify_s = max(self.fp32_verify_s, seconds * max(1.0, speedup or 1.0))
 

@@ -462,6 +462,9 @@ class ValidationConfig:
     # Speed as served: when the validation samples differ in input shape, every build also
     # runs the first N of them in their order, one call each at its own shape (0: off)
     timing_stream_samples: int = 100
+    # A build whose accuracy checks fail is timed too (its speed beside fp32 in the report);
+    # null: true, and false for precision=auto's candidates, whose table gives the screening's speed
+    time_failing: Optional[bool] = None
 
     def cosine_gate(self, task_gated: bool) -> Optional[float]:
         """The cosine an output must reach: task_min_cosine for the output a scored task
@@ -474,6 +477,10 @@ class ValidationConfig:
     def baselines_compared(self) -> bool:
         """Whether the side-by-side baselines run every validation sample, compared."""
         return self.baselines != Baselines.timed
+
+    @property
+    def times_failing(self) -> bool:
+        return self.time_failing is not False
 
     def judged(self) -> dict:
         """The keys a verdict depends on, without how a failing one is diagnosed: what a

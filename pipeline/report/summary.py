@@ -50,6 +50,8 @@ def print_summary(records: list, report: dict, bundle: Optional[str], run_dir: P
         _diagnosis_lines(console, verify.get("diagnosis") or {})
     if verify and (verify.get("speed") or {}).get("speedups"):
         console.print(_speed_line(verify))
+    elif verify and (verify.get("speed") or {}).get("not_timed"):
+        console.print(f"speed vs fp32: not timed: {escape(verify['speed']['not_timed'])}")
     if verify and ((verify.get("speed") or {}).get("stream") or {}).get("speedups") is not None:
         console.print(_stream_line(verify["speed"]["stream"]))
     if verify and verify.get("shapes"):

@@ -177,12 +177,14 @@ def _measure(ctx: StageContext, live: Live, dataset, task_of, requested: dict, p
     elif task and task.get("judged_as") and ran.crash is None:
         dataset.warnings.append(f"metric {metric.name}: the validation split has no labels (labels.csv): the task "
                                 f"verdict is {task['judged_as']}, not accuracy")
-    check.add_task_values(ran.comparison)
     truth = None
     if ran.crash is None:
-        checks, _, _ = _verdict(ctx, outputs, check.missing, task, requested, ran.effective, check.samples, None)
-        if truth_wanted(cfg.precision.kind, checks):
+        checks, _, exit_code = _verdict(ctx, outputs, check.missing, task, requested, ran.effective, check.samples,
+                                        None)
+        _speed(ctx, live, ran, check, timed=exit_code == ExitCode.OK or cfg.validation.times_failing)
+        if ran.crash is None and truth_wanted(cfg.precision.kind, checks):
             truth = truth_check(ctx, *live.workers(), dataset, outputs)
+    check.add_task_values(ran.comparison)
     return {"samples": check.samples, "missing": check.missing, "outputs": outputs, "task": task,
             "effective": ran.effective, "comparison": ran.comparison, "timing": ran.timing, "crash": ran.crash,
             "memory": ran.memory, "reference": ran.reference, "shapes": check.by_shape.result(),
@@ -222,6 +224,7 @@ class _Ran:
     crash: Optional[dict] = None
     memory: Optional[dict] = None  # verify.memory (pipeline/verification/memory.py)
     reference: Optional[dict] = None  # the reference's samples read from its store, and run
+    rows: dict = field(default_factory=dict)  # the side-by-side builds (Row), timed once judged (_speed)
 
 
 def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, reproduce: Path) -> _Ran:
@@ -251,19 +254,38 @@ def _compare(ctx: StageContext, live: Live, check: "_Check", dataset, progress, 
         ran.memory = measure_memory(target, baselines, twin, cfg.target.memory.value, check.samples,
                                     None if once is None else len(once))  # before more runs
         ran.effective = target.effective()
-        rows = {**baselines, cfg.precision.kind: Row(target, build.summary.bytes, check.stats)}
-        curve = check.by_shape.curve_feeds(dataset.validation.read)
-        ran.comparison, ran.timing = _side_by_side(rows, curve.get("opt", check.last), cfg.precision.kind,
-                                                   backend.NAME, cfg.validation)
+        ran.rows = {**baselines, cfg.precision.kind: Row(target, build.summary.bytes, check.stats)}
+    except BackendCrashed as err:
+        ran.crash = _crashed(err)
+    return ran
+
+
+def _speed(ctx: StageContext, live: Live, ran: _Ran, check: "_Check", timed: bool) -> None:
+    """The side-by-side table's rows, every build timed interleaved where ``timed``: a build
+    whose accuracy checks fail is timed only with validation.time_failing (precision=auto's
+    candidates are not: their table keeps the screening's speed; the segmenter's int8
+    verify 21 -> 9 s)."""
+    cfg, rows, split = ctx.cfg, ran.rows, ctx.dataset().validation
+    backend_name = live.deployed[0].NAME
+    try:
+        curve = check.by_shape.curve_feeds(split.read) if timed else {}
+        sample = curve.get("opt", check.last) if timed else None
+        ran.comparison, ran.timing = _side_by_side(rows, sample, cfg.precision.kind, backend_name, cfg.validation)
+        if not timed:
+            ran.timing["not_timed"] = ("the build fails its accuracy checks and validation.time_failing is false "
+                                       "(precision=auto's candidates: their table gives the screening's speed)")
+            return
         if curve:
             ran.timing["by_shape"] = _latency_curve(rows, curve, ran, cfg.validation)
         if len(check.by_shape.first) > 1 and cfg.validation.timing_stream_samples > 0:
-            _add_stream(ran, rows, dataset.validation, cfg.validation, backend.NAME)
+            _add_stream(ran, rows, split, cfg.validation, backend_name)
     except BackendCrashed as err:
-        ran.crash = {"kind": err.kind, "backend": err.worker, "detail": err.detail,
-                     "stderr_tail": err.stderr_tail}
-        log.warning("%s", err)
-    return ran
+        ran.crash = _crashed(err)
+
+
+def _crashed(err: BackendCrashed) -> dict:
+    log.warning("%s", err)
+    return {"kind": err.kind, "backend": err.worker, "detail": err.detail, "stderr_tail": err.stderr_tail}
 
 
 def _summary(ctx: StageContext, measured: dict, judged: dict) -> dict:
