@@ -487,7 +487,8 @@ def _refinements(ctx: StageContext, quantized: Path, float_ops: List[str], searc
     shared = {"prepared": sha256_file(ctx.results["calibrate"].path("prepared")),
               "data": (hash_files(ctx.dataset().files), str(ctx.cfg.data)), "cpu": environment.fingerprint()} \
         if memo else None
-    return {step: _refine(ctx, quantized, judged_on, step, refine_file, nothing, shared, searched)
+    fp32_pass = bias_correction.Fp32Pass()  # weight rounding's, read by bias correction
+    return {step: _refine(ctx, quantized, (judged_on, fp32_pass), step, refine_file, nothing, shared, searched)
             for step, refine_file, nothing in REFINEMENTS}
 
 
@@ -514,16 +515,18 @@ def int8_refiner(ctx: StageContext):
     return refine
 
 
-def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_file, nothing: dict,
+def _refine(ctx: StageContext, quantized: Path, judging: tuple, step: str, refine_file, nothing: dict,
             shared: Optional[dict], searched: bool = False) -> dict:
     """precision.<step> on the QDQ model, in place where it brings the outputs closer to fp32
     (pipeline/precision/calibration/weight_rounding.py, bias_correction.py); the build's summary.
+    ``judging``: (the validation samples it is judged on or None, weight rounding's fp32 pass
+    that bias correction reads: bias_correction.Fp32Pass).
     A mixed build (``searched``: ops kept float by the search) does not measure a refinement
     that the all-int8 build of the same calibration measured and did not keep (bias correction
     took 23 s and was not kept on the real-size segmenter, then 23 s again for mixed)."""
     if not _refines(ctx.cfg, backends.spec(ctx.cfg.target.backend.value), step):
         return {"enabled": False}
-    label = step.replace("_", " ")
+    (judged_on, fp32_pass), label = judging, step.replace("_", " ")
     # what an all-int8 build's outcome depends on, without its QDQ model: a mixed build of the
     # same calibration, data, placement and CPU looks it up
     outcome = None if shared is None else {
@@ -548,7 +551,8 @@ def _refine(ctx: StageContext, quantized: Path, judged_on, step: str, refine_fil
 
     def refine(path: Path) -> dict:
         try:
-            return refine_file(path, prepared, (sample.feeds for sample in dataset.calibration), judged_on=judged_on)
+            return refine_file(path, prepared, (sample.feeds for sample in dataset.calibration), judged_on=judged_on,
+                               fp32_pass=fp32_pass)
         except Exception as err:  # noqa: BLE001 - ONNX Runtime rejects a cut-out op or extra outputs: build without it
             log.warning("build: %s skipped: %s", label, first_line(err))
             return {"enabled": True, "applied": False, **nothing, "error": first_line(err)}

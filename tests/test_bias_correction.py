@@ -180,3 +180,25 @@ def test_a_model_already_judged_on_the_same_samples_is_not_run_again(classifier,
     assert bias_correction.output_cosine(model_copy(quantized), batches, reference) == first and len(runs) == 1
     bias_correction.output_cosine(quantized, batches[:1], other)  # other samples: measured
     assert len(runs) == 2
+
+
+def test_bias_correction_reads_weight_roundings_fp32_pass(classifier):
+    """Weight rounding's fp32 pass keeps every op's patch means, the fp32 outputs and the
+    batches (bias_correction.Fp32Pass): bias correction of the rounded model reads them and
+    runs no pass of its own (it is given no samples at all here), finding the shifts and
+    cosines it finds on its own."""
+    from pipeline.precision.calibration import weight_rounding
+
+    prepared, quantized, samples = classifier
+    fp32_pass = bias_correction.Fp32Pass()
+    rounded = model_copy(quantized)
+    weight_rounding.round_weights(rounded, prepared, samples, fp32_pass=fp32_pass)
+    assert fp32_pass.means is not None and fp32_pass.batches and fp32_pass.reference
+    on_its_own = bias_correction.correct(model_copy(rounded), prepared, samples)
+    from_pass = bias_correction.correct(model_copy(rounded), prepared, iter(()), fp32_pass=fp32_pass)
+    assert from_pass["samples"] == on_its_own["samples"] and from_pass["applied"] == on_its_own["applied"]
+    assert from_pass["measured"].keys() == on_its_own["measured"].keys() and from_pass["measured"]
+    for name, shift in on_its_own["measured"].items():
+        assert from_pass["measured"][name] == pytest.approx(shift, rel=1e-3, abs=1e-6), name
+    for key, cosine in on_its_own["output_cosine"].items():
+        assert from_pass["output_cosine"][key] == pytest.approx(cosine, abs=1e-6), key

@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.precision.calibration import bias_correction
+from pipeline.precision.calibration.input_means import PatchMeans
 from pipeline.precision.calibration.statistics import BatchRunner
 from pipeline.console import progress_bar
 from pipeline.data import pack
@@ -209,10 +210,11 @@ def _lower_inverse(lower: np.ndarray) -> np.ndarray:
 
 
 def round_file(quantized_path, prepared_path, samples: Iterable[Dict[str, np.ndarray]],
-               judged_on: Optional["bias_correction.Judged"] = None) -> dict:
+               judged_on: Optional["bias_correction.Judged"] = None,
+               fp32_pass: Optional["bias_correction.Fp32Pass"] = None) -> dict:
     """``round_weights`` on a QDQ model file, rewritten in place when the rounding is kept."""
     model = onnx.load(str(quantized_path))
-    summary = round_weights(model, onnx.load(str(prepared_path)), samples, judged_on=judged_on)
+    summary = round_weights(model, onnx.load(str(prepared_path)), samples, judged_on=judged_on, fp32_pass=fp32_pass)
     if summary["applied"]:
         onnx.save(model, str(quantized_path))
     return summary
@@ -220,10 +222,12 @@ def round_file(quantized_path, prepared_path, samples: Iterable[Dict[str, np.nda
 
 def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
                   samples: Iterable[Dict[str, np.ndarray]], max_samples: int = MAX_SAMPLES,
-                  only_if_closer: bool = True, judged_on: Optional["bias_correction.Judged"] = None) -> dict:
+                  only_if_closer: bool = True, judged_on: Optional["bias_correction.Judged"] = None,
+                  fp32_pass: Optional["bias_correction.Fp32Pass"] = None) -> dict:
     """Re-round the int8 weights of ``quantized`` (built from ``prepared``) in place, when
     that brings its outputs closer to fp32 on the samples (on ``judged_on``, a
-    bias_correction.Judged, when given).
+    bias_correction.Judged, when given). ``fp32_pass``: filled for the bias correction
+    after it where every op's patch means can be read (bias_correction.Fp32Pass).
     Returns the build's summary."""
     started = time.perf_counter()
     ops, skipped = bias_correction.quantized_ops(quantized, prepared)
@@ -238,7 +242,10 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
     batches = bias_correction.sample_batches(kept, max_samples, size)
     with progress_bar() as progress:  # a live bar with an ETA on a terminal (docs/verify.md)
         task = progress.add_task("weight rounding", total=len(batches) + len(layers))
-        reference, batches = _hessians(layers, prepared, batches, lambda: progress.advance(task))
+        means = _patch_means(ops, quantized) if fp32_pass is not None and len(layers) == len(ops) else None
+        reference, batches = _hessians(layers, prepared, batches, lambda: progress.advance(task), means)
+        if means is not None:
+            fp32_pass.means, fp32_pass.reference, fp32_pass.batches = means, reference, batches
         candidate = onnx.ModelProto()
         candidate.CopyFrom(quantized)
         rounded = _apply(layers, candidate, skipped, lambda: progress.advance(task))
@@ -256,9 +263,18 @@ def round_weights(quantized: onnx.ModelProto, prepared: onnx.ModelProto,
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches, advance=lambda: None) -> tuple:
+def _patch_means(ops, quantized: onnx.ModelProto) -> Optional[Dict[str, PatchMeans]]:
+    """Every op's PatchMeans, or None where one op's mean error is not read off them."""
+    constants = {t.name: t for t in quantized.graph.initializer}
+    means = {op.node.name: PatchMeans.of(op, constants) for op in ops}
+    return means if all(found is not None for found in means.values()) else None
+
+
+def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches, advance=lambda: None,
+              means: Optional[Dict[str, PatchMeans]] = None) -> tuple:
     """Accumulate every layer's H over the batches' fp32 activations (as many as
-    bias_correction.sized_runs takes); the fp32 outputs and the batches measured."""
+    bias_correction.sized_runs takes), and its patch means into ``means``; the fp32
+    outputs and the batches measured."""
     outputs = [o.name for o in prepared.graph.output]
     names = list(dict.fromkeys([*(layer.op.source for layer in layers), *outputs]))
     runner = BatchRunner(prepared, names, len(batches[0]))
@@ -266,6 +282,8 @@ def _hessians(layers: List[_Layer], prepared: onnx.ModelProto, batches, advance=
     for batch, values in bias_correction.sized_runs(runner, batches, [layer.op.source for layer in layers]):
         for layer in layers:
             layer.accumulate(values[layer.op.source], len(batch))
+            if means is not None:
+                means[layer.node.name].add(values[layer.op.source])
         reference.append({name: values[name] for name in outputs})
         measured.append(batch)
         advance()
