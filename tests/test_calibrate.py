@@ -280,3 +280,36 @@ def test_a_judge_of_a_subsample_reads_the_whole_sets_reference_outputs():
     noisy = [[values + np.float32(0.01) * rng.standard_normal(values.shape, np.float32) for values in chunk]
              for chunk in fresh.reference]
     assert subset.score(noisy) == fresh.score(noisy) and subset.score(noisy)["cosine"] < 1.0
+
+
+def test_a_table_measured_after_its_screening_runs_only_the_other_samples():
+    """calibration=auto's finalists: a table screened on a subsample is measured on the whole
+    set by running only the samples the screening did not, and scores exactly as a table
+    measured on every sample; a table never screened runs every sample."""
+    from pipeline.precision.calibration import statistics, tables
+    from pipeline.precision.calibration.fake_quant import FakeQuantModel
+    from pipeline.precision.calibration.measure import OutputJudge
+    from pipeline.data import Sample
+    from pipeline.precision.quantize import QdqSettings
+    from stages.calibrate import _table_measures
+
+    path = Path(__file__).resolve().parent.parent / "pipeline" / "assets" / "segmenter.onnx"
+    model = onnx.load(str(path))
+    rng = np.random.default_rng(1)
+    samples = [{"input": rng.standard_normal((1, 3, 96, 96), np.float32)} for _ in range(9)]
+    found = statistics.collect(path, [Sample(str(i), s) for i, s in enumerate(samples)], len(samples), 512, 8, 0)
+    table = tables.build_table(found.histograms, "max")
+    other = tables.build_table(found.histograms, "percentile")
+    fake = FakeQuantModel(model, table, QdqSettings())
+    whole, ran = OutputJudge(model, samples), []
+    run_each = fake.run_each
+    fake.run_each = lambda t, picked, outputs=None: ran.append(len(picked)) or run_each(t, picked, outputs)
+    plain, _ = _table_measures(fake, whole, None)
+    expected = plain(table)
+    measure, screen = _table_measures(fake, whole, [4, 0, 7])
+    ran.clear()
+    screened = screen(table)
+    assert measure(table) == expected and screened["cosine"] < 1.0
+    assert ran == [3, 6]  # the screening's three samples, then the six others
+    ran.clear()
+    assert measure(other) == plain(other) and ran == [9, 9]
