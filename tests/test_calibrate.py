@@ -313,3 +313,36 @@ def test_a_table_measured_after_its_screening_runs_only_the_other_samples():
     assert ran == [3, 6]  # the screening's three samples, then the six others
     ran.clear()
     assert measure(other) == plain(other) and ran == [9, 9]
+
+
+def test_the_judges_max_table_is_read_off_the_statistics_per_sample_bounds():
+    """Equalization's and smoothing's judges on a subsample of the calibration set take their
+    max table from the statistics pass's per-sample bounds: the same entries a pass of their
+    own over those samples gives; None where a sample is unknown."""
+    from types import SimpleNamespace
+
+    from pipeline.data import Sample
+    from pipeline.precision.calibration import statistics, tables
+    from stages.calibrate import _judge_table_from_bounds
+
+    path = Path(__file__).resolve().parent.parent / "pipeline" / "assets" / "segmenter.onnx"
+    rng = np.random.default_rng(2)
+    samples = [Sample(f"s{i}", {"input": rng.standard_normal((1, 3, 96, 96), np.float32) * (1 + i)})
+               for i in range(9)]
+    stats = statistics.collect(path, samples, len(samples), 512, 4, 0)
+    picked = [samples[i] for i in (5, 1, 7)]
+    own = statistics.collect(path, picked, len(picked), 512, 4, 0)
+    judged: dict = {}
+    auto = SimpleNamespace(calibration=SimpleNamespace(method=SimpleNamespace(value="auto"),
+                                                       inputs=SimpleNamespace(value="max")))
+    _judge_table_from_bounds(auto, stats, picked, judged)
+    assert judged["samples"] == ["s5", "s1", "s7"] and set(judged["base_table"]) == set(own.histograms)
+    for name, histogram in own.histograms.items():
+        expected = tables.table_entry(histogram, "max")
+        assert {k: judged["base_table"][name][k] for k in ("threshold", "min", "max")} == \
+            {k: expected[k] for k in ("threshold", "min", "max")}, name
+    assert stats.bounds_over(["s1", "elsewhere"]) is None
+    kl = SimpleNamespace(calibration=SimpleNamespace(method=SimpleNamespace(value="kl"), inputs=None))
+    untouched: dict = {}
+    _judge_table_from_bounds(kl, stats, picked, untouched)  # a histogram method: the judges collect their own
+    assert untouched == {}

@@ -268,8 +268,9 @@ class Judge:
         the caller has them (calibration's own pass): not collected again. ``shared``: what
         the judges of one calibration share while they judge the same prepared model
         (equalization's, then smoothing's where equalization left the model as it was): its
-        fp32 outputs and statistics on the judge samples, computed once (about 2 s of
-        PP-OCRv4 rec's calibrate)."""
+        fp32 outputs and table on the judge samples, computed once (about 2 s of PP-OCRv4
+        rec's calibrate); a max table the caller read off its statistics' per-sample bounds
+        may be there already (``base_table``, stages/calibrate.py)."""
         from pipeline.precision.calibration import statistics
         from pipeline.precision.calibration.measure import float_outputs
 
@@ -278,11 +279,11 @@ class Judge:
         names = [getattr(sample, "name", None) for sample in self.samples]
         known = shared if shared is not None and None not in names and shared.get("samples") == names else {}
         self.reference = known["reference"] if "reference" in known else self._run_float(prepared)
-        found = base_statistics if base_statistics is not None else known.get("statistics")
-        found = found if found is not None else self._statistics(prepared)
+        self.base = make_table(base_statistics) if base_statistics is not None else known.get("base_table")
+        if self.base is None:
+            self.base = make_table(self._statistics(prepared))
         if shared is not None and None not in names:
-            shared.update(samples=names, reference=self.reference, statistics=found)
-        self.base = make_table(found)
+            shared.update(samples=names, reference=self.reference, base_table=self.base)
         self.ranges = statistics.channel_ranges(prepared, (s.feeds for s in self.samples), list(sources)) \
             if all(self.base.get(name, {}).get("method") == "max" for name in sources) else None
 

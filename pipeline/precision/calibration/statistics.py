@@ -48,10 +48,24 @@ class Statistics:
     sample_values: int = 0  # values of the measured tensors in one sample (the largest shape's)
     # tensor -> max |x| per channel (axis 1, or the axis asked) over every sample, for the tensors asked (``channels``)
     channel_maxima: Dict[str, np.ndarray] = field(default_factory=dict)
+    # tensor -> each sample's [min, max], in the order of sample_names: a max table over any
+    # of the samples (bounds_over) without a pass of its own
+    sample_bounds: Dict[str, List[List[float]]] = field(default_factory=dict)
+
+    def bounds_over(self, names: List[str]) -> Optional[Dict[str, Tuple[float, float]]]:
+        """Each tensor's (min, max) over the samples named, or None where a sample or a
+        tensor's per-sample bounds are missing (a batch that did not split into samples)."""
+        at = {name: index for index, name in enumerate(self.sample_names)}
+        if not names or any(name not in at for name in names) or set(self.sample_bounds) != set(self.histograms):
+            return None
+        picked = [at[name] for name in names]
+        return {tensor: (min(bounds[i][0] for i in picked), max(bounds[i][1] for i in picked))
+                for tensor, bounds in self.sample_bounds.items()}
 
     def save(self, folder: Path) -> None:
         meta = {"samples": self.samples, "batch_size": self.batch_size, "batch_note": self.batch_note,
                 "sample_ranges": self.sample_ranges, "sample_peaks": self.sample_peaks,
+                "sample_bounds": self.sample_bounds,
                 "sample_names": self.sample_names, "sample_values": self.sample_values,
                 "histograms": {name: h.to_json() for name, h in self.histograms.items()}}
         (folder / "statistics.json").write_text(json.dumps(meta))
@@ -69,7 +83,8 @@ class Statistics:
         return Statistics(joined(self.histograms, other.histograms), joined(self.kept, other.kept), self.samples,
                           self.batch_size, self.batch_note, joined(self.sample_ranges, other.sample_ranges),
                           joined(self.sample_peaks, other.sample_peaks), self.sample_names, self.sample_values,
-                          {**self.channel_maxima, **other.channel_maxima})
+                          {**self.channel_maxima, **other.channel_maxima},
+                          joined(self.sample_bounds, other.sample_bounds))
 
     @classmethod
     def load(cls, folder: Path) -> "Statistics":
@@ -82,7 +97,7 @@ class Statistics:
         return cls({n: AbsHistogram.from_json(h) for n, h in meta["histograms"].items()},
                    arrays, meta["samples"], meta["batch_size"], meta.get("batch_note", ""),
                    meta.get("sample_ranges", {}), meta.get("sample_peaks", {}), meta.get("sample_names", []),
-                   meta.get("sample_values", 0), maxima)
+                   meta.get("sample_values", 0), maxima, meta.get("sample_bounds", {}))
 
 
 # calibration samples the int8 judges (equalization, smoothing, calibration=auto's tables)
@@ -211,7 +226,7 @@ def collect(model_path: Path, samples: Iterable[Sample], count: int, bins: int =
         filler.settle()
     stacked = {name: np.concatenate(parts) for name, parts in kept.values.items() if parts}
     return Statistics(histograms, stacked, seen, min(runner.batch_size, group), runner.note, facts.ranges(seen),
-                      facts.complete_peaks(), facts.order, facts.largest, facts.maxima)
+                      facts.complete_peaks(), facts.order, facts.largest, facts.maxima, facts.complete_bounds())
 
 
 class _Filler:
@@ -259,6 +274,7 @@ class _PerSample:
     def __init__(self, names: List[str], channels: Union[Iterable[str], Dict[str, int]]):
         self.extremes = {name: np.zeros(2) for name in names}
         self.peaks: Dict[str, List[float]] = {name: [] for name in names}
+        self.bounds: Dict[str, List[List[float]]] = {name: [] for name in names}
         self.maxima: Dict[str, np.ndarray] = {}
         axes = channels if isinstance(channels, dict) else dict.fromkeys(channels, 1)
         self.wanted = {name: axis for name, axis in axes.items() if name in set(names)}
@@ -280,6 +296,8 @@ class _PerSample:
             self.maxima[name] = found if name not in self.maxima else np.maximum(self.maxima[name], found)
         peak = np.maximum(-lows, highs)
         self.peaks[name] += [float(v) for v in (peak if len(peak) == count else np.repeat(peak.max(), count))]
+        if len(lows) == count:  # values that did not split into samples give no sample's bounds
+            self.bounds[name] += [[float(low), float(high)] for low, high in zip(lows, highs)]
 
     def ranges(self, seen: int) -> Dict[str, List[float]]:
         return {name: [float(low) / max(seen, 1), float(high) / max(seen, 1)]
@@ -287,6 +305,9 @@ class _PerSample:
 
     def complete_peaks(self) -> Dict[str, List[float]]:
         return {name: values for name, values in self.peaks.items() if len(values) == len(self.order)}
+
+    def complete_bounds(self) -> Dict[str, List[List[float]]]:
+        return {name: values for name, values in self.bounds.items() if len(values) == len(self.order)}
 
 
 def histogram_values(value: np.ndarray, samples: int) -> np.ndarray:
