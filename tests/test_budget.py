@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from pipeline import deadline
-from pipeline.app.budget import (CALIBRATE_RUNS, CLOSING_S, CUT, PROFILE_MAX_S, PROFILE_RUNS, REFINE_RUNS,
-                                 VERIFY_RUNS, Budget)
+from pipeline.app.budget import (CALIBRATE_RUNS, CLOSING_S, COST_RUNS, CUT, PROFILE_MAX_S, PROFILE_RUNS,
+                                 REFINE_RUNS, VERIFY_RUNS, Budget)
 from conftest import composed, read_report, run_cli, run_dirs
 from segmenter_data import REAL_FUSED_OUTPUT, REAL_MODEL
 
@@ -30,7 +30,7 @@ def _probed(seconds: float, budget_s: float = 300.0) -> Budget:
 def test_estimates_grow_with_samples_ops_and_the_probe():
     budget = _probed(0.2)
     int8 = budget.estimate("int8")
-    assert int8 == pytest.approx(((CALIBRATE_RUNS + REFINE_RUNS) * 16 + 4 * 40) * 0.2)
+    assert int8 == pytest.approx(((CALIBRATE_RUNS + REFINE_RUNS) * 16 + COST_RUNS["int8"][1] * 40) * 0.2)
     assert budget.estimate("fp16") == pytest.approx(VERIFY_RUNS * 40 * 0.2)
     assert budget.estimate("mixed") > int8  # the search: half the graph per op and ranking sample
     assert _probed(0.4).estimate("int8") == pytest.approx(2 * int8)
@@ -44,7 +44,7 @@ def test_a_candidate_that_does_not_fit_is_cut_ahead_and_says_what_it_would_cost(
     budget = _probed(0.2, budget_s=100.0)
     assert budget.fits("fp16") is None  # 32 s of 100
     too_long = budget.fits("int8")
-    assert too_long == pytest.approx(((CALIBRATE_RUNS + REFINE_RUNS) * 16 + 4 * 40) * 0.2)  # 128 s
+    assert too_long == pytest.approx(((CALIBRATE_RUNS + REFINE_RUNS) * 16 + COST_RUNS["int8"][1] * 40) * 0.2)  # 94 s
     row = budget.cut_ahead("int8", too_long)
     assert row["verdict"] == CUT and row["estimate_s"] == round(too_long, 1)
     assert row["reasons"][0].startswith(f"not tried: estimated {too_long:.0f} s (one sample's fp32 run 200 ms")
