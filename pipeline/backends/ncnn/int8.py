@@ -60,6 +60,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from pipeline.precision.quantize import dequantize
+
 from pipeline.backends.ncnn.int8_format import (
     ACTIVATION_PARAM, ACTIVATION_PARAMS, DYNAMIC_WEIGHT_PARAM, FLT_MAX, FP32_TAG, INT8_LAYERS, INT8_MAX,
     INT8_SCALE_PARAM, INT8_TAG, QUANTIZED_OPS, REQUANTIZE_LAYERS, REQUANTIZE_TERM, weight_offsets)
@@ -91,7 +93,7 @@ def split_qdq(model) -> Tuple[object, Dict[str, dict]]:
         quantize = producers.get(node.input[0])
         if node.input[0] in constants:
             axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-            dequantized[node.output[0]] = _dequantize(constants[node.input[0]], scale, zero, axis)
+            dequantized[node.output[0]] = dequantize(constants[node.input[0]], scale, zero, axis).astype(np.float32)
         elif quantize is not None and graph.node[quantize].op_type == "QuantizeLinear":
             rename[node.output[0]] = graph.node[quantize].input[0]
             thresholds[node.output[0]] = _threshold(scale, zero, constants, node)
@@ -117,15 +119,6 @@ def _qparams(node, constants) -> Tuple[np.ndarray, np.ndarray]:
     scale = np.asarray(constants[node.input[1]], dtype=np.float64)
     zero = np.asarray(constants[node.input[2]]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.int64)
     return scale, zero.astype(np.float64)
-
-
-def _dequantize(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis: int) -> np.ndarray:
-    values = values.astype(np.float64)
-    if scale.ndim == 1 and values.ndim > 1:
-        shape = [1] * values.ndim
-        shape[axis % values.ndim] = scale.size
-        scale, zero = scale.reshape(shape), zero.reshape(shape)
-    return ((values - zero) * scale).astype(np.float32)
 
 
 def _threshold(scale: np.ndarray, zero: np.ndarray, constants, node) -> float:

@@ -21,13 +21,14 @@ from typing import Optional, Tuple
 import numpy as np
 from onnx import helper, numpy_helper
 
+from pipeline.precision.quantize import dequantize
+
 
 class PatchMeans:
     """Running sums of an op's input patch columns, of x and of DQ(Q(x))."""
 
-    def __init__(self, node, quantizer: Optional[Tuple[np.float32, int, int, int]], kernel: tuple):
-        self.node = node
-        self.attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    def __init__(self, node, attributes: dict, quantizer: Optional[Tuple[np.float32, int, int, int]], kernel: tuple):
+        self.node, self.attributes = node, attributes
         self.quantizer, self.kernel = quantizer, kernel  # (scale, zero point, qmin, qmax); the conv's (kh, kw)
         self.sums: Optional[np.ndarray] = None  # [2, columns]: x, DQ(Q(x))
         self.positions = 0
@@ -48,7 +49,7 @@ class PatchMeans:
         if op.quantizers and quantizer is None:
             return None
         kernel = tuple(op.float_weight.dims[2:]) if op.node.op_type == "Conv" else ()
-        return cls(op.node, quantizer, kernel)
+        return cls(op.node, attributes, quantizer, kernel)
 
     def add(self, activation: np.ndarray) -> None:
         """A batch of the op's fp32 input: its patch sums, and those of DQ(Q(input)), which
@@ -77,12 +78,8 @@ class PatchMeans:
         every output position and sample, and the output positions: the input summed over
         its samples, then over the columns each kernel column visits (one pass for all of
         them at stride 1: a row's total less the few columns at its edges), then over rows."""
-        pads = list(self.attributes.get("pads", [0, 0, 0, 0]))
-        strides = self.attributes.get("strides", [1, 1])
-        dilations = self.attributes.get("dilations", [1, 1])
         size = values.shape[2:]
-        out = [(size[a] + pads[a] + pads[a + 2] - (self.kernel[a] - 1) * dilations[a] - 1) // strides[a] + 1
-               for a in (0, 1)]
+        pads, strides, dilations, out = conv_geometry(self.attributes, self.kernel, size)
         summed = values.sum(axis=0) if values.shape[0] > 1 else values[0]  # [C, H, W]
         whole = summed.sum(axis=2, dtype=np.float64) if strides[1] == 1 else None  # [C, H]
         found = np.zeros((values.shape[1], self.kernel[0], self.kernel[1]))
@@ -99,8 +96,10 @@ class PatchMeans:
         """The per-output-channel mean of fp32 minus quantized output, bias left out."""
         means = self.sums / max(self.positions, 1)
         groups = int(self.attributes.get("group", 1)) if self.kernel else 1
-        shifts = [_applied(weight, self.node, self.attributes, groups) @ part
-                  for weight, part in ((float_weight, means[0]), (quantized_weight, means[1]))]
+        shifts = [np.einsum("gok,gk->go", weight_matrix(weight, self.node.op_type, self.attributes, groups),
+                            part.reshape(groups, -1)).reshape(-1)
+                  for weight, part in ((float_weight.astype(np.float64), means[0]),
+                                       (quantized_weight.astype(np.float64), means[1]))]
         alpha = float(self.attributes.get("alpha", 1.0)) if self.node.op_type == "Gemm" else 1.0
         return alpha * (shifts[0] - shifts[1])
 
@@ -114,21 +113,25 @@ def _visited(start: int, stride: int, count: int, size: int) -> slice:
     return slice(first, min(last, size - 1) + 1, stride)
 
 
-def _applied(weight: np.ndarray, node, attributes: dict, groups: int):
-    """A callable ``@ means`` giving weight applied to the patch-column means per output channel."""
-    if node.op_type == "Conv":
-        matrix = weight.reshape(groups, weight.shape[0] // groups, -1).astype(np.float64)
-        return _Grouped(matrix)
-    transposed = node.op_type == "MatMul" or not attributes.get("transB", 0)
-    return (weight.T if transposed else weight).astype(np.float64)
+def conv_geometry(attributes: dict, kernel, size) -> tuple:
+    """(pads, strides, dilations, output size) of a 2-D convolution of ``kernel`` over an
+    input of ``size`` (H, W)."""
+    pads = list(attributes.get("pads", [0, 0, 0, 0]))
+    strides, dilations = attributes.get("strides", [1, 1]), attributes.get("dilations", [1, 1])
+    out = [(size[a] + pads[a] + pads[a + 2] - (kernel[a] - 1) * dilations[a] - 1) // strides[a] + 1 for a in (0, 1)]
+    return pads, strides, dilations, out
 
 
-class _Grouped:
-    def __init__(self, matrix: np.ndarray):
-        self.matrix = matrix
+def weight_transposed(op_type: str, attributes: dict) -> bool:
+    """The weight stores output channels on its last axis (MatMul, Gemm without transB)."""
+    return op_type == "MatMul" or (op_type == "Gemm" and not attributes.get("transB", 0))
 
-    def __matmul__(self, means: np.ndarray) -> np.ndarray:
-        return np.einsum("gok,gk->go", self.matrix, means.reshape(self.matrix.shape[0], -1)).reshape(-1)
+
+def weight_matrix(weight: np.ndarray, op_type: str, attributes: dict, groups: int = 1) -> np.ndarray:
+    """[groups, outputs per group, patch columns per group] view of an op's weight (a
+    convolution's columns in its (channel, kh, kw) order)."""
+    flat = weight.T if weight_transposed(op_type, attributes) else weight.reshape(weight.shape[0], -1)
+    return flat.reshape(groups, flat.shape[0] // groups, flat.shape[1])
 
 
 def _quantizer(quantizers, constants: dict):
@@ -148,13 +151,8 @@ def _quantizer(quantizers, constants: dict):
 
 def dequantized_weight(weight_dq, constants: dict) -> np.ndarray:
     """The float weight a DequantizeLinear of an initializer gives (per tensor or per axis)."""
-    values = numpy_helper.to_array(constants[weight_dq.input[0]]).astype(np.float64)
-    scale = numpy_helper.to_array(constants[weight_dq.input[1]]).astype(np.float64)
-    zero = numpy_helper.to_array(constants[weight_dq.input[2]]).astype(np.float64) \
-        if len(weight_dq.input) > 2 and weight_dq.input[2] else np.zeros_like(scale)
-    if scale.size > 1:
-        axis = next((helper.get_attribute_value(a) for a in weight_dq.attribute if a.name == "axis"), 1)
-        shape = [1] * values.ndim
-        shape[axis % values.ndim] = scale.size
-        scale, zero = scale.reshape(shape), zero.reshape(shape)
-    return (values - zero) * scale
+    values, scale = (numpy_helper.to_array(constants[name]) for name in weight_dq.input[:2])
+    zero = numpy_helper.to_array(constants[weight_dq.input[2]]) if len(weight_dq.input) > 2 and weight_dq.input[2] \
+        else np.zeros_like(scale)
+    axis = next((helper.get_attribute_value(a) for a in weight_dq.attribute if a.name == "axis"), 1)
+    return dequantize(values, scale, zero, axis)

@@ -26,7 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.precision.calibration import bias_correction
-from pipeline.precision.calibration.input_means import PatchMeans
+from pipeline.precision.calibration.input_means import PatchMeans, conv_geometry, weight_matrix, weight_transposed
 from pipeline.precision.calibration.statistics import BatchRunner
 from pipeline.console import progress_bar
 from pipeline.data import pack
@@ -68,15 +68,9 @@ class _Layer:
         self.hessian: Optional[np.ndarray] = None
         self.rows = 0
 
-    @property
-    def transposed(self) -> bool:
-        """The weight stores output channels on its last axis (MatMul, Gemm without transB)."""
-        return self.node.op_type == "MatMul" or (self.node.op_type == "Gemm" and not self.attributes.get("transB", 0))
-
     def matrix(self, weight: np.ndarray) -> np.ndarray:
         """[groups, out per group, in per group] view of a weight."""
-        flat = weight.T if self.transposed else weight.reshape(weight.shape[0], -1)
-        return flat.reshape(self.groups, flat.shape[0] // self.groups, flat.shape[1])
+        return weight_matrix(weight, self.node.op_type, self.attributes, self.groups)
 
     def row_scales(self) -> np.ndarray:
         channels = self.matrix(self.float_weight).shape[1] * self.groups
@@ -109,7 +103,8 @@ class _Layer:
         limits = np.abs(self.matrix(self.int8.astype(np.int64))).max(axis=2)
         chosen = compensated_rounding(weights, scales, limits, self.hessian)
         flat = chosen.reshape(-1, chosen.shape[2])
-        return (flat.T if self.transposed else flat).reshape(self.int8.shape).astype(self.int8.dtype)
+        transposed = weight_transposed(self.node.op_type, self.attributes)
+        return (flat.T if transposed else flat).reshape(self.int8.shape).astype(self.int8.dtype)
 
 
 def _strided(rows: np.ndarray, limit: int) -> np.ndarray:
@@ -126,11 +121,8 @@ def _conv_columns(sample: np.ndarray, attributes: dict, weight_shape, groups: in
     kernel = weight_shape[2:]
     if len(kernel) != 2:
         raise ValueError(f"{len(kernel)}-D convolution")
-    pads = attributes.get("pads", [0, 0, 0, 0])
-    strides, dilations = attributes.get("strides", [1, 1]), attributes.get("dilations", [1, 1])
+    pads, strides, dilations, out = conv_geometry(attributes, kernel, sample.shape[2:])
     padded = np.pad(sample[0], ((0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-    extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    out = [(padded.shape[1 + axis] - extent[axis]) // strides[axis] + 1 for axis in (0, 1)]
     every = max(1, int(np.ceil(np.sqrt(out[0] * out[1] / rows))))
     steps = [strides[0] * every, strides[1] * every]
     stop = [(o - 1) * s + 1 for o, s in zip(out, strides)]
