@@ -49,17 +49,6 @@ def scale_and_zero_point(entry: dict, activations: str) -> Tuple[np.float32, int
     return np.float32(scale), zero
 
 
-def dequantize(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis: int = 1) -> np.ndarray:
-    """What DequantizeLinear gives for ``values`` (float64): per tensor, or per ``axis`` where
-    ``scale`` holds one value per channel."""
-    values, scale, zero = (np.asarray(a, dtype=np.float64) for a in (values, scale, zero))
-    if scale.size > 1 and values.ndim > 1:
-        shape = [1] * values.ndim
-        shape[axis % values.ndim] = scale.size
-        scale, zero = scale.reshape(shape), zero.reshape(shape)
-    return (values - zero) * scale
-
-
 def ort_tensors_data(table: Dict[str, dict], activations: str):
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
 

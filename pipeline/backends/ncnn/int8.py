@@ -60,7 +60,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from pipeline.precision.quantize import dequantize
+from pipeline.precision.calibration.input_means import dequantize
 
 from pipeline.backends.ncnn.int8_format import (
     ACTIVATION_PARAM, ACTIVATION_PARAMS, DYNAMIC_WEIGHT_PARAM, FLT_MAX, FP32_TAG, INT8_LAYERS, INT8_MAX,

@@ -21,8 +21,6 @@ from typing import Optional, Tuple
 import numpy as np
 from onnx import helper, numpy_helper
 
-from pipeline.precision.quantize import dequantize
-
 
 class PatchMeans:
     """Running sums of an op's input patch columns, of x and of DQ(Q(x))."""
@@ -156,3 +154,14 @@ def dequantized_weight(weight_dq, constants: dict) -> np.ndarray:
         else np.zeros_like(scale)
     axis = next((helper.get_attribute_value(a) for a in weight_dq.attribute if a.name == "axis"), 1)
     return dequantize(values, scale, zero, axis)
+
+
+def dequantize(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis: int = 1) -> np.ndarray:
+    """What DequantizeLinear gives for ``values`` (float64): per tensor, or per ``axis`` where
+    ``scale`` holds one value per channel."""
+    values, scale, zero = (np.asarray(a, dtype=np.float64) for a in (values, scale, zero))
+    if scale.size > 1 and values.ndim > 1:
+        shape = [1] * values.ndim
+        shape[axis % values.ndim] = scale.size
+        scale, zero = scale.reshape(shape), zero.reshape(shape)
+    return (values - zero) * scale
