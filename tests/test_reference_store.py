@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import time
 
 import numpy as np
 
@@ -98,6 +100,18 @@ def test_ahead_fills_in_a_low_priority_process_and_stops_when_asked(tmp_path):
     early = Ahead(stopped, REFERENCE, tmp_path, SETTINGS, data, inputs)
     early.stop()  # at once: whatever it stored is whole
     assert all(stopped.get(index) is not None for index in range(6) if stopped.has(index))
+
+
+def test_stopping_a_starved_process_waits_about_one_reference_run(tmp_path):
+    """A process ahead that gets no CPU (here: stopped by a signal; on a loaded machine: nice
+    19) is killed after about one reference run, not after STOP_S."""
+    data, inputs = _data(tmp_path)
+    ahead = Ahead(ReferenceStore(tmp_path / "store"), REFERENCE, tmp_path, SETTINGS, data, inputs)
+    os.kill(ahead._process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    ahead.stop(run_s=0.2)
+    assert time.monotonic() - started < reference_store.STOP_MARGIN_S + 3.0 < reference_store.STOP_S
+    assert ahead._process is None
 
 
 def _niceness_after_lowering(path: str) -> None:

@@ -233,7 +233,7 @@ def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceA
         tried[precision] = {**_row(precision, built), **timed, "verdict": UNVERIFIED, "deferred": True}
         budget.deferred.add(precision)
         return
-    ahead.stop()  # from here verify runs the reference itself where the store has no answer
+    ahead.stop(budget.run_s())  # from here verify runs the reference itself where the store has no answer
     tried[precision] = _verified_row(precision, found, folder, budget, timed or {})
 
 

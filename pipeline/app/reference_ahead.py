@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Optional
 
 from pipeline.app.runner import RunOutcome
 from pipeline.console import PROGRESS
@@ -47,7 +48,8 @@ class ReferenceAhead:
             return
         self.running = Ahead(store, REFERENCE_MODULE, convert.out_dir, settings, checked.data, inputs)
 
-    def stop(self) -> None:
+    def stop(self, run_s: Optional[float] = None) -> None:
+        """``run_s``: one reference run's estimated seconds (the budget's probe), else None."""
         if self.running is not None:
-            self.running.stop()
+            self.running.stop(run_s)
             self.running = None

@@ -31,7 +31,12 @@ from pipeline.artifacts import atomic_write_bytes, hash_files, sha256_json, writ
 log = logging.getLogger("parity")
 MAX_BYTES = 512 << 20  # of outputs kept per model and data
 FOLDER = "reference"  # in the stage cache
-STOP_S = 30.0  # how long stopping waits for the sample in progress before it kills the process
+# how long stopping waits for the sample in progress before it kills the process: about one
+# reference run where the caller knows it (verify would run that sample live in as long, so a
+# longer wait cannot pay: on a loaded machine the nice-19 process starves, and a 2x slowed
+# segmenter job waited out the whole 30 s), else STOP_S
+STOP_S = 30.0
+STOP_RUNS, STOP_MARGIN_S = 1.5, 1.0
 
 
 def store_key(convert_hashes: dict, data_cfg, data_files: List[Path], settings: dict) -> str:
@@ -157,11 +162,12 @@ class Ahead:
         self._process = start_process(fill, (str(store.folder), module, str(artifact_dir), settings, data_cfg,
                                              list(inputs), self._stop), "parity-reference-ahead")
 
-    def stop(self) -> None:
+    def stop(self, run_s: Optional[float] = None) -> None:
+        """``run_s``: one reference run's seconds where known (the wait is sized to it)."""
         if self._process is None:
             return
         self._stop.set()
-        self._process.join(STOP_S)
+        self._process.join(STOP_S if run_s is None else min(STOP_S, STOP_MARGIN_S + STOP_RUNS * run_s))
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
