@@ -205,6 +205,19 @@ def test_a_first_look_of_single_runs_is_not_fitted_and_warms_up_once():
     assert all(worker.calls[0]["warmup"] == 0 for worker in warm.values())
 
 
+def test_a_first_look_decides_a_far_slower_and_a_clearly_faster_candidate_only():
+    """The screening stops at its first look where the candidate is under FAR_SLOWER x fp32
+    or at least CLEARLY_FASTER x in its single runs; in between it takes its rounds."""
+    from pipeline.app import screening
+
+    def look(candidate_ms):
+        workers = {"fp32": Scripted(lambda i: 200.0), "candidate": Scripted(lambda i: candidate_ms)}
+        return screening._decided_at_first_look(speed.interleaved(workers, {}, rounds=3, runs=1, max_seconds=0.0))
+
+    assert look(900.0) and look(100.0)  # 0.22x, 2x
+    assert not look(200.0) and not look(180.0) and not look(300.0)  # 1x, 1.11x, 0.67x
+
+
 def test_the_time_budget_bounds_the_longer_rounds(monkeypatch):
     """A budget already spent: three rounds, and no longer rounds however wide the spread."""
     ticks = itertools.count()

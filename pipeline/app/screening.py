@@ -29,6 +29,10 @@ SCREEN_SLOWER = 0.8
 # int8 at 1.6 s a run: 4 of its runs instead of the 10 a fitted warm-up asked, 18 -> 8 s)
 FIRST_LOOK = {"rounds": 3, "runs": 1, "max_seconds": 0.0, "round_ms": 0.0, "tight": None}
 FAR_SLOWER = 0.5
+# ... and one faster than CLEARLY_FASTER x fp32 in them (p25) is decided too: it is far from
+# SCREEN_SLOWER, and its verify times it again if it passes (the segmenter's int8 and mixed:
+# about 3 s of screening rounds each, twice that on a 2x slower machine)
+CLEARLY_FASTER = 1.25
 SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
 SLOWER = "slower than fp32"
 
@@ -71,7 +75,7 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> Tuple[dict,
     def produce(folder: Path) -> None:
         job_step("timing against fp32")
         found = time_builds({REFERENCE: fp32, "candidate": built}, checked, one_sample_only=True,
-                             first_look=_far_slower, rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
+                             first_look=_decided_at_first_look, rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
         write_json(folder / "timings.json", {"timings": found[0], "timed_on": found[1]} if found else {})
 
     material = {"format": 2, "builds": [artifact(fp32), artifact(built)], "threads": checked.target.threads,
@@ -82,10 +86,10 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> Tuple[dict,
     return found.get("timings", {}), found.get("timed_on", "")
 
 
-def _far_slower(timings: dict) -> bool:
-    """A first look already shows the candidate far slower than fp32 in every round."""
+def _decided_at_first_look(timings: dict) -> bool:
+    """A first look already shows the candidate far slower than fp32, or clearly faster."""
     up = speed.speedups(timings).get("candidate")
-    return up is not None and up["speedup_p75"] < FAR_SLOWER
+    return up is not None and (up["speedup_p75"] < FAR_SLOWER or up["speedup_p25"] >= CLEARLY_FASTER)
 
 
 def time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool = False,
