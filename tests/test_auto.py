@@ -200,7 +200,8 @@ def _row(precision, median, p25, p75, size, verdict="pass"):
 
 
 def test_bf16_waits_for_the_int8_candidates_and_is_not_verified_once_one_passes_faster():
-    from pipeline.app.auto import _deferrable, _settle_deferred
+    from pipeline.app.auto import _settle_deferred
+    from pipeline.app.candidate_order import deferrable as _deferrable
     from pipeline.app.budget import Budget
 
     assert _deferrable(["fp32", "bf16", "int8", "mixed"]) == {"bf16"}

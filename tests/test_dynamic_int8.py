@@ -124,6 +124,21 @@ def test_auto_tries_dynamic_int8_where_the_backend_declares_it():
         auto.candidates(validate(composed(*BERT, "data.path=x", "precision.activation_ranges=dynamic")))
 
 
+def test_auto_tries_dynamic_int8_last_on_a_convolutional_network():
+    """ConvInteger runs 0.15-0.37x fp32: on a network of convolutions int8_dynamic comes after
+    mixed, where the budget may cut it; on the MatMul network it stays right after int8."""
+    from pipeline.app.candidate_order import ordered
+
+    wanted = ["int8", "int8_dynamic", "mixed"]
+    assert ordered(wanted, composed(*BERT, "data.path=x", "precision=auto")) == ["fp32", *wanted]
+    segmenter = REPO / "pipeline" / "assets" / "segmenter.onnx"
+    convolutional = composed(f"model.path={segmenter}", "metric=none", "data.path=x", "precision=auto")
+    assert ordered(wanted, convolutional) == ["fp32", "int8", "mixed", "int8_dynamic"]
+    assert ordered(["mixed", "int8_dynamic", "int8"], convolutional) == ["fp32", "int8", "mixed", "int8_dynamic"]
+    unreadable = composed("model.path=/nonexistent.onnx", "metric=none", "data.path=x", "precision=auto")
+    assert ordered(wanted, unreadable) == ["fp32", *wanted]  # convert says what is wrong with it
+
+
 def test_auto_lists_static_and_dynamic_int8(tiny_bert_tensors, tmp_path):
     done = run_cli([*BERT, f"data.path={tiny_bert_tensors}", "precision=auto",
                     "precision.candidates=[fp32,int8,int8_dynamic]"], tmp_path, default_precision=None)

@@ -44,8 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-import conf
-from pipeline import backends, deadline
+from pipeline import deadline
 from pipeline.backends.protocol import memory_mode
 from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
@@ -53,6 +52,7 @@ from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
 from pipeline.app.budget import CUT, Budget
+from pipeline.app.candidate_order import PRECISION_FILES, candidates, deferrable, ordered
 from pipeline.app.reference_ahead import ReferenceAhead
 from pipeline.app.runner import RunOutcome, run_pipeline
 from pipeline.app.screening import SLOWER, artifact, screened, time_builds
@@ -61,39 +61,10 @@ from pipeline.console import PROGRESS, job_phase
 
 log = logging.getLogger("parity")
 progress_log = logging.getLogger(PROGRESS)  # parity.log's record of the candidates (pipeline/console.py)
-PRECISION_FILES = Path(conf.__file__).parent / "precision"
 REFERENCE = kinds.REFERENCE  # fp32: every candidate's speed reference, built always, verified when it could ship
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
 AUTO_ONLY = ("name", "candidates", "budget_s", "screen")  # precision keys of auto itself, not of its candidates
 NOT_BUILT = "not built"
-
-
-def candidates(run_cfg) -> List[str]:
-    """precision.candidates, or the backend's declared auto_candidates (those it builds on
-    this CPU), with int8_dynamic right after int8 where the backend declares dynamic_int8."""
-    backend = backends.spec(run_cfg.target.backend.value)
-    if run_cfg.precision.activation_ranges.value == "dynamic":
-        raise ConfigError(f"precision.activation_ranges=dynamic: precision=auto tries static and dynamic int8 itself "
-                          "(candidates int8 and int8_dynamic); choose among them with precision.candidates")
-    dynamic = [kinds.dynamic_variant(p) for p in backend.CAPABILITIES.precisions if kinds.dynamic_variant(p)] \
-        if backend.CAPABILITIES.dynamic_int8 else []  # int8_dynamic
-    if run_cfg.precision.candidates:
-        wanted = list(run_cfg.precision.candidates)
-        allowed = [*backend.CAPABILITIES.precisions, *dynamic]
-        unknown = [p for p in wanted if p not in allowed]
-        if unknown:
-            raise ConfigError(f"precision.candidates: target {run_cfg.target.name} cannot build {unknown[0]!r}; "
-                              f"allowed: {', '.join(allowed)}")
-        return wanted
-    from pipeline.environment import kernel_flags
-
-    wanted = list(backend.CAPABILITIES.auto_candidates)
-    if run_cfg.target.device.upper() == "CPU":  # bf16 only where the kernels compute it (elsewhere it is emulated)
-        wanted = [p for p in wanted if not kinds.emulated(p, kernel_flags(backend.NAME))]
-    for variant in dynamic:  # right after static int8
-        if kinds.config_name(variant) in wanted:
-            wanted.insert(wanted.index(kinds.config_name(variant)) + 1, variant)
-    return wanted
 
 
 def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
@@ -154,8 +125,8 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
     (into ``found``: tried, configs, outcomes by precision), while the budget lasts; each
     row says how many seconds its candidate took."""
     tried = found[0]
-    order = _in_order(_with_reference(requested))
-    budget.deferrable = _deferrable(order)
+    order = ordered(requested, cfg)
+    budget.deferrable = deferrable(order)
     for number, precision in enumerate(order, 1):
         started = time.monotonic()
         estimate = budget.estimate(precision) if precision != REFERENCE else None
@@ -276,16 +247,6 @@ def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
 
 
 # verified after the int8 candidates that follow it, and only where none of them passes faster:
-# bf16 runs only on CPUs whose int8 has VNNI or AMX, where int8 mostly runs faster (PP-OCRv4
-# rec on openvino_cpu: bf16 1.54x fp32 and failing, int8 1.95x passing; bf16's verify took 14 s)
-DEFERRED = ("bf16",)
-
-
-def _deferrable(order: List[str]) -> set:
-    """The candidates of DEFERRED with a quantized candidate after them in ``order``."""
-    return {p for i, p in enumerate(order) if p in DEFERRED and any(kinds.quantized(q) for q in order[i + 1:])}
-
-
 def _settle_deferred(tried: Dict[str, dict], budget: Budget) -> None:
     """A deferred candidate that a passing one outruns (its screening's p75 speed-up under
     the passing one's p25) cannot ship: it stays not verified, and its verify is no longer
@@ -383,21 +344,7 @@ def _candidate_stages(checked):
     return staged
 
 
-def _in_order(wanted: List[str]) -> List[str]:
-    """mixed after int8: it is built only when int8 fails."""
-    for part in [p for p in wanted if kinds.partial_of(p) in wanted]:
-        if wanted.index(part) < wanted.index(kinds.partial_of(part)):
-            wanted = [p for p in wanted if p != part]
-            wanted.insert(wanted.index(kinds.partial_of(part)) + 1, part)
-    return wanted
-
-
 UNVERIFIED = "not verified"
-
-
-def _with_reference(wanted: List[str]) -> List[str]:
-    """fp32 is always built: the speed-ups are against it (not shipped unless a candidate)."""
-    return wanted if REFERENCE in wanted else [REFERENCE, *wanted]
 
 
 def _row(precision: str, outcome: RunOutcome) -> dict:
