@@ -102,25 +102,24 @@ def run(ctx: StageContext) -> StageResult:
                "select": cfg.sensitivity.select.value, "placement": _settings(cfg).describe(),
                "measured_on": measured_on(cfg), "expected_cos": measure.goal[0], "max_drop": measure.goal[1],
                "always_float": measure.always_float}
-    why = measure.no_time("the mixed search's measure of plain int8")
-    if why is not None:  # the int8 build, said so; not cached
-        summary.update({"skipped": why, "cut": why})
-        return _write(ctx, table, [], [], summary, cache=False)
-    try:
-        plain = measure(table, [])
-    except QuantizerFailed as err:
-        raise err.with_run(ctx)
-    summary.update({"int8": plain, "refined": measure.refinements})
-    if cfg.sensitivity.select.value == "target" and measure.meets(plain):
+    known = cfg.sensitivity.int8_failed  # precision=auto's int8 candidate failed its verify: not measured again
+    if known:
+        summary["int8"] = {**known, "from": "the int8 candidate's verify"}
+    plain = None if known else _plain(ctx, measure, table, summary)
+    if plain is not None and cfg.sensitivity.select.value == "target" and measure.meets(plain):
         summary["skipped"] = "plain int8 already meets the target"
         return _write(ctx, table, [], [], summary)
     started = time.perf_counter()
     ops = search.quantizable_ops(prepared, candidates, _settings(cfg).quantize_ops)
     heads = _heads_first(cfg, measure, table, prepared, ops, summary)
+    summary["refined"] = measure.refinements
     if heads:
         summary.update({"float_ops": heads, "trials": 0, "measured": 0,
                         "seconds": {"heads_first": round(time.perf_counter() - started, 2)}})
         return _write(ctx, table, heads, [], summary, cache="cut" not in summary)
+    plain = plain or _plain(ctx, measure, table, summary)
+    if plain is None:  # the int8 build, said so; not cached
+        return _write(ctx, table, [], [], summary, cache=False)
     ranked = _ranked_in_time(cfg, prepared, candidates, (feeds, labels, count), len(ops), measure, summary)
     if ranked is None:  # the int8 build, said so; not cached (a job with more time searches)
         return _write(ctx, table, [], [], summary, cache=False)
@@ -141,6 +140,21 @@ def run(ctx: StageContext) -> StageResult:
                               f"with {len(float_ops)} float ops ("
                               f"{'precision.budget_s' if 'cut' in summary else 'sensitivity.max_float_ops'})")
     return _write(ctx, best_table, float_ops, trials, summary, cache="cut" not in summary)
+
+
+def _plain(ctx: StageContext, measure: "_MixedMeasure", table, summary: dict) -> Optional[dict]:
+    """Plain int8's measure (into ``summary``), or None where the deadline leaves no time for it
+    (``summary`` says so)."""
+    why = measure.no_time("the mixed search's measure of plain int8")
+    if why is not None:
+        summary.update({"skipped": why, "cut": why})
+        return None
+    try:
+        plain = measure(table, [])
+    except QuantizerFailed as err:
+        raise err.with_run(ctx)
+    summary.update({"int8": plain, "refined": measure.refinements})
+    return plain
 
 
 def _base_table(measure: "_MixedMeasure", prepared, calibrated: tuple, candidates, ranking: List[dict],

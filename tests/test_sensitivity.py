@@ -338,6 +338,41 @@ def test_a_mixed_job_whose_heads_are_not_enough_runs_the_search_after_them(tmp_p
     assert "input stems in float (2 ops, sensitivity.heads_first)" in (run_dir / "report.md").read_text()
 
 
+def test_a_search_told_that_int8_fails_goes_to_the_heads_without_measuring_it(tmp_path):
+    """sensitivity.int8_failed (precision=auto: its int8 candidate's verify of the same build):
+    the search takes those figures for plain int8 and measures the heads first. The target is
+    set at cosine 0.7, which plain int8 (0.71) would meet here had it been measured: the
+    search trusts the verify that failed it, and the heads (0.78) are the selection."""
+    model = fragile_model(tmp_path / "fragile.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "calibration=max",
+                      "precision.equalization=false", "sensitivity.expected_cos=0.7",
+                      "+sensitivity.int8_failed.cosine=0.5"], tmp_path)
+    assert result.returncode == 3, result.stdout + result.stderr  # verify's own 0.995 fails the heads' 0.78
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    assert summary["int8"] == {"cosine": 0.5, "from": "the int8 candidate's verify"}, summary
+    assert summary["heads_first"]["met"] and summary["float_ops"] == ["conv3"], summary
+    assert "a measure with 0 ops float" not in (run_dir / "parity.log").read_text()
+
+
+def test_auto_tells_mixed_that_int8_failed_only_where_it_failed_on_accuracy():
+    from omegaconf import OmegaConf
+
+    from pipeline.app.auto import _known_failing_whole
+
+    def told(checks, verdict="fail", user=None):
+        raw = OmegaConf.create({"sensitivity": {"int8_failed": user or {}}})
+        row = {"verdict": verdict, "metric_drop": 0.0186, "cosine": 0.9998}
+        outcome = SimpleNamespace(verify=SimpleNamespace(checks=[{"check": c, "severity": "fail"} for c in checks]))
+        _known_failing_whole(raw, "mixed", ({"int8": row}, {}, {"int8": outcome}))
+        return OmegaConf.to_container(raw.sensitivity.int8_failed)
+
+    assert told(["task"]) == {"metric_drop": 0.0186, "cosine": 0.9998}
+    assert told(["accuracy", "task"]) == {"metric_drop": 0.0186, "cosine": 0.9998}
+    assert told(["task", "memory"]) == {} and told(["float_fallback"]) == {} and told([], "pass") == {}
+    assert told(["task"], user={"cosine": 0.1}) == {"cosine": 0.1}  # the user's own stands
+
+
 def test_the_search_reads_the_reference_answers_verify_stored(tmp_path):
     """The mixed search's fp32 outputs come from verify's reference store where it holds every
     validation sample (precision=auto fills it during int8's candidate): stacked as the

@@ -387,6 +387,10 @@ class SensitivityConfig:
     # weighted ops a graph output reads through at most two others); where that meets the
     # target it is the selection, and no ranking is paid for (docs/sensitivity.md)
     heads_first: bool = True
+    # plain int8's figures where its build is known to fail on accuracy ({metric_drop, cosine}):
+    # the search does not measure it again before heads first. precision=auto sets it on its
+    # mixed candidate from the int8 candidate's verify of the same build; {}: measured here
+    int8_failed: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
