@@ -218,9 +218,15 @@ def _verified_row(precision: str, found: tuple, folder: Path, budget: Budget, ti
     outcomes[precision], configs[precision] = _verified(configs[precision], folder)
     seconds = sum(r["seconds"] for r in outcomes[precision].records if r["stage"] == "verify")
     untimed = ((outcomes[precision].verify or VerifySummary()).speed or {}).get("not_timed") is not None
-    budget.verified(seconds, (timing.get("speedup") or {}).get("speedup") if precision != REFERENCE else None,
+    budget.verified(seconds, _fp32_run_s(timing) if precision != REFERENCE else None,
                     timing_left_out=configs[precision][1].validation.timing_max_seconds if untimed else 0.0)
     return {**_row(precision, outcomes[precision]), **timing, "target_memory": _memory(configs[precision])}
+
+
+def _fp32_run_s(timing: dict) -> Optional[float]:
+    """fp32's run on the target in a candidate's screening: the candidate's median x its speed-up."""
+    median, up = (timing.get("latency") or {}).get("median_ms"), (timing.get("speedup") or {}).get("speedup")
+    return median * up / 1000.0 if median and up else None
 
 
 def _verified_late(precision: str, found: tuple, run_dir: Path, budget: Budget) -> None:
@@ -311,7 +317,8 @@ def _probe(budget: Budget, built: RunOutcome, checked) -> None:
         quantized = sum(node.op_type in set(checked.precision.quantize_ops) for node in model.graph.node)
         counts = {"calibration": len(dataset.calibration), "validation": len(dataset.validation),
                   "sensitivity": checked.sensitivity.samples, "quantized_ops": quantized,
-                  "heads_first": checked.sensitivity.heads_first and checked.sensitivity.select.value == "target"}
+                  "heads_first": checked.sensitivity.heads_first and checked.sensitivity.select.value == "target",
+                  "timing_s": checked.validation.timing_max_seconds}
         budget.probe(convert.path("model"), first.feeds, checked.target.threads, counts)
     except Exception as err:  # noqa: BLE001 - no estimates then: candidates start while time is left
         log.info("precision=auto: no cost estimates (the probe failed: %s)", first_line(err))

@@ -5,7 +5,8 @@ Before a candidate starts, its cost is estimated from a probe: one validation sa
 run time on ONNX Runtime (what calibration, the search and the reference run on) times the
 model runs the candidate makes, counted per calibration sample and per validation sample
 (COST_RUNS). A candidate whose estimate does not fit in what is left, less what fp32's verify
-would need should it ship (at least as long as the slowest candidate's verify so far), is
+would need should it ship (its answers at the speed a screening timed fp32 at, the
+reference's until a verify stored them, its timing), is
 not started; its row says what it would have cost. Inside a
 started candidate the steps that refine or search are cut the same way (pipeline/deadline.py). After each candidate the estimate is compared with what
 it took, and later estimates are scaled by the ratio seen so far (a machine, a backend or a
@@ -19,12 +20,17 @@ sized to the model"): 159 s at a 257 ms probe on a VNNI AMD EPYC, against 45 run
 (51 on an AVX2 AMD EPYC, 41 on an Intel Xeon with AMX). Since bias correction reads
 weight rounding's pass and a failing candidate's verify leaves its timing out, 84 s at a
 236 ms probe there: calibrate 14.3 runs a calibration sample, the refinements 4.2, the
-screening and verify 1.6 a validation sample; the counts are those with the AVX2 EPYC's
-15 % more (17, 5; 3 a validation sample, a passing build's timing included); the mixed search about one run of
-half the graph per quantized op and ranking sample, and 2 log2(ops) whole-model passes over
-the validation set to select; with sensitivity.heads_first, three whole-model passes (plain
-int8, the output heads float, the heads and input stems float) before a ranking the deadline
-cuts where it does not fit.
+screening and verify 1.6 a validation sample. Since the screening's first look decides a
+candidate clearly faster than fp32 (the thirteenth session), 91 s at 283 ms: calibrate 13.4,
+the refinements 4.3, screening and verify 1.0; the counts are those with about 15 % more
+(16, 5; 1.2 a validation sample), and a verify that may pass adds its timing
+(validation.timing_max_seconds with its warm-up). The mixed search: about one run of half
+the graph per quantized op and ranking sample, and 2 log2(ops) whole-model passes over the
+validation set to select; with sensitivity.heads_first, three whole-model passes (plain
+int8, the output heads float, the heads and input stems float; plain int8 is not measured
+again after int8's candidate failed) before a ranking the deadline cuts where it does not
+fit; then its build, screening and verify, 2 runs a validation sample besides its timing
+(the segmenter's: 1.5).
 mixed reuses int8's calibration and refined all-int8 model where int8's candidate ran (its
 build inherits those refinements: docs/sensitivity.md), else pays for its own."""
 
@@ -38,12 +44,17 @@ from typing import Dict, Optional
 from pipeline.precision import kinds
 
 CUT = "cut by the budget"
-CALIBRATE_RUNS = 17.0  # a calibration sample's runs in calibrate (statistics, auto's tables, equalization)
+CALIBRATE_RUNS = 16.0  # a calibration sample's runs in calibrate (statistics, auto's tables, equalization)
 REFINE_RUNS = 5.0  # ... in the build's weight rounding and bias correction
-# model runs a candidate costs: (per calibration sample, per validation sample); int8's verify
-# times the build only where it passes (validation.time_failing=false for auto's candidates)
-COST_RUNS = {"int8": (CALIBRATE_RUNS + REFINE_RUNS, 3.0), "int8_dynamic": (0.0, 4.0)}
+# model runs a candidate costs: (per calibration sample, per validation sample); a verify
+# that may pass times its build on top (timing_s: it lasts seconds, not runs)
+COST_RUNS = {"int8": (CALIBRATE_RUNS + REFINE_RUNS, 1.2), "int8_dynamic": (0.0, 4.0)}
 VERIFY_RUNS = 4.0  # any other candidate: verified against the reference (fp16, bf16, ...)
+MIXED_RUNS = 2.0  # mixed after its search, a validation sample's runs: its build, screening and verify
+# fp32's verify: its own answers, and the reference's until a candidate's verify stored them;
+# its timing; worker starts, the memory reading, the float64 check (the segmenter: 26 s with
+# the answers stored, 42 s without, at a 283 ms probe and a 10 s timing_max_seconds)
+FP32_FIXED_S = 6.0
 # after the candidates, whichever ships: its profile (3 warm-up and up to 20 profiled runs, at
 # most profile.max_seconds=5) and its bundle, reports and worker starts (PP-OCRv4 det at 736:
 # profile 5.4 s, package 1.6 s, the shipped run's cached stages 2.1 s)
@@ -62,7 +73,8 @@ class Budget:
         self.ratios: list = []  # what each estimated candidate took / its estimate
         self.ran: set = set()  # candidates started and not cut (int8: mixed reuses its calibration)
         self.verify_s = 0.0  # the slowest candidate's verify so far: what another's would take at least
-        self.fp32_verify_s = 0.0  # ... and fp32's, its target as much slower as the candidate was faster
+        self.stored = False  # a candidate's verify stored the reference's answers: fp32's does not run them
+        self.fp32_run_s: Optional[float] = None  # fp32's run on the target, as a screening timed it
         self.passed = False  # a candidate other than fp32 passed: fp32 cannot ship, its verify needs no time
         self.deferrable: set = set()  # candidates verified after the int8 ones (auto.DEFERRED) ...
         self.deferred: set = set()  # ... built and screened, their verify still to come: set aside
@@ -97,18 +109,24 @@ class Budget:
         per_calibration, per_validation = COST_RUNS.get(precision, (0.0, VERIFY_RUNS))
         runs = per_calibration * calibration + per_validation * validation
         if kinds.searched(precision):  # mixed: the search, a build, a verify
-            runs = self._search_runs() + VERIFY_RUNS * validation
+            runs = self._search_runs(kinds.partial_of(precision) in self.ran) + MIXED_RUNS * validation
             if kinds.partial_of(precision) not in self.ran:  # else int8's calibration and refinements are cached
                 runs += (CALIBRATE_RUNS + REFINE_RUNS) * calibration
-        return runs * self.probe_s * self.correction()
+        return (runs * self.probe_s + self.timing_s()) * self.correction()
 
-    def _search_runs(self) -> float:
+    def timing_s(self) -> float:
+        """A passing build's timing in its verify: validation.timing_max_seconds and its warm-up."""
+        return TIMING_WARMUP * self.counts.get("timing_s", 0.0)
+
+    def _search_runs(self, whole_ran: bool) -> float:
         """The mixed search's runs: with sensitivity.heads_first, three whole-model passes over
-        the validation set (plain int8, the heads float, the heads and stems float), the ranking after them cut by the
-        deadline where it does not fit; else the per-layer ranking and the selection."""
+        the validation set (plain int8, the heads float, the heads and stems float; two where
+        int8's candidate ran: it failed, and its verify stands for plain int8), the ranking
+        after them cut by the deadline where it does not fit; else the per-layer ranking and
+        the selection."""
         validation = self.counts.get("validation", 0)
         if self.counts.get("heads_first"):
-            return 3.0 * validation
+            return (2.0 if whole_ran else 3.0) * validation
         ops = max(self.counts.get("quantized_ops", 1), 2)
         return 0.5 * ops * self.counts.get("sensitivity", 8) + 2 * math.log2(ops) * validation
 
@@ -147,25 +165,21 @@ class Budget:
         estimate, left = self.estimate(precision), self.left()
         return estimate if estimate is not None and left is not None and estimate > left - self.reserve() else None
 
-    def verified(self, seconds: float, speedup: Optional[float] = None, timing_left_out: float = 0.0) -> None:
-        """A candidate's verify took ``seconds``: fp32's, on the same samples, is set aside as
-        at least as long (PP-OCRv4 det at 736: estimated 25 s from the probe, took 45 s), and
-        as long again as the candidate ran faster than fp32 (``speedup``: its screening's), its
-        target running that much faster in it: openvino_cpu capped to AVX2 on det at 736
-        verified int8 (1.65x) in 21 s, then mixed in 30 s and fp32 in 31 s, and the job ended
-        at 325 s. Another candidate's verify (a deferred one, a started one's own) is set
-        aside as the slowest so far, unscaled: scaled, the segmenter's mixed search on
-        openvino_cpu was cut for a 44 s verify that took 22 s. ``timing_left_out``: the
-        timing a failing candidate's verify left out (validation.time_failing), which
-        another's would add: validation.timing_max_seconds, plus its warm-up (the
-        segmenter's: 11.8 s of 10)."""
-        seconds += TIMING_WARMUP * timing_left_out
-        self.verify_s = max(self.verify_s, seconds)
-        self.fp32_verify_s = max(self.fp32_verify_s, seconds * max(1.0, speedup or 1.0))
+    def verified(self, seconds: float, fp32_run_s: Optional[float] = None, timing_left_out: float = 0.0) -> None:
+        """A candidate's verify took ``seconds``; it stored the reference's answers, which
+        fp32's verify then reads. ``fp32_run_s``: fp32's run on the target as the candidate's
+        screening timed it (what fp32's verify runs its samples at; else the probe: capped to
+        AVX2, OpenVINO's fp32 ran det 736 slower than ONNX Runtime's probe). Another
+        candidate's verify (a deferred one, a started one's own) is set aside as the slowest
+        so far. ``timing_left_out``: the timing a failing candidate's verify left out
+        (validation.time_failing), which another's would add: validation.timing_max_seconds,
+        plus its warm-up (the segmenter's: 11.8 s of 10)."""
+        self.verify_s = max(self.verify_s, seconds + TIMING_WARMUP * timing_left_out)
+        self.stored = True
+        self.fp32_run_s = max(self.fp32_run_s or 0.0, fp32_run_s or 0.0) or None
 
     def reserve(self) -> float:
-        """The seconds set aside for after the candidates: fp32's verify, should it ship (the
-        probe's estimate, or the slowest candidate's verify so far where that is longer; none
+        """The seconds set aside for after the candidates: fp32's verify, should it ship (none
         once another candidate passed), each deferred candidate's verify, and the shipped
         build's profile and package."""
         verify = (0.0 if self.passed else self.verify_estimate(fp32=True)) + len(self.deferred) * self.verify_estimate()
@@ -173,10 +187,16 @@ class Budget:
         return verify + profile + CLOSING_S
 
     def verify_estimate(self, fp32: bool = False) -> float:
-        """One verify of the validation set: 4 runs a sample, or the slowest verify so far
-        (``fp32``: fp32's, scaled by the verified candidates' speed-ups)."""
-        measured = self.fp32_verify_s if fp32 else self.verify_s
-        return max(VERIFY_RUNS * self.counts.get("validation", 0) * (self.run_s() or 0.0), measured)
+        """One verify of the validation set: 4 runs a sample, or the slowest verify so far;
+        ``fp32``: fp32's answers (and the reference's until a verify stored them), its timing
+        and FP32_FIXED_S."""
+        run_s, validation = self.run_s() or 0.0, self.counts.get("validation", 0)
+        if not fp32:
+            return max(VERIFY_RUNS * validation * run_s, self.verify_s)
+        if self.probe_s is None:
+            return 0.0
+        own = self.fp32_run_s or run_s
+        return validation * (own + (0.0 if self.stored else run_s)) + self.timing_s() + FP32_FIXED_S
 
     def deadline(self, own_verify: bool = False) -> Optional[float]:
         """When a started candidate's steps must be done (time.monotonic()), or None;
