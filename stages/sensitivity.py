@@ -129,7 +129,7 @@ def run(ctx: StageContext) -> StageResult:
     float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
     summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
                     "measured": sum(t.loss is not None for t in trials),
-                    "float_op_details": _float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
+                    "float_op_details": search.float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
     final = [p for p in curve if not p.get("kept")]
     summary["mixed"] = final[-1] if final else plain
     if deadline.passed() or measure.stopped:
@@ -164,7 +164,7 @@ def _base_table(measure: "_MixedMeasure", prepared, calibrated: tuple, candidate
     can do worse: measured on PP-OCR) or where the deadline leaves no time to measure it.
     ``calibrated``: (calibrate's table, its measure)."""
     table, measured = calibrated
-    best_table = _best_method_table(prepared, table, candidates, ranking)
+    best_table = search.best_method_table(prepared, table, candidates, ranking)
     why = measure.no_time("the mixed search's measure of the per-op methods' table")
     combined = measure(best_table, []) if why is None else {"cut": why}
     summary["per_op_methods"] = combined
@@ -485,19 +485,6 @@ def _ranking(trials, cfg) -> List[dict]:
     return sorted(rows, key=lambda r: -r["badness"])
 
 
-def _best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidates, ranking) -> Dict[str, dict]:
-    """The calibration table with each op's tensors at the op's best method; where ops share
-    a tensor, the more sensitive op's choice wins."""
-    updated = dict(table)
-    nodes = {n.name: n for n in model.graph.node}
-    for row in reversed(ranking):
-        node = nodes[row["op"]]
-        for name in list(node.input) + list(node.output):
-            if name in candidates and row["method"] in candidates[name]:
-                updated[name] = candidates[name][row["method"]]
-    return updated
-
-
 def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: int, costs: dict,
                        neighbours: Dict[str, List[str]]):
     """The shortest prefix of the joining order that meets the target, then every op dropped
@@ -588,15 +575,6 @@ def _value(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours:
     edges = latency.island_edges([*float_ops, row["op"]], neighbours) - latency.island_edges(float_ops, neighbours)
     spent = costs.get(row["op"], 0.0) + edge_ms * edges
     return row.get("badness", row["loss"]) / max(spent, floor_ms, 1e-9)
-
-
-def _float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], costs: dict) -> List[dict]:
-    """Each float op with its accuracy (loss when only it is int8; gain: what putting it
-    back to int8 cost the final set, where the prune measured it) and latency cost."""
-    losses = {r["op"]: r["loss"] for r in ranking}
-    gains = {p["kept"]: p["gain"] for p in curve if p.get("kept")}
-    return [{"op": op, "loss": losses.get(op), "gain": gains.get(op),
-             "cost_ms": costs.get(op)} for op in float_ops]
 
 
 def _write(ctx: StageContext, table, float_ops: List[str], trials, summary, cache: bool = True) -> StageResult:

@@ -315,3 +315,25 @@ def _suffix_session(model: onnx.ModelProto, index: int, one_by_one: bool):
         return session(batched, tiny=True)
     except Exception:  # noqa: BLE001 - a Reshape whose leading 1 is not the batch (PP-OCRv4 rec)
         return session(suffix, tiny=True)  # _run_batched then runs the samples one at a time
+
+
+def best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidates, ranking) -> Dict[str, dict]:
+    """The calibration table with each op's tensors at the op's best method; where ops share
+    a tensor, the more sensitive op's choice wins."""
+    updated = dict(table)
+    nodes = {n.name: n for n in model.graph.node}
+    for row in reversed(ranking):
+        node = nodes[row["op"]]
+        for name in list(node.input) + list(node.output):
+            if name in candidates and row["method"] in candidates[name]:
+                updated[name] = candidates[name][row["method"]]
+    return updated
+
+
+def float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], costs: dict) -> List[dict]:
+    """Each float op with its accuracy (loss when only it is int8; gain: what putting it
+    back to int8 cost the final set, where the prune measured it) and latency cost."""
+    losses = {r["op"]: r["loss"] for r in ranking}
+    gains = {p["kept"]: p["gain"] for p in curve if p.get("kept")}
+    return [{"op": op, "loss": losses.get(op), "gain": gains.get(op),
+             "cost_ms": costs.get(op)} for op in float_ops]
