@@ -218,6 +218,21 @@ def test_a_first_look_decides_a_far_slower_and_a_clearly_faster_candidate_only()
     assert not look(200.0) and not look(180.0) and not look(300.0)  # 1x, 1.11x, 0.67x
 
 
+def test_a_build_timed_alone_takes_the_fewest_rounds_in_their_share_of_the_time():
+    """fp32 with nothing beside it has no ratio to resolve: its latency from MIN_ROUNDS rounds,
+    within timing_max_seconds' share for them (the segmenter's fp32 verify: 7 rounds, 10 s)."""
+    validation = SimpleNamespace(timing_rounds=7, timing_max_seconds=10.0, timing_round_ms=20.0,
+                                 timing_tight_spread=1.25, timing_runs=10)
+    together, alone = speed.options(validation), speed.options(validation, alone=True)
+    assert together["rounds"] == 7 and together["max_seconds"] == 10.0
+    assert alone["rounds"] == speed.MIN_ROUNDS == 3 and alone["max_seconds"] == pytest.approx(10.0 * 3 / 7)
+    assert {k: v for k, v in alone.items() if k not in ("rounds", "max_seconds")} == \
+        {k: v for k, v in together.items() if k not in ("rounds", "max_seconds")}
+    workers = {"fp32": Scripted(lambda i: 200.0)}
+    found = speed.interleaved(workers, {}, **{**alone, "round_ms": 0.0, "runs": 2})
+    assert found["fp32"]["rounds"] == 3 and speed.speedups(found) == {}
+
+
 def test_the_time_budget_bounds_the_longer_rounds(monkeypatch):
     """A budget already spent: three rounds, and no longer rounds however wide the spread."""
     ticks = itertools.count()

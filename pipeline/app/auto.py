@@ -318,7 +318,8 @@ def _probe(budget: Budget, built: RunOutcome, checked) -> None:
         counts = {"calibration": len(dataset.calibration), "validation": len(dataset.validation),
                   "sensitivity": checked.sensitivity.samples, "quantized_ops": quantized,
                   "heads_first": checked.sensitivity.heads_first and checked.sensitivity.select.value == "target",
-                  "timing_s": checked.validation.timing_max_seconds}
+                  "timing_s": checked.validation.timing_max_seconds,
+                  "alone_timing_s": speed.alone_max_seconds(checked.validation)}
         budget.probe(convert.path("model"), first.feeds, checked.target.threads, counts)
     except Exception as err:  # noqa: BLE001 - no estimates then: candidates start while time is left
         log.info("precision=auto: no cost estimates (the probe failed: %s)", first_line(err))

@@ -196,7 +196,8 @@ class Budget:
         if self.probe_s is None:
             return 0.0
         own = self.fp32_run_s or run_s
-        return validation * (own + (0.0 if self.stored else run_s)) + self.timing_s() + FP32_FIXED_S
+        timing = TIMING_WARMUP * self.counts.get("alone_timing_s", 0.0)  # fp32 timed alone: the fewest rounds
+        return validation * (own + (0.0 if self.stored else run_s)) + timing + FP32_FIXED_S
 
     def deadline(self, own_verify: bool = False) -> Optional[float]:
         """When a started candidate's steps must be done (time.monotonic()), or None;

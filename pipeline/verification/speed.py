@@ -37,11 +37,20 @@ FIT_RUNS = 3  # runs of each build, after the warm-up, that fitted_runs sizes th
 MAX_LENGTHEN = 2  # an undecided pair doubles the round length at most this often (4x), within the time budget
 
 
-def options(validation, stream: bool = False) -> dict:
-    """The keyword arguments of ``interleaved`` (``stream_interleaved``) from validation.timing_*."""
+def options(validation, stream: bool = False, alone: bool = False) -> dict:
+    """The keyword arguments of ``interleaved`` (``stream_interleaved``) from validation.timing_*;
+    ``alone``: a build timed by itself (fp32 with no other build beside it) has no ratio to
+    resolve, its latency takes the fewest rounds (MIN_ROUNDS) in as much less time."""
     found = {"rounds": validation.timing_rounds, "max_seconds": validation.timing_max_seconds,
              "round_ms": validation.timing_round_ms, "tight": validation.timing_tight_spread}
+    if alone:
+        found.update(rounds=min(MIN_ROUNDS, validation.timing_rounds), max_seconds=alone_max_seconds(validation))
     return found if stream else {**found, "runs": validation.timing_runs}
+
+
+def alone_max_seconds(validation) -> float:
+    """validation.timing_max_seconds for a build timed alone: its share for MIN_ROUNDS rounds."""
+    return validation.timing_max_seconds * min(1.0, MIN_ROUNDS / max(validation.timing_rounds, 1))
 
 
 def plan(runs: int, round_ms: float) -> Tuple[int, int]:

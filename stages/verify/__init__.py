@@ -506,7 +506,8 @@ def _side_by_side(rows: dict, sample: Optional[dict], shipped: str, backend_name
     """Every build of the table timed interleaved in rounds (pipeline.verification.speed), its
     speed-up over fp32, and the warning or failing check a build not faster than fp32 gets."""
     workers = {name: row.worker for name, row in rows.items() if not row.error}
-    timings = {} if sample is None else speed.interleaved(workers, sample, **speed.options(validation))
+    timings = {} if sample is None else speed.interleaved(workers, sample,
+                                                          **speed.options(validation, alone=len(workers) == 1))
     comparison = {name: row.result(timings.get(name)) for name, row in rows.items()}
     speedups = speed.speedups(timings, tight=validation.timing_tight_spread)
     for name, found in speedups.items():
