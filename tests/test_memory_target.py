@@ -86,14 +86,20 @@ def jobs(tmp_path_factory):
 
 
 def test_verify_measures_each_builds_peak_with_fp32s_beside_it(jobs):
+    """int8's verify measures its peak and fp32's beside it (its candidate row keeps both); the
+    shipped build's line prints its own peak, and fp32's beside it where int8 shipped (on a
+    loaded machine its Gemm can time no faster than fp32's, and fp32 ships)."""
     result, run_dir = jobs["wide"]["runs"]["free"]
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dir)
+    int8 = next(row for row in report["auto"]["candidates"] if row["precision"] == "int8")["memory"]
+    assert int8["fp32"]["peak_mb"] > int8["peak_mb"] + 10  # fp32's weights are four times int8's
     memory = report["verify"]["memory"]
     assert memory["measured"] and memory["mode"] == "default" and memory["samples"] == 8
     assert 0 < memory["load_peak_mb"] <= memory["peak_mb"] and 0 < memory["run_peak_mb"] <= memory["peak_mb"]
-    assert memory["fp32"]["peak_mb"] > memory["peak_mb"] + 10  # fp32's weights are four times int8's
-    assert f"memory: peak {memory['peak_mb']:.1f} MB" in result.stdout and "; fp32 " in result.stdout
+    assert f"memory: peak {memory['peak_mb']:.1f} MB" in result.stdout
+    if report["precision"] == "int8":
+        assert memory == {**memory, "peak_mb": int8["peak_mb"]} and "; fp32 " in result.stdout
     assert "peak memory" in result.stdout  # auto's candidate table
     assert "### Memory" in (run_dir / "report.md").read_text()
 
