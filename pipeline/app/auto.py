@@ -50,6 +50,7 @@ from pipeline.config.schemas import Layerwise
 from pipeline.config.validation import validate
 from pipeline.precision import kinds
 from pipeline.verification import speed
+from pipeline.verification.verdict import ACCURACY_CHECKS
 from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
 from pipeline.app.budget import CUT, Budget
 from pipeline.app.candidate_order import PRECISION_FILES, candidates, deferrable, ordered
@@ -240,20 +241,17 @@ def _verified_late(precision: str, found: tuple, run_dir: Path, budget: Budget) 
     tried[precision] = {**row, "seconds": round(tried[precision].get("seconds", 0.0) + time.monotonic() - started, 1)}
 
 
-ACCURACY_CHECKS = ("accuracy", "nan_inf", "task", "task_confidence")  # pipeline/verification/verdict.py
-
-
 def _known_failing_whole(raw: DictConfig, precision: str, found: tuple) -> None:
     """mixed after an int8 that failed its verify on accuracy alone: the search takes that
     verify's figures for plain int8 (sensitivity.int8_failed), the same build on the same
     samples, instead of measuring it again (the segmenter: 7 s of 46, 18 s on a 2x slower
     machine)."""
-    whole, outcome = kinds.partial_of(precision), found[2].get(kinds.partial_of(precision) or "")
-    if not whole or outcome is None or outcome.verify is None or found[0][whole]["verdict"] != "fail":
+    whole = kinds.partial_of(precision)
+    outcome, row = found[2].get(whole), found[0].get(whole) or {}
+    if outcome is None or outcome.verify is None or row.get("verdict") != "fail":
         return
     failing = {c["check"] for c in outcome.verify.checks or [] if c.get("severity") == "fail"}
     if failing and failing <= set(ACCURACY_CHECKS) and not raw.sensitivity.get("int8_failed"):
-        row = found[0][whole]
         raw.sensitivity.int8_failed = {"metric_drop": row.get("metric_drop"), "cosine": row.get("cosine")}
 
 

@@ -109,14 +109,15 @@ class Budget:
         per_calibration, per_validation = COST_RUNS.get(precision, (0.0, VERIFY_RUNS))
         runs = per_calibration * calibration + per_validation * validation
         if kinds.searched(precision):  # mixed: the search, a build, a verify
-            runs = self._search_runs(kinds.partial_of(precision) in self.ran) + MIXED_RUNS * validation
-            if kinds.partial_of(precision) not in self.ran:  # else int8's calibration and refinements are cached
-                runs += (CALIBRATE_RUNS + REFINE_RUNS) * calibration
+            whole_ran = kinds.partial_of(precision) in self.ran  # int8's calibration and refinements are cached
+            runs = self._search_runs(whole_ran) + MIXED_RUNS * validation
+            runs += 0.0 if whole_ran else (CALIBRATE_RUNS + REFINE_RUNS) * calibration
         return (runs * self.probe_s + self.timing_s()) * self.correction()
 
-    def timing_s(self) -> float:
-        """A passing build's timing in its verify: validation.timing_max_seconds and its warm-up."""
-        return TIMING_WARMUP * self.counts.get("timing_s", 0.0)
+    def timing_s(self, alone: bool = False) -> float:
+        """A passing build's timing in its verify: validation.timing_max_seconds and its warm-up;
+        ``alone``: fp32 timed by itself, in the fewest rounds (speed.alone_max_seconds)."""
+        return TIMING_WARMUP * self.counts.get("alone_timing_s" if alone else "timing_s", 0.0)
 
     def _search_runs(self, whole_ran: bool) -> float:
         """The mixed search's runs: with sensitivity.heads_first, three whole-model passes over
@@ -196,8 +197,7 @@ class Budget:
         if self.probe_s is None:
             return 0.0
         own = self.fp32_run_s or run_s
-        timing = TIMING_WARMUP * self.counts.get("alone_timing_s", 0.0)  # fp32 timed alone: the fewest rounds
-        return validation * (own + (0.0 if self.stored else run_s)) + timing + FP32_FIXED_S
+        return validation * (own + (0.0 if self.stored else run_s)) + self.timing_s(alone=True) + FP32_FIXED_S
 
     def deadline(self, own_verify: bool = False) -> Optional[float]:
         """When a started candidate's steps must be done (time.monotonic()), or None;

@@ -14,6 +14,8 @@ from pipeline.precision import kinds
 # Order of the reasons: a crash (it stops everything else), what the model computes, what the machine ran.
 ORDER = ("crash", "nothing", "accuracy", "task", "task_confidence", "nothing_int8", "nan_inf", "device", "precision",
          "float_fallback", "memory")
+BACKEND_CHECKS = ("crash", "device", "precision", "float_fallback")  # a failing one: exit 4
+ACCURACY_CHECKS = ("accuracy", "nan_inf", "task", "task_confidence")  # what the build computes against the reference
 
 
 def judge(outputs: List[dict], missing: List[str], task: Optional[dict], requested: dict, effective: dict,
@@ -33,8 +35,7 @@ def judge(outputs: List[dict], missing: List[str], task: Optional[dict], request
         checks += _ran(requested, effective, fail_on_float_fallback, intended_float) + _memory(memory, max_memory_mb)
     checks.sort(key=lambda c: ORDER.index(c["check"]))  # stable: outputs keep their order
     reasons = [c["text"] for c in checks if c["severity"] == "fail"]
-    backend = any(c["severity"] == "fail" and c["check"] in ("crash", "device", "precision", "float_fallback")
-                  for c in checks)
+    backend = any(c["severity"] == "fail" and c["check"] in BACKEND_CHECKS for c in checks)
     code = ExitCode.BACKEND if backend else ExitCode.THRESHOLD if reasons else ExitCode.OK
     return checks, reasons, code
 
