@@ -227,8 +227,10 @@ def test_bf16_waits_for_the_int8_candidates_and_is_not_verified_once_one_passes_
 
 def test_bf16_is_verified_after_int8_and_only_where_it_could_ship(tmp_path):
     """openvino_cpu's bf16 (every CPU: OpenVINO computes it in f32 where the CPU has no BF16)
-    is built and screened in its turn, verified after int8 and only when no passing candidate
-    outran it on the screening; its row keeps the screening's speed-up either way."""
+    is built and screened in its turn and timed against int8's preview; where int8 would run
+    no faster it is verified at once (int8 and mixed then built only if it fails), else after
+    int8 and only when no passing candidate outran it on the screening; its row keeps the
+    screening's speed-up and the preview's either way."""
     result = run_cli(["precision=auto", "target=openvino_cpu", "precision.candidates=[fp32,bf16,int8]"], tmp_path)
     assert result.returncode in (0, 3), result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = run_dirs(tmp_path)[-1]
@@ -236,13 +238,23 @@ def test_bf16_is_verified_after_int8_and_only_where_it_could_ship(tmp_path):
     bf16, int8 = rows["bf16"], rows["int8"]
     assert "speedup_p75" in bf16["speedup"]
     # (the rows' speed-ups are the final timing's; the rule reads the screening's: unit test above)
-    if bf16["verdict"] == UNVERIFIED:
+    bf16_verify = run_dir / "candidates" / "bf16" / "stages" / "verify"
+    int8_verify = run_dir / "candidates" / "int8" / "stages" / "verify"
+    if bf16["verdict"] == SLOWER:
+        return
+    preview = bf16["int8_preview"]
+    assert (run_dir / "previews" / "int8" / "stages" / "build").is_dir()
+    if preview["speedup_p25"] <= 1.0:  # int8 would run no faster than bf16: bf16 verified first
+        assert bf16["cosine"] is not None
+        if bf16["verdict"] == "pass":
+            assert int8["verdict"] == "not built" and int8["outrun_by"] == "bf16" and not int8_verify.exists()
+        else:
+            assert bf16_verify.stat().st_mtime <= int8_verify.stat().st_mtime
+    elif bf16["verdict"] == UNVERIFIED:
         assert int8["verdict"] == "pass" and bf16.get("cosine") is None
         assert bf16["not_verified"].startswith("not verified: int8 passes and runs faster")
-    elif bf16["verdict"] != SLOWER:
+    else:
         assert bf16["cosine"] is not None  # verified at the end
-        bf16_verify = run_dir / "candidates" / "bf16" / "stages" / "verify"
-        int8_verify = run_dir / "candidates" / "int8" / "stages" / "verify"
         assert bf16_verify.stat().st_mtime >= int8_verify.stat().st_mtime
 
 

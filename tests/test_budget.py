@@ -119,10 +119,11 @@ def test_the_real_size_job_keeps_its_budget_and_names_what_was_cut(real_size_job
     assert section["budget"]["cut"] == ["int8", "mixed"]
     assert section["budget"]["probe_ms"] > 1 and set(section["budget"]["estimates_s"]) == {"int8", "mixed"}
     for precision in ("int8", "mixed"):
-        assert rows[precision]["estimate_s"] > 20 and rows[precision]["seconds"] < 1, rows[precision]
+        assert rows[precision]["seconds"] < 1, rows[precision]
         assert rows[precision]["reasons"][0].startswith("not tried: estimated "), rows[precision]
-    left = float(rows["int8"]["reasons"][0].split(" s left")[0].rsplit(", ", 1)[1].split(" s of")[0])
-    assert 0 < left < 20  # cut while time was left: nothing started that would not fit
+        left = float(rows[precision]["reasons"][0].split(" s left")[0].rsplit(", ", 1)[1].split(" s of")[0])
+        # cut while time was left, by an estimate that did not fit in it (a fast CPU: 19.9 s against 17 s left)
+        assert 0 < left < 20 and rows[precision]["estimate_s"] > left, rows[precision]
     assert "cut by precision.budget_s: int8, mixed" in section["why"]
 
 

@@ -52,6 +52,7 @@ from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.verification.verdict import ACCURACY_CHECKS
 from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
+from pipeline.app import int8_preview
 from pipeline.app.budget import CUT, Budget
 from pipeline.app.candidate_order import PRECISION_FILES, candidates, deferrable, ordered
 from pipeline.app.reference_ahead import ReferenceAhead
@@ -128,6 +129,7 @@ def _candidates(cfg: DictConfig, requested: List[str], run_dir: Path, ahead: Ref
     tried = found[0]
     order = ordered(requested, cfg)
     budget.deferrable = deferrable(order)
+    budget.previewed = {p for p in budget.deferrable if int8_preview.wanted(order, p)}
     for number, precision in enumerate(order, 1):
         started = time.monotonic()
         estimate = budget.estimate(precision) if precision != REFERENCE else None
@@ -162,7 +164,7 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "reasons": [str(err)]}
         return
     configs[precision] = (raw, checked)
-    decided = _decided_by_whole(precision, tried)
+    decided = _decided_by_whole(precision, tried) or int8_preview.outrun(precision, tried)
     if decided is not None:
         tried[precision] = decided
         return
@@ -174,16 +176,20 @@ def _candidate(cfg: DictConfig, precision: str, run_dir: Path, ahead: ReferenceA
     folder = run_dir / "candidates" / precision
     try:
         with deadline.until(budget.deadline(own_verify=precision != REFERENCE), budget.run_s()):
-            _built_and_verified(checked, precision, folder, ahead, found, budget, screen)
+            _built_and_verified(checked, precision, folder, ahead, found, budget, screen,
+                                int8=candidate_config(cfg, int8_preview.PREVIEWED) if precision in budget.previewed
+                                else None)
     except ParityError as err:  # a candidate the tools cannot make (e.g. a quantizer failure)
         tried[precision] = {"precision": precision, "verdict": NOT_BUILT, "exit_code": int(err.exit_code),
                             "reasons": [str(err)]}
 
 
 def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceAhead, found: tuple,
-                        budget: Budget, screen: bool) -> None:
+                        budget: Budget, screen: bool, int8: Optional[DictConfig] = None) -> None:
     """A started candidate: built, then a twin of one built before, fp32 (probed, not
-    verified), screened slower than fp32, or verified."""
+    verified), screened slower than fp32, deferred, or verified. ``int8``: int8's candidate
+    config, where a deferred candidate is first timed against int8's preview (verified now
+    where int8 would run no faster than it)."""
     tried, configs, outcomes = found
     built = run_pipeline(_candidate_stages(checked), folder, until="build")
     if precision == REFERENCE:  # timed before the reference's answers start beside it (148 against 68 ms on det)
@@ -203,9 +209,12 @@ def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceA
         tried[precision] = {**_row(precision, built), **timed}
         return
     if timed and precision in budget.deferrable:  # verified after the int8 candidates, where it could still ship
-        tried[precision] = {**_row(precision, built), **timed, "verdict": UNVERIFIED, "deferred": True}
-        budget.deferred.add(precision)
-        return
+        preview = {"int8_preview": int8_preview.against(int8, built, checked, folder.parent.parent)} if int8 else {}
+        timed = {**timed, **{k: v for k, v in preview.items() if v}}
+        if not int8_preview.not_faster(preview.get("int8_preview")):
+            tried[precision] = {**_row(precision, built), **timed, "verdict": UNVERIFIED, "deferred": True}
+            budget.deferred.add(precision)
+            return
     ahead.stop(budget.run_s())  # from here verify runs the reference itself where the store has no answer
     tried[precision] = _verified_row(precision, found, folder, budget, timed or {})
 
@@ -236,7 +245,8 @@ def _verified_late(precision: str, found: tuple, run_dir: Path, budget: Budget) 
     tried = found[0]
     started = time.monotonic()
     job_phase(f"precision=auto: verifying {precision}")
-    timing = {k: tried[precision][k] for k in ("latency", "timed_on", "speedup") if k in tried[precision]}
+    timing = {k: tried[precision][k] for k in ("latency", "timed_on", "speedup", "int8_preview")
+              if k in tried[precision]}
     row = _verified_row(precision, found, run_dir / "candidates" / precision, budget, timing)
     tried[precision] = {**row, "seconds": round(tried[precision].get("seconds", 0.0) + time.monotonic() - started, 1)}
 
@@ -524,6 +534,11 @@ def _not_passing(rows: Dict[str, dict]) -> str:
               ("not verified (slower than fp32)", lambda r: r["verdict"] == SLOWER),
               ("cut by precision.budget_s", lambda r: r["verdict"] == CUT))
     found = [(label, [p for p, r in rows.items() if belongs(r)]) for label, belongs in groups]
+    outrun = next((r for r in rows.values() if r.get("outrun_by")), None)
+    if outrun:  # int8_preview.outrun: the one reason a reader needs on the why line
+        found = [(f"{label} ({outrun['outrun_by']} passes and int8's preview ran no faster: "
+                  f"{rows[outrun['outrun_by']]['int8_preview']['speedup']:.2f}x it)" if label == "not built" else label,
+                  names) for label, names in found]
     return "".join(f"; {label}: {', '.join(names)}" for label, names in found if names) + _fastest_failing(rows)
 
 

@@ -78,6 +78,7 @@ class Budget:
         self.passed = False  # a candidate other than fp32 passed: fp32 cannot ship, its verify needs no time
         self.deferrable: set = set()  # candidates verified after the int8 ones (auto.DEFERRED) ...
         self.deferred: set = set()  # ... built and screened, their verify still to come: set aside
+        self.previewed: set = set()  # ... and timed against int8's preview first (app/int8_preview.py)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

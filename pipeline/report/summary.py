@@ -99,7 +99,8 @@ def _auto_table(section: dict) -> Table:
             f"{row['metric']} {row['metric_value']:.4f}"
         verdict = row["verdict"] + (f" (exit {row['exit_code']})" if row.get("exit_code") else "") + (
             " (shipped)" if row["precision"] == section["chosen"] else "") + (
-            " (reference only)" if row["precision"] in section.get("reference_only", []) else "")
+            " (reference only)" if row["precision"] in section.get("reference_only", []) else "") + (
+            f" (no faster than {row['outrun_by']})" if row.get("outrun_by") else "")
         size = f"{row['bytes'] / 1e6:.2f} MB" if row.get("bytes") else "-"
         seconds = f"{row['seconds']:.1f}" if row.get("seconds") is not None else "-"
         table.add_row(row["precision"], f"{row['cosine']:.6f}" if row.get("cosine") is not None else "-",
