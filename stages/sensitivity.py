@@ -113,10 +113,13 @@ def run(ctx: StageContext) -> StageResult:
     ops = search.quantizable_ops(prepared, candidates, _settings(cfg).quantize_ops)
     heads = _heads_first(cfg, measure, table, prepared, ops, summary)
     summary["refined"] = measure.refinements
-    if heads:
-        summary.update({"float_ops": heads, "trials": 0, "measured": 0,
+    if heads:  # then given back to int8 one at a time while the target holds and time is left
+        heads, given = _prune(measure, table, heads, summary["mixed"], {}, [])
+        last = ([p for p in given if "removed" in p] or [summary["mixed"]])[-1]
+        summary["mixed"] = {k: last[k] for k in summary["mixed"]}
+        summary.update({"float_ops": heads, "trials": len(given), "measured": len(given), "heads_given_back": given,
                         "seconds": {"heads_first": round(time.perf_counter() - started, 2)}})
-        return _write(ctx, table, heads, [], summary, cache="cut" not in summary)
+        return _write(ctx, table, heads, [], summary, cache="cut" not in summary and not measure.stopped)
     plain = plain or _plain(ctx, measure, table, summary)
     if plain is None:  # the int8 build, said so; not cached
         return _write(ctx, table, [], [], summary, cache=False)
