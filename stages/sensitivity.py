@@ -113,8 +113,8 @@ def run(ctx: StageContext) -> StageResult:
     ops = search.quantizable_ops(prepared, candidates, _settings(cfg).quantize_ops)
     heads = _heads_first(cfg, measure, table, prepared, ops, summary)
     summary["refined"] = measure.refinements
-    if heads:  # then given back to int8 one at a time while the target holds and time is left
-        heads, given = _prune(measure, table, heads, summary["mixed"], {}, [])
+    if heads:  # given back to int8 in graph order while the target holds and time is left, the last kept
+        heads, given = _prune(measure, table, heads, summary["mixed"], {}, [], order=heads[:-1])
         last = ([p for p in given if "removed" in p] or [summary["mixed"]])[-1]
         summary["mixed"] = {k: last[k] for k in summary["mixed"]}
         summary.update({"float_ops": heads, "trials": len(given), "measured": len(given), "heads_given_back": given,
@@ -543,15 +543,17 @@ def _joining_order(ranking, max_float_ops: int, costs: dict, neighbours: Dict[st
     return float_ops
 
 
-def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, costs: dict, curve: List[dict]):
+def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, costs: dict, curve: List[dict],
+           order: Optional[List[str]] = None):
     """Drop every op whose removal still meets the target, one at a time (costliest first
     with costs, else the last joined first). With costs, an op whose int8 gain is under
     FLOOR_SHARE of all ops' is not tried: it stays float (PP-OCRv4 rec: 16 of 23 trials,
     2.6 % of int8's gain); an op slower in int8 is still tried, last. Removing halves at
     once was tried: on PP-OCRv4 rec most halves failed together and it took more
-    measurements than this (42 vs 30, docs/sensitivity.md). (float ops, curve)"""
-    order = (sorted(float_ops, key=lambda op: -costs.get(op, 0.0)) if costs
-             else list(reversed(float_ops[:-1])))
+    measurements than this (42 vs 30, docs/sensitivity.md). ``order``: the ops to try, in
+    turn, instead. (float ops, curve)"""
+    order = order if order is not None else (sorted(float_ops, key=lambda op: -costs.get(op, 0.0)) if costs
+                                             else list(reversed(float_ops[:-1])))
     if costs and len(float_ops) < len(costs):  # with every op float each is tried, else the build is fp32
         floor_ms = FLOOR_SHARE * sum(costs.values())
         order = [op for op in order if not 0.0 <= costs.get(op, 0.0) < floor_ms]

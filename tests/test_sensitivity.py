@@ -323,22 +323,22 @@ def test_heads_first_measures_the_output_heads_float_before_any_ranking(tmp_path
 
 
 def test_heads_that_met_are_given_back_to_int8_one_at_a_time_while_the_target_holds():
-    """After heads_first meets, each head but the last is given back to int8 in turn, kept
-    float only where the target fails without it (the real-size segmenter on an AMX Xeon:
+    """After heads_first meets, each head but the last is given back to int8 in graph order,
+    kept float only where the target fails without it (the real-size segmenter on an AMX Xeon:
     7 heads float, mixed at 1.40x fp32; 3 after the give-back, 1.47x); the deadline stops it
     with the set measured so far."""
     from stages.sensitivity import _prune
 
     heads = ["side5", "side4", "side3", "side2", "side1", "side0", "fuse"]
     measure = _MeetsWith(["side0", "fuse"])
-    kept, given = _prune(measure, {}, heads, {"cosine": 1.0}, {}, [])
+    kept, given = _prune(measure, {}, heads, {"cosine": 1.0}, {}, [], order=heads[:-1])
     assert kept == ["side0", "fuse"]
-    assert [g.get("removed") or g.get("kept") for g in given] == ["side0", "side1", "side2", "side3", "side4", "side5"]
+    assert [g.get("removed") or g.get("kept") for g in given] == ["side5", "side4", "side3", "side2", "side1", "side0"]
     assert [g["float_ops"] for g in given if "removed" in g] == [6, 5, 4, 3, 2]
     measure = _MeetsWith(["side0", "fuse"])
     measure.no_time = lambda step: f"cut by precision.budget_s: {step}" if len(measure.measured) >= 2 else None
-    kept, given = _prune(measure, {}, heads, {"cosine": 1.0}, {}, [])
-    assert kept == ["side5", "side4", "side3", "side2", "side0", "fuse"] and len(given) == 2
+    kept, given = _prune(measure, {}, heads, {"cosine": 1.0}, {}, [], order=heads[:-1])
+    assert kept == ["side3", "side2", "side1", "side0", "fuse"] and len(given) == 2
 
 
 def test_a_mixed_job_whose_heads_are_not_enough_runs_the_search_after_them(tmp_path):
