@@ -258,6 +258,25 @@ def test_bf16_is_verified_after_int8_and_only_where_it_could_ship(tmp_path):
         assert bf16_verify.stat().st_mtime >= int8_verify.stat().st_mtime
 
 
+def test_mixed_is_not_built_after_an_int8_that_fails_no_faster_than_fp32():
+    """mixed is int8 with some ops float, no faster than it: after an int8 that failed and ran
+    no faster than fp32 in three rounds of four it could at best tie fp32, which a tie ships;
+    after one faster in three rounds of four, or passing, or not timed, it is decided as before."""
+    from pipeline.app.auto import _decided_by_whole
+
+    def failed(p25):
+        return {"int8": {"verdict": "fail", "speedup": {"speedup": 1.03, "speedup_p25": p25, "speedup_p75": 1.08}}}
+
+    row = _decided_by_whole("mixed", failed(0.99))
+    assert row["verdict"] == "not built" and row["reasons"] == [
+        "not built: int8 runs no faster than fp32 here (1.03x, rounds 0.99-1.08x), and mixed is int8 with some ops "
+        "in float"]
+    assert _decided_by_whole("mixed", failed(1.01)) is None
+    assert _decided_by_whole("mixed", {"int8": {"verdict": "fail"}}) is None  # not timed: searched
+    assert _decided_by_whole("int8", failed(0.9)) is None and _decided_by_whole("mixed", {}) is None
+    assert _decided_by_whole("mixed", {"int8": {"verdict": "pass", "speedup": {"speedup_p25": 0.9}}})["same_as"] == "int8"
+
+
 def test_choose_ties_go_to_the_smaller_then_the_higher_precision():
     rows = {"fp32": _row("fp32", 10.0, 9.5, 10.5, 400), "int8": _row("int8", 5.0, 4.8, 5.2, 100),
             "mixed": _row("mixed", 5.1, 4.7, 5.3, 150)}  # faster than int8 in its first round

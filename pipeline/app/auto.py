@@ -267,7 +267,8 @@ def _known_failing_whole(raw: DictConfig, precision: str, found: tuple) -> None:
 
 def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
     """mixed (int8 with the ops the search chooses in float) after int8: the same build where
-    int8 passes, not built where int8 is slower than fp32; None otherwise."""
+    int8 passes, not built where int8 is slower than fp32 or fails no faster than it (three
+    rounds of four); None otherwise."""
     whole = kinds.partial_of(precision)
     if whole and tried.get(whole, {}).get("verdict") == "pass":
         return {**tried[whole], "precision": precision, "same_as": whole, "verdict": f"same build as {whole}",
@@ -275,6 +276,13 @@ def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
     if whole and tried.get(whole, {}).get("verdict") == SLOWER:
         return {"precision": precision, "verdict": NOT_BUILT, "reasons": [
             f"not built: {whole} is slower than fp32 here, and {precision} is {whole} with some ops in float"]}
+    up = (tried.get(whole, {}).get("speedup") or {}) if whole else {}
+    if tried.get(whole, {}).get("verdict") == "fail" and up.get("speedup_p25", math.inf) <= 1.0:
+        # it could at best tie fp32, and a tie ships fp32 (it keeps the task): PP-OCRv4 det on
+        # ort_cpu, int8 at 1.03x, took 136 s of mixed search that could not ship
+        return {"precision": precision, "verdict": NOT_BUILT, "reasons": [
+            f"not built: {whole} runs no faster than fp32 here ({up['speedup']:.2f}x, rounds "
+            f"{up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}x), and {precision} is {whole} with some ops in float"]}
     return None
 
 
