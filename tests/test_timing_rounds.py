@@ -212,7 +212,7 @@ def test_a_first_look_decides_a_far_slower_and_a_clearly_faster_candidate_only()
 
     def look(candidate_ms):
         workers = {"fp32": Scripted(lambda i: 200.0), "candidate": Scripted(lambda i: candidate_ms)}
-        return screening._decided_at_first_look(speed.interleaved(workers, {}, rounds=3, runs=1, max_seconds=0.0))
+        return screening.decided_at_first_look(speed.interleaved(workers, {}, rounds=3, runs=1, max_seconds=0.0))
 
     assert look(900.0) and look(100.0)  # 0.22x, 2x
     assert not look(200.0) and not look(180.0) and not look(300.0)  # 1x, 1.11x, 0.67x

@@ -209,9 +209,9 @@ def _built_and_verified(checked, precision: str, folder: Path, ahead: ReferenceA
         tried[precision] = {**_row(precision, built), **timed}
         return
     if timed and precision in budget.deferrable:  # verified after the int8 candidates, where it could still ship
-        preview = {"int8_preview": int8_preview.against(int8, built, checked, folder.parent.parent)} if int8 else {}
-        timed = {**timed, **{k: v for k, v in preview.items() if v}}
-        if not int8_preview.not_faster(preview.get("int8_preview")):
+        preview = int8_preview.against(int8, built, checked, folder.parent.parent) if int8 else None
+        timed = {**timed, **({"int8_preview": preview} if preview else {})}
+        if not int8_preview.not_faster(preview):
             tried[precision] = {**_row(precision, built), **timed, "verdict": UNVERIFIED, "deferred": True}
             budget.deferred.add(precision)
             return
@@ -535,18 +535,16 @@ def _fastest_failing(rows: Dict[str, dict]) -> str:
 
 def _not_passing(rows: Dict[str, dict]) -> str:
     """The candidates that did not pass, by why: failed, not verified, slower, cut."""
+    outrun = next((r for r in rows.values() if r.get("outrun_by")), None)  # int8_preview.outrun
+    not_built = "not built" + (f" ({outrun['outrun_by']} passes and int8's preview ran no faster: "
+                               f"{rows[outrun['outrun_by']]['int8_preview']['speedup']:.2f}x it)" if outrun else "")
     groups = (("failed", lambda r: r["verdict"] not in ("pass", UNVERIFIED, SLOWER, CUT, NOT_BUILT)
                and not r.get("same_as")),
-              ("not built", lambda r: r["verdict"] == NOT_BUILT),
+              (not_built, lambda r: r["verdict"] == NOT_BUILT),
               ("not verified (could not ship)", lambda r: r["verdict"] == UNVERIFIED),
               ("not verified (slower than fp32)", lambda r: r["verdict"] == SLOWER),
               ("cut by precision.budget_s", lambda r: r["verdict"] == CUT))
     found = [(label, [p for p, r in rows.items() if belongs(r)]) for label, belongs in groups]
-    outrun = next((r for r in rows.values() if r.get("outrun_by")), None)
-    if outrun:  # int8_preview.outrun: the one reason a reader needs on the why line
-        found = [(f"{label} ({outrun['outrun_by']} passes and int8's preview ran no faster: "
-                  f"{rows[outrun['outrun_by']]['int8_preview']['speedup']:.2f}x it)" if label == "not built" else label,
-                  names) for label, names in found]
     return "".join(f"; {label}: {', '.join(names)}" for label, names in found if names) + _fastest_failing(rows)
 
 

@@ -15,6 +15,7 @@ and if it passes, int8 and mixed (int8 with some ops float, no faster) are not b
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Optional
@@ -22,7 +23,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.app.runner import RunOutcome, run_pipeline
-from pipeline.app.screening import CLEARLY_FASTER, SCREEN_SECONDS, time_builds
+from pipeline.app.screening import SCREEN_TIMING, decided_at_first_look, time_builds
 from pipeline.config.validation import validate
 from pipeline.console import job_step
 from pipeline.errors import ParityError, first_line
@@ -45,10 +46,7 @@ def wanted(order: list, precision: str) -> bool:
 
 def preview_config(int8: DictConfig) -> DictConfig:
     """int8's candidate config made cheap to build (CHEAP), up to its build."""
-    cheap = OmegaConf.create(OmegaConf.to_container(int8, resolve=False))
-    for section, values in CHEAP.items():
-        for key, value in values.items():
-            cheap[section][key] = value
+    cheap = OmegaConf.merge(int8, CHEAP)
     cheap.pipeline.stages = [s for s in cheap.pipeline.stages if s in BUILT_STAGES]
     return cheap
 
@@ -63,17 +61,12 @@ def against(int8: DictConfig, floated: RunOutcome, checked, run_dir: Path) -> Op
     except ParityError as err:
         log.info("precision=auto: no int8 preview (%s)", first_line(err))
         return None
-    found = time_builds({"float": floated, "int8": preview}, checked, one_sample_only=True, first_look=_decided,
-                        rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
+    # the first look decides where int8 is slower than the float build in its single runs, or clearly faster
+    decided = functools.partial(decided_at_first_look, candidate="int8", baseline="float", slower=1.0)
+    found = time_builds({"float": floated, "int8": preview}, checked, one_sample_only=True, first_look=decided,
+                        **SCREEN_TIMING)
     up = speed.speedups(found[0], baseline="float").get("int8") if found else None
     return {**up, "timed_on": found[1]} if up else None
-
-
-def _decided(timings: dict) -> bool:
-    """The first look decides where int8 is slower than the float build in its single runs
-    (p75), or clearly faster (as the screening's against fp32)."""
-    up = speed.speedups(timings, baseline="float").get("int8")
-    return up is not None and (up["speedup_p75"] < 1.0 or up["speedup_p25"] >= CLEARLY_FASTER)
 
 
 def not_faster(preview: Optional[dict]) -> bool:

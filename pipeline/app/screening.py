@@ -34,6 +34,7 @@ FAR_SLOWER = 0.5
 # about 3 s of screening rounds each, twice that on a 2x slower machine)
 CLEARLY_FASTER = 1.25
 SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
+SCREEN_TIMING = {"rounds": 5, "max_seconds": SCREEN_SECONDS, "tight": None}  # speed.interleaved's options
 SLOWER = "slower than fp32"
 
 
@@ -75,7 +76,7 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> Tuple[dict,
     def produce(folder: Path) -> None:
         job_step("timing against fp32")
         found = time_builds({REFERENCE: fp32, "candidate": built}, checked, one_sample_only=True,
-                             first_look=_decided_at_first_look, rounds=5, max_seconds=SCREEN_SECONDS, tight=None)
+                             first_look=decided_at_first_look, **SCREEN_TIMING)
         write_json(folder / "timings.json", {"timings": found[0], "timed_on": found[1]} if found else {})
 
     material = {"format": 2, "builds": [artifact(fp32), artifact(built)], "threads": checked.target.threads,
@@ -86,10 +87,12 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> Tuple[dict,
     return found.get("timings", {}), found.get("timed_on", "")
 
 
-def _decided_at_first_look(timings: dict) -> bool:
-    """A first look already shows the candidate far slower than fp32, or clearly faster."""
-    up = speed.speedups(timings).get("candidate")
-    return up is not None and (up["speedup_p75"] < FAR_SLOWER or up["speedup_p25"] >= CLEARLY_FASTER)
+def decided_at_first_look(timings: dict, candidate: str = "candidate", baseline: str = REFERENCE,
+                          slower: float = FAR_SLOWER) -> bool:
+    """A first look already shows ``candidate`` under ``slower`` x ``baseline``'s speed (p75:
+    far slower than fp32), or clearly faster (p25 at least CLEARLY_FASTER)."""
+    up = speed.speedups(timings, baseline=baseline).get(candidate)
+    return up is not None and (up["speedup_p75"] < slower or up["speedup_p25"] >= CLEARLY_FASTER)
 
 
 def time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool = False,
