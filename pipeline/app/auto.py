@@ -9,7 +9,8 @@ convert for all, calibrate for int8 and mixed. The passing builds and the fp32 b
 then timed interleaved in rounds (pipeline/verification/speed.py, the target's own threads; rounds
 sized to the model's latency, lengthened while a pair is undecided); the winner is the
 fastest by median latency, and among the builds tied with it (as fast in at least a quarter
-of the rounds, with a tight spread) the smaller artifact, then the higher precision; where
+of the rounds, with a tight spread) the one keeping more of the task, then the artifact smaller
+by SIZE_EDGE or more, then the higher precision; where
 the timing stays undecided (wide after its budget), the higher precision.
 The winner's configuration then runs the whole pipeline in the run folder (its stages up
 to verify served from the cache), so the bundle, report and exit code are the winner's,
@@ -67,6 +68,7 @@ REFERENCE = kinds.REFERENCE  # fp32: every candidate's speed reference, built al
 NOT_CANDIDATE_STAGES = ("profile", "package")  # they serve the shipped build only
 AUTO_ONLY = ("name", "candidates", "budget_s", "screen")  # precision keys of auto itself, not of its candidates
 NOT_BUILT = "not built"
+SIZE_EDGE = 0.9  # among builds as fast, one is the smaller only at 90 % of the other's size or less
 
 
 def candidate_config(cfg: DictConfig, precision: str) -> DictConfig:
@@ -473,7 +475,7 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
     candidates' own code when they share one, else a config error."""
     stopped: Dict[str, List[str]] = {}
     for precision, row in tried.items():
-        stopped.setdefault(first_line(" ".join(row["reasons"])), []).append(precision)
+        stopped.setdefault(first_line(row["reasons"][0] if row["reasons"] else "no reason given"), []).append(precision)
     text = (f"precision=auto: no candidate could be built for target {target}: "
             + "; ".join(f"{', '.join(precisions)}: {reason}" for reason, precisions in stopped.items()))
     codes = {row.get("exit_code") for row in tried.values()}
@@ -483,7 +485,7 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
 def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:
     """(the precision to ship, one line saying why). Each passing build is judged against
     the fastest by median on their per-round ratios (speed.judge): slower drops out; a tie
-    (tight spread) goes to the build keeping more of the task, the smaller, the higher precision; a build the
+    (tight spread) goes to the build keeping more of the task, the smaller (by SIZE_EDGE), the higher precision; a build the
     timing left undecided (wide spread after the budget) makes the highest-fidelity build
     among the fastest, its ties and the undecided ones ship, never the smaller on a guess."""
     passing = [p for p, r in rows.items() if r["verdict"] == "pass" and "median_ms" in (r.get("latency") or {})]
@@ -509,7 +511,7 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
                f"ratios above {tight:g} after the timing budget: {spreads}): undecided, so the build closest to the "
                f"model's numbers ships")
     else:
-        winner = min(tied, key=lambda p: (_task_lost(rows[p]), rows[p].get("bytes") or 0, kinds.FIDELITY.index(p)))
+        winner = min(_as_small(_kept_most(tied, rows), rows), key=kinds.FIDELITY.index)
         if winner == fastest:
             why = f"{winner}: the fastest build that passes ({_ratio(rows[winner])})"
             if len(tied) > 1:
@@ -565,12 +567,27 @@ def _task_lost(row: dict) -> float:
     return round(max(float(row.get("metric_drop") or 0.0), 0.0), 9)
 
 
+def _kept_most(tied: List[str], rows: Dict[str, dict]) -> List[str]:
+    """The builds among ``tied`` that lost the least of the task."""
+    least = min(_task_lost(rows[p]) for p in tied)
+    return [p for p in tied if _task_lost(rows[p]) == least]
+
+
+def _as_small(builds: List[str], rows: Dict[str, dict]) -> List[str]:
+    """The smallest of ``builds`` and those within SIZE_EDGE of it: a build 1 % smaller (an
+    LSTM's int8_dynamic beside fp32, an embedding table left float) buys nothing worth the
+    numbers it changes, so among these the higher precision ships."""
+    smallest = min(rows[p].get("bytes") or 0 for p in builds)
+    return [p for p in builds if (rows[p].get("bytes") or 0) * SIZE_EDGE <= smallest]
+
+
 def _tie_edge(winner: str, tied: List[str], rows: Dict[str, dict]) -> str:
     """What decided against each build of the same speed: the task kept, then size, then precision."""
-    lost, size = _task_lost(rows[winner]), rows[winner].get("bytes") or 0
-    worse = [p for p in tied if p != winner and _task_lost(rows[p]) > lost]
-    larger = [p for p in tied if p != winner and p not in worse and (rows[p].get("bytes") or 0) > size]
-    same = [p for p in tied if p != winner and p not in worse and p not in larger]
+    kept = _kept_most(tied, rows)
+    small = _as_small(kept, rows)
+    worse = [p for p in tied if p not in kept]
+    larger = [p for p in kept if p not in small]
+    same = [p for p in small if p != winner]
     edges = ((worse, "keeps more of the task than"), (larger, "smaller than"), (same, "closer to the model's numbers than"))
     return " and ".join(f"{text} {', '.join(found)}" for found, text in edges if found)
 
