@@ -1,6 +1,6 @@
 """MNN: the ``mnn_cpu``, ``mnn_opencl`` and ``mnn_vulkan`` targets (pip ``mnn``).
 
-Conversion calls MNN's converter function ``_tools.mnnconvert([...])`` in-process: the
+Conversion calls MNN's converter function ``_tools.mnnconvert([...])`` in a child process: the
 ``mnnconvert`` console script and ``MNN.tools.mnnconvert.main()`` import a usage logger
 that pip-installs a logging SDK and posts to the network, so nothing under ``MNN.tools``
 is ever imported here. int8 uses MNN's own offline quantizer (``_tools.mnnquant``, the

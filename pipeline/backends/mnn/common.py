@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -63,6 +64,41 @@ def _flush_c_stdio() -> None:
         import ctypes
 
         ctypes.CDLL(None).fflush(None)
+
+
+def run_tool(tool: str, argv: List[str], dst: Path, timeout_s: float, what: str) -> str:
+    """``_tools.<tool>(argv)`` (MNN's converter or quantizer) in a child process writing ``dst``;
+    returns what it printed. The tools can crash (the converter segfaults on a plain ONNX
+    LSTM), leave callbacks on MNN's global executor and crash at interpreter exit after a
+    good run: in a child, a crash is a RuntimeError naming the signal and the last lines
+    printed, and parity's own process goes on."""
+    from pipeline.worker import start_process
+
+    log = Path(dst).with_name(Path(dst).name + ".log")
+    child = start_process(_tool_child, (tool, list(argv), str(dst), str(log)), name=f"parity-mnn-{tool}")
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        raise RuntimeError(f"{what} did not finish in {timeout_s:g} s")
+    text = log.read_text(errors="replace") if log.exists() else ""
+    log.unlink(missing_ok=True)
+    if child.exitcode != 0 or not Path(dst).is_file() or Path(dst).stat().st_size == 0:
+        how = (f"signal {signal.Signals(-child.exitcode).name}" if child.exitcode and child.exitcode < 0
+               else f"exit {child.exitcode}")
+        raise RuntimeError(f"{what} failed ({how}): {_tail(text)}")
+    return text
+
+
+def _tool_child(tool: str, argv: List[str], dst: str, log: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    import _tools
+
+    getattr(_tools, tool)(argv)
+    _flush_c_stdio()
+    os._exit(0 if os.path.isfile(dst) else 3)
 
 
 def _mnn():

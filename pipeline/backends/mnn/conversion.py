@@ -12,30 +12,34 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from pipeline.backends.mnn.common import CACHE_FILE, _captured, MODEL, runtime_exists, _tail, _tools, write_json
+from pipeline.backends.mnn.common import CACHE_FILE, MODEL, run_tool, runtime_exists, write_json
 from pipeline.backends.mnn.options import session_options
 from pipeline.backends.mnn.session import Session
 from pipeline.backends.mnn.names import onnx_ops, tensor_map
 
 TENSOR_MAP = "tensors.json"
+CONVERT_TIMEOUT_S = 1800
+# MNN's own LSTM/GRU/RNN ops: by default the converter rewrites them as While loops, which
+# MNN 3.6.1 cannot size ("Compute Shape Error for While", a GRU, a 2-layer or bidirectional
+# LSTM) or crashes converting (a one-layer ONNX LSTM, SIGSEGV); with this flag all of them
+# convert and match ONNX Runtime within 2.1e-7 (docs/targets.md, "MNN")
+RNN_AS_IS = ("--useOriginRNNImpl",)
 # Net.mnn_uuid: a random UUID the converter writes (a flatbuffer string: 4-byte length 36, text, NUL)
 MODEL_UUID = re.compile(rb"\x24\x00\x00\x00([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\x00")
 
 
-def convert(onnx_path: Path, mnn_path: Path) -> str:
-    """ONNX -> MNN with the converter function (no console script, no network). Converts
-    in a scratch folder and moves the model into place; returns the converter's log."""
+def convert(onnx_path: Path, mnn_path: Path, timeout_s: float = CONVERT_TIMEOUT_S) -> str:
+    """ONNX -> MNN with the converter function (no console script, no network), in a child
+    process (common.run_tool). Converts in a scratch folder and moves the model into place;
+    returns the converter's log."""
     with tempfile.TemporaryDirectory(prefix="parity-mnn-") as scratch:
         converted = Path(scratch) / MODEL
-        tools = _tools()
-        with _captured() as log:
-            tools.mnnconvert(["mnnconvert", "-f", "ONNX", "--modelFile", str(onnx_path), "--MNNModel",
-                              str(converted), "--bizCode", "parity"])
-        if not converted.is_file() or converted.stat().st_size == 0:
-            raise RuntimeError(f"MNN's converter wrote no model for {Path(onnx_path).name}: {_tail(log['text'])}")
+        log = run_tool("mnnconvert", ["mnnconvert", "-f", "ONNX", "--modelFile", str(onnx_path), "--MNNModel",
+                                      str(converted), "--bizCode", "parity", *RNN_AS_IS], converted, timeout_s,
+                       f"MNN's converter on {Path(onnx_path).name}")
         fix_model_uuid(converted)
         shutil.move(str(converted), str(mnn_path))
-    return log["text"]
+    return log
 
 
 def fix_model_uuid(path: Path) -> None:

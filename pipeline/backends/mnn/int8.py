@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from pipeline.backends.mnn.common import _flush_c_stdio, _mnn_graph, MODEL, PRECISION_MODES, _tail, write_json
+from pipeline.backends.mnn.common import _mnn_graph, MODEL, PRECISION_MODES, run_tool, write_json
 from pipeline.backends.mnn.session import Session
 from pipeline.backends.mnn.names import onnx_ops, op_census
 from pipeline.backends.mnn.conversion import convert, _finish
@@ -160,34 +158,8 @@ def quantizer_config(samples_dir: Path, calibration: List[Dict[str, np.ndarray]]
 
 
 def quantize(src: Path, dst: Path, config: Path, timeout_s: float = QUANTIZE_TIMEOUT_S) -> None:
-    """Run MNN's quantizer in a spawned child process: it can crash, it leaves callbacks on
-    MNN's global executor, and it segfaults at interpreter exit after a successful run
-    (the child leaves with os._exit)."""
-    log = Path(dst).with_suffix(".log")
-    context = multiprocessing.get_context("spawn")
-    child = context.Process(target=_quantize_child, args=(str(src), str(dst), str(config), str(log)), daemon=True)
-    child.start()
-    child.join(timeout_s)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        raise RuntimeError(f"MNN's quantizer did not finish in {timeout_s:g} s")
-    text = log.read_text(errors="replace") if log.exists() else ""
-    if child.exitcode != 0 or not Path(dst).is_file() or Path(dst).stat().st_size == 0:
-        how = (f"signal {signal.Signals(-child.exitcode).name}" if child.exitcode and child.exitcode < 0
-               else f"exit {child.exitcode}")
-        raise RuntimeError(f"MNN's quantizer failed ({how}): {_tail(text)}")
-
-
-def _quantize_child(src: str, dst: str, config: str, log: str) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    import _tools
-
-    _tools.mnnquant(["mnnquant", src, dst, config])
-    _flush_c_stdio()
-    os._exit(0 if os.path.isfile(dst) else 3)
+    """Run MNN's quantizer in a child process (common.run_tool)."""
+    run_tool("mnnquant", ["mnnquant", str(src), str(dst), str(config)], Path(dst), timeout_s, "MNN's quantizer")
 
 
 def _has_batchnorm(mnn_path: Path) -> bool:

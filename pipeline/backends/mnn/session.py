@@ -23,6 +23,11 @@ from pipeline.precision import kinds
 BACKEND_NAMES = {0: "CPU", 1: "METAL", 2: "CUDA", 3: "OPENCL", 4: "AUTO", 5: "NN", 6: "OPENGL", 7: "VULKAN",
                  13: "CPU"}
 SESSION_INFO_BACKENDS = 2  # Interpreter::SessionInfoCode
+# MNN's ErrorCode (include/MNN/ErrorCode.hpp): what a failed run says beyond its number
+ERROR_CODES = {1: "OUT_OF_MEMORY", 2: "NOT_SUPPORT: an op this backend does not run",
+               3: "COMPUTE_SIZE_ERROR: MNN could not compute an op's output shape (a loop or LSTM it cannot "
+                  "size, a shape it does not support)", 4: "NO_EXECUTION", 5: "INVALID_VALUE",
+               10: "INPUT_DATA_ERROR", 20: "TENSOR_NOT_SUPPORT"}
 
 
 class Session:
@@ -88,7 +93,7 @@ class Session:
         self._set_inputs(session, feeds)
         code = self._interpreter.runSession(session)
         if code != 0:
-            raise RuntimeError(f"MNN runSession returned error code {code}")
+            raise _run_error("runSession", code)
 
     def _set_inputs(self, session, feeds: Dict[str, np.ndarray]) -> None:
         """Copy the feeds into the session's inputs, resizing the session first when a
@@ -226,7 +231,7 @@ class Session:
             code = self._interpreter.runSessionWithCallBackInfo(session, before, after)
             wall += (time.perf_counter() - begun) if counting[0] else 0.0
             if code != 0:
-                raise RuntimeError(f"MNN runSessionWithCallBackInfo returned error code {code}")
+                raise _run_error("runSessionWithCallBackInfo", code)
         runs = plan.counted
         layers = timer.layers(profiling.Nodes(nodes), runs, lambda name: _mnn_candidates(name, timer.info[name][0]))
         kind = int(self._interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS))
@@ -302,7 +307,7 @@ class Session:
         self._set_inputs(self._session, feeds)
         code = self._interpreter.runSessionWithCallBackInfo(self._session, lambda tensors, info: True, after)
         if code != 0:
-            raise RuntimeError(f"MNN runSessionWithCallBackInfo returned error code {code}")
+            raise _run_error("runSessionWithCallBackInfo", code)
         return ops
 
     def _float_precision(self, feeds, mode: str, device: str) -> Tuple[str, str]:
@@ -332,6 +337,12 @@ def _mnn_candidates(name: str, op_type: str) -> List[str]:
     if op_type in _MNN_INSERTED:
         return []
     return [re.sub(r"(_raster_\d+|__matmul_converted)+$", "", name)]
+
+
+def _run_error(call: str, code: int) -> RuntimeError:
+    """A failed MNN run with the name of its error code."""
+    return RuntimeError(f"MNN {call} returned error code {code}"
+                        + (f" ({ERROR_CODES[code]})" if code in ERROR_CODES else ""))
 
 
 def fallback_reason(session: Session) -> str:
