@@ -301,6 +301,18 @@ def test_choose_a_tie_is_not_won_on_a_size_one_percent_smaller():
     assert winner == "int8_dynamic" and "smaller than fp32" in why
 
 
+def test_no_build_passes_and_one_of_nan_is_neither_the_closest_nor_the_fastest_failing():
+    """ncnn on a GroupNorm audio net: fp16 all NaN (cosine 0 now, 1.000000 before) and 3.7x
+    fast, int8 at cosine 0.31: int8 comes closest and is the fastest failing worth naming."""
+    rows = {"fp32": {**_row("fp32", 10.0, 9.5, 10.5, 90, "fail"), "cosine": 0.0003},
+            "fp16": {**_row("fp16", 2.7, 2.6, 9.8, 90, "fail"), "cosine": 0.0, "speedup": {"speedup": 3.70}},
+            "int8": {**_row("int8", 9.5, 9.4, 14.0, 90, "fail"), "cosine": 0.3085, "speedup": {"speedup": 1.05}}}
+    for row in rows.values():
+        row["reasons"] = ["output scores: cosine below 0.98"]
+    winner, why = choose(rows)
+    assert winner == "int8" and "the fastest failing: int8 at 1.05x fp32" in why and "fp16 at" not in why
+
+
 def test_choose_ties_go_first_to_the_build_that_keeps_more_of_the_task():
     """A BERT-style classifier (docs/benchmarks.md): static int8 and int8_dynamic as fast, the
     dynamic one smaller but flipping 2 of 300 decisions: the static one ships, and says why."""

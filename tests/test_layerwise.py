@@ -139,6 +139,10 @@ def test_nan_inf_origin_is_the_first_tensor_that_overflows(tmp_path):
                           {"device": "CPU", "precision": "fp16"}, summary, None)
     assert advice["kind"] == "fp16_overflow" and advice["action"]["keep_float"] == ["reduce", "sqrt"]
     assert "overflows fp16" in advice["text"] and "65504" in advice["text"]
+    (advice,) = recommend("fp32", "onnxruntime", {"device": "CPU", "precision": "fp32"},  # nothing to keep in fp32
+                          {"device": "CPU", "precision": "fp32"}, summary, None)
+    assert advice["kind"] == "kernel_nan" and advice["action"]["inspect"] == ["reduce"]
+    assert "in an fp32 build" in advice["text"] and "keep" not in advice["text"]
 
 
 def test_fp16_cast_pairs_that_onnxruntime_removes_map_back(tmp_path):

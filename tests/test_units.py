@@ -67,6 +67,19 @@ def test_identical_outputs_have_infinite_sqnr_and_nan_never_passes():
     assert cosine(np.zeros(3), np.zeros(3)) == 1.0 and cosine(np.zeros(3), np.ones(3)) == 0.0
 
 
+def test_an_output_of_nan_alone_has_no_cosine_of_one():
+    """ncnn ran a GroupNorm audio net into 600 NaN of 600 scores: nothing finite to compare
+    is a cosine of 0 (precision=auto's "comes closest" read 1.000000 off it), zeros on both
+    sides still agree."""
+    stats = OutputStats()
+    for _ in range(3):
+        stats.update(np.array([0.3, -0.1, 0.2]), np.full(3, np.nan))
+    assert stats.result()["cosine"] == 0.0 and stats.result()["nan"] == 9
+    both_zero = OutputStats()
+    both_zero.update(np.zeros(3), np.array([0.0, np.nan, 0.0]))
+    assert both_zero.result()["cosine"] == 1.0 and both_zero.result()["nan"] == 1
+
+
 def test_per_output_thresholds_override_the_defaults():
     validation = ValidationConfig(min_cosine=0.9, max_abs_error=1.0)
     validation.outputs["b"] = type(validation.thresholds_for("a"))(max_abs_error=0.5)

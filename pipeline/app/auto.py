@@ -525,9 +525,10 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
 
 def _fastest_failing(rows: Dict[str, dict]) -> str:
     """The fastest verified build that failed, its speed-up and what it lost against what is
-    allowed: what a looser threshold would buy."""
+    allowed: what a looser threshold would buy (never a build with nothing of its outputs
+    right, cosine 0: an output all NaN runs fast)."""
     failed = [(p, r) for p, r in rows.items() if r["verdict"] == "fail" and not r.get("same_as")
-              and (r.get("speedup") or {}).get("speedup")]
+              and (r.get("speedup") or {}).get("speedup") and (r.get("cosine") is None or r["cosine"] > 0)]
     if not failed:
         return ""
     precision, row = max(failed, key=lambda item: item[1]["speedup"]["speedup"])

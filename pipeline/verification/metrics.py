@@ -35,6 +35,7 @@ class OutputStats:
     err_abs: float = 0.0
     max_abs: float = 0.0
     elements: int = 0
+    compared: int = 0  # the elements finite on both sides, which the sums hold
     nan: int = 0
     inf: int = 0
     reference_nan: int = 0
@@ -72,6 +73,7 @@ class OutputStats:
             part = self._update_part(ref[begin:begin + CHUNK].astype(np.float64),
                                      out[begin:begin + CHUNK].astype(np.float64), sums)
             sample_max, kept = max(sample_max, part[0]), kept + part[1]
+        self.compared += kept
         if not kept:
             self.sample_cosine.append(0.0)
             self.sample_max_abs.append(0.0)
@@ -148,7 +150,9 @@ class OutputStats:
 
     def _float_result(self) -> dict:
         norm = math.sqrt(self.ref_sq * self.out_sq)
-        total_cos = self.dot / norm if norm else (1.0 if self.ref_sq == self.out_sq == 0 else 0.0)
+        # zeros on both sides agree; an output of NaN/Inf alone, nothing compared, does not
+        both_zero = self.ref_sq == self.out_sq == 0 and (self.compared or not (self.nan or self.inf))
+        total_cos = self.dot / norm if norm else (1.0 if both_zero else 0.0)
         return {
             "cosine": total_cos,
             "min_sample_cosine": min(self.sample_cosine) if self.sample_cosine else None,

@@ -121,6 +121,14 @@ def _fallbacks(precision: str, backend: str, requested: dict, effective: dict) -
 def _nan_origin(origin: dict, precision: str) -> dict:
     peak = origin.get("reference_max_abs") or 0.0
     keep = [origin["op"], *origin.get("consumers", [])]
+    if precision == kinds.REFERENCE:  # nothing to keep in fp32: the kernel or the conversion is wrong
+        return {"kind": "kernel_nan",
+                "text": f"the first NaN/Inf appears at op {origin['op']} ({origin['op_type']}, tensor "
+                        f"{origin['tensor']}, reference max {peak:.3g}) in an fp32 build: this backend's "
+                        f"{origin['op_type']} kernel, or its conversion of the ops before it that it does not "
+                        "expose, is wrong on this model; inspect them, report it upstream, or ship a target "
+                        "that passes",
+                "action": {"inspect": [origin["op"]], "tensor": origin["tensor"]}}
     # fp16 overflow is advised on every precision but plain int8 (quantized, nothing searched into float)
     if peak > FP16_MAX and (not kinds.quantized(precision) or kinds.searched(precision)):
         return {"kind": "fp16_overflow",
