@@ -154,6 +154,19 @@ def _lstm(folder: Path, steps: int = 10, features: int = 8, hidden: int = 16) ->
     return path
 
 
+def test_an_lstm_quantizes_and_is_judged_on_the_fp32_models_outputs(tmp_path):
+    """MNN's quantizer gives an LSTM's int8 model more outputs than the fp32 one (its states):
+    each method is judged on the fp32 model's outputs alone (a shape error before)."""
+    model = _lstm(tmp_path)
+    rng = np.random.default_rng(1)
+    samples = [{"x": rng.normal(size=(10, 1, 8)).astype(np.float32)} for _ in range(8)]
+    out = tmp_path / "int8"
+    out.mkdir()
+    _, settings = mnn.build_int8(model, out, target(), samples, "auto", float_ops=[])
+    scores = settings["options"]["quantization"]["output_cosine_vs_fp32"]
+    assert scores and max(scores.values()) > 0.99, settings["options"]["quantization"]
+
+
 def test_an_lstm_converts_runs_and_matches_onnxruntime(tmp_path):
     """`parity target=mnn_cpu precision=fp32` on an LSTM: MNN's own RNN op (RNN_AS_IS), verified
     against ONNX Runtime on every sample, exit 0."""

@@ -27,6 +27,7 @@ AUTO_CANDIDATES = ("KL", "ADMM", "EMA")
 IGNORES_SKIP = ("EMA",)
 EVAL_SAMPLES = 8  # calibration samples the quantized candidates are compared on
 QUANTIZE_TIMEOUT_S = 3600
+REFERENCE_OPTIONS = {"backend": "CPU", "forward_type": 0, "precision_mode": PRECISION_MODES["high"]}
 
 
 def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[str, np.ndarray]],
@@ -48,7 +49,8 @@ def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[st
         skip, unmapped = skipped_ops(onnx_ops(fp32, Path(onnx_path), calibration[0]), float_ops)
         candidates, reason = _candidates(method, _has_batchnorm(fp32), bool(skip))
         eval_feeds = calibration[:EVAL_SAMPLES]
-        reference = _outputs_of(fp32, eval_feeds)
+        outputs = [{"name": name} for name in Session(fp32, REFERENCE_OPTIONS).outputs]
+        reference = _outputs_of(fp32, eval_feeds, outputs)
         scores, failures = {}, {}
         for candidate in candidates:
             path = scratch / f"int8_{candidate}.mnn"
@@ -59,7 +61,7 @@ def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[st
             except RuntimeError as err:
                 failures[candidate] = str(err)
                 continue
-            scores[candidate] = _cosine(reference, _outputs_of(path, eval_feeds))
+            scores[candidate] = _cosine(reference, _outputs_of(path, eval_feeds, outputs))
         if not scores:
             raise RuntimeError("; ".join(f"{m}: {e}" for m, e in failures.items()))
         chosen = max(scores, key=lambda m: scores[m])
@@ -166,8 +168,10 @@ def _has_batchnorm(mnn_path: Path) -> bool:
     return any(info["op"] == "BatchNorm" for info in _mnn_graph(mnn_path).values())
 
 
-def _outputs_of(mnn_path: Path, feeds_list: List[Dict[str, np.ndarray]]) -> List[np.ndarray]:
-    session = Session(mnn_path, {"backend": "CPU", "forward_type": 0, "precision_mode": PRECISION_MODES["high"]})
+def _outputs_of(mnn_path: Path, feeds_list: List[Dict[str, np.ndarray]], outputs: List[dict]) -> List[np.ndarray]:
+    """The model's ``outputs`` on each feed, flattened: those of the fp32 model, which a
+    quantized one may outnumber (an LSTM's states come out of MNN's quantizer as outputs)."""
+    session = Session(mnn_path, REFERENCE_OPTIONS, outputs=outputs)
     return [np.concatenate([v.ravel() for v in session.run(feeds).values()]) for feeds in feeds_list]
 
 
