@@ -58,10 +58,9 @@ def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[st
             try:
                 quantize(fp32, path, scratch / f"{candidate}.json")
                 _check_skipped(path, skip, calibration[0])
-            except RuntimeError as err:
+                scores[candidate] = _cosine(reference, _outputs_of(path, eval_feeds, outputs))
+            except RuntimeError as err:  # a crash, an op not skipped, an output lost (one NMS also reads)
                 failures[candidate] = str(err)
-                continue
-            scores[candidate] = _cosine(reference, _outputs_of(path, eval_feeds, outputs))
         if not scores:
             raise RuntimeError("; ".join(f"{m}: {e}" for m, e in failures.items()))
         chosen = max(scores, key=lambda m: scores[m])

@@ -68,7 +68,8 @@ class Session:
         wanted = list(self._output_specs) or sorted(have_outputs)
         missing = [name for name in wanted if name not in have_outputs]
         if missing:
-            raise RuntimeError(f"the MNN model has no output {missing[0]!r}; its outputs: {', '.join(have_outputs)}")
+            raise RuntimeError(f"the MNN model {self._model_path.name} has no output {missing[0]!r} (MNN's quantizer "
+                               f"drops an output that another op also reads); its outputs: {', '.join(have_outputs)}")
         self.outputs = wanted
         self._tensor_map = None
         map_name = self._options.get("tensor_map")
