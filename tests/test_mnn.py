@@ -127,12 +127,12 @@ def test_converter_failure_is_a_clear_error(tmp_path):
 
 def test_a_converter_crash_is_an_error_and_parity_goes_on(tmp_path):
     """MNN 3.6.1's converter segfaults on a one-layer ONNX LSTM rewritten as a While loop
-    (its default): in the child process that is a RuntimeError naming the signal."""
+    (its default) or aborts: in the child process that is a RuntimeError naming the signal."""
     from pipeline.backends.mnn.common import run_tool
 
     model = _lstm(tmp_path)
     dst = tmp_path / "crashed.mnn"
-    with pytest.raises(RuntimeError, match="SIGSEGV"):
+    with pytest.raises(RuntimeError, match=r"failed \(signal SIG(SEGV|ABRT)\)"):  # memory corrupted: either
         run_tool("mnnconvert", ["mnnconvert", "-f", "ONNX", "--modelFile", str(model), "--MNNModel", str(dst)],
                  dst, 120, "MNN's converter")
     assert not dst.exists()
