@@ -103,6 +103,9 @@ def check(model: onnx.ModelProto, key: str = "model.path") -> None:
         raise InputError(f"{key}: the ONNX checker rejects the model: {first_line(err)}") from err
 
 
+# ops that make a model quantized already (a quantizer's QDQ or QOperator output): parity builds it as given
+QUANTIZED_OP_TYPES = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
+                      "ConvInteger", "MatMulInteger", "QLinearAdd", "QLinearMul", "QGemm")
 BATCH_AXES_KEY = "parity.batch_axes"  # metadata_props: {input: batch axis or null}, written by convert
 
 

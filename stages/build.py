@@ -24,6 +24,7 @@ from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFail
 from pipeline.worker import BackendWorker
 from stages import (BASELINES, REFERENCE_MODULE, StageContext, StageResult, baseline_role, baselines, peek,
                     reference_settings)
+from stages.convert import refuse_quantized
 from stages.results import BuildSummary
 
 log = logging.getLogger("parity")
@@ -209,6 +210,8 @@ def run(ctx: StageContext) -> StageResult:
     ok, reason = backend.available()
     if not ok:
         raise BackendUnavailable(f"target {target.name}: {reason}")
+    if precision != kinds.REFERENCE:
+        refuse_quantized(ctx)
     convert = ctx.results["convert"]
     onnx_path, ir_dir = convert.path("model"), _ir_dir(convert)
     quantization = traced_ranges = None

@@ -23,6 +23,7 @@ from pipeline.precision.calibration.fake_quant import FakeQuantModel
 from pipeline.precision.calibration.measure import OutputJudge
 from pipeline.precision.quantize import QdqSettings, prepare, write_ort_cache
 from stages import StageContext, StageResult
+from stages.convert import refuse_quantized
 from stages.results import CalibrateSummary
 
 NAME = "calibrate"
@@ -91,6 +92,7 @@ def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
     if not needed(cfg):
         return StageResult(ctx.out_dir, {}, CalibrateSummary.from_json({"skipped": _not_needed(cfg)}))
+    refuse_quantized(ctx)
     model_path = ctx.out_dir / "prepared.onnx"
     try:
         prepare(ctx.results["convert"].path("model"), model_path)

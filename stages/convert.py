@@ -14,7 +14,7 @@ from onnx import numpy_helper, version_converter
 
 from pipeline import backends, shapes
 from pipeline.artifacts import sha256_file
-from pipeline.errors import InputError, first_line, target_cannot
+from pipeline.errors import ConfigError, InputError, first_line, target_cannot
 from pipeline.model import batch_axes, check, external_data_files, load_onnx, record_batch_axes, signature
 from stages import StageContext, StageResult
 from stages.results import ConvertSummary
@@ -75,6 +75,18 @@ def run(ctx: StageContext) -> StageResult:
         "output_shapes": output_shape_check(ctx.out_dir / "model.onnx", model),
     }
     return StageResult(ctx.out_dir, files, ConvertSummary.from_json(summary))
+
+
+def refuse_quantized(ctx: StageContext) -> None:
+    """A model quantized already is built and verified as given (precision=fp32, whose
+    reference runs the same quantized graph); quantizing it again or narrowing its float
+    parts is a config error, before its ops meet a quantizer that assumes a float model."""
+    convert = ctx.results.get("convert")
+    found = convert.summary.quantized if convert is not None else ""
+    if found:
+        raise ConfigError(f"precision={ctx.cfg.precision.kind}: the model is quantized already ({found}): parity "
+                          "builds and verifies it as given with precision=fp32 (the reference runs the same "
+                          "quantized graph); give parity the float model to let it choose the precision")
 
 
 def _default_opset(model: onnx.ModelProto) -> int:

@@ -18,6 +18,8 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
+from pipeline.model import QUANTIZED_OP_TYPES
+
 BASE_FIELDS = ("detail", "key_order")
 
 
@@ -86,6 +88,12 @@ class ConvertSummary(Shape):
     outputs: List[dict] = field(default_factory=list)
     preflight: List[dict] = field(default_factory=list)  # findings: check, severity, tensor, detail
     output_shapes: Optional[dict] = None
+    op_types: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> str:
+        """What makes the model quantized already ("12 QuantizeLinear, 12 DequantizeLinear"), or ""."""
+        return ", ".join(f"{n} {op}" for op, n in self.op_types.items() if op in QUANTIZED_OP_TYPES)
 
     @property
     def output_names(self) -> List[str]:

@@ -147,3 +147,44 @@ def test_a_runtime_that_cannot_load_the_model_says_so_in_one_line(tmp_path):
     assert len(lines) == 1 and "Could not find an implementation for Det(11) node with name 'det'" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted({*before, "outputs"})
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def quantized_digits(path):
+    """The default digits CNN through ONNX Runtime's own quantize_static (QDQ, per channel),
+    fed 16 of its calibration samples: a model quantized before parity sees it."""
+    from importlib import resources
+
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    assets = resources.files("pipeline") / "assets"
+    calibration = np.load(str(assets / "digits.npz"))["calibration/input"][:16]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.samples = iter({"input": sample[None]} for sample in calibration)
+
+        def get_next(self):
+            return next(self.samples, None)
+
+    quantize_static(str(assets / "digits_cnn.onnx"), str(path), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
+    return path
+
+
+def test_a_model_quantized_already_is_verified_as_given_and_never_quantized_again(tmp_path):
+    """int8 of a QDQ model was an internal error (ONNX Runtime: two nodes with the same name):
+    precision=int8 is exit 2 saying why; auto builds fp32, the model as given, which OpenVINO
+    runs in int8 (accepted: that is the model), and ships it; the other candidates are not built."""
+    model = quantized_digits(tmp_path / "digits_qdq.onnx")
+    refused = run_cli([f"model.path={model}", "precision=int8"], tmp_path)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("parity:")]
+    assert "the model is quantized already (" in line and "DequantizeLinear" in line and "precision=fp32" in line
+    done = run_cli([f"model.path={model}", "target=openvino_cpu"], tmp_path, default_precision=None)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = read_report(run_dirs(tmp_path)[-1])
+    rows = {row["precision"]: row for row in report["auto"]["candidates"]}
+    assert report["auto"]["chosen"] == "fp32" and report["verify"]["effective"]["precision"] in ("int8", "mixed")
+    assert {p for p, row in rows.items() if row["verdict"] == "not built"} == {"bf16", "int8", "mixed"} - (
+        {"bf16"} if "bf16" not in rows else set())
+    assert all("quantized already" in rows[p]["reasons"][0] for p in ("int8", "mixed"))

@@ -471,15 +471,18 @@ def _fp32_could_ship(tried: Dict[str, dict], requested: List[str], tight: float)
 
 def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
     """No candidate was built: each distinct reason once, with the candidates it stopped;
-    exit 4 when the target could not make any of them (pnnx crashing on a transformer), the
-    candidates' own code when they share one, else a config error."""
+    exit 4 when the target could not make any of them (pnnx crashing on a transformer) or could
+    not make fp32, the model as given (a quantized model MNN's converter crashes on, the
+    others refused as quantized already), else a config error."""
     stopped: Dict[str, List[str]] = {}
     for precision, row in tried.items():
         stopped.setdefault(first_line(row["reasons"][0] if row["reasons"] else "no reason given"), []).append(precision)
     text = (f"precision=auto: no candidate could be built for target {target}: "
             + "; ".join(f"{', '.join(precisions)}: {reason}" for reason, precisions in stopped.items()))
     codes = {row.get("exit_code") for row in tried.values()}
-    return BackendUnavailable(text) if codes == {int(ExitCode.BACKEND)} else ConfigError(text)
+    backend = int(ExitCode.BACKEND)
+    return BackendUnavailable(text) if codes == {backend} or tried.get(REFERENCE, {}).get("exit_code") == backend \
+        else ConfigError(text)
 
 
 def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:

@@ -69,7 +69,8 @@ def run(ctx: StageContext) -> StageResult:
     files = {"reproduce": "reproduce.npz"}
     requested = {"device": str(deployed[2].get("device", cfg.target.device)).upper(),
                  "precision": cfg.precision.kind,
-                 "accepted_precisions": _accepted_precisions(cfg.precision, _build_float_ops(ctx)),
+                 "accepted_precisions": _accepted_precisions(cfg.precision, _build_float_ops(ctx),
+                                                             ctx.results["convert"].summary.quantized),
                  **_nothing_int8(ctx)}
     layers = None
     with contextlib.ExitStack() as stack, progress_bar() as progress:
@@ -386,11 +387,14 @@ def _build_float_ops(ctx) -> List[str]:
     return list((build.summary.float_ops if build else None) or [])
 
 
-def _accepted_precisions(precision, float_ops: List[str]) -> List[str]:
+def _accepted_precisions(precision, float_ops: List[str], quantized: str = "") -> List[str]:
     """What the backend may report for this request: mixed with an empty qtable (plain
     int8 met the target) runs int8 everywhere; an int8 build that keeps ops in float
-    (precision.keep_float, or the backend's own float kinds) is mixed."""
+    (precision.keep_float, or the backend's own float kinds) is mixed; fp32 of a model
+    quantized already (its Q/DQ as given) runs int8 or mixed."""
     name = precision.kind
+    if quantized and name == kinds.REFERENCE:
+        return [name, *kinds.with_partial("int8")]
     if kinds.searched(name) or (kinds.partial(name) and (precision.keep_float or float_ops)):
         return kinds.with_partial(name)
     return [name]
