@@ -185,6 +185,13 @@ def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
                 "ncnn Mat has at least one dimension; run this model on ort_cpu or openvino_cpu")
         if not dims or any(d <= 0 for d in dims):
             dims = _opt_dims(value.name, dims, ranges.get(value.name))
+        if len(dims) >= 4 and dims[0] > 1:
+            from pipeline.errors import BackendUnavailable
+
+            raise BackendUnavailable(
+                f"ncnn runs one sample at a time (a Mat has no batch axis; pnnx drops the first dim of a "
+                f"{len(dims)}-d input): input {value.name!r} {dims} has a fixed batch of {dims[0]}; export the model "
+                "with batch 1 or a dynamic batch, or run it on ort_cpu or openvino_cpu")
         found.append((value.name, dims, np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type))))
     return found
 
