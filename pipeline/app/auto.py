@@ -479,10 +479,9 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
         stopped.setdefault(first_line(row["reasons"][0] if row["reasons"] else "no reason given"), []).append(precision)
     text = (f"precision=auto: no candidate could be built for target {target}: "
             + "; ".join(f"{', '.join(precisions)}: {reason}" for reason, precisions in stopped.items()))
-    codes = {row.get("exit_code") for row in tried.values()}
-    backend = int(ExitCode.BACKEND)
-    return BackendUnavailable(text) if codes == {backend} or tried.get(REFERENCE, {}).get("exit_code") == backend \
-        else ConfigError(text)
+    codes, backend = {row.get("exit_code") for row in tried.values()}, int(ExitCode.BACKEND)
+    fp32_impossible = tried.get(REFERENCE, {}).get("exit_code") == backend
+    return BackendUnavailable(text) if codes == {backend} or fp32_impossible else ConfigError(text)
 
 
 def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:
@@ -573,8 +572,7 @@ def _task_lost(row: dict) -> float:
 
 def _kept_most(tied: List[str], rows: Dict[str, dict]) -> List[str]:
     """The builds among ``tied`` that lost the least of the task."""
-    least = min(_task_lost(rows[p]) for p in tied)
-    return [p for p in tied if _task_lost(rows[p]) == least]
+    return [p for p in tied if _task_lost(rows[p]) == min(_task_lost(rows[q]) for q in tied)]
 
 
 def _as_small(builds: List[str], rows: Dict[str, dict]) -> List[str]:
