@@ -313,6 +313,16 @@ def test_no_build_passes_and_one_of_nan_is_neither_the_closest_nor_the_fastest_f
     assert winner == "int8" and "the fastest failing: int8 at 1.05x fp32" in why and "fp16 at" not in why
 
 
+def test_the_shipped_line_says_why_when_every_candidate_not_built_shares_one_reason():
+    rows = {"fp32": _row("fp32", 10.0, 9.5, 10.5, 400)}
+    for precision in ("int8", "int8_dynamic"):
+        rows[precision] = {"precision": precision, "verdict": "not built", "reasons": [
+            "config error: precision=int8: the model is quantized already (2 QuantizeLinear): parity builds it as given"]}
+    assert "; not built (the model is quantized already (2 QuantizeLinear)): int8, int8_dynamic" in choose(rows)[1]
+    rows["int8_dynamic"]["reasons"] = ["backend unavailable: int8_dynamic: ONNX Runtime's dynamic quantizer failed: x"]
+    assert "; not built: int8, int8_dynamic" in choose(rows)[1]  # two reasons: the rows hold them
+
+
 def test_choose_ties_go_first_to_the_build_that_keeps_more_of_the_task():
     """A BERT-style classifier (docs/benchmarks.md): static int8 and int8_dynamic as fast, the
     dynamic one smaller but flipping 2 of 300 decisions: the static one ships, and says why."""

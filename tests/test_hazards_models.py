@@ -203,3 +203,4 @@ def test_a_model_quantized_already_is_verified_as_given_and_never_quantized_agai
     assert {p for p, row in rows.items() if row["verdict"] == "not built"} == {"bf16", "int8", "mixed"} - (
         {"bf16"} if "bf16" not in rows else set())
     assert all("quantized already" in rows[p]["reasons"][0] for p in ("int8", "mixed"))
+    assert "; not built (the model is quantized already (" in report["auto"]["why"]  # the one line says why
