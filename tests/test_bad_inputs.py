@@ -130,6 +130,9 @@ def build_cases(root: Path) -> dict:
     return {
         "missing_model": (["model.path=/does/not/exist.onnx"],
                           ["input error", "model.path", "/does/not/exist.onnx", "does not exist"]),
+        # precision=auto: the same one line, not wrapped in "no candidate could be built" for every candidate
+        "missing_model_auto": (["model.path=/does/not/exist.onnx", "precision=auto"],
+                               ["parity: input error: model.path: /does/not/exist.onnx does not exist"]),
         "zero_byte_model": ([f"model.path={models / 'empty.onnx'}"],
                             ["model.path", "empty.onnx", "is empty (0 bytes)"]),
         "truncated_model": ([f"model.path={models / 'truncated.onnx'}"],
@@ -158,7 +161,7 @@ def build_cases(root: Path) -> dict:
 
 
 CASE_IDS = [
-    "missing_model", "zero_byte_model", "truncated_model", "text_model", "tensorproto_model",
+    "missing_model", "missing_model_auto", "zero_byte_model", "truncated_model", "text_model", "tensorproto_model",
     "protobuf_parses_but_no_graph", "external_data_outside", "data_shape_mismatch", "empty_data_dir",
     "nan_in_data", "input_shapes_unknown_input", "input_shapes_unknown_input_no_plus",
 ]

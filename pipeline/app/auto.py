@@ -52,7 +52,7 @@ from pipeline.config.validation import validate
 from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.verification.verdict import ACCURACY_CHECKS
-from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, ParityError, first_line
+from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, InputError, ParityError, first_line
 from pipeline.app import int8_preview
 from pipeline.app.budget import CUT, Budget
 from pipeline.app.candidate_order import PRECISION_FILES, candidates, deferrable, ordered
@@ -470,10 +470,14 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
     """No candidate was built: each distinct reason once, with the candidates it stopped;
     exit 4 when the target could not make any of them (pnnx crashing on a transformer) or could
     not make fp32, the model as given (a quantized model MNN's converter crashes on, the
-    others refused as quantized already), else a config error."""
+    others refused as quantized already), else a config error. One input error stopping them
+    all (a model path that does not exist) is that error alone."""
     stopped: Dict[str, List[str]] = {}
     for precision, row in tried.items():
         stopped.setdefault(first_line(row["reasons"][0] if row["reasons"] else "no reason given"), []).append(precision)
+    (only, *others) = stopped
+    if not others and only.startswith(InputError.label + ": "):  # the user's model or data file: said as it is
+        return InputError(only.removeprefix(InputError.label + ": "))
     text = (f"precision=auto: no candidate could be built for target {target}: "
             + "; ".join(f"{', '.join(precisions)}: {reason}" for reason, precisions in stopped.items()))
     codes, backend = {row.get("exit_code") for row in tried.values()}, int(ExitCode.BACKEND)
