@@ -80,6 +80,20 @@ def test_an_output_of_nan_alone_has_no_cosine_of_one():
     assert both_zero.result()["cosine"] == 1.0 and both_zero.result()["nan"] == 1
 
 
+def test_nan_where_the_reference_has_nan_too_is_agreement():
+    """A log of a negative input is NaN in the reference and in the build: no failure; a NaN
+    where the reference has a number still fails, and says how many."""
+    limits = ValidationConfig().thresholds_for("y")
+    same = OutputStats()
+    same.update(np.array([0.5, np.nan, -np.inf, 2.0]), np.array([0.5, np.nan, -np.inf, 2.0]))
+    result = same.result()
+    assert (result["nan"], result["inf"], result["new_nonfinite"]) == (1, 1, 0) and failures(result, limits) == []
+    worse = OutputStats()
+    worse.update(np.array([0.5, np.nan, -np.inf, 2.0]), np.array([np.nan, np.nan, np.inf, 2.0]))
+    (text,) = failures(worse.result(), limits)
+    assert text == "2 NaN and 1 Inf values in the output, 2 where the reference has a number"
+
+
 def test_per_output_thresholds_override_the_defaults():
     validation = ValidationConfig(min_cosine=0.9, max_abs_error=1.0)
     validation.outputs["b"] = type(validation.thresholds_for("a"))(max_abs_error=0.5)

@@ -14,6 +14,7 @@ from rich.table import Table
 from pipeline.console import stdout_console
 from pipeline.precision import kinds
 from pipeline.verification.memory import candidate_peak, line as memory_line
+from pipeline.verification.metrics import nonfinite_failure
 
 
 def print_summary(records: list, report: dict, bundle: Optional[str], run_dir: Path) -> None:
@@ -229,7 +230,9 @@ def _verify_table(report: dict, verify: dict) -> Table:
         sqnr = "inf" if m["sqnr_db"] is None else f"{m['sqnr_db']:.1f} dB"
         if limits.get("min_sqnr_db") is not None:
             row(output["name"], "SQNR", sqnr, f">= {limits['min_sqnr_db']} dB", "SQNR" not in failed)
-        row(output["name"], "NaN/Inf", f"{m['nan']}/{m['inf']}", "0/0", not (m["nan"] or m["inf"]))
+        shared = (m.get("reference_nan") or 0, m.get("reference_inf") or 0)
+        row(output["name"], "NaN/Inf", f"{m['nan']}/{m['inf']}", "0/0" if shared == (0, 0) else
+            f"the reference's ({shared[0]}/{shared[1]})", not nonfinite_failure(m))
     task = verify.get("task")
     if task:
         passed = task["passed"] and not (task.get("uncertain") and task.get("require_confidence"))

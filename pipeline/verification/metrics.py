@@ -40,6 +40,7 @@ class OutputStats:
     inf: int = 0
     reference_nan: int = 0
     reference_inf: int = 0
+    new_nonfinite: int = 0  # NaN/Inf where the reference has a number (or another non-finite value)
     reference_max_abs: float = 0.0
     max_rel: float = 0.0  # max |target - reference| / |reference|; inf where the reference is 0
     sample_cosine: List[float] = field(default_factory=list)
@@ -119,6 +120,8 @@ class OutputStats:
         self.inf += int(np.isinf(out).sum())
         self.reference_nan += int(np.isnan(ref).sum())
         self.reference_inf += int(np.isinf(ref).sum())
+        as_reference = (np.isnan(out) & np.isnan(ref)) | (np.isinf(out) & (out == ref))  # log(-1) in both: agreed
+        self.new_nonfinite += int((~finite_out & ~as_reference).sum())
         finite = finite_ref & finite_out
         return ref[finite], out[finite]
 
@@ -151,7 +154,7 @@ class OutputStats:
     def _float_result(self) -> dict:
         norm = math.sqrt(self.ref_sq * self.out_sq)
         # zeros on both sides agree; an output of NaN/Inf alone, nothing compared, does not
-        both_zero = self.ref_sq == self.out_sq == 0 and (self.compared or not (self.nan or self.inf))
+        both_zero = self.ref_sq == self.out_sq == 0 and (self.compared or not self.new_nonfinite)
         total_cos = self.dot / norm if norm else (1.0 if both_zero else 0.0)
         return {
             "cosine": total_cos,
@@ -163,6 +166,7 @@ class OutputStats:
             "sqnr_db": 10 * math.log10(self.ref_sq / self.err_sq) if self.err_sq and self.ref_sq else None,
             "nan": self.nan, "inf": self.inf,
             "reference_nan": self.reference_nan, "reference_inf": self.reference_inf,
+            "new_nonfinite": self.new_nonfinite,
             "elements": self.elements,
         }
 
@@ -226,6 +230,18 @@ def _alike(first: float, other: float) -> bool:
     return first == 0 or other == 0 or max(first, other) / min(first, other) < 10.0
 
 
+def nonfinite_failure(metrics: dict) -> str:
+    """The NaN/Inf an output must not have, said, or "": those where the reference has a
+    number; the same NaN or Inf as the reference's (a log of a masked value) is agreement."""
+    nan, inf = metrics.get("nan") or 0, metrics.get("inf") or 0
+    new = metrics.get("new_nonfinite", nan + inf)  # reports from before it was counted
+    if not new:
+        return ""
+    shared = nan + inf - new
+    return f"{nan} NaN and {inf} Inf values in the output" + (f", {new} where the reference has a number"
+                                                               if shared else "")
+
+
 def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
     """Which thresholds the metrics miss; NaN/Inf never pass. An integer or boolean output
     is judged by its agreement alone (samples whose values all equal the reference's; every
@@ -233,8 +249,8 @@ def failures(metrics: dict, limits: OutputThresholds) -> List[str]:
     if metrics.get("exact"):
         return _exact_failures(metrics, limits)
     failed = []
-    if metrics["nan"] or metrics["inf"]:
-        failed.append(f"{metrics['nan']} NaN and {metrics['inf']} Inf values in the output")
+    if nonfinite_failure(metrics):
+        failed.append(nonfinite_failure(metrics))
     if limits.min_cosine is not None and not metrics["cosine"] >= limits.min_cosine:
         where = f" in rows {metrics['worst_rows']} (the whole output: {metrics['whole_cosine']:.6f})" \
             if metrics.get("worst_rows") and metrics["cosine"] < metrics["whole_cosine"] else ""

@@ -370,7 +370,9 @@ def _nothing_int8(ctx) -> dict:
     if not kinds.quantized(ctx.cfg.precision.kind) or quantization.int8_ops != 0:
         return {}
     count, kind = len(quantization.float_ops or []), ctx.cfg.precision.kind
-    if quantization.none_slower_in_int8:
+    if not count:
+        why = "the model has no op parity quantizes (no Conv, MatMul, Gemm, ...): the build is the fp32 model"
+    elif quantization.none_slower_in_int8:
         why = (f"no quantized op is faster in int8 than in fp32 on this machine (precision.int8_where_faster "
                f"kept all {count} in float) and the build runs fp32: ship fp32 (precision=auto chooses it)")
     elif kinds.searched(kind):
