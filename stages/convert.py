@@ -48,6 +48,8 @@ def run(ctx: StageContext) -> StageResult:
     fixed = _fix_input_shapes(model, cfg.input_shapes, axes)
     model = _upgrade_opset(model, cfg.min_opset)
     model.ir_version = _ir_version(model)
+    constants = _initializers_out_of_inputs(model)  # IR 3 needs them listed, the version converter too
+    _drop_unused_resize_rois(model)
     model = _infer_shapes(model)
     record_batch_axes(model, axes)
     check(model)
@@ -70,11 +72,35 @@ def run(ctx: StageContext) -> StageResult:
         "inputs": [vars(s) for s in signature(model)],
         "outputs": [vars(s) for s in signature(model, outputs=True)],
         "fixed_shapes": fixed,
+        "initializers_in_inputs": constants,
         "dynamic_shapes": {name: r.to_json() if r else "data" for name, r in shapes.recorded(model).items()},
         "preflight": preflight(model),
         "output_shapes": output_shape_check(ctx.out_dir / "model.onnx", model),
     }
     return StageResult(ctx.out_dir, files, ConvertSummary.from_json(summary))
+
+
+def _initializers_out_of_inputs(model: onnx.ModelProto) -> int:
+    """Weights an old exporter (IR 3) also listed as graph inputs become constants only:
+    as inputs they are overridable, so runtimes fold nothing through them and pnnx takes an
+    old Upsample's scales for a run-time input ("cannot convert op Resize"). How many moved."""
+    weights = {tensor.name for tensor in model.graph.initializer}
+    kept = [value for value in model.graph.input if value.name not in weights]
+    moved = len(model.graph.input) - len(kept)
+    if moved:
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+    return moved
+
+
+def _drop_unused_resize_rois(model: onnx.ModelProto) -> None:
+    """A Resize reads its roi input only in tf_crop_and_resize mode; the version converter
+    writes one for an opset-9 Upsample anyway ([0,0,0,0,1,1,1,1]), and pnnx then cannot
+    convert the Resize. An roi the op ignores is left empty."""
+    for node in model.graph.node:
+        mode = next((a.s.decode() for a in node.attribute if a.name == "coordinate_transformation_mode"), "half_pixel")
+        if node.op_type == "Resize" and len(node.input) > 1 and node.input[1] and mode != "tf_crop_and_resize":
+            node.input[1] = ""
 
 
 def refuse_quantized(ctx: StageContext) -> None:

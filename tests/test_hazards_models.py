@@ -204,3 +204,34 @@ def test_a_model_quantized_already_is_verified_as_given_and_never_quantized_agai
         {"bf16"} if "bf16" not in rows else set())
     assert all("quantized already" in rows[p]["reasons"][0] for p in ("int8", "mixed"))
     assert "; not built (the model is quantized already (" in report["auto"]["why"]  # the one line says why
+
+
+def opset9_model(path):
+    """As an old exporter (IR 3, opset 9) writes it: the weights listed as graph inputs too,
+    an Upsample (the version converter makes it a Resize with an roi it never reads)."""
+    rng = np.random.default_rng(0)
+    weights = {"w": rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32), "scales": np.array([1, 1, 2, 2], np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Upsample", ["r", "scales"], ["y"], mode="nearest")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])] + [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape)) for name, value in weights.items()]
+    graph = helper.make_graph(nodes, "old", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
+                              [numpy_helper.from_array(value, name) for name, value in weights.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=3), str(path))
+    return path
+
+
+def test_an_opset_9_model_with_its_weights_as_inputs_converts_for_ncnn(tmp_path):
+    """pnnx took the Upsample's scales, a graph input, for a run-time value and could not
+    convert the Resize (nor one with the roi the version converter writes): the weights are
+    constants only now, the unread roi left empty, and ncnn's fp32 build passes."""
+    model = opset9_model(tmp_path / "old.onnx")
+    done = run_cli([f"model.path={model}", "data=random", "data.calibration_size=4", "data.validation_size=8",
+                    "metric=none", "target=ncnn_cpu", "precision=fp32"], tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_dir = run_dirs(tmp_path)[-1]
+    converted = onnx.load(str(run_dir / "stages" / "convert" / "model.onnx"))
+    assert [value.name for value in converted.graph.input] == ["x"]
+    assert [list(node.input) for node in converted.graph.node if node.op_type == "Resize"] == [["r", "", "scales"]]
+    assert read_report(run_dir)["verify"]["effective"]["precision"] == "fp32"
