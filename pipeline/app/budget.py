@@ -152,8 +152,11 @@ class Budget:
     def cut_ahead(self, precision: str, estimate: float) -> dict:
         """The row of a candidate not started because its estimate does not fit."""
         return {"precision": precision, "verdict": CUT, "estimate_s": round(estimate, 1),
+                "reserved_s": round(self.reserve(), 1),
                 "reasons": [f"not tried: estimated {estimate:.0f} s ({self.describe()}), "
-                            f"{max(self.left(), 0):.0f} s of precision.budget_s={self.seconds:g} s left"]}
+                            f"{max(self.left(), 0):.0f} s of precision.budget_s={self.seconds:g} s left, "
+                            f"{self.reserve():.0f} s of it set aside for the closing steps (fp32's verify, "
+                            "the profile, the package)"]}
 
     def describe(self) -> str:
         corrected = f", x{self.correction():.2f} from the candidates so far" if self.ratios else ""
