@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from pipeline.data import Sample  # noqa: E402
 from pipeline.environment import cpu, own_threads  # noqa: E402
 from pipeline.precision.calibration import bias_correction, input_means, statistics, tables  # noqa: E402
-from pipeline.precision.quantize import QdqSettings, prepare, quantize_static_qdq  # noqa: E402
+from pipeline.precision.prepare import prepare  # noqa: E402
+from pipeline.precision.quantize import QdqSettings, quantize_static_qdq  # noqa: E402
 from time_to_bundle import seg_samples  # noqa: E402
 
 MODEL = REPO / "tests" / "assets" / "u2netp_320.onnx"

@@ -21,7 +21,8 @@ from pipeline.console import progress_bar
 from pipeline.errors import BackendUnavailable, ConfigError, InputError, first_line
 from pipeline.precision.calibration.fake_quant import FakeQuantModel
 from pipeline.precision.calibration.measure import OutputJudge
-from pipeline.precision.quantize import QdqSettings, prepare, write_ort_cache
+from pipeline.precision.prepare import prepare
+from pipeline.precision.quantize import QdqSettings, write_ort_cache
 from stages import StageContext, StageResult
 from stages.convert import refuse_quantized
 from stages.results import CalibrateSummary

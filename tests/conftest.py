@@ -205,7 +205,8 @@ def classifier_qdq(tmp_path_factory):
 
     from pipeline.precision.calibration import statistics, tables
     from pipeline.data import Sample
-    from pipeline.precision.quantize import QdqSettings, prepare, quantize_static_qdq
+    from pipeline.precision.prepare import prepare
+    from pipeline.precision.quantize import QdqSettings, quantize_static_qdq
     from textlines import FONTS, WORDS, line_tensor
 
     folder = tmp_path_factory.mktemp("cls-qdq")

@@ -2,7 +2,7 @@
 int8 weights in the model, activations quantized at run time over each call's own range.
 
 Built with ONNX Runtime's own dynamic quantizer (``onnxruntime.quantization.quantize_dynamic``)
-on the prepared graph (quantize.prepare: BatchNorm folded, float16 widened): each quantized
+on the prepared graph (prepare.prepare: BatchNorm folded, float16 widened): each quantized
 MatMul (a Gemm is rewritten as MatMul + Add first) and Conv becomes DynamicQuantizeLinear
 (uint8 activations, asymmetric, per tensor, range of this call) -> MatMulInteger / ConvInteger
 (int8 symmetric weights) -> Cast -> Mul by the two scales, which ONNX Runtime's optimizer
@@ -39,7 +39,8 @@ import numpy as np
 from pipeline import deadline
 from pipeline.errors import first_line
 from pipeline.precision.calibration import bias_correction
-from pipeline.precision.quantize import WEIGHTED_OPS, QuantizerFailed, needs_reduce_range, prepare
+from pipeline.precision.prepare import prepare
+from pipeline.precision.quantize import WEIGHTED_OPS, QuantizerFailed, needs_reduce_range
 
 # parity's quantize_ops -> the op type ONNX Runtime's dynamic quantizer quantizes them as;
 # ConvTranspose has no integer kernel there

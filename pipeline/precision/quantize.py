@@ -567,32 +567,3 @@ def strip_output_qdq(model) -> int:
     if removed:
         _drop_unread_initializers(model.graph, before=read)
     return removed
-
-
-def prepare(model_path: Path, out_path: Path) -> None:
-    """The graph that gets calibrated and quantized: ONNX Runtime's quantization
-    pre-processing at its basic level (constant folding, BatchNorm folded into Conv),
-    which keeps standard ONNX ops only. Symbolic shape inference is skipped: it fails on
-    some exported models (shared/findings.md) and convert already inferred shapes. A
-    float16 model is widened to float32 first, its float16 inputs and outputs kept by
-    casts (pipeline/precision/float32.py): the quantizer cannot type its own casts otherwise."""
-    import onnx
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from pipeline.precision import float32
-
-    original = onnx.load(str(model_path))
-    if float32.has_float16(original):
-        onnx.save(float32.widened(original), str(out_path))
-        model_path = out_path
-    quant_pre_process(str(model_path), str(out_path), skip_symbolic_shape=True)
-    from pipeline.precision.fp16 import name_nodes
-
-    model = onnx.load(str(out_path))
-    name_nodes(model)
-    used = {node.domain or "" for node in model.graph.node}
-    kept = [o for o in model.opset_import if (o.domain or "") in used | {""}]
-    del model.opset_import[:]
-    model.opset_import.extend(kept)
-    onnx.save(model, str(out_path))
-
