@@ -269,8 +269,8 @@ def test_mixed_is_not_built_after_an_int8_that_fails_no_faster_than_fp32():
 
     row = _decided_by_whole("mixed", failed(0.99))
     assert row["verdict"] == "not built" and row["reasons"] == [
-        "not built: int8 runs no faster than fp32 here (1.03x, rounds 0.99-1.08x), and mixed is int8 with some ops "
-        "in float"]
+        "not built: int8 was not faster than fp32 in three rounds of four (1.03x, rounds 0.99-1.08x), and mixed is "
+        "int8 with some ops in float"]
     assert _decided_by_whole("mixed", failed(1.01)) is None
     assert _decided_by_whole("mixed", {"int8": {"verdict": "fail"}}) is None  # not timed: searched
     assert _decided_by_whole("int8", failed(0.9)) is None and _decided_by_whole("mixed", {}) is None

@@ -282,7 +282,7 @@ def _decided_by_whole(precision: str, tried: Dict[str, dict]) -> Optional[dict]:
         # it could at best tie fp32, and a tie ships fp32 (it keeps the task): PP-OCRv4 det on
         # ort_cpu, int8 at 1.03x, took 136 s of mixed search that could not ship
         return {"precision": precision, "verdict": NOT_BUILT, "reasons": [
-            f"not built: {whole} runs no faster than fp32 here ({up['speedup']:.2f}x, rounds "
+            f"not built: {whole} was not faster than fp32 in three rounds of four ({up['speedup']:.2f}x, rounds "
             f"{up['speedup_p25']:.2f}-{up['speedup_p75']:.2f}x), and {precision} is {whole} with some ops in float"]}
     return None
 
