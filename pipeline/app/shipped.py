@@ -22,9 +22,10 @@ SIZE_EDGE = 0.9  # among builds as fast, one is the smaller only at 90 % of the 
 def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[str], str]:
     """(the precision to ship, one line saying why). Each passing build is judged against
     the fastest by median on their per-round ratios (speed.judge): slower drops out; a tie
-    (tight spread) goes to the build keeping more of the task, the smaller (by SIZE_EDGE), the higher precision; a build the
-    timing left undecided (wide spread after the budget) makes the highest-fidelity build
-    among the fastest, its ties and the undecided ones ship, never the smaller on a guess."""
+    (tight spread) goes to the build keeping more of the task, the smaller (by SIZE_EDGE),
+    the higher precision; a build the timing left undecided (wide spread after the budget)
+    makes the highest-fidelity build among the fastest, its ties and the undecided ones
+    ship, never the smaller on a guess."""
     passing = [p for p, r in rows.items() if r["verdict"] == "pass" and "median_ms" in (r.get("latency") or {})]
     if not passing:
         built = [p for p, r in rows.items() if r.get("cosine") is not None]
