@@ -216,6 +216,8 @@ def test_a_first_look_decides_a_far_slower_and_a_clearly_faster_candidate_only()
 
     assert look(900.0) and look(100.0)  # 0.22x, 2x
     assert not look(200.0) and not look(180.0) and not look(300.0)  # 1x, 1.11x, 0.67x
+    tiny = {"fp32": Scripted(lambda i: 1.08), "candidate": Scripted(lambda i: 0.21)}  # ncnn, a 0.1 ms CNN
+    assert not screening.decided_at_first_look(speed.interleaved(tiny, {}, rounds=3, runs=1, max_seconds=0.0))
 
 
 def test_a_build_timed_alone_takes_the_fewest_rounds_in_their_share_of_the_time():

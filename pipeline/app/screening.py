@@ -33,6 +33,10 @@ FAR_SLOWER = 0.5
 # SCREEN_SLOWER, and its verify times it again if it passes (the segmenter's int8 and mixed:
 # about 3 s of screening rounds each, twice that on a 2x slower machine)
 CLEARLY_FASTER = 1.25
+# ... where one run of the baseline takes this long at least: a single run of a sub-millisecond
+# model is mostly its threads waking (a 0.1 ms CNN on ncnn: int8 5.19x fp32 in single runs,
+# 0.94x in the screening's rounds), so below it the rounds decide
+FIRST_LOOK_MIN_MS = 5.0
 SCREEN_SECONDS = 3.0  # the screening timing's budget per candidate (3 rounds at least)
 SCREEN_TIMING = {"rounds": 5, "max_seconds": SCREEN_SECONDS, "tight": None}  # speed.interleaved's options
 SLOWER = "slower than fp32"
@@ -90,9 +94,11 @@ def _screen_timings(fp32: RunOutcome, built: RunOutcome, checked) -> Tuple[dict,
 def decided_at_first_look(timings: dict, candidate: str = "candidate", baseline: str = REFERENCE,
                           slower: float = FAR_SLOWER) -> bool:
     """A first look already shows ``candidate`` under ``slower`` x ``baseline``'s speed (p75:
-    far slower than fp32), or clearly faster (p25 at least CLEARLY_FASTER)."""
+    far slower than fp32), or clearly faster (p25 at least CLEARLY_FASTER), with runs of
+    ``baseline`` long enough to be measured one at a time (FIRST_LOOK_MIN_MS)."""
     up = speed.speedups(timings, baseline=baseline).get(candidate)
-    return up is not None and (up["speedup_p75"] < slower or up["speedup_p25"] >= CLEARLY_FASTER)
+    long_enough = (timings.get(baseline) or {}).get("median_ms", 0.0) >= FIRST_LOOK_MIN_MS
+    return up is not None and long_enough and (up["speedup_p75"] < slower or up["speedup_p25"] >= CLEARLY_FASTER)
 
 
 def time_builds(builds: Dict[str, RunOutcome], run_cfg, one_sample_only: bool = False,
