@@ -405,8 +405,11 @@ def _row(precision: str, outcome: RunOutcome) -> dict:
 
 def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> None:
     """Every passing build and fp32, timed interleaved on one validation sample (on the
-    stream of samples in order where their shapes differ); speed-ups vs fp32 into the rows."""
+    stream of samples in order where their shapes differ); speed-ups vs fp32 into the rows.
+    A failing build that no screening timed (samples of several shapes, a memory budget)
+    is timed with them: its row shows what a looser threshold would buy."""
     timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == REFERENCE)]
+    timed += [p for p, row in tried.items() if p in outcomes and row["verdict"] == "fail" and not row.get("speedup")]
     if REFERENCE not in timed or len(timed) < 2:
         return
     if _timed_by_verify(outcomes, timed, tried):
