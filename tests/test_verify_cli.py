@@ -133,7 +133,8 @@ def test_a_backend_that_runs_out_of_memory_is_a_crash_verdict_and_the_run_goes_o
 
 
 def test_a_backend_that_does_not_answer_is_a_hang_verdict(tmp_path):
-    result = run_cli(["validation.worker_timeout_s=0.05"], tmp_path, shared_cache=False)
+    # 1 ms: no worker forks, loads its runtime and a model in that (a fast machine answered within 50 ms)
+    result = run_cli(["validation.worker_timeout_s=0.001"], tmp_path, shared_cache=False)
     assert result.returncode == 4, result.stdout + result.stderr
     report = read_report(last_run(tmp_path))
     assert report["verify"]["crash"]["kind"] == "hung"
