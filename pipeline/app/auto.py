@@ -408,8 +408,9 @@ def _time(outcomes: Dict[str, RunOutcome], run_cfg, tried: Dict[str, dict]) -> N
     stream of samples in order where their shapes differ); speed-ups vs fp32 into the rows.
     A failing build that no screening timed (samples of several shapes, a memory budget)
     is timed with them: its row shows what a looser threshold would buy."""
-    timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == REFERENCE)]
-    timed += [p for p, row in tried.items() if p in outcomes and row["verdict"] == "fail" and not row.get("speedup")]
+    untimed_failing = {p for p, row in tried.items() if row["verdict"] == "fail" and not row.get("speedup")}
+    timed = [p for p, row in tried.items() if p in outcomes and (row["verdict"] == "pass" or p == REFERENCE
+                                                                 or p in untimed_failing)]
     if REFERENCE not in timed or len(timed) < 2:
         return
     if _timed_by_verify(outcomes, timed, tried):
@@ -471,9 +472,9 @@ def _fp32_could_ship(tried: Dict[str, dict], requested: List[str], tight: float)
 
 def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
     """No candidate was built: each distinct reason once, with the candidates it stopped;
-    exit 4 when the target could not make any of them (pnnx crashing on a transformer) or could
-    not make fp32, the model as given (a quantized model MNN's converter crashes on, the
-    others refused as quantized already), else a config error. One input error stopping them
+    exit 4 when the target could not make fp32, the model as given (pnnx crashing on a
+    transformer, a quantized model MNN's converter crashes on while the others are refused
+    as quantized already), else a config error. One input error stopping them
     all (a model path that does not exist) is that error alone."""
     stopped: Dict[str, List[str]] = {}
     for precision, row in tried.items():
@@ -483,6 +484,5 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
         return InputError(only.removeprefix(InputError.label + ": "))
     text = (f"precision=auto: no candidate could be built for target {target}: "
             + "; ".join(f"{', '.join(precisions)}: {reason}" for reason, precisions in stopped.items()))
-    codes, backend = {row.get("exit_code") for row in tried.values()}, int(ExitCode.BACKEND)
-    fp32_impossible = tried.get(REFERENCE, {}).get("exit_code") == backend
-    return BackendUnavailable(text) if codes == {backend} or fp32_impossible else ConfigError(text)
+    fp32_impossible = tried.get(REFERENCE, {}).get("exit_code") == int(ExitCode.BACKEND)  # fp32 is always tried
+    return BackendUnavailable(text) if fp32_impossible else ConfigError(text)

@@ -151,11 +151,12 @@ class Budget:
 
     def cut_ahead(self, precision: str, estimate: float) -> dict:
         """The row of a candidate not started because its estimate does not fit."""
+        reserved = self.reserve()
         return {"precision": precision, "verdict": CUT, "estimate_s": round(estimate, 1),
-                "reserved_s": round(self.reserve(), 1),
+                "reserved_s": round(reserved, 1),
                 "reasons": [f"not tried: estimated {estimate:.0f} s ({self.describe()}), "
                             f"{max(self.left(), 0):.0f} s of precision.budget_s={self.seconds:g} s left, "
-                            f"{self.reserve():.0f} s of it set aside for the closing steps (fp32's verify, "
+                            f"{reserved:.0f} s of it set aside for the closing steps (fp32's verify, "
                             "the profile, the package)"]}
 
     def describe(self) -> str:

@@ -125,7 +125,8 @@ def _task_lost(row: dict) -> float:
 
 def _kept_most(tied: List[str], rows: Dict[str, dict]) -> List[str]:
     """The builds among ``tied`` that lost the least of the task."""
-    return [p for p in tied if _task_lost(rows[p]) == min(_task_lost(rows[q]) for q in tied)]
+    least = min(_task_lost(rows[p]) for p in tied)
+    return [p for p in tied if _task_lost(rows[p]) == least]
 
 
 def _as_small(builds: List[str], rows: Dict[str, dict]) -> List[str]:

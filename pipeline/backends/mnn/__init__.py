@@ -34,7 +34,7 @@ graph), ``options`` (runtime.yaml's options, target checks, the tuning space), `
 from __future__ import annotations
 
 from pipeline.backends.mnn.common import (  # noqa: F401 - the backend's names
-    NAME, CAPABILITIES, GPU_DEVICES, FORWARD_TYPES, PRECISION_MODES, CACHE_FILE, MODEL, _tools, available,
+    NAME, CAPABILITIES, GPU_DEVICES, FORWARD_TYPES, PRECISION_MODES, CACHE_FILE, MODEL, available,
     versions, write_json, runtime_exists, device_identity)
 from pipeline.backends.mnn.options import (  # noqa: F401 - the backend's names
     GPU_TUNING, GPU_MEMORY, DEFAULT_PRECISION, check_config, gpu_mode, session_options, tuning_space,

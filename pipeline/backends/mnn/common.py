@@ -94,7 +94,7 @@ def _tool_child(tool: str, argv: List[str], dst: str, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    import _tools
+    import _tools  # MNN's converter/quantizer extension; never MNN.tools: its modules phone home
 
     getattr(_tools, tool)(argv)
     _flush_c_stdio()
@@ -107,14 +107,6 @@ def _mnn():
         with _captured():
             import MNN  # noqa: F401
     return sys.modules["MNN"]
-
-
-def _tools():
-    """MNN's converter/quantizer extension. Never MNN.tools: its modules phone home."""
-    if "_tools" not in sys.modules:
-        with _captured():
-            import _tools  # noqa: F401
-    return sys.modules["_tools"]
 
 
 def available() -> Tuple[bool, str]:

@@ -49,8 +49,9 @@ def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[st
         skip, unmapped = skipped_ops(onnx_ops(fp32, Path(onnx_path), calibration[0]), float_ops)
         candidates, reason = _candidates(method, _has_batchnorm(fp32), bool(skip))
         eval_feeds = calibration[:EVAL_SAMPLES]
-        outputs = [{"name": name} for name in Session(fp32, REFERENCE_OPTIONS).outputs]
-        reference = _outputs_of(fp32, eval_feeds, outputs)
+        fp32_session = Session(fp32, REFERENCE_OPTIONS)
+        outputs = [{"name": name} for name in fp32_session.outputs]
+        reference = _outputs_of(fp32_session, eval_feeds)
         scores, failures = {}, {}
         for candidate in candidates:
             path = scratch / f"int8_{candidate}.mnn"
@@ -58,7 +59,8 @@ def build_int8(onnx_path: Path, out_dir: Path, target, calibration: List[Dict[st
             try:
                 quantize(fp32, path, scratch / f"{candidate}.json")
                 _check_skipped(path, skip, calibration[0])
-                scores[candidate] = _cosine(reference, _outputs_of(path, eval_feeds, outputs))
+                scores[candidate] = _cosine(reference, _outputs_of(Session(path, REFERENCE_OPTIONS, outputs=outputs),
+                                                                   eval_feeds))
             except RuntimeError as err:  # a crash, an op not skipped, an output lost (one NMS also reads)
                 failures[candidate] = str(err)
         if not scores:
@@ -167,10 +169,10 @@ def _has_batchnorm(mnn_path: Path) -> bool:
     return any(info["op"] == "BatchNorm" for info in _mnn_graph(mnn_path).values())
 
 
-def _outputs_of(mnn_path: Path, feeds_list: List[Dict[str, np.ndarray]], outputs: List[dict]) -> List[np.ndarray]:
-    """The model's ``outputs`` on each feed, flattened: those of the fp32 model, which a
-    quantized one may outnumber (an LSTM's states come out of MNN's quantizer as outputs)."""
-    session = Session(mnn_path, REFERENCE_OPTIONS, outputs=outputs)
+def _outputs_of(session: Session, feeds_list: List[Dict[str, np.ndarray]]) -> List[np.ndarray]:
+    """The session's outputs on each feed, flattened; a quantized model's session is opened
+    with the fp32 model's outputs, which it may outnumber (an LSTM's states come out of
+    MNN's quantizer as outputs)."""
     return [np.concatenate([v.ravel() for v in session.run(feeds).values()]) for feeds in feeds_list]
 
 

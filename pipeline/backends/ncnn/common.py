@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from pipeline import shapes
+from pipeline.errors import BackendUnavailable, ConfigError
 from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, memory_mode
 from pipeline.precision import kinds
 
@@ -178,16 +179,12 @@ def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
         tensor = value.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
         if tensor.HasField("shape") and not dims:
-            from pipeline.errors import BackendUnavailable
-
             raise BackendUnavailable(
                 f"ncnn cannot take scalar input {value.name!r}: pnnx's inputshape cannot write a 0-d shape and an "
                 "ncnn Mat has at least one dimension; run this model on ort_cpu or openvino_cpu")
         if not dims or any(d <= 0 for d in dims):
             dims = _opt_dims(value.name, dims, ranges.get(value.name))
         if len(dims) >= 4 and dims[0] > 1:
-            from pipeline.errors import BackendUnavailable
-
             raise BackendUnavailable(
                 f"ncnn runs one sample at a time (a Mat has no batch axis; pnnx drops the first dim of a "
                 f"{len(dims)}-d input): input {value.name!r} {dims} has a fixed batch of {dims[0]}; export the model "
@@ -199,8 +196,6 @@ def _graph_inputs(model) -> List[Tuple[str, List[int], np.dtype]]:
 def _opt_dims(name: str, dims: List[int], found) -> List[int]:
     """A dynamic input's shape for pnnx: its range's opt (pnnx traces at one shape; ncnn
     itself runs any). Without a range nothing says which shape to trace at."""
-    from pipeline.errors import ConfigError
-
     if found is None:
         raise ConfigError(f"ncnn: input {name!r} has dynamic dims {dims} and no range: pnnx converts at given "
                           f"shapes; set model.input_shapes.{name}={{min: [...], opt: [...], max: [...]}}")
