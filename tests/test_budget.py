@@ -184,6 +184,21 @@ def test_a_loop_stops_before_a_step_as_long_as_its_longest_would_pass_the_deadli
         assert stop() and not deadline.passed()  # the longest step is 17 s, 8 s left
 
 
+def test_a_loop_worth_nothing_cut_stops_once_its_rest_is_projected_past_the_deadline(monkeypatch):
+    """The mixed search's ranking (a ranking cut half-way ranks nothing) tells the check how
+    many steps are left: after two steps of 7 s, 23 left and 100 s to go stop it at once (a
+    512x512 U-Net ranked 16 of 23 ops in 110 s to be cut); with 10 left they fit and it goes on."""
+    now = [1000.0]
+    monkeypatch.setattr(deadline.time, "monotonic", lambda: now[0])
+    for left, stops in ((23, True), (10, False)):
+        now[0] = 1000.0
+        with deadline.until(1114.0, run_s=0.1):
+            stop = deadline.loop_stop()
+            assert not stop(left + 2)  # nothing measured yet
+            now[0] += 14.0
+            assert stop(left) is stops  # 100 s left: 14 s for 2 steps, 7 s a step x 23 = 161 s, x 10 = 70 s
+
+
 def test_a_started_candidate_cuts_the_steps_that_would_not_fit_and_caches_none_of_them(tmp_path):
     """int8 with a deadline 1 s away and runs estimated at 5 s: equalization, weight
     rounding and bias correction are not started, each says why; the stages they belong to

@@ -76,14 +76,16 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
               count: int, methods: Sequence[str], settings: QdqSettings = QdqSettings(),
               screen: int = 2, progress: Optional[Callable[[int], None]] = None,
               scorer_for: Optional[Callable[[List[np.ndarray]], Optional[Callable]]] = None,
-              ranked: Optional[int] = None, stop: Optional[Callable[[], bool]] = None) -> List[Trial]:
+              ranked: Optional[int] = None, stop: Optional[Callable[..., bool]] = None) -> List[Trial]:
     """Every (op, method) trial; screen = methods measured in full per op (0: all);
     ``scorer_for(reference)``: given the float outputs (in graph order), a ``score(outputs)``
     giving the task metric's drop, or None without a metric. ``ranked``: with more ops than
     this, only the ``ranked`` ops whose int8 output is worst at the op itself (op-level SQNR,
     ``op_screen``) are measured in full; the others' trials keep their op SQNR, loss None.
-    ``stop``: asked before each chunk of ops; Stopped is raised where it says so (the
-    deadline of precision.budget_s: a ranking cut half-way ranks nothing)."""
+    ``stop()``: asked before each chunk of ops, and ``stop(ops left)`` after each op once
+    every worker finished one; Stopped is raised where it says so (the deadline of
+    precision.budget_s: a ranking cut half-way ranks nothing, so it stops as soon as the
+    rest is projected past the deadline)."""
     nodes = list(model.graph.node)
     outputs = [o.name for o in model.graph.output]
     reference = BatchRunner(model, outputs, count).run(feeds, count)
@@ -103,9 +105,10 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
             if progress:
                 progress(len(ops) - len(worst))
             ops = sorted(worst)
+        done, width = 0, workers()
         for start in range(0, len(ops), CHUNK_OPS):
             if stop is not None and stop():
-                raise Stopped(f"the ranking stopped after {start} of {len(ops)} ops")
+                raise Stopped(f"the ranking stopped after {done} of {len(ops)} ops")
             chunk = ops[start:start + CHUNK_OPS]
             needed = sorted({t for i in chunk for t in _op_tensors(model, i) | _alive_after(model, i)})
             runner = BatchRunner(model, needed, count)
@@ -116,8 +119,15 @@ def per_layer(model: onnx.ModelProto, candidates: Dict[str, Dict[str, dict]], fe
                                 settings, screen, count, one_by_one, runner.shapes, score) for index in chunk]
             for job in jobs:
                 trials += job.result()
+                done += 1
                 if progress:
                     progress(1)
+                # the rest projected from the ops done once every worker finished one: will it finish in time
+                if stop is not None and width <= done < len(ops) and stop(len(ops) - done):
+                    for pending in jobs:
+                        pending.cancel()
+                    raise Stopped(f"the ranking stopped after {done} of {len(ops)} ops: the rest, at the "
+                                  "pace so far, would pass the deadline")
     return trials
 
 
