@@ -307,6 +307,7 @@ class BackendWorker:
         self._process: Optional[multiprocessing.process.BaseProcess] = None
         self._conn = None
         self._dead: Optional[Exception] = None
+        self._paused = False
 
     def __enter__(self) -> "BackendWorker":
         self.start()
@@ -396,6 +397,22 @@ class BackendWorker:
         """Load-to-first-output seconds of each settings variant (pipeline.verification.metrics.startup)."""
         return self.call(_STARTUP, variants, feeds, rounds, timeout_s=timeout_s)
 
+    def pause(self) -> None:
+        """Stop the child (SIGSTOP) while another build is timed: an idle ONNX Runtime session's
+        pool threads spin for tens of milliseconds after each run, and on a 2-core machine
+        that took a core from the build being timed (speed._turn). A no-op where the platform
+        cannot stop a process."""
+        if not self._paused and self.alive and hasattr(signal, "SIGSTOP"):
+            os.kill(self._process.pid, signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        """Continue a child that pause() stopped."""
+        if self._paused:
+            self._paused = False
+            if self._process is not None and self._process.is_alive():
+                os.kill(self._process.pid, signal.SIGCONT)
+
     @property
     def alive(self) -> bool:
         return self._dead is None and self._process is not None and self._process.is_alive()
@@ -410,6 +427,7 @@ class BackendWorker:
         return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
 
     def close(self) -> None:
+        self.resume()  # a stopped child would not read the message that ends it
         if self._process is not None:
             if self._process.is_alive():
                 try:
@@ -429,6 +447,7 @@ class BackendWorker:
             raise self._dead.with_traceback(None)
         if self._process is None:
             raise RuntimeError(f"the worker for {self.label} is not started")
+        self.resume()
         limit = f" (memory limit {self.memory_mb} MB)" if self.memory_mb else ""
         try:
             if message is not None:

@@ -288,13 +288,17 @@ def _plain_int8(ctx: StageContext, backend, scratch: Path) -> Path:
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     by_backend = backend_float_ops(backend, ctx.cfg.target, prepared, ctx.cfg.precision.quantize_ops)
     int8 = scratch / "int8.onnx"
+    settings = QdqSettings.resolve(ctx.cfg.precision, backend.NAME)
     try:
-        build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8,
-                  QdqSettings.resolve(ctx.cfg.precision, backend.NAME),
+        build_qdq(calibrate.path("prepared"), read_json(calibrate.path("table"))["tensors"], int8, settings,
                   keep_float=list(dict.fromkeys([*ctx.cfg.precision.keep_float, *by_backend])))
     except QuantizerFailed as err:
         raise err.with_run(ctx)
     refine_as_int8(ctx, int8)
+    # Relus folded as the int8 build folds them (unfolded: the segmenter's 1.48x against 1.75x fp32)
+    model = onnx.load(str(int8))
+    if "Relu" in settings.passthrough_ops and fold_relus(model):
+        onnx.save(model, str(int8))
     return int8
 
 

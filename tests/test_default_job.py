@@ -63,6 +63,9 @@ def test_verify_builds_nothing_the_build_stage_makes_its_baselines(default_run):
         assert set(runtime) == set(shipped) - {"compile_cache"}  # the artifact's settings, no compile cache
         assert runtime["files"] == ["model.onnx"] and (folder / "model.onnx").is_file()
     assert "QuantizeLinear" in op_types(build / "baselines" / "int8" / "model.onnx")
+    # the int8 build's graph: its Relus folded into the Q/DQ before them, as the int8 build folds them
+    assert "Relu" in op_types(run_dir / "stages" / "convert" / "model.onnx")
+    assert "Relu" not in op_types(build / "baselines" / "int8" / "model.onnx")
     assert "QuantizeLinear" not in op_types(build / "baselines" / "fp32" / "model.onnx")
     assert not [p for p in (run_dir / "stages" / "verify").rglob("*") if p.suffix in MODEL_FILES]
     assert not [p for p in single_bundle(run_dir).rglob("*") if "baselines" in p.parts]

@@ -3,6 +3,8 @@ warning for a build that is not faster, and validation.min_speedup as a failing 
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +73,32 @@ def test_interleaved_rounds_and_time_budget():
         assert found["fp32"]["runs"] == 20 and len(found["int8"]["round_medians_ms"]) == 5
         budget = speed.interleaved({"fp32": first}, feeds, rounds=50, runs=2, max_seconds=0)
         assert budget["fp32"]["rounds"] == 3
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads a process's CPU time from /proc")
+def test_the_builds_not_being_timed_are_paused_and_all_run_again_after():
+    """A build's worker whose threads spin while idle (ONNX Runtime's pool after each run)
+    takes no CPU while another build is timed: the others are paused for each turn, and
+    every worker runs again when the timing ends, whatever it ends with."""
+    settings = {"behaviour": "spin"}
+    with BackendWorker("worker_backends", ".", settings, label="a") as first, \
+            BackendWorker("worker_backends", ".", settings, label="b") as second:
+        pids = [worker.effective()["pid"] for worker in (first, second)]
+        before, started = [_cpu_seconds(pid) for pid in pids], time.perf_counter()
+        speed.interleaved({"fp32": first, "int8": second}, {"x": np.ones(4, np.float32)}, rounds=6, runs=1,
+                          max_seconds=60, round_ms=100)
+        wall = time.perf_counter() - started
+        spent = sum(_cpu_seconds(pid) - cpu for pid, cpu in zip(pids, before))
+        assert spent < 1.4 * wall, (spent, wall)  # unpaused, both spin all along: about 2x on 2 cores
+        for pid in pids:  # running again ('R'/'S'), not stopped ('T')
+            assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T"
+        assert first.run({"x": np.ones(2, np.float32)})["y"].tolist() == [2, 2]
+        assert second.run({"x": np.ones(2, np.float32)})["y"].tolist() == [2, 2]
 
 
 def _timing(medians):

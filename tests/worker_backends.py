@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ class Session:
         self.behaviour = settings["behaviour"]
         self.settings = settings
         self.calls = 0
+        if self.behaviour == "spin":  # a thread that never sleeps, as an idle runtime's pool threads spin
+            threading.Thread(target=_spin, daemon=True).start()
 
     def run(self, feeds: dict) -> dict:
         self.calls += 1
@@ -49,6 +52,11 @@ class Session:
 
     def effective(self) -> dict:
         return {"device": "CPU", "precision": "fp32", "pid": os.getpid()}
+
+
+def _spin() -> None:
+    while True:
+        pass
 
 
 def load(artifact_dir: Path, settings: dict) -> Session:
