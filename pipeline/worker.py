@@ -398,16 +398,13 @@ class BackendWorker:
         return self.call(_STARTUP, variants, feeds, rounds, timeout_s=timeout_s)
 
     def pause(self) -> None:
-        """Stop the child (SIGSTOP) while another build is timed: an idle ONNX Runtime session's
-        pool threads spin for tens of milliseconds after each run, and on a 2-core machine
-        that took a core from the build being timed (speed._turn). A no-op where the platform
-        cannot stop a process."""
+        """Stop the child (SIGSTOP) while another build is timed (speed._turn); its next
+        request resumes it. A no-op where the platform cannot stop a process."""
         if not self._paused and self.alive and hasattr(signal, "SIGSTOP"):
             os.kill(self._process.pid, signal.SIGSTOP)
             self._paused = True
 
     def resume(self) -> None:
-        """Continue a child that pause() stopped."""
         if self._paused:
             self._paused = False
             if self._process is not None and self._process.is_alive():
