@@ -101,6 +101,14 @@ def test_the_builds_not_being_timed_are_paused_and_all_run_again_after():
         assert second.run({"x": np.ones(2, np.float32)})["y"].tolist() == [2, 2]
 
 
+def test_only_backends_whose_idle_threads_spin_are_paused():
+    """ONNX Runtime's pool spins after a run, so its idle workers are paused; ncnn's threads
+    wait passively and OpenVINO's and MNN's are left running, as before the pause existed."""
+    paused = {name: speed._idle_threads_spin(BackendWorker(f"pipeline.backends.{name}", ".", {}, label=name))
+              for name in ("onnxruntime", "openvino", "ncnn", "mnn")}
+    assert paused == {"onnxruntime": True, "openvino": False, "ncnn": False, "mnn": False}
+
+
 def _timing(medians):
     return {"round_medians_ms": medians, "median_ms": float(np.median(medians))}
 

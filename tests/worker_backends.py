@@ -7,8 +7,12 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+
+
+CAPABILITIES = SimpleNamespace(idle_threads_spin=True)  # behaviour "spin": a worker speed._turn pauses
 
 
 class Session:

@@ -87,6 +87,9 @@ class Capabilities:
     # precision=auto's default candidates: the precisions that can be faster than fp32 on
     # this runtime (bf16 on a CPU device only where the CPU computes bf16: pipeline/app/auto.py)
     auto_candidates: Tuple[str, ...] = ("fp32",)
+    # an idle session's threads spin after a run (ONNX Runtime's pool, tens of ms): verify's
+    # timing pauses its workers while another build is timed (pipeline/verification/speed.py)
+    idle_threads_spin: bool = False
     # names what a GPU device of its targets resolves to on this machine now, without
     # loading a model (a stage cache key's part) [device_identity(device) -> str]
     device_identity: bool = False

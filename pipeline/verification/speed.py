@@ -18,6 +18,7 @@ undecided pair makes the rounds longer, measured again within ``max_seconds``
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -273,8 +274,17 @@ def _turn(workers: Dict[str, object], name: str) -> None:
     after each run; side by side on 2 cores that took a core from the build being timed: the
     real-size segmenter's int8 read 1.63x fp32 against 1.73x each timed alone, 1.76x paused."""
     for other, worker in workers.items():
-        if other != name and hasattr(worker, "pause"):
+        if other != name and hasattr(worker, "pause") and _idle_threads_spin(worker):
             worker.pause()
+
+
+def _idle_threads_spin(worker) -> bool:
+    """The worker's backend's Capabilities.idle_threads_spin. Not ncnn's: its threads wait
+    passively (backends/ncnn/common.py), and paused ncnn workers timed erratically (a
+    MobileNetV3's fp16 build beside fp32: 1.06-3.08x, against 1.05-1.06x unpaused)."""
+    module = getattr(worker, "module", None)
+    found = importlib.import_module(module) if module else None
+    return bool(getattr(getattr(found, "CAPABILITIES", None), "idle_threads_spin", False))
 
 
 def _resume_all(workers: Dict[str, object]) -> None:
