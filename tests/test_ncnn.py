@@ -253,3 +253,25 @@ def test_int8_builds_keep_depthwise_float_on_x86_cpus_unless_asked(monkeypatch, 
 
     monkeypatch.setattr(common.platform, "machine", lambda: machine)
     assert backends.float_op_kinds(backend, target(device, int8_depthwise=asked)) == kinds
+
+
+_POLICY_AT_EXIT = "import atexit, os, sys\natexit.register(lambda: print('policy', os.environ.get('OMP_WAIT_POLICY')))\n"
+
+
+@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
+def test_libgomp_waits_passively_in_a_job_and_as_ncnn_defaults_it_in_a_bundle(tmp_path, user_policy):
+    """A parity job makes libgomp's threads (ncnn's) wait passively, for the workers it runs
+    side by side; the bundle loader leaves libgomp's default, the faster one for a bundle
+    served alone; a policy the user set is kept by both."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    if user_policy:
+        env["OMP_WAIT_POLICY"] = user_policy
+    job = subprocess.run([sys.executable, "-c", _POLICY_AT_EXIT + "sys.argv = ['parity', 'model.path=/no/such.onnx']\n"
+                          "from pipeline.app.cli import main\nmain()"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert job.returncode == 2, job.stderr
+    assert job.stdout.splitlines()[-1] == f"policy {user_policy or 'PASSIVE'}"
+    served = subprocess.run([sys.executable, "-c", _POLICY_AT_EXIT + "import pipeline.app.bundle_cli, "
+                             "pipeline.release.bundle, pipeline.backends.ncnn"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert served.stdout.splitlines()[-1] == f"policy {user_policy}", served.stderr

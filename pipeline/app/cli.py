@@ -31,6 +31,7 @@ from pipeline.report import write_junit, write_reports
 from pipeline.report.assemble import assemble
 from pipeline.report.summary import print_summary
 from pipeline.app.runner import run_pipeline
+from pipeline.backends.ncnn.common import wait_passively
 from pipeline.release.sweep import claim_run_folder, packaged_bundles, worst_exit_codes, write_job_record
 
 CONFIG_DIR = str(Path(conf.__file__).parent)
@@ -48,6 +49,7 @@ def main() -> None:
 def _main() -> None:
     # Hydra prints its own multi-line errors and exits 1 unless told to re-raise.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    wait_passively()  # before the fork server and any ncnn worker start
     resolvers.register()
     try:
         with _no_mode_probe(sys.argv[1:]):

@@ -20,13 +20,19 @@ from pipeline.backends.protocol import MEMORY_OPTION, Capabilities, memory_mode
 from pipeline.precision import kinds
 
 
-# ncnn's wheel uses libgomp, whose idle threads spin by default: two ncnn workers side by
-# side (verify's target and its fp32 baseline) on a 2-core machine then took 220-340 ms an
-# inference instead of 0.3-0.4 ms, and an int8 verify 65 s instead of 6. libgomp reads this
-# when ncnn is first imported, which is always after this module.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 NAME = "ncnn"
+
+
+def wait_passively() -> None:
+    """libgomp's idle threads (ncnn's wheel uses libgomp) wait passively in this process and
+    the processes it starts, unless the user chose a policy. A parity job runs ncnn workers
+    side by side (verify's target and its fp32 baseline), and spinning threads on 2 cores
+    then took 220-340 ms an inference instead of 0.3-0.4 ms, an int8 verify 65 s instead of 6.
+    libgomp reads it when ncnn is first imported. A bundle served alone (parity-bundle, the
+    bundle loader) keeps libgomp's default: a MobileNetV3's ncnn fp32 build ran 1.55 ms a
+    call with it, 10.8 ms passively."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 VULKAN_DEVICE_TYPES = {0: "discrete GPU", 1: "integrated GPU", 2: "virtual GPU", 3: "CPU"}
 NO_VULKAN_DEVICE = "no Vulkan device: install libvulkan1 and a driver such as mesa-vulkan-drivers"
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mixed")
