@@ -74,10 +74,13 @@ def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
-def _silu_model() -> onnx.ModelProto:
+def _silu_model(gate: str = "Sigmoid") -> onnx.ModelProto:
     """YOLO's pattern: Conv -> SiLU (x * Sigmoid(x)) -> Conv -> SiLU -> MaxPool -> Conv, then a
-    decode-like tail: a Sigmoid that is no SiLU and a Mul by a constant (float in every build)."""
+    decode-like tail: a Sigmoid that is no SiLU and a Mul by a constant (float in every build).
+    ``gate="HardSigmoid"``: MobileNetV3's HardSwish (x * HardSigmoid(x)) as ONNX Runtime's
+    optimizer splits it, instead of the SiLUs."""
     rng = np.random.default_rng(3)
+    gated = {"alpha": 1 / 6, "beta": 0.5} if gate == "HardSigmoid" else {}
 
     def weight(name, *shape):
         return numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
@@ -85,10 +88,10 @@ def _silu_model() -> onnx.ModelProto:
     inits = [weight("w1", 8, 3, 3, 3), weight("w2", 8, 8, 3, 3), weight("w3", 4, 8, 1, 1),
              numpy_helper.from_array(np.float32(8.0), "stride")]
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-             helper.make_node("Sigmoid", ["c1"], ["g1"], name="sig1"),
+             helper.make_node(gate, ["c1"], ["g1"], name="sig1", **gated),
              helper.make_node("Mul", ["c1", "g1"], ["s1"], name="silu1"),
              helper.make_node("Conv", ["s1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
-             helper.make_node("Sigmoid", ["c2"], ["g2"], name="sig2"),
+             helper.make_node(gate, ["c2"], ["g2"], name="sig2", **gated),
              helper.make_node("Mul", ["g2", "c2"], ["s2"], name="silu2"),
              helper.make_node("MaxPool", ["s2"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
              helper.make_node("Conv", ["p", "w3"], ["c3"], name="conv3"),
@@ -298,13 +301,15 @@ def test_folding_the_relus_changes_no_output_and_leaves_no_requantization(tmp_pa
     assert dequantized_then_quantized(quantized) >= 1 and dequantized_then_quantized(folded) == 0
 
 
-def test_silu_after_a_quantized_conv_runs_int8_and_the_decode_stays_float():
-    """With swish on, each x * Sigmoid(x) after a quantized Conv has its Sigmoid and Mul read
-    dequantized tensors (ONNX Runtime's QLinearSigmoid / QLinearMul); the Sigmoid that is no
-    SiLU and the Mul by a constant stay float; a float Conv takes the SiLUs on either side along."""
+@pytest.mark.parametrize("gate", ["Sigmoid", "HardSigmoid"])
+def test_silu_after_a_quantized_conv_runs_int8_and_the_decode_stays_float(gate):
+    """With swish on, each x * Sigmoid(x) (or HardSwish's x * HardSigmoid(x)) after a quantized
+    Conv has its gate and Mul read dequantized tensors (ONNX Runtime's QLinearSigmoid /
+    QLinearMul; a HardSigmoid runs float between its pairs); the Sigmoid that is no SiLU and the
+    Mul by a constant stay float; a float Conv takes the SiLUs on either side along."""
     from pipeline.precision.passthrough import swish_ops
 
-    model = _silu_model()
+    model = _silu_model(gate)
     assert swish_ops(model, ("Conv",)) == ["sig1", "silu1", "sig2", "silu2"]
     assert QdqSettings(swish=True).swish_ops(model) == ["sig1", "silu1", "sig2", "silu2"]
     mine = QdqSettings(quantize_ops=("Conv", "Sigmoid", "Mul"), swish=True)

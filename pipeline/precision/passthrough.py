@@ -22,16 +22,18 @@ def passthrough_for(precision, capabilities, outputs_quantized: bool) -> Tuple[s
     return tuple(capabilities.qdq_passthrough) if outputs_quantized and unsigned else ()
 
 
-SWISH_OPS = ("Sigmoid", "Mul")
+GATES = ("Sigmoid", "HardSigmoid")  # x * gate(x): SiLU, and HardSwish as ONNX Runtime's optimizer splits it
+SWISH_OPS = (*GATES, "Mul")
 
 
 def swish_ops(model, made_by: Iterable[str], table: Optional[Dict[str, dict]] = None) -> List[str]:
-    """The Sigmoid and the Mul of each x * Sigmoid(x) whose x an op of the types ``made_by``
-    makes (YOLO's SiLU after every Conv; QdqSettings.swish_after), where ``table`` has ranges for
-    x, the Sigmoid's output and the product (all of them without a table). ONNX Runtime runs
-    the pair as QLinearSigmoid and QLinearMul; left float, each costs a dequantize and a
-    quantize between two convolutions (the YOLOv8n-architecture detector: int8 1.43x fp32
-    with them float, 1.54x quantized)."""
+    """The gate and the Mul of each x * Sigmoid(x) or x * HardSigmoid(x) whose x an op of the
+    types ``made_by`` makes (YOLO's SiLU, MobileNetV3's HardSwish after a Conv;
+    QdqSettings.swish_after), where ``table`` has ranges for x, the gate's output and the
+    product (all of them without a table). ONNX Runtime runs a Sigmoid and the Mul as
+    QLinearSigmoid and QLinearMul, a HardSigmoid in float between its Q/DQ and the Mul as
+    QLinearMul; left float, each costs a dequantize and a quantize between two convolutions
+    (the YOLOv8n-architecture detector: int8 1.43x fp32 with them float, 1.54x quantized)."""
     made_by = set(made_by)
     if not made_by:
         return []
@@ -42,7 +44,7 @@ def swish_ops(model, made_by: Iterable[str], table: Optional[Dict[str, dict]] = 
             continue
         for x, gate in (tuple(mul.input), tuple(mul.input)[::-1]):
             sigmoid, made = producer.get(gate), producer.get(x)
-            if sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.input[0] == x \
+            if sigmoid is not None and sigmoid.op_type in GATES and sigmoid.input[0] == x \
                     and made is not None and made.op_type in made_by \
                     and (table is None or all(name in table for name in (x, gate, mul.output[0]))):
                 found += [sigmoid.name, mul.name]
