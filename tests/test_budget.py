@@ -231,8 +231,9 @@ def test_the_mixed_search_ranks_nothing_it_has_no_time_for(tmp_path):
 
     run = validate(composed("precision=mixed", "sensitivity.select=top_n", "sensitivity.top_n=2",
                             f"pipeline.cache_dir={tmp_path / 'cache'}"))
+    candidate = tmp_path / "job" / "candidates" / "mixed"  # as precision=auto lays out a job's run folder
     with deadline.until(time.monotonic() + 1.0, run_s=5.0):
-        cut = run_pipeline(run, tmp_path / "cut", until="sensitivity")
+        cut = run_pipeline(run, candidate, until="sensitivity")
     searched = cut.results["sensitivity"]
     assert searched.summary.to_json()["cut"].startswith("cut by precision.budget_s: the mixed search's "
                                                         "measure of plain int8 estimated")
@@ -240,9 +241,15 @@ def test_the_mixed_search_ranks_nothing_it_has_no_time_for(tmp_path):
     assert json.loads(searched.path("qtable").read_text())["float_ops"] == []
     # precision=auto runs a built candidate's folder again through verify: the cut search
     # serves it in place instead of being computed again past the deadline
-    rerun = run_pipeline(run, tmp_path / "cut", until="sensitivity")
+    rerun = run_pipeline(run, candidate, until="sensitivity")
     assert rerun.records[-1]["status"] == "cached"
     assert rerun.results["sensitivity"].summary.to_json()["cut"] == searched.summary.to_json()["cut"]
+    # and the shipped run in the job's run folder is served the candidate's, copied: it ships what was verified
+    shipped = run_pipeline(run, tmp_path / "job", until="sensitivity")
+    assert shipped.records[-1]["status"] == "cached"
+    assert shipped.results["sensitivity"].summary.to_json()["cut"] == searched.summary.to_json()["cut"]
+    assert (tmp_path / "job" / "stages" / "sensitivity" / "qtable.json").read_text() == \
+        searched.path("qtable").read_text()
     again = run_pipeline(run, tmp_path / "again", until="sensitivity")
     assert again.records[-1]["status"] == "computed"
     assert json.loads(again.results["sensitivity"].path("qtable").read_text())["float_ops"]  # top 2 float
