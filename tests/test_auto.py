@@ -313,6 +313,21 @@ def test_no_build_passes_and_one_of_nan_is_neither_the_closest_nor_the_fastest_f
     assert winner == "int8" and "the fastest failing: int8 at 1.05x fp32" in why and "fp16 at" not in why
 
 
+def test_no_build_passes_and_the_precisions_fail_alike_fp32_is_shown():
+    """ncnn on a bidirectional GRU text classifier: its conversion is wrong at fp32 already
+    (cosine 0.295141) and fp16 fails the same way (0.295182): fp32's run is the one shown, not
+    fp16's, whose advice was to keep an op in fp32. Farther apart, the closest still ships."""
+    rows = {"fp32": {**_row("fp32", 10.0, 9.5, 10.5, 90, "fail"), "cosine": 0.295141},
+            "fp16": {**_row("fp16", 9.0, 8.5, 9.5, 90, "fail"), "cosine": 0.295182}}
+    for row in rows.values():
+        row["reasons"] = ["output logits: cosine below 0.999"]
+    winner, why = choose(rows)
+    assert winner == "fp32" and why.startswith("no candidate passes, fp32 included: the precisions fail alike")
+    rows["fp16"]["cosine"] = 0.5
+    winner, why = choose(rows)
+    assert winner == "fp16" and why.startswith("no candidate passes: fp16 comes closest")
+
+
 def test_the_shipped_line_says_why_when_every_candidate_not_built_shares_one_reason():
     rows = {"fp32": _row("fp32", 10.0, 9.5, 10.5, 400)}
     for precision in ("int8", "int8_dynamic"):

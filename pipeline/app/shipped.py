@@ -35,6 +35,11 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
         if len([p for p, r in rows.items() if r["verdict"] == "pass"]) == 1:  # one passing build, nothing timed
             only = next(p for p, r in rows.items() if r["verdict"] == "pass")
             return only, f"{only} is the only candidate that passes" + _not_passing(rows)
+        if _fails_alike(rows, best):
+            return kinds.REFERENCE, (f"no candidate passes, fp32 included: the precisions fail alike (output cosine "
+                                     f"fp32 {rows[kinds.REFERENCE]['cosine']:.6f}, {best} {rows[best]['cosine']:.6f}), "
+                                     "so the conversion or the runtime is wrong at fp32 already; fp32's reasons and "
+                                     "recommendations follow" + _not_passing(rows))
         return best, (f"no candidate passes: {best} comes closest (output cosine {rows[best]['cosine']:.6f}); "
                       "its reasons and recommendations follow" + _not_passing(rows))
     latency = {p: rows[p]["latency"] for p in passing}
@@ -72,6 +77,18 @@ def _fastest_failing(rows: Dict[str, dict]) -> str:
     precision, row = max(failed, key=lambda item: item[1]["speedup"]["speedup"])
     lost = next((reason for reason in row.get("reasons") or []), "")
     return f"; the fastest failing: {precision} at {_ratio(row)}" + (f" ({lost})" if lost else "")
+
+
+ALIKE_COSINE = 1e-3  # a failing build no closer to the model than fp32 by this much fails as fp32 does
+
+
+def _fails_alike(rows: Dict[str, dict], best: str) -> bool:
+    """fp32 was built and fails, and the closest failing build is no closer than ALIKE_COSINE:
+    fp32 is then the one to show (ncnn's GRU text classifier: fp32 at cosine 0.295141 and
+    fp16 at 0.295182 fail the same way, and fp16's run told the user to keep an op in fp32)."""
+    reference = rows.get(kinds.REFERENCE) or {}
+    return best != kinds.REFERENCE and reference.get("verdict") == "fail" and reference.get("cosine") is not None \
+        and rows[best]["cosine"] - reference["cosine"] < ALIKE_COSINE
 
 
 def _not_passing(rows: Dict[str, dict]) -> str:
