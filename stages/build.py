@@ -296,8 +296,8 @@ def _plain_int8(ctx: StageContext, backend, scratch: Path) -> Path:
         raise err.with_run(ctx)
     refine_as_int8(ctx, int8)
     # Relus folded as the int8 build folds them (unfolded: the segmenter's 1.48x against 1.75x fp32)
-    model = onnx.load(str(int8))
-    if "Relu" in settings.passthrough_ops and fold_relus(model):
+    model = onnx.load(str(int8)) if settings.folds_relus else None
+    if model is not None and fold_relus(model):
         onnx.save(model, str(int8))
     return int8
 
@@ -387,7 +387,7 @@ def _quantize(ctx: StageContext):
     if refined is None:
         refined = _refinements(ctx, quantized, keep_float, searched)
     model = onnx.load(str(quantized))
-    folded = fold_relus(model) if "Relu" in settings.passthrough_ops else 0  # after what needs the Relus
+    folded = fold_relus(model) if settings.folds_relus else 0  # after what needs the Relus
     if folded:  # verify's advice derives models with ops back in float from the unfolded one
         quantized.replace(ctx.out_dir / UNFOLDED_QDQ)
         onnx.save(model, str(quantized))

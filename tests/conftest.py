@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-# the suite runs ncnn in its own processes too, two test modules side by side, as a parity job's
-# workers run: libgomp's threads wait passively there (backends/ncnn/common.py, wait_passively)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import pipeline  # noqa: F401 - its telemetry opt-out also covers the tests' own openvino/onnxruntime imports
+from pipeline.backends.ncnn.common import wait_passively
+
+# the suite runs ncnn in its own processes too, two test modules side by side, as a parity job's
+# workers run: libgomp's threads wait passively there, as in a job
+wait_passively()
 
 REPO = Path(__file__).resolve().parents[1]
 

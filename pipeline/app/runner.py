@@ -193,10 +193,11 @@ def _from_this_job(cache_root: Path, name: str, key: str, out_dir: Path):
     its 300, the search 190 s of it twice); None otherwise (a later job, in its own run
     folder, computes it again with the time it has)."""
     folder = _UNCACHED_THIS_JOB.get((str(cache_root), name, key))
-    run_dir = out_dir.resolve().parent.parent  # <run folder>/stages/<stage>
-    if folder is None or not folder.resolve().is_relative_to(run_dir) or not (folder / "result.json").is_file():
+    folder = folder.resolve() if folder is not None else None
+    if folder is None or not folder.is_relative_to(out_dir.resolve().parent.parent) \
+            or not (folder / "result.json").is_file():  # out_dir: <run folder>/stages/<stage>
         return None
-    if folder.resolve() != out_dir.resolve():
+    if folder != out_dir.resolve():
         if out_dir.exists():
             shutil.rmtree(out_dir)
         shutil.copytree(folder, out_dir)

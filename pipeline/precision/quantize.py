@@ -142,6 +142,11 @@ class QdqSettings:
         return swish_ops(model, self.swish_after)
 
     @property
+    def folds_relus(self) -> bool:
+        """The int8 build folds each quantized Relu into the Q before it (passthrough.fold_relus)."""
+        return "Relu" in self.passthrough_ops
+
+    @property
     def derives_mixed(self) -> bool:
         """Mixed models are derived from the all-int8 one (keep_in_float): every quantized op
         type is a weighted one. Otherwise the quantizer rewrites more than Q/DQ pairs (it fuses

@@ -283,8 +283,12 @@ def _idle_threads_spin(worker) -> bool:
     passively (backends/ncnn/common.py), and paused ncnn workers timed erratically (a
     MobileNetV3's fp16 build beside fp32: 1.06-3.08x, against 1.05-1.06x unpaused)."""
     module = getattr(worker, "module", None)
-    found = importlib.import_module(module) if module else None
-    return bool(getattr(getattr(found, "CAPABILITIES", None), "idle_threads_spin", False))
+    return bool(module) and _module_spins(module)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_spins(module: str) -> bool:  # asked for every worker at every slice of a timing
+    return bool(getattr(getattr(importlib.import_module(module), "CAPABILITIES", None), "idle_threads_spin", False))
 
 
 def _resume_all(workers: Dict[str, object]) -> None:
