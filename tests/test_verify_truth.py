@@ -279,3 +279,31 @@ def test_float64_copy_is_not_started_where_the_numpy_evaluator_would_take_longer
         truth.run_float64(model, [feeds], float32_s=slow)
     (exact,), engine = truth.run_float64(model, [feeds], float32_s=slow / 4)
     assert engine == "onnx.reference float64" and exact["y"].dtype == np.float64
+
+
+def test_a_float_conv_with_its_activation_fused_is_named_by_the_conv(tmp_path):
+    """ONNX Runtime's NCHWc Conv with a Sigmoid fused in is named after the Sigmoid's output:
+    the float op verify reports (and checks against what the build kept float) is the Conv."""
+    from pipeline.backends.onnxruntime import Session
+
+    rng = np.random.default_rng(0)
+    const = [numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+             for name, shape in (("w1", (16, 8, 3, 3)), ("w2", (8, 16, 3, 3)))]
+    const += [numpy_helper.from_array(np.array(v, dtype=np.float32), n) for n, v in (("s", 0.02), ("ws", 0.01))]
+    const += [numpy_helper.from_array(np.array(0, dtype=np.uint8), "z"),
+              numpy_helper.from_array(np.array(0, dtype=np.int8), "wz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("QuantizeLinear", ["w1", "ws", "wz"], ["w1q"]),
+             helper.make_node("DequantizeLinear", ["w1q", "ws", "wz"], ["w1d"]),
+             helper.make_node("Conv", ["xd", "w1d"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("QuantizeLinear", ["c1", "s", "z"], ["c1q"]),
+             helper.make_node("DequantizeLinear", ["c1q", "s", "z"], ["c1d"]),
+             helper.make_node("Conv", ["c1d", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c2"], ["y"], name="sigmoid")]
+    graph = helper.make_graph(nodes, "float_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 32, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 32, 32])], const)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
+              str(tmp_path / "m.onnx"))
+    effective = Session(tmp_path / "m.onnx", precision="mixed").effective()
+    assert effective["precision"] == "mixed" and effective["float_ops"] == {"conv2": "Conv"}
