@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -30,10 +31,7 @@ LOG_WIDTH = 240
 
 @lru_cache(maxsize=1)
 def stdout_console() -> Console:
-    console = Console(soft_wrap=True)
-    if not console.is_terminal and not os.environ.get("COLUMNS"):
-        return Console(soft_wrap=True, width=LOG_WIDTH)
-    return console
+    return _log_wide(Console(soft_wrap=True))
 
 
 @lru_cache(maxsize=1)
@@ -41,9 +39,22 @@ def stderr_console() -> Console:
     return Console(stderr=True, soft_wrap=True)
 
 
+def _log_wide(console: Console) -> Console:
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        return Console(soft_wrap=True, width=LOG_WIDTH)
+    return console
+
+
 def rich_handler(level: str = "INFO") -> logging.Handler:
-    """Console log handler (used by conf/hydra/job_logging/parity.yaml)."""
-    handler = RichHandler(console=stderr_console(), show_path=False, show_time=False, markup=False, rich_tracebacks=False)
+    """Console log handler (used by conf/hydra/job_logging/parity.yaml). Where stderr is not a
+    terminal (a CI log, a file), one plain line a record: rich wrapped a record at 80 columns
+    there ("1.8" on one line, "s)" on the next) and padded every line with spaces."""
+    if not stderr_console().is_terminal:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
+    else:
+        handler = RichHandler(console=stderr_console(), show_path=False, show_time=False, markup=False,
+                              rich_tracebacks=False)
     handler.setLevel(level)
     handler.addFilter(_console_filter)
     return handler

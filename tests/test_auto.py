@@ -105,6 +105,19 @@ def test_a_ci_log_holds_the_candidate_table_whole(auto_default_run):
     assert rows["int8"].rstrip().endswith(("pass (shipped)", "pass", "fail")), rows["int8"]
 
 
+def test_a_ci_log_holds_each_log_record_on_one_line(auto_default_run):
+    """stderr to a pipe (a CI log): rich wrapped a record at 80 columns ("1.8" ending one
+    line, "s)" the next) and padded each line with spaces; now a record is one plain line."""
+    cwd, result = auto_default_run
+    lines = result.stderr.splitlines()
+    records = [line for line in lines if line.startswith(("INFO ", "WARNING "))]
+    assert records and len(records) == len(lines), result.stderr
+    assert not any(line != line.rstrip() for line in lines), result.stderr
+    log = (run_dirs(cwd)[-1] / "parity.log").read_text()
+    assert all(f"] {line.split(maxsplit=1)[1]}" in log for line in records)
+    assert any(len(line) > 80 for line in records), records  # one at least that rich wrapped
+
+
 def test_a_rerun_starts_no_process_ahead_of_a_full_reference_store(auto_default_run):
     """The reference's answers were all stored by the first run: the rerun reads them and
     starts no process to fill the store ahead (it cost a process start per auto job)."""
