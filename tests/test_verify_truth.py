@@ -307,3 +307,11 @@ def test_a_float_conv_with_its_activation_fused_is_named_by_the_conv(tmp_path):
               str(tmp_path / "m.onnx"))
     effective = Session(tmp_path / "m.onnx", precision="mixed").effective()
     assert effective["precision"] == "mixed" and effective["float_ops"] == {"conv2": "Conv"}
+
+
+def test_one_op_that_ran_float_is_named_in_the_singular():
+    from pipeline.verification.verdict import partial_fallback
+
+    one = partial_fallback({"float_ops": {"deconv1": "ConvTranspose", "conv2": "Conv"}}, intended_float=("conv2",))
+    assert one["text"] == ("1 quantized op ran in float, the runtime has no int8 kernel for it here "
+                           "(1 ConvTranspose: deconv1)") and one["ops"] == ["deconv1"]

@@ -169,7 +169,9 @@ def partial_fallback(effective: dict, intended_float=()) -> dict:
     if ops:
         by_type = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
         names = ", ".join(list(ops)[:5]) + (f", ... (+{len(ops) - 5} more)" if len(ops) > 5 else "")
-        text = (f"{len(ops)} quantized ops ran in float, the runtime has no int8 kernel for them here "
+        one = len(ops) == 1
+        text = (f"{len(ops)} quantized op{'' if one else 's'} ran in float, the runtime has no int8 kernel for "
+                f"{'it' if one else 'them'} here "
                 f"({by_type}: {names})")
     else:
         text = f"the runtime ran some quantized ops in float (layers: {effective.get('layers') or 'not reported'})"
