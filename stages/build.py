@@ -18,7 +18,6 @@ from pipeline.release import compile_cache
 from pipeline.artifacts import hash_files, read_json, sha256_file, write_json
 from pipeline.precision.calibration import bias_correction, latency, weight_rounding
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, first_line
-from pipeline.precision.passthrough import fold_relus
 from pipeline.precision.quantize import (MixedModels, QdqSettings, QuantizerFailed, backend_float_ops, build_qdq,
                                         gemm_bias_notes, int8_op_count, settings_float_ops)
 from pipeline.worker import BackendWorker
@@ -33,7 +32,7 @@ NAME = "build"
 CACHEABLE = True
 ON_MACHINE = "device"  # compile caches, and builds searched on the device (ncnn's fp16 feature masks)
 MASK_SAMPLES = 8  # validation samples each feature-mask candidate is verified on
-UNFOLDED_QDQ = "quantized_unfolded.onnx"  # the refined Q/DQ model before fold_relus: mixed models derive from it
+UNFOLDED_QDQ = "quantized_unfolded.onnx"  # the refined Q/DQ model before rewrite_for_runtime: mixed models derive from it
 
 
 def key_config(cfg):
@@ -295,9 +294,9 @@ def _plain_int8(ctx: StageContext, backend, scratch: Path) -> Path:
     except QuantizerFailed as err:
         raise err.with_run(ctx)
     refine_as_int8(ctx, int8)
-    # Relus folded as the int8 build folds them (unfolded: the segmenter's 1.48x against 1.75x fp32)
-    model = onnx.load(str(int8)) if settings.folds_relus else None
-    if model is not None and fold_relus(model):
+    # rewritten as the int8 build is (Relus unfolded: the segmenter's 1.48x against 1.75x fp32)
+    model = onnx.load(str(int8)) if settings.folds_relus or settings.conv_block else None
+    if model is not None and any(settings.rewrite_for_runtime(model).values()):
         onnx.save(model, str(int8))
     return int8
 
@@ -387,15 +386,15 @@ def _quantize(ctx: StageContext):
     if refined is None:
         refined = _refinements(ctx, quantized, keep_float, searched)
     model = onnx.load(str(quantized))
-    folded = fold_relus(model) if settings.folds_relus else 0  # after what needs the Relus
-    if folded:  # verify's advice derives models with ops back in float from the unfolded one
+    rewritten = settings.rewrite_for_runtime(model)  # after what needs the graph as quantized
+    if any(rewritten.values()):  # verify's advice derives models with ops back in float from the one before
         quantized.replace(ctx.out_dir / UNFOLDED_QDQ)
         onnx.save(model, str(quantized))
     beside = sorted(settings.float_neighbours(prepared, keep_float) - set(keep_float))
     settings = {**settings.describe(), "float_ops": keep_float, "passthrough_float": beside,
                 "keep_float_not_found": unknown,
                 "backend_float_ops": by_backend, "slower_in_int8": slower,
-                "gemm_bias_reshaped": reshaped, **refined, "relus_folded": folded,
+                "gemm_bias_reshaped": reshaped, **refined, **rewritten,
                 "int8_ops": int8_op_count(model)}
     return quantized, settings
 

@@ -143,6 +143,7 @@ class Quantization(Shape):
     weight_rounding: Optional[dict] = None  # pipeline/precision/calibration/weight_rounding.py's summary
     bias_correction: Optional[dict] = None  # pipeline/precision/calibration/bias_correction.py's summary
     relus_folded: Optional[int] = None  # pass-through Relus folded into the Q before them (passthrough.fold_relus)
+    convs_widened: Optional[List[str]] = None  # narrow int8 Convs widened to the kernel block (narrow_convs)
 
     def refinements(self) -> List[Tuple[str, dict]]:
         """(step, its summary) of weight rounding and bias correction, each where it ran."""

@@ -368,3 +368,64 @@ def test_an_op_bias_correction_gave_a_bias_goes_back_to_float_without_it():
     model = mixed.build(["conv1", "conv2"])
     assert [list(n.input) for n in model.graph.node] == [list(n.input) for n in prepared.graph.node]
     assert np.array_equal(_run(model, samples[0]), _run(prepared, samples[0]))
+
+
+def _narrow_convs_model(path):
+    """Q/DQ model: input 16 ch -> conv_one (16 -> 1, 3x3, per-channel weights, int32 bias)
+    and conv_grouped (depthwise 16 -> 16) and conv_three (16 -> 3, per-tensor weights, float
+    bias), each through Q/DQ; outputs the three dequantized maps."""
+    rng = np.random.default_rng(0)
+    consts = {"s": np.array(0.05, np.float32), "z": np.array(128, np.uint8), "zo": np.array(0, np.uint8)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"])]
+    outputs = []
+    for name, cout, group, per_channel in (("conv_one", 1, 1, True), ("conv_grouped", 16, 16, True),
+                                          ("conv_three", 3, 1, False)):
+        weights = rng.integers(-127, 128, (cout, 16 // group, 3, 3)).astype(np.int8)
+        consts[f"{name}_w"] = weights
+        consts[f"{name}_ws"] = np.full(cout, 0.004, np.float32) if per_channel else np.array(0.004, np.float32)
+        consts[f"{name}_wz"] = np.zeros(cout, np.int8) if per_channel else np.array(0, np.int8)
+        nodes.append(helper.make_node("DequantizeLinear", [f"{name}_w", f"{name}_ws", f"{name}_wz"], [f"{name}_wd"],
+                                      axis=0))
+        if per_channel:
+            consts[f"{name}_b"] = rng.integers(-500, 500, cout).astype(np.int32)
+            consts[f"{name}_bs"] = np.full(cout, 0.05 * 0.004, np.float32)
+            nodes.append(helper.make_node("DequantizeLinear", [f"{name}_b", f"{name}_bs"], [f"{name}_bd"], axis=0))
+        else:
+            consts[f"{name}_bd"] = rng.normal(0, 0.5, cout).astype(np.float32)
+        nodes += [helper.make_node("Conv", ["xd", f"{name}_wd", f"{name}_bd"], [f"{name}_out"], name=name,
+                                   pads=[1, 1, 1, 1], group=group),
+                  helper.make_node("QuantizeLinear", [f"{name}_out", "s", "zo"], [f"{name}_q"]),
+                  helper.make_node("DequantizeLinear", [f"{name}_q", "s", "zo"], [f"{name}_y"])]
+        outputs.append(helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [1, cout, 24, 24]))
+    graph = helper.make_graph(nodes, "narrow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 24, 24])],
+                              outputs, [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), str(path))
+    return path
+
+
+def test_narrow_int8_convs_are_widened_to_the_kernel_block_and_compute_the_same(tmp_path):
+    """ONNX Runtime's int8 Conv of fewer than 16 output channels runs a slower kernel: the
+    build gives it zero filters up to 16 and slices the quantized output back. The outputs,
+    their names and shapes stay bit for bit; a grouped Conv is left as it is."""
+    from pipeline.precision.narrow_convs import widen_narrow_convs
+
+    path = _narrow_convs_model(tmp_path / "narrow.onnx")
+    model = onnx.load(str(path))
+    assert widen_narrow_convs(model, 16) == ["conv_one", "conv_three"]
+    onnx.checker.check_model(model)
+    onnx.save(model, str(tmp_path / "widened.onnx"))
+    x = np.random.default_rng(1).normal(0, 2, (1, 16, 24, 24)).astype(np.float32)
+    before = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    after = ort.InferenceSession(str(tmp_path / "widened.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert [a.shape for a in after] == [(1, 1, 24, 24), (1, 16, 24, 24), (1, 3, 24, 24)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after)) and np.ptp(after[0]) > 0
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert weights["conv_one_w"].shape[0] == weights["conv_one_ws"].shape[0] == weights["conv_one_b"].shape[0] == 16
+    assert weights["conv_three_w"].shape[0] == weights["conv_three_bd"].shape[0] == 16
+    assert weights["conv_three_ws"].shape == () and not weights["conv_one_w"][1:].any()
+    assert weights["conv_grouped_w"].shape[0] == 16
+    assert [n.op_type for n in model.graph.node].count("Slice") == 2
+    assert QdqSettings(conv_block=16).rewrite_for_runtime(onnx.load(str(path))) == {
+        "relus_folded": 0, "convs_widened": ["conv_one", "conv_three"]}
+    assert QdqSettings().rewrite_for_runtime(onnx.load(str(path))) == {"relus_folded": 0}

@@ -97,6 +97,18 @@ def test_equalization_moves_the_saturated_channel_into_the_consumers(jobs):
     assert scores[f"alpha {equalized['alpha']:g}"]["loss"] < scores["none"]["loss"] / 5
 
 
+def test_the_int8_build_widens_its_narrow_convs_for_onnx_runtime(jobs):
+    """The side maps' 1-channel Convs and the 8-channel ones run ONNX Runtime's slower int8
+    kernel: the ort_cpu build widens them to 16 filters (precision/narrow_convs.py); the
+    OpenVINO build, whose kernels have no such block, keeps them as they are."""
+    _, run_dir = jobs["auto"]
+    build = json.loads((run_dir / "candidates" / "int8" / "stages" / "build" / "result.json").read_text())
+    widened = build["summary"]["quantization"]["convs_widened"]
+    assert {"/sides.0/Conv", "/sides.3/Conv", "/fuse/Conv", OUTLIER_PRODUCER} <= set(widened), widened
+    _, openvino = jobs["int8_ov"]
+    assert "convs_widened" not in read_report(openvino)["build"]["quantization"]
+
+
 def test_equalization_keeps_the_map_where_plain_int8_loses_it(jobs):
     """One per-tensor scale spent on the 228 channel costs plain int8 the map (IoU about
     0.84, as the peers' int8 does); equalized, int8 keeps it within a few hundredths."""

@@ -12,9 +12,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from pipeline import backends
+from pipeline.precision.narrow_convs import widen_narrow_convs
 from pipeline.precision.gemm_bias import flatten_gemm_bias, gemm_bias_fixes  # noqa: F401 - re-exported
-from pipeline.precision.passthrough import (SWISH_OPS, float_neighbours, int8_after, passthrough_for, quantizer_inputs,
-                                           swish_ops)
+from pipeline.precision.passthrough import (SWISH_OPS, float_neighbours, fold_relus, int8_after, passthrough_for,
+                                           quantizer_inputs, swish_ops)
 from pipeline.errors import InputError, first_line
 
 RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
@@ -103,6 +104,8 @@ class QdqSettings:
     passthrough_ops: Tuple[str, ...] = ()
     # SiLU's Sigmoid and Mul after a quantized op quantized too (passthrough.swish_ops)
     swish: bool = False
+    # a quantized Conv of fewer output channels widened to this many (narrow_convs); 0: never
+    conv_block: int = 0
 
     def quantizes_output(self, op_type: str) -> bool:
         """Whether an int8 op of this type gets a Q/DQ pair on its output."""
@@ -126,7 +129,8 @@ class QdqSettings:
             swish = backends.capabilities(backend).qdq_swish and outputs
         return cls(precision.activations.value, precision.per_channel, reduce_range,
                    tuple(precision.quantize_ops), outputs, float_outputs, precision.quantize_activation_matmuls,
-                   passthrough_for(precision, backends.capabilities(backend), outputs), swish)
+                   passthrough_for(precision, backends.capabilities(backend), outputs), swish,
+                   backends.capabilities(backend).qdq_conv_block if outputs else 0)
 
     @property
     def swish_after(self) -> Tuple[str, ...]:
@@ -145,6 +149,13 @@ class QdqSettings:
     def folds_relus(self) -> bool:
         """The int8 build folds each quantized Relu into the Q before it (passthrough.fold_relus)."""
         return "Relu" in self.passthrough_ops
+
+    def rewrite_for_runtime(self, model) -> dict:
+        """In place, after the mixed derivations and the refinements (which read the graph as
+        the quantizer wrote it): pass-through Relus folded, narrow Convs widened. What changed."""
+        folded = fold_relus(model) if self.folds_relus else 0
+        widened = widen_narrow_convs(model, self.conv_block) if self.conv_block else []
+        return {"relus_folded": folded, **({"convs_widened": widened} if widened else {})}
 
     @property
     def derives_mixed(self) -> bool:

@@ -22,7 +22,6 @@ from pipeline.errors import BackendCrashed, ExitCode, first_line
 from pipeline.task_metrics import load_metric
 from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.calibration import bias_correction, weight_rounding
-from pipeline.precision.passthrough import fold_relus
 from pipeline.precision.quantize import QdqSettings, build_qdq, keep_in_float
 from pipeline.verification.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
@@ -338,7 +337,7 @@ def _trial_launcher(ctx, backend, qdq, live: Live):
             return loaded(built_worker(ctx, backend, stack, limits, None, precision.kind, label, [*float_ops, *keep]))
         path = qdq(keep)
         path = shutil.copyfile(path, path.with_name(f"refined-{path.name}"))  # the screened model stays as it was
-        _correct_like_the_build(ctx, path)
+        _correct_like_the_build(ctx, backend, path)
         return loaded(built_worker(ctx, backend, stack, limits, path, precision.kind, label))
 
     return launch
@@ -365,18 +364,18 @@ def _qdq_maker(ctx, backend, stack):
     return make
 
 
-def _correct_like_the_build(ctx, quantized: Path) -> None:
+def _correct_like_the_build(ctx, backend, quantized: Path) -> None:
     """Weight rounding and bias correction on a QDQ model made here, where the build stage
-    applied them to the shipped one, then its pass-through Relus folded as the build folds
-    them (the trial is timed against the build)."""
+    applied them to the shipped one, then rewritten for the runtime as the build rewrites it
+    (pass-through Relus folded, narrow Convs widened: the trial is timed against the build)."""
     quantization = ctx.results["build"].summary.quantization
     prepared = ctx.results["calibrate"].path("prepared")
     for step, refine in (("weight_rounding", weight_rounding.round_file),
                          ("bias_correction", bias_correction.correct_file)):
         if quantization and quantization.refined(step):
             refine(quantized, prepared, (sample.feeds for sample in ctx.dataset().calibration))
-    if quantization and quantization.relus_folded:
+    if quantization and (quantization.relus_folded or quantization.convs_widened):
         model = onnx.load(str(quantized))
-        fold_relus(model)
+        QdqSettings.resolve(ctx.cfg.precision, backend.NAME).rewrite_for_runtime(model)
         onnx.save(model, str(quantized))
 

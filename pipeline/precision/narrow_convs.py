@@ -1,0 +1,116 @@
+"""Narrow int8 convolutions widened to the runtime's kernel block (Capabilities.qdq_conv_block).
+
+ONNX Runtime's int8 convolution runs its fast kernels on whole blocks of 16 output channels;
+a Conv with fewer (a segmentation head's 64 -> 1 channels at 320x320) falls to a general path
+about twice as slow as the same Conv with 16 (3.6 against 7.0 ms on AMX; on U^2-Net-p's
+largest head 2.3 against 11.0 ms). The int8 build gives such a Conv zero filters up to the
+block and slices the quantized output back to its own channels: the same values, the
+graph's tensor names and shapes outside the Conv unchanged (docs/calibration.md, "Narrow
+convolutions")."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+WIDE_SUFFIX = "_widened"
+
+
+def widen_narrow_convs(model, block: int) -> List[str]:
+    """In place: each quantized Conv (group 1, weights through a DequantizeLinear of a constant,
+    its output read by one QuantizeLinear alone) of fewer than ``block`` output channels gets
+    zero filters up to ``block`` and a Slice of the quantized output. Returns the Convs' names."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    constants = {t.name: t for t in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: Dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    widened = []
+    for conv in [node for node in graph.node if node.op_type == "Conv"]:
+        quantize = _only_quantize_reader(conv, readers, outputs)
+        weights = _constant_dequantize(conv.input[1], producer, constants)
+        if quantize is None or weights is None or _group(conv) != 1:
+            continue
+        channels = numpy_helper.to_array(constants[weights.input[0]]).shape[0]
+        if channels >= block or not _pad_inputs(conv, weights, producer, constants, channels, block):
+            continue
+        narrow = quantize.output[0]
+        conv.output[0] += WIDE_SUFFIX
+        quantize.input[0], quantize.output[0] = conv.output[0], narrow + WIDE_SUFFIX
+        bounds = [numpy_helper.from_array(np.array(v, dtype=np.int64), f"{conv.name}{WIDE_SUFFIX}_{k}")
+                  for k, v in (("starts", [0]), ("ends", [channels]), ("axes", [1]))]
+        graph.initializer.extend(bounds)
+        at = list(graph.node).index(quantize) + 1
+        graph.node.insert(at, helper.make_node("Slice", [quantize.output[0], *(b.name for b in bounds)], [narrow],
+                                               name=f"{conv.name}{WIDE_SUFFIX}_slice"))
+        widened.append(conv.name)
+    if widened:
+        _drop_stale_shapes(graph)
+    return widened
+
+
+def _only_quantize_reader(conv, readers, outputs):
+    after = readers.get(conv.output[0], [])
+    if conv.output[0] in outputs or len(after) != 1 or after[0].op_type != "QuantizeLinear":
+        return None
+    return after[0]
+
+
+def _constant_dequantize(name: str, producer, constants):
+    node = producer.get(name)
+    if node is None or node.op_type != "DequantizeLinear" or node.input[0] not in constants:
+        return None
+    return node
+
+
+def _group(conv) -> int:
+    return next((attribute.i for attribute in conv.attribute if attribute.name == "group"), 1)
+
+
+def _pad_inputs(conv, weights, producer, constants, channels: int, block: int) -> bool:
+    """The weights (their scale and zero point where per output channel) and the bias padded
+    to ``block`` filters: zero weights and bias, the first filter's scale. False (nothing
+    changed) where the bias is neither a constant nor a constant's DequantizeLinear."""
+    bias_name = conv.input[2] if len(conv.input) > 2 else ""
+    bias = _constant_dequantize(bias_name, producer, constants) if bias_name else None
+    if bias_name and bias is None and bias_name not in constants:
+        return False
+    padded = [weights.input[0], bias.input[0] if bias is not None else bias_name]
+    for dequantize, per_channel in ((weights, _axis(weights) == 0), (bias, True)):
+        if dequantize is not None and per_channel:
+            padded += [(name, at == 1) for at, name in enumerate(dequantize.input) if at and name]
+    for item in filter(None, padded):
+        name, is_scale = item if isinstance(item, tuple) else (item, False)
+        _pad(constants[name], channels, block, is_scale)
+    return True
+
+
+def _axis(dequantize) -> int:
+    axis = next((attribute.i for attribute in dequantize.attribute if attribute.name == "axis"), 1)
+    return axis + 4 if axis < 0 else axis  # a Conv weight's four axes
+
+
+def _pad(tensor, channels: int, block: int, is_scale: bool) -> None:
+    """A per-channel constant (first axis of ``channels``) padded to ``block``: zeros, or for
+    a scale the first channel's; a scalar is left as it is."""
+    from onnx import numpy_helper
+
+    values = numpy_helper.to_array(tensor)
+    if values.ndim == 0 or values.shape[0] != channels:
+        return
+    fill = values[:1] if is_scale else np.zeros_like(values[:1])
+    padded = np.concatenate([values, np.repeat(fill, block - channels, axis=0)])
+    tensor.CopyFrom(numpy_helper.from_array(padded.astype(values.dtype), tensor.name))
+
+
+def _drop_stale_shapes(graph) -> None:
+    """value_info recorded for the widened Convs' outputs no longer holds (16 channels)."""
+    stale = [info for info in graph.value_info if info.name.endswith(WIDE_SUFFIX)]
+    for info in stale:
+        graph.value_info.remove(info)
