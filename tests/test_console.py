@@ -78,8 +78,9 @@ def test_the_candidate_table_fits_100_columns_with_its_markers_whole(warm_defaul
     # fp32 is the reference of every speed-up (the int8 candidates are timed against it); that
     # column never wraps: the first line holds the whole cell
     assert "1.00x (reference)" in rows["fp32"][0], "\n".join(table)
+    # (a loaded machine can time fp32's two-thread calls far slower: CI once read int8 21.03x)
     for precision in ("int8", "int8_dynamic"):
-        assert re.search(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\)", rows[precision][0]), "\n".join(table)
+        assert re.search(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", rows[precision][0]), "\n".join(table)
     assert not any("…" in line for line in table), "\n".join(table)  # nothing cut short
 
 
