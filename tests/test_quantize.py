@@ -429,3 +429,18 @@ def test_narrow_int8_convs_are_widened_to_the_kernel_block_and_compute_the_same(
     assert QdqSettings(conv_block=16).rewrite_for_runtime(onnx.load(str(path))) == {
         "relus_folded": 0, "convs_widened": ["conv_one", "conv_three"]}
     assert QdqSettings().rewrite_for_runtime(onnx.load(str(path))) == {"relus_folded": 0}
+
+
+def test_a_narrow_conv_sharing_its_weights_is_left_as_it_is(tmp_path):
+    """One set of weights read by two Convs (a network applied twice): widening them for one
+    would widen the other, whose output is not sliced; neither is widened."""
+    from pipeline.precision.narrow_convs import widen_narrow_convs
+
+    model = onnx.load(str(_narrow_convs_model(tmp_path / "narrow.onnx")))
+    model.graph.node.extend([
+        helper.make_node("Conv", ["xd", "conv_one_wd"], ["twin_out"], name="conv_twin", pads=[1, 1, 1, 1]),
+        helper.make_node("QuantizeLinear", ["twin_out", "s", "zo"], ["twin_q"]),
+        helper.make_node("DequantizeLinear", ["twin_q", "s", "zo"], ["twin_y"])])
+    model.graph.output.append(helper.make_tensor_value_info("twin_y", TensorProto.FLOAT, [1, 1, 24, 24]))
+    assert widen_narrow_convs(model, 16) == ["conv_three"]
+    assert numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "conv_one_w")).shape[0] == 1

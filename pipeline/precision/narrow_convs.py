@@ -35,7 +35,7 @@ def widen_narrow_convs(model, block: int) -> List[str]:
     for conv in [node for node in graph.node if node.op_type == "Conv"]:
         quantize = _only_quantize_reader(conv, readers, outputs)
         weights = _constant_dequantize(conv.input[1], producer, constants)
-        if quantize is None or weights is None or _group(conv) != 1:
+        if quantize is None or weights is None or _group(conv) != 1 or _shared(conv, producer, readers):
             continue
         channels = numpy_helper.to_array(constants[weights.input[0]]).shape[0]
         if channels >= block or not _pad_inputs(conv, weights, producer, constants, channels, block):
@@ -60,6 +60,15 @@ def _only_quantize_reader(conv, readers, outputs):
     if conv.output[0] in outputs or len(after) != 1 or after[0].op_type != "QuantizeLinear":
         return None
     return after[0]
+
+
+def _shared(conv, producer, readers) -> bool:
+    """Whether the Conv's weights or bias, or the constants they are dequantized from, are
+    read elsewhere too (a network applied twice with one set of weights): widening them
+    would widen the other reader."""
+    names = [name for name in conv.input[1:3] if name]
+    names += [name for name in names[:] if name in producer for name in producer[name].input if name]
+    return any(len(readers.get(name, [])) > 1 for name in names)
 
 
 def _constant_dequantize(name: str, producer, constants):
