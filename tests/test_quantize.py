@@ -371,16 +371,17 @@ def test_an_op_bias_correction_gave_a_bias_goes_back_to_float_without_it():
 
 
 def _narrow_convs_model(path):
-    """Q/DQ model: input 16 ch -> conv_one (16 -> 1, 3x3, per-channel weights, int32 bias)
-    and conv_grouped (depthwise 16 -> 16) and conv_three (16 -> 3, per-tensor weights, float
-    bias), each through Q/DQ; outputs the three dequantized maps."""
+    """Q/DQ model: input 16 ch -> conv_one (16 -> 1, 3x3, per-channel weights, int32 bias),
+    conv_grouped (depthwise 16 -> 16), conv_three (16 -> 3, per-tensor weights, float bias),
+    conv_twenty (16 -> 20) and conv_wide (16 -> 32), each through Q/DQ; outputs the maps."""
     rng = np.random.default_rng(0)
     consts = {"s": np.array(0.05, np.float32), "z": np.array(128, np.uint8), "zo": np.array(0, np.uint8)}
     nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
              helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"])]
     outputs = []
     for name, cout, group, per_channel in (("conv_one", 1, 1, True), ("conv_grouped", 16, 16, True),
-                                          ("conv_three", 3, 1, False)):
+                                          ("conv_three", 3, 1, False), ("conv_twenty", 20, 1, True),
+                                          ("conv_wide", 32, 1, True)):
         weights = rng.integers(-127, 128, (cout, 16 // group, 3, 3)).astype(np.int8)
         consts[f"{name}_w"] = weights
         consts[f"{name}_ws"] = np.full(cout, 0.004, np.float32) if per_channel else np.array(0.004, np.float32)
@@ -405,29 +406,31 @@ def _narrow_convs_model(path):
 
 
 def test_narrow_int8_convs_are_widened_to_the_kernel_block_and_compute_the_same(tmp_path):
-    """ONNX Runtime's int8 Conv of fewer than 16 output channels runs a slower kernel: the
-    build gives it zero filters up to 16 and slices the quantized output back. The outputs,
-    their names and shapes stay bit for bit; a grouped Conv is left as it is."""
+    """ONNX Runtime's int8 Conv of fewer than 16 output channels, or of a count off a multiple
+    of 8, runs a slower kernel: the build gives it zero filters up to 16 (24 for 20) and slices
+    the quantized output back. The outputs, their names and shapes stay bit for bit; a grouped
+    Conv and one of 32 are left as they are."""
     from pipeline.precision.narrow_convs import widen_narrow_convs
 
     path = _narrow_convs_model(tmp_path / "narrow.onnx")
     model = onnx.load(str(path))
-    assert widen_narrow_convs(model, 16) == ["conv_one", "conv_three"]
+    assert widen_narrow_convs(model, 16) == ["conv_one", "conv_three", "conv_twenty"]
     onnx.checker.check_model(model)
     onnx.save(model, str(tmp_path / "widened.onnx"))
     x = np.random.default_rng(1).normal(0, 2, (1, 16, 24, 24)).astype(np.float32)
     before = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     after = ort.InferenceSession(str(tmp_path / "widened.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    assert [a.shape for a in after] == [(1, 1, 24, 24), (1, 16, 24, 24), (1, 3, 24, 24)]
+    assert [a.shape[1] for a in after] == [1, 16, 3, 20, 32]
     assert all(np.array_equal(a, b) for a, b in zip(before, after)) and np.ptp(after[0]) > 0
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     assert weights["conv_one_w"].shape[0] == weights["conv_one_ws"].shape[0] == weights["conv_one_b"].shape[0] == 16
     assert weights["conv_three_w"].shape[0] == weights["conv_three_bd"].shape[0] == 16
     assert weights["conv_three_ws"].shape == () and not weights["conv_one_w"][1:].any()
-    assert weights["conv_grouped_w"].shape[0] == 16
-    assert [n.op_type for n in model.graph.node].count("Slice") == 2
+    assert weights["conv_grouped_w"].shape[0] == 16 and weights["conv_wide_w"].shape[0] == 32
+    assert weights["conv_twenty_w"].shape[0] == 24
+    assert [n.op_type for n in model.graph.node].count("Slice") == 3
     assert QdqSettings(conv_block=16).rewrite_for_runtime(onnx.load(str(path))) == {
-        "relus_folded": 0, "convs_widened": ["conv_one", "conv_three"]}
+        "relus_folded": 0, "convs_widened": ["conv_one", "conv_three", "conv_twenty"]}
     assert QdqSettings().rewrite_for_runtime(onnx.load(str(path))) == {"relus_folded": 0}
 
 
@@ -442,5 +445,5 @@ def test_a_narrow_conv_sharing_its_weights_is_left_as_it_is(tmp_path):
         helper.make_node("QuantizeLinear", ["twin_out", "s", "zo"], ["twin_q"]),
         helper.make_node("DequantizeLinear", ["twin_q", "s", "zo"], ["twin_y"])])
     model.graph.output.append(helper.make_tensor_value_info("twin_y", TensorProto.FLOAT, [1, 1, 24, 24]))
-    assert widen_narrow_convs(model, 16) == ["conv_three"]
+    assert widen_narrow_convs(model, 16) == ["conv_three", "conv_twenty"]
     assert numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "conv_one_w")).shape[0] == 1

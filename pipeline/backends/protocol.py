@@ -90,8 +90,8 @@ class Capabilities:
     # an idle session's threads spin after a run (ONNX Runtime's pool, tens of ms): verify's
     # timing pauses its workers while another build is timed (pipeline/verification/speed.py)
     idle_threads_spin: bool = False
-    # an int8 Conv of fewer output channels than this runs on a slower kernel: the int8 build
-    # widens it with zero filters and slices its quantized output (precision/narrow_convs.py)
+    # an int8 Conv of fewer output channels than this (or off a multiple of 8) runs on a slower
+    # kernel: the int8 build widens it with zero filters and slices its output (precision/narrow_convs.py)
     qdq_conv_block: int = 0
     # names what a GPU device of its targets resolves to on this machine now, without
     # loading a model (a stage cache key's part) [device_identity(device) -> str]

@@ -1,12 +1,13 @@
 """Narrow int8 convolutions widened to the runtime's kernel block (Capabilities.qdq_conv_block).
 
-ONNX Runtime's int8 convolution runs its fast kernels on whole blocks of 16 output channels;
-a Conv with fewer (a segmentation head's 64 -> 1 channels at 320x320) falls to a general path
-about twice as slow as the same Conv with 16 (3.6 against 7.0 ms on AMX; on U^2-Net-p's
-largest head 2.3 against 11.0 ms). The int8 build gives such a Conv zero filters up to the
-block and slices the quantized output back to its own channels: the same values, the
-graph's tensor names and shapes outside the Conv unchanged (docs/calibration.md, "Narrow
-convolutions")."""
+ONNX Runtime's int8 convolution runs its fast (symmetric, direct) kernels only where a Conv
+has at least 16 output channels, in multiples of 8 (4 with AVX-512), and input channels in
+multiples of 4 (MLAS's MlasConvSymPackWSize); any other Conv falls to a general path about
+twice as slow (a segmentation head's 64 -> 1 channels at 320x320: 7.0 against 3.7 ms on AMX;
+on U^2-Net-p's largest head 11.0 against 2.3 ms). The int8 build gives such a Conv zero
+filters up to the next count the fast kernels take and slices the quantized output back to
+its own channels: the same values, the graph's tensor names and shapes outside the Conv
+unchanged (docs/calibration.md, "Narrow convolutions")."""
 
 from __future__ import annotations
 
@@ -15,12 +16,22 @@ from typing import Dict, List, Optional
 import numpy as np
 
 WIDE_SUFFIX = "_widened"
+OUTPUT_ALIGNMENT, INPUT_ALIGNMENT = 8, 4  # the fast kernels' channel multiples (AVX2's, the strictest)
+
+
+def widened_channels(outputs: int, inputs: int, block: int) -> int:
+    """The output channels the fast kernels take for a Conv of these, or ``outputs`` where
+    widening gains nothing (input channels off their multiple: a 3-channel image's first Conv)."""
+    if inputs % INPUT_ALIGNMENT:
+        return outputs
+    return max(block, -(-outputs // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT)
 
 
 def widen_narrow_convs(model, block: int) -> List[str]:
     """In place: each quantized Conv (group 1, weights through a DequantizeLinear of a constant,
-    its output read by one QuantizeLinear alone) of fewer than ``block`` output channels gets
-    zero filters up to ``block`` and a Slice of the quantized output. Returns the Convs' names."""
+    its output read by one QuantizeLinear alone) whose output channels the fast kernels do not
+    take (widened_channels) gets zero filters up to a count they take and a Slice of the
+    quantized output. Returns the Convs' names."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -37,8 +48,9 @@ def widen_narrow_convs(model, block: int) -> List[str]:
         weights = _constant_dequantize(conv.input[1], producer, constants)
         if quantize is None or weights is None or _group(conv) != 1 or _shared(conv, producer, readers):
             continue
-        channels = numpy_helper.to_array(constants[weights.input[0]]).shape[0]
-        if channels >= block or not _pad_inputs(conv, weights, producer, constants, channels, block):
+        channels, inputs = numpy_helper.to_array(constants[weights.input[0]]).shape[:2]
+        wide = widened_channels(channels, inputs, block)
+        if wide == channels or not _pad_inputs(conv, weights, producer, constants, channels, wide):
             continue
         narrow = quantize.output[0]
         conv.output[0] += WIDE_SUFFIX
@@ -82,9 +94,9 @@ def _group(conv) -> int:
     return next((attribute.i for attribute in conv.attribute if attribute.name == "group"), 1)
 
 
-def _pad_inputs(conv, weights, producer, constants, channels: int, block: int) -> bool:
+def _pad_inputs(conv, weights, producer, constants, channels: int, wide: int) -> bool:
     """The weights (their scale and zero point where per output channel) and the bias padded
-    to ``block`` filters: zero weights and bias, the first filter's scale. False (nothing
+    to ``wide`` filters: zero weights and bias, the first filter's scale. False (nothing
     changed) where the bias is neither a constant nor a constant's DequantizeLinear."""
     bias_name = conv.input[2] if len(conv.input) > 2 else ""
     bias = _constant_dequantize(bias_name, producer, constants) if bias_name else None
@@ -96,7 +108,7 @@ def _pad_inputs(conv, weights, producer, constants, channels: int, block: int) -
             padded += [(name, at == 1) for at, name in enumerate(dequantize.input) if at and name]
     for item in filter(None, padded):
         name, is_scale = item if isinstance(item, tuple) else (item, False)
-        _pad(constants[name], channels, block, is_scale)
+        _pad(constants[name], channels, wide, is_scale)
     return True
 
 
@@ -105,8 +117,8 @@ def _axis(dequantize) -> int:
     return axis + 4 if axis < 0 else axis  # a Conv weight's four axes
 
 
-def _pad(tensor, channels: int, block: int, is_scale: bool) -> None:
-    """A per-channel constant (first axis of ``channels``) padded to ``block``: zeros, or for
+def _pad(tensor, channels: int, wide: int, is_scale: bool) -> None:
+    """A per-channel constant (first axis of ``channels``) padded to ``wide``: zeros, or for
     a scale the first channel's; a scalar is left as it is."""
     from onnx import numpy_helper
 
@@ -114,7 +126,7 @@ def _pad(tensor, channels: int, block: int, is_scale: bool) -> None:
     if values.ndim == 0 or values.shape[0] != channels:
         return
     fill = values[:1] if is_scale else np.zeros_like(values[:1])
-    padded = np.concatenate([values, np.repeat(fill, block - channels, axis=0)])
+    padded = np.concatenate([values, np.repeat(fill, wide - channels, axis=0)])
     tensor.CopyFrom(numpy_helper.from_array(padded.astype(values.dtype), tensor.name))
 
 
