@@ -31,18 +31,15 @@ LOG_WIDTH = 240
 
 @lru_cache(maxsize=1)
 def stdout_console() -> Console:
-    return _log_wide(Console(soft_wrap=True))
+    console = Console(soft_wrap=True)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        return Console(soft_wrap=True, width=LOG_WIDTH)
+    return console
 
 
 @lru_cache(maxsize=1)
 def stderr_console() -> Console:
     return Console(stderr=True, soft_wrap=True)
-
-
-def _log_wide(console: Console) -> Console:
-    if not console.is_terminal and not os.environ.get("COLUMNS"):
-        return Console(soft_wrap=True, width=LOG_WIDTH)
-    return console
 
 
 def rich_handler(level: str = "INFO") -> logging.Handler:

@@ -104,7 +104,7 @@ class QdqSettings:
     passthrough_ops: Tuple[str, ...] = ()
     # SiLU's Sigmoid and Mul after a quantized op quantized too (passthrough.swish_ops)
     swish: bool = False
-    # a quantized Conv of fewer output channels widened to this many (narrow_convs); 0: never
+    # the fewest output channels the runtime's fast int8 Conv takes: others widened (narrow_convs); 0: never
     conv_block: int = 0
 
     def quantizes_output(self, op_type: str) -> bool:
