@@ -447,3 +447,31 @@ def test_a_narrow_conv_sharing_its_weights_is_left_as_it_is(tmp_path):
     model.graph.output.append(helper.make_tensor_value_info("twin_y", TensorProto.FLOAT, [1, 1, 24, 24]))
     assert widen_narrow_convs(model, 16) == ["conv_three", "conv_twenty"]
     assert numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "conv_one_w")).shape[0] == 1
+
+
+def test_a_narrow_conv1d_with_a_negative_weight_axis_is_widened_alike(tmp_path):
+    """A 1-D Conv's weights have three axes: axis -3 is its output channels."""
+    from pipeline.precision.narrow_convs import widen_narrow_convs
+
+    rng = np.random.default_rng(2)
+    consts = {"s": np.array(0.05, np.float32), "z": np.array(128, np.uint8), "w": rng.integers(-127, 128, (2, 8, 5)).astype(np.int8),
+              "ws": np.array([0.004, 0.002], np.float32), "wz": np.zeros(2, np.int8)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=-3),
+             helper.make_node("Conv", ["xd", "wd"], ["c"], name="conv1d", pads=[2, 2]),
+             helper.make_node("QuantizeLinear", ["c", "s", "z"], ["cq"]),
+             helper.make_node("DequantizeLinear", ["cq", "s", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "c1d", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 50])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 50])],
+                              [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    onnx.save(model, str(tmp_path / "c1d.onnx"))
+    assert widen_narrow_convs(model, 16) == ["conv1d"]
+    onnx.save(model, str(tmp_path / "wide.onnx"))
+    scales = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "ws"))
+    assert scales.shape == (16,) and np.all(scales[2:] == 0.004)
+    x = np.random.default_rng(3).normal(0, 2, (1, 8, 50)).astype(np.float32)
+    before, after = (ort.InferenceSession(str(tmp_path / n), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                     for n in ("c1d.onnx", "wide.onnx"))
+    assert after.shape == (1, 2, 50) and np.array_equal(before, after)

@@ -78,9 +78,9 @@ def _shared(conv, producer, readers) -> bool:
     """Whether the Conv's weights or bias, or the constants they are dequantized from, are
     read elsewhere too (a network applied twice with one set of weights): widening them
     would widen the other reader."""
-    names = [name for name in conv.input[1:3] if name]
-    names += [name for name in names[:] if name in producer for name in producer[name].input if name]
-    return any(len(readers.get(name, [])) > 1 for name in names)
+    direct = [name for name in conv.input[1:3] if name]
+    sources = [source for name in direct if name in producer for source in producer[name].input if source]
+    return any(len(readers.get(name, [])) > 1 for name in direct + sources)
 
 
 def _constant_dequantize(name: str, producer, constants):
@@ -97,24 +97,32 @@ def _group(conv) -> int:
 def _pad_inputs(conv, weights, producer, constants, channels: int, wide: int) -> bool:
     """The weights (their scale and zero point where per output channel) and the bias padded
     to ``wide`` filters: zero weights and bias, the first filter's scale. False (nothing
-    changed) where the bias is neither a constant nor a constant's DequantizeLinear."""
+    changed) where one of them is not a constant (or a constant's DequantizeLinear)."""
     bias_name = conv.input[2] if len(conv.input) > 2 else ""
     bias = _constant_dequantize(bias_name, producer, constants) if bias_name else None
     if bias_name and bias is None and bias_name not in constants:
         return False
-    padded = [weights.input[0], bias.input[0] if bias is not None else bias_name]
-    for dequantize, per_channel in ((weights, _axis(weights) == 0), (bias, True)):
-        if dequantize is not None and per_channel:
-            padded += [(name, at == 1) for at, name in enumerate(dequantize.input) if at and name]
-    for item in filter(None, padded):
-        name, is_scale = item if isinstance(item, tuple) else (item, False)
+    rank = len(constants[weights.input[0]].dims)
+    padded = [(weights.input[0], False), *(_parameters(weights) if _axis(weights, rank) == 0 else [])]
+    if bias is not None:  # a bias is a vector: its parameters are per channel where they are not scalars
+        padded += [(bias.input[0], False), *_parameters(bias)]
+    elif bias_name:
+        padded.append((bias_name, False))
+    if any(name not in constants for name, _ in padded):  # a parameter computed at run time
+        return False
+    for name, is_scale in padded:
         _pad(constants[name], channels, wide, is_scale)
     return True
 
 
-def _axis(dequantize) -> int:
+def _parameters(dequantize) -> list:
+    """(name, is_scale) of a DequantizeLinear's constant scale and zero point."""
+    return [(name, at == 1) for at, name in enumerate(dequantize.input) if at and name]
+
+
+def _axis(dequantize, rank: int) -> int:
     axis = next((attribute.i for attribute in dequantize.attribute if attribute.name == "axis"), 1)
-    return axis + 4 if axis < 0 else axis  # a Conv weight's four axes
+    return axis + rank if axis < 0 else axis
 
 
 def _pad(tensor, channels: int, wide: int, is_scale: bool) -> None:
