@@ -30,9 +30,6 @@ _INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", 
 # a dynamic int8 build's run-time activation quantizers (DynamicQuantizeMatMul also computes: int8 above)
 _DYNAMIC_QUANTIZERS = {"DynamicQuantizeLinear", "DynamicQuantizeMatMul"}
 _FLOAT_COMPUTE_OPS = {"Conv", "Gemm", "MatMul", "ConvTranspose", "FusedConv", "FusedGemm", "FusedMatMul"}
-# Activations ONNX Runtime fuses into the Conv before them (its NCHWc Conv is then named after their output).
-_FUSED_ACTIVATIONS = {"Relu", "Sigmoid", "Tanh", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Elu", "Selu",
-                      "Softplus", "Softsign", "ThresholdedRelu"}
 
 
 def available() -> Tuple[bool, str]:
@@ -353,23 +350,18 @@ def _ort_candidates(node: str, op_type: str, index) -> List[str]:
 
 
 def _model_op_names(ops: Dict[str, str], model_path: Path) -> Dict[str, str]:
-    """Executed-graph op names as the loaded model's op names: an NCHWc Conv is named after
-    the tensor it computes ("batch_norm_32.tmp_2_nchwc"), resolved to that tensor's producer,
-    and past an activation fused into it (a Conv then Sigmoid computes the Sigmoid's output)
-    to the op of the fused kind."""
-    import onnx
+    """Executed-graph op names as the loaded model's op names, resolved as the profiler
+    resolves its layers (pipeline.profiling.Nodes): an NCHWc Conv named after the tensor it
+    computes ("batch_norm_32.tmp_2_nchwc"), past an activation fused into it (a Conv then
+    Sigmoid computes the Sigmoid's output), is the Conv."""
+    from pipeline import profiling
 
-    producer = {out: node for node in onnx.load(str(model_path), load_external_data=False).graph.node
-                for out in node.output}
-
-    def op_name(tensor: str, kind: str) -> str:
-        node = producer.get(tensor)
-        while node is not None and node.op_type != kind and node.op_type in _FUSED_ACTIVATIONS:
-            node = producer.get(node.input[0])
-        return node.name if node is not None and node.op_type == kind else tensor
-
-    return {op_name(name[: -len("_nchwc")], kind) if name.endswith("_nchwc") else name: kind
-            for name, kind in ops.items()}
+    index = profiling.Nodes.load(model_path)
+    named = {}
+    for name, kind in ops.items():
+        node = index.layer(name, kind, None, 0.0, _ort_candidates(name, kind, index))["onnx_node"]
+        named[node or name] = kind
+    return named
 
 
 def executed_precision(optimized_path: Path) -> Tuple[str, str, Dict[str, str], int]:
