@@ -11,9 +11,11 @@ unchanged (docs/calibration.md, "Narrow convolutions")."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List
 
 import numpy as np
+
+from pipeline.precision.passthrough import producers_and_readers
 
 WIDE_SUFFIX = "_widened"
 OUTPUT_ALIGNMENT, INPUT_ALIGNMENT = 8, 4  # the fast kernels' channel multiples (AVX2's, the strictest)
@@ -36,13 +38,9 @@ def widen_narrow_convs(model, block: int) -> List[str]:
 
     graph = model.graph
     constants = {t.name: t for t in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
-    readers: Dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    producer, readers = producers_and_readers(graph)
     outputs = {o.name for o in graph.output}
-    widened = []
+    widened, slices = [], {}
     for conv in [node for node in graph.node if node.op_type == "Conv"]:
         quantize = _only_quantize_reader(conv, readers, outputs)
         weights = _constant_dequantize(conv.input[1], producer, constants)
@@ -58,12 +56,13 @@ def widen_narrow_convs(model, block: int) -> List[str]:
         bounds = [numpy_helper.from_array(np.array(v, dtype=np.int64), f"{conv.name}{WIDE_SUFFIX}_{k}")
                   for k, v in (("starts", [0]), ("ends", [channels]), ("axes", [1]))]
         graph.initializer.extend(bounds)
-        at = list(graph.node).index(quantize) + 1
-        graph.node.insert(at, helper.make_node("Slice", [quantize.output[0], *(b.name for b in bounds)], [narrow],
-                                               name=f"{conv.name}{WIDE_SUFFIX}_slice"))
+        slices[id(quantize)] = helper.make_node("Slice", [quantize.output[0], *(b.name for b in bounds)], [narrow],
+                                                name=f"{conv.name}{WIDE_SUFFIX}_slice")
         widened.append(conv.name)
-    if widened:
-        _drop_stale_shapes(graph)
+    if slices:  # each Slice right after its QuantizeLinear: the graph stays in topological order
+        nodes = [placed for node in graph.node for placed in (node, slices.get(id(node))) if placed is not None]
+        del graph.node[:]
+        graph.node.extend(nodes)
     return widened
 
 
@@ -137,9 +136,3 @@ def _pad(tensor, channels: int, wide: int, is_scale: bool) -> None:
     padded = np.concatenate([values, np.repeat(fill, wide - channels, axis=0)])
     tensor.CopyFrom(numpy_helper.from_array(padded.astype(values.dtype), tensor.name))
 
-
-def _drop_stale_shapes(graph) -> None:
-    """value_info recorded for the widened Convs' outputs no longer holds (16 channels)."""
-    stale = [info for info in graph.value_info if info.name.endswith(WIDE_SUFFIX)]
-    for info in stale:
-        graph.value_info.remove(info)

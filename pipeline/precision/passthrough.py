@@ -22,6 +22,16 @@ def passthrough_for(precision, capabilities, outputs_quantized: bool) -> Tuple[s
     return tuple(capabilities.qdq_passthrough) if outputs_quantized and unsigned else ()
 
 
+def producers_and_readers(graph) -> Tuple[Dict[str, object], Dict[str, list]]:
+    """({tensor: the node writing it}, {tensor: the nodes reading it}) of an ONNX graph."""
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: Dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return producer, readers
+
+
 GATES = ("Sigmoid", "HardSigmoid")  # x * gate(x): SiLU, and HardSwish as ONNX Runtime's optimizer splits it
 SWISH_OPS = (*GATES, "Mul")
 
@@ -100,11 +110,7 @@ def float_neighbours(model, float_ops: Iterable[str], passthrough_ops: Iterable[
     chosen, passing, swish = set(float_ops), set(passthrough_ops), set(swish)
     if not chosen or not (passing or swish):
         return chosen
-    producer = {out: node for node in model.graph.node for out in node.output}
-    readers: Dict[str, list] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    producer, readers = producers_and_readers(model.graph)
     by_name = {node.name: node for node in model.graph.node}
     todo = [by_name[name] for name in chosen if name in by_name]
     while todo:
@@ -224,11 +230,7 @@ def fold_relus(model) -> int:
     def constant(name: str):  # a Q/DQ parameter as an array (not every weight converted)
         return numpy_helper.to_array(initializers[name]) if name in initializers else None
 
-    producer = {out: node for node in graph.node for out in node.output}
-    readers: Dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    producer, readers = producers_and_readers(graph)
     outputs = {o.name for o in graph.output}
     folded = []
     for relu in [node for node in graph.node if node.op_type == "Relu"]:

@@ -15,7 +15,7 @@ from pipeline import backends
 from pipeline.precision.narrow_convs import widen_narrow_convs
 from pipeline.precision.gemm_bias import flatten_gemm_bias, gemm_bias_fixes  # noqa: F401 - re-exported
 from pipeline.precision.passthrough import (SWISH_OPS, float_neighbours, fold_relus, int8_after, passthrough_for,
-                                           quantizer_inputs, swish_ops)
+                                           producers_and_readers, quantizer_inputs, swish_ops)
 from pipeline.errors import InputError, first_line
 
 RANGE_FLOOR = 1e-6  # the narrowest activation range written (an all-zero tensor still gets a scale)
@@ -149,6 +149,11 @@ class QdqSettings:
     def folds_relus(self) -> bool:
         """The int8 build folds each quantized Relu into the Q before it (passthrough.fold_relus)."""
         return "Relu" in self.passthrough_ops
+
+    @property
+    def rewrites_for_runtime(self) -> bool:
+        """Whether rewrite_for_runtime can change a model (where not, it need not be loaded)."""
+        return self.folds_relus or bool(self.conv_block)
 
     def rewrite_for_runtime(self, model) -> dict:
         """In place, after the mixed derivations and the refinements (which read the graph as
@@ -348,11 +353,7 @@ def requantize_unfused_matmuls(model, table: Dict[str, dict], activations: str) 
 
     graph = model.graph
     constants = {t.name for t in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
-    readers: Dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    producer, readers = producers_and_readers(graph)
     outputs, done, nodes = {o.name for o in graph.output}, [], list(graph.node)
     for node in nodes:
         out = node.output[0] if node.op_type == "MatMul" else None
