@@ -352,14 +352,14 @@ def _quantize(ctx: StageContext):
     if calibrate is None or "table" not in calibrate.files:
         raise ConfigError("precision=int8 needs the calibrate stage: add it to pipeline.stages before build")
     table = read_json(calibrate.path("table"))["tensors"]
-    keep_float: list = []
-    precision = ctx.cfg.precision
+    keep_float, quantized_inputs, precision = [], [], ctx.cfg.precision
     if kinds.searched(precision.kind):
         found = ctx.results.get("sensitivity")
         if found is None or "qtable" not in found.files:
             raise ConfigError("precision=mixed needs the sensitivity stage: add it to pipeline.stages before build")
         table = read_json(found.path("table"))["tensors"]
-        keep_float = read_json(found.path("qtable"))["float_ops"]
+        qtable = read_json(found.path("qtable"))
+        keep_float, quantized_inputs = qtable["float_ops"], qtable.get("quantized_inputs", [])
     prepared = onnx.load(str(calibrate.path("prepared")), load_external_data=False)
     keep_float, unknown = _requested_float(ctx, prepared, keep_float)
     searched = kinds.searched(precision.kind) and bool(keep_float)  # mixed with ops kept float
@@ -373,8 +373,8 @@ def _quantize(ctx: StageContext):
     try:
         slower = _slower_in_int8(ctx, backend, calibrate.path("prepared"), table, settings, keep_float)
         keep_float = [*keep_float, *slower["ops"]]
-        refined = _from_refined_int8(ctx, table, settings, keep_float, by_backend["ops"], quantized) \
-            if searched else None
+        refined = _from_refined_int8(ctx, table, settings, (keep_float, quantized_inputs), by_backend["ops"],
+                                     quantized) if searched else None
         if refined is None:
             build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
     except QuantizerFailed as err:
@@ -392,17 +392,18 @@ def _quantize(ctx: StageContext):
         onnx.save(model, str(quantized))
     beside = sorted(settings.float_neighbours(prepared, keep_float) - set(keep_float))
     settings = {**settings.describe(), "float_ops": keep_float, "passthrough_float": beside,
-                "keep_float_not_found": unknown,
-                "backend_float_ops": by_backend, "slower_in_int8": slower,
+                **({"quantized_inputs": quantized_inputs} if quantized_inputs else {}),
+                "keep_float_not_found": unknown, "backend_float_ops": by_backend, "slower_in_int8": slower,
                 "gemm_bias_reshaped": reshaped, **refined, **rewritten,
                 "int8_ops": int8_op_count(model)}
     return quantized, settings
 
 
-def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, keep_float: List[str],
+def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, chosen: tuple,
                        by_backend: List[str], quantized: Path) -> Optional[dict]:
     """A mixed build keeping ops float, written to ``quantized``: the int8 build's refined
-    all-int8 model (refine_as_int8) with those ops back in float, the very model the search
+    all-int8 model (refine_as_int8) with those ops back in float (``chosen``: the ops and those
+    of them reading their inputs quantized, keep_in_float), the very model the search
     measured and chose them on (stages/sensitivity.py), so that its refinements are not
     measured again on the mixed model (the real-size segmenter on AVX2: 100 s). Its
     refinements' summaries; None where mixed models are built by the quantizer itself."""
@@ -416,7 +417,7 @@ def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, ke
 
     prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
     always = [*ctx.cfg.precision.keep_float, *by_backend]  # float in the search's all-int8 model too
-    onnx.save(MixedModels(prepared, table, settings, always, refine).build(keep_float), str(quantized))
+    onnx.save(MixedModels(prepared, table, settings, always, refine).build(*chosen), str(quantized))
     return {step: {**summary, "inherited": "the refined all-int8 model's, with the float ops restored"}
             for step, summary in found.get("summaries", {}).items()}
 

@@ -135,6 +135,7 @@ class Quantization(Shape):
     """build's ``quantization``: what the quantizer (or fp16 conversion) did; nested keys as the builder wrote them."""
     float_ops: Optional[List[str]] = None  # quantized ops kept in float (keep_float, the backend's own)
     passthrough_float: Optional[List[str]] = None  # pass-through ops float beside them (float_neighbours)
+    quantized_inputs: Optional[List[str]] = None  # float ops reading their inputs quantized (keep_in_float)
     int8_ops: Optional[int] = None
     quantized_ops: Optional[List[str]] = None  # precision.quantize_ops
     passthrough_ops: Optional[List[str]] = None  # precision.passthrough_ops as resolved (none: absent)

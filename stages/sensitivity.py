@@ -117,9 +117,11 @@ def run(ctx: StageContext) -> StageResult:
         heads, given = _prune(measure, table, heads, summary["mixed"], {}, [], order=heads[:-1])
         last = ([p for p in given if "removed" in p] or [summary["mixed"]])[-1]
         summary["mixed"] = {k: last[k] for k in summary["mixed"]}
+        inputs = search.quantized_inputs_back(measure, table, heads, summary, NEXT) if _reads_int8(cfg) else []
         summary.update({"float_ops": heads, "trials": len(given), "measured": len(given), "heads_given_back": given,
                         "seconds": {"heads_first": round(time.perf_counter() - started, 2)}})
-        return _write(ctx, table, heads, [], summary, cache="cut" not in summary and not measure.stopped)
+        return _write(ctx, table, heads, [], summary, cache="cut" not in summary and not measure.stopped,
+                      quantized_inputs=inputs)
     plain = plain or _plain(ctx, measure, table, summary)
     if plain is None:  # the int8 build, said so; not cached
         return _write(ctx, table, [], [], summary, cache=False)
@@ -413,9 +415,9 @@ class _MixedMeasure:
         self.refinements = {step: bool(done.get("applied")) for step, done in summaries.items() if done.get("enabled")}
         return model
 
-    def __call__(self, table: Dict[str, dict], float_ops: List[str]) -> dict:
+    def __call__(self, table: Dict[str, dict], float_ops: List[str], quantized_inputs: List[str] = ()) -> dict:
         started = time.perf_counter()  # the build counts: on openvino_cpu it refines and compiles the model
-        model = self.models(table).build(float_ops)
+        model = self.models(table).build(float_ops, quantized_inputs)
         values = self._run(model, self.feeds, self.count)
         actual = [values[name] for name in self.outputs]
         # verify's cosine (all samples together), so that expected_cos means what the gate checks
@@ -538,7 +540,7 @@ def _joining_order(ranking, max_float_ops: int, costs: dict, neighbours: Dict[st
     edge_ms = EDGE_WEIGHT * statistics.median(costs.values()) if costs else 0.0
     floor_ms = FLOOR_SHARE * sum(costs.values())
     while remaining and len(float_ops) < max_float_ops:
-        row = max(remaining, key=lambda r: _value(r, float_ops, costs, neighbours, edge_ms, floor_ms)) \
+        row = max(remaining, key=lambda r: latency.value_per_ms(r, float_ops, costs, neighbours, edge_ms, floor_ms)) \
             if costs else remaining[0]
         remaining.remove(row)
         float_ops.append(row["op"])
@@ -574,19 +576,14 @@ def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, c
     return float_ops, curve
 
 
-def _value(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours: Dict[str, List[str]],
-           edge_ms: float, floor_ms: float) -> float:
-    """Loss per millisecond given back when the op joins the float set: its measured cost,
-    plus ``edge_ms`` (a typical op's cost) for every new edge between the float set and an
-    int8 neighbour (minus one for every such edge it closes), never below ``floor_ms``."""
-    edges = latency.island_edges([*float_ops, row["op"]], neighbours) - latency.island_edges(float_ops, neighbours)
-    spent = costs.get(row["op"], 0.0) + edge_ms * edges
-    return row.get("badness", row["loss"]) / max(spent, floor_ms, 1e-9)
+def _reads_int8(cfg) -> bool:
+    return backends.capabilities(cfg.target.backend.value).float_reads_int8 and _settings(cfg).derives_mixed
 
 
-def _write(ctx: StageContext, table, float_ops: List[str], trials, summary, cache: bool = True) -> StageResult:
-    write_json(ctx.out_dir / "qtable.json", {"float_ops": float_ops, "select": summary["select"],
-                                             "expected_cos": summary["expected_cos"]})
+def _write(ctx: StageContext, table, float_ops: List[str], trials, summary, cache: bool = True,
+           quantized_inputs: List[str] = ()) -> StageResult:
+    write_json(ctx.out_dir / "qtable.json", {"float_ops": float_ops, "quantized_inputs": list(quantized_inputs),
+                                             "select": summary["select"], "expected_cos": summary["expected_cos"]})
     (ctx.out_dir / QTABLE_TPU_MLIR).write_text(tables.to_tpu_mlir_qtable(float_ops))
     write_json(ctx.out_dir / "calibration.json", {"method": "sensitivity", "tensors": table})
     (ctx.out_dir / tables.TPU_MLIR_FILE).write_text(tables.to_tpu_mlir(table))

@@ -5,6 +5,7 @@ the same places, bit-identical outputs."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import onnx
@@ -475,3 +476,106 @@ def test_a_narrow_conv1d_with_a_negative_weight_axis_is_widened_alike(tmp_path):
     before, after = (ort.InferenceSession(str(tmp_path / n), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
                      for n in ("c1d.onnx", "wide.onnx"))
     assert after.shape == (1, 2, 50) and np.array_equal(before, after)
+
+
+def _residual_head_model() -> onnx.ModelProto:
+    """Conv A -> Relu feeds Conv B and Conv C; their sum (a residual Add) feeds the 1-channel
+    3x3 head H, the graph output: the segmenter's side heads in small."""
+    rng = np.random.default_rng(3)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+
+    inits = [weight("wa", 8, 3, 3, 3), weight("ba", 8), weight("wb", 8, 8, 3, 3), weight("bb", 8),
+             weight("wc", 8, 8, 1, 1), weight("bc", 8), weight("wh", 1, 8, 3, 3), weight("bh", 1)]
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="A", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "wb", "bb"], ["b"], name="B", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["r", "wc", "bc"], ["c"], name="C"),
+             helper.make_node("Add", ["b", "c"], ["s"], name="add"),
+             helper.make_node("Conv", ["s", "wh", "bh"], ["y"], name="H", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "residual_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                     [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 16, 16])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_a_float_head_can_read_its_input_as_its_int8_self_did(tmp_path):
+    """keep_in_float's quantized_inputs: the float head H reads the residual Add's output
+    through the Q/DQ pair its int8 self read, so ONNX Runtime runs the Add int8 (QLinearAdd);
+    without, the Add runs in float on two dequantized inputs. H's weights are float either way."""
+    model = _residual_head_model()
+    feeds = {"x": np.random.default_rng(4).normal(0, 1, (1, 3, 16, 16)).astype(np.float32)}
+    settings = QdqSettings()
+    all_int8 = quantize_static_qdq(model, _table(model, feeds), settings)
+    reference = _run(model, feeds)
+
+    def optimized(derived) -> list:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(derived.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]
+
+    plain = keep_in_float(all_int8, model, ["H"], settings)
+    reading = keep_in_float(all_int8, model, ["H"], settings, quantized_inputs=["H"])
+    producer = {out: node for node in reading.graph.node for out in node.output}
+    head = next(node for node in reading.graph.node if node.name == "H")
+    assert producer[head.input[0]].op_type == "DequantizeLinear" and head.input[1] == "wh"
+    assert next(n for n in plain.graph.node if n.name == "H").input[0] == "s"
+    assert "QLinearAdd" in optimized(reading) and "QLinearAdd" not in optimized(plain)
+    for derived in (plain, reading):
+        assert np.corrcoef(_run(derived, feeds).ravel(), reference.ravel())[0, 1] > 0.99
+    assert len(keep_in_float(all_int8, model, ["H"], settings, quantized_inputs=["B"]).graph.node) == \
+        len(plain.graph.node)  # an int8 op among them changes nothing
+
+
+class _ScriptedMeasure:
+    """The mixed search's measure with its drops given per set of quantized inputs: the
+    search's decisions, on the real derived models (MixedModels), without running them."""
+
+    def __init__(self, model, table, drops: dict):
+        self.prepared, self.drops, self.calls, self._models = model, drops, [], MixedModels(model, table, QdqSettings())
+
+    def models(self, table):
+        return self._models
+
+    def __call__(self, table, float_ops, quantized_inputs=()):
+        self.calls.append(list(quantized_inputs))
+        return {"cosine": 0.999, "metric_drop": self.drops[tuple(quantized_inputs)]}
+
+    def meets(self, result) -> bool:
+        return result["metric_drop"] <= 0.01
+
+    def no_time(self, step):
+        return None
+
+
+@pytest.mark.parametrize("drop, kept", [(0.009, ["H"]), (0.011, [])])
+def test_the_search_gives_a_float_head_its_quantized_input_only_where_the_target_holds(drop, kept):
+    from pipeline.precision.calibration.sensitivity import quantized_inputs_back
+
+    model = _residual_head_model()
+    feeds = {"x": np.random.default_rng(4).normal(0, 1, (1, 3, 16, 16)).astype(np.float32)}
+    measure = _ScriptedMeasure(model, _table(model, feeds), {("H",): drop})
+    summary = {"mixed": {"cosine": 0.9995, "metric_drop": 0.008}}
+    # C reads the Relu's output, which B reads int8 anyway: giving it back changes nothing, so it is not measured
+    assert quantized_inputs_back(measure, None, ["H", "C"], summary, "next") == kept
+    assert measure.calls == [["H"]]
+    assert summary["inputs_given_back"] == [{"op": "H", "kept": bool(kept), "cosine": 0.999, "metric_drop": drop}]
+    assert summary["mixed"]["metric_drop"] == (drop if kept else 0.008)
+
+
+def test_inputs_are_given_back_largest_first_and_small_ones_not_at_all():
+    from pipeline.precision.calibration.sensitivity import SMALL_INPUT, _largest_inputs_first
+
+    def head(name, size):
+        return helper.make_tensor_value_info(f"{name}_in", TensorProto.FLOAT, [1, 64, size, size])
+
+    nodes = [helper.make_node("Conv", [f"{n}_in", "w"], [f"{n}_out"], name=n) for n in ("small", "big", "mid", "unknown")]
+    graph = helper.make_graph(nodes, "heads", [head("small", 10), head("big", 320), head("mid", 160)], [])
+    side = math.ceil((320 * 320 / SMALL_INPUT) ** 0.5)
+    assert _largest_inputs_first(helper.make_model(graph), ["small", "mid", "unknown", "big"]) == ["big", "mid", "unknown"]
+    graph.input[0].CopyFrom(head("small", side))
+    assert _largest_inputs_first(helper.make_model(graph), ["small", "big"]) == ["big", "small"]

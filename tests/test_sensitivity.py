@@ -417,3 +417,55 @@ def test_the_search_reads_the_reference_answers_verify_stored(tmp_path):
         np.testing.assert_allclose(stored[output], own[output], rtol=1e-6, atol=1e-6)
     assert store.stacked(6, outputs) is None  # sample 5 was never answered
     assert store.stacked(5, [*outputs, "not an output"]) is None
+
+
+def residual_head_model(path):
+    """Conv A -> Relu -> Conv B and Conv C, summed (a residual Add) into the head H, the output.
+    B and C leave channel 0 at zero, where H's filter has one weight 100x the rest: per-channel
+    int8 rounds H's other weights to the big one's step (the output is lost), while H in float
+    reading the Add's output quantized loses nothing (channel 0 is zero either way)."""
+    rng = np.random.default_rng(5)
+    wb, wc = rng.normal(0, 0.3, (8, 8, 3, 3)).astype(np.float32), rng.normal(0, 0.3, (8, 8, 1, 1)).astype(np.float32)
+    wb[0], wc[0] = 0.0, 0.0
+    wh = rng.normal(0, 0.3, (1, 8, 3, 3)).astype(np.float32)
+    wh[0, 0, 1, 1] = 100.0
+    weights = {"wa": rng.normal(0, 0.3, (8, 1, 3, 3)).astype(np.float32), "wb": wb, "wc": wc, "wh": wh}
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "wa"], ["a"], name="A", pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["a"], ["r"], name="relu"),
+         helper.make_node("Conv", ["r", "wb"], ["b"], name="B", pads=[1, 1, 1, 1]),
+         helper.make_node("Conv", ["r", "wc"], ["c"], name="C"),
+         helper.make_node("Add", ["b", "c"], ["s"], name="add"),
+         helper.make_node("Conv", ["s", "wh"], ["y"], name="H", pads=[1, 1, 1, 1])],
+        "residual_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 16, 16])],
+        initializer=[numpy_helper.from_array(w, n) for n, w in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_on_onnx_runtime_a_float_head_reads_its_input_quantized_where_the_target_holds(tmp_path):
+    """The search's last step on ort_cpu (Capabilities.float_reads_int8): H, float after heads
+    first, is measured reading the residual Add's output quantized, keeps it, and the build
+    and its report say so: ONNX Runtime then runs the Add int8."""
+    model = residual_head_model(tmp_path / "residual_head.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "precision=mixed", "target=ort_cpu"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(tmp_path)[-1]
+    summary = sensitivity_summary(run_dir)
+    assert summary["heads_first"]["met"] and summary["int8"]["cosine"] < summary["expected_cos"]
+    assert summary["float_ops"] == ["H"] and summary["quantized_inputs"] == ["H"]
+    assert [(t["op"], t["kept"]) for t in summary["inputs_given_back"]] == [("H", True)]
+    qtable = json.loads((run_dir / "stages" / "sensitivity" / "qtable.json").read_text())
+    assert qtable["quantized_inputs"] == ["H"]
+    report = read_report(run_dir)
+    assert report["build"]["quantization"]["quantized_inputs"] == ["H"] and report["verdict"] == "pass"
+    built = onnx.load(str(run_dir / "stages" / "build" / "model.onnx"))
+    producer = {out: node for node in built.graph.node for out in node.output}
+    head = next(node for node in built.graph.node if node.name == "H")
+    assert producer[head.input[0]].op_type == "DequantizeLinear"
+    assert producer[producer[head.input[0]].input[0]].op_type == "QuantizeLinear"
+    assert "float ops reading their inputs quantized, as int8 gives them: H kept" in \
+        (run_dir / "report.md").read_text()

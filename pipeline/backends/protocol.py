@@ -93,6 +93,10 @@ class Capabilities:
     # an int8 Conv of fewer output channels than this (or off a multiple of 8) runs on a slower
     # kernel: the int8 build widens it with zero filters and slices its output (precision/narrow_convs.py)
     qdq_conv_block: int = 0
+    # a float op reading a tensor its int8 producers could hand over quantized runs faster
+    # reading it so (ONNX Runtime: the int8 region stays NHWC, one DequantizeLinear replaces a
+    # float Add of two dequantized inputs): the mixed search tries it (stages/sensitivity.py)
+    float_reads_int8: bool = False
     # names what a GPU device of its targets resolves to on this machine now, without
     # loading a model (a stage cache key's part) [device_identity(device) -> str]
     device_identity: bool = False

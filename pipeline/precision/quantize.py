@@ -307,7 +307,9 @@ class MixedModels:
                                     | set(settings_float_ops(prepared, settings))) & names)
         self._all_int8 = None
 
-    def build(self, keep_float: Iterable[str] = ()):
+    def build(self, keep_float: Iterable[str] = (), quantized_inputs: Iterable[str] = ()):
+        """quantized_inputs: float ops that read their activations as the int8 model gives them
+        (keep_in_float); only where mixed models are derived."""
         keep_float = sorted(self.settings.float_neighbours(self.prepared, set(keep_float) | set(self.always_float)))
         if keep_float and not self.settings.derives_mixed:
             return quantize_static_qdq(self.prepared, self.table, self.settings, keep_float)
@@ -316,7 +318,7 @@ class MixedModels:
                 self.settings.float_neighbours(self.prepared, self.always_float)))
             if self.refine is not None:
                 self._all_int8 = self.refine(self._all_int8)
-        return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings)
+        return keep_in_float(self._all_int8, self.prepared, keep_float, self.settings, quantized_inputs)
 
 
 def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings, keep_float: Iterable[str] = ()):
@@ -453,12 +455,14 @@ def _first_failing(ops: List[str], fails: Callable[[Sequence[str]], bool]) -> Op
     return ops[0] if ops and fails(ops) else None
 
 
-def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSettings):
+def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSettings,
+                  quantized_inputs: Iterable[str] = ()):
     """A copy of ``quantized`` (every op of WEIGHTED_OPS in int8) with the ops named in
     ``float_ops`` and their pass-through neighbours (float_neighbours) back in float: their weights and biases are the prepared model's, and an
     activation keeps its Q/DQ pair only while an op still in int8 produces (with output
     quantization) or reads it, which is where ONNX Runtime's quantizer puts pairs for
-    ``nodes_to_exclude=float_ops`` (checked graph for graph in tests/test_quantize.py).
+    ``nodes_to_exclude=float_ops`` (checked graph for graph in tests/test_quantize.py), or
+    while a float op of ``quantized_inputs`` reads it (it reads what its int8 self read).
     Deriving a mixed model costs milliseconds where re-running the quantizer costs a third
     of a second on PP-OCR, and the selection in stages/sensitivity.py measures dozens."""
     import onnx
@@ -488,7 +492,7 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
             if was in weights and now is not None and now.op_type == "DequantizeLinear":
                 restored.append((node, index, was))
                 node.input[index] = ""
-    _drop_unneeded_pairs(graph, in_int8, settings.quantize_outputs, settings.float_output_ops)
+    _drop_unneeded_pairs(graph, in_int8, settings.quantize_outputs, settings.float_output_ops, set(quantized_inputs))
     _remove_dead_qdq(graph)
     taken = {out for node in graph.node for out in node.output} | {i.name for i in graph.initializer} | \
         {i.name for i in graph.input}
@@ -504,9 +508,11 @@ def keep_in_float(quantized, prepared, float_ops: Iterable[str], settings: QdqSe
     return model
 
 
-def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool, float_output_ops: Iterable[str] = ()) -> None:
+def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool, float_output_ops: Iterable[str] = (),
+                         reads_quantized: frozenset = frozenset()) -> None:
     """Remove each activation's Q -> DQ pair unless an int8 op produces the activation (and
-    outputs are quantized) or reads the pair's result; its readers get the float tensor."""
+    outputs are quantized) or reads the pair's result, or an op of ``reads_quantized`` reads
+    it; its readers get the float tensor."""
     from collections import defaultdict
 
     producer = {out: node for node in graph.node for out in node.output}
@@ -523,7 +529,8 @@ def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool, float_outp
             continue
         dequantized = [dq.output[0] for dq in readers[quantize.output[0]] if dq.op_type == "DequantizeLinear"]
         if any(name in outputs for name in dequantized) or \
-                any(reader.name in in_int8 for name in dequantized for reader in readers[name]):
+                any(reader.name in in_int8 or reader.name in reads_quantized
+                    for name in dequantized for reader in readers[name]):
             continue
         for name in dequantized:
             for reader in readers[name]:

@@ -17,6 +17,25 @@ from pipeline.report.formatting import (STDERR_LINES, STDERR_WIDTH, as_dict, as_
                                         fmt_yes_no, is_number, short_hash, truncate)
 
 
+def _first_tries(sensitivity: dict) -> list:
+    """Heads first (and with the stems), then the inputs given back: a line each."""
+    blocks: list = []
+    for key, what in (("heads_first", "the output heads"), ("heads_and_stems", "the output heads and input stems")):
+        tried = as_dict(sensitivity.get(key))
+        if tried:
+            blocks.append(Para(f"{what} in float ({len(as_list(tried.get('float_ops')))} ops, "
+                               f"sensitivity.heads_first): cosine {fmt_cosine(tried.get('cosine'))}, "
+                               + ("the target met: no per-layer ranking" if tried.get("met")
+                                  else "the target not met: the next try follows")))
+    given = [t for t in as_list(sensitivity.get("inputs_given_back")) if isinstance(t, dict)]
+    if given:
+        blocks.append(Para("float ops reading their inputs quantized, as int8 gives them: " + "; ".join(
+            f"{t.get('op')} {'kept' if t.get('kept') else 'not kept'} (cosine {fmt_cosine(t.get('cosine'))}"
+            f"{'' if t.get('metric_drop') is None else ', task drop ' + fmt_value(t.get('metric_drop'))})"
+            for t in given)))
+    return blocks
+
+
 def sensitivity_section(sensitivity: dict) -> list:
     blocks: list = [Heading(2, "Sensitivity search (ops kept in float)")]
     if sensitivity.get("skipped") and not sensitivity.get("int8"):
@@ -32,13 +51,7 @@ def sensitivity_section(sensitivity: dict) -> list:
               ("ops kept in float", ", ".join(map(str, as_list(sensitivity.get("float_ops")))) or "none"),
               ("trials measured in full", f"{sensitivity.get('measured')} of {sensitivity.get('trials')}")]
     blocks.append(KeyValues(pairs))
-    for key, what in (("heads_first", "the output heads"), ("heads_and_stems", "the output heads and input stems")):
-        tried = as_dict(sensitivity.get(key))
-        if tried:
-            blocks.append(Para(f"{what} in float ({len(as_list(tried.get('float_ops')))} ops, "
-                               f"sensitivity.heads_first): cosine {fmt_cosine(tried.get('cosine'))}, "
-                               + ("the target met: no per-layer ranking" if tried.get("met")
-                                  else "the target not met: the next try follows")))
+    blocks += _first_tries(sensitivity)
     ranking = [r for r in as_list(sensitivity.get("ranking")) if isinstance(r, dict)][:10]
     if ranking:
         blocks += [Heading(3, "Most sensitive ops"),

@@ -292,12 +292,13 @@ def _screen_maker(ctx, backend, qdq, stack):
         return qdq
     refined = onnx.load(str(build.path("qdq")))
     prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
+    reads_quantized = (build.summary.quantization and build.summary.quantization.quantized_inputs) or []
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-screen-")))
     numbers = itertools.count()
 
     def make(keep: List[str]) -> Path:
         path = scratch / f"screen{next(numbers)}.onnx"
-        onnx.save(keep_in_float(refined, prepared, keep, settings), str(path))
+        onnx.save(keep_in_float(refined, prepared, keep, settings, reads_quantized), str(path))
         return path
 
     return make

@@ -115,3 +115,13 @@ def estimate_ms(float_ops: Iterable[str], costs: Dict[str, float]) -> Optional[f
     if not costs:
         return None
     return round(sum(costs.get(op, 0.0) for op in float_ops), 4)
+
+
+def value_per_ms(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours: Dict[str, List[str]],
+                 edge_ms: float, floor_ms: float) -> float:
+    """Loss per millisecond given back when the op joins the float set: its measured cost,
+    plus ``edge_ms`` (a typical op's cost) for every new edge between the float set and an
+    int8 neighbour (minus one for every such edge it closes), never below ``floor_ms``."""
+    edges = island_edges([*float_ops, row["op"]], neighbours) - island_edges(float_ops, neighbours)
+    spent = costs.get(row["op"], 0.0) + edge_ms * edges
+    return row.get("badness", row["loss"]) / max(spent, floor_ms, 1e-9)

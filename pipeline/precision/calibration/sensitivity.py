@@ -347,3 +347,41 @@ def float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], 
     gains = {p["kept"]: p["gain"] for p in curve if p.get("kept")}
     return [{"op": op, "loss": losses.get(op), "gain": gains.get(op),
              "cost_ms": costs.get(op)} for op in float_ops]
+
+
+SMALL_INPUT = 8  # a float op reading 8x fewer values than the largest one's saves too little to measure
+
+
+def quantized_inputs_back(measure, table, float_ops: List[str], summary: dict, step: str) -> List[str]:
+    """The float ops given back the quantized inputs their int8 selves read (keep_in_float's
+    quantized_inputs), largest input first, each kept while the target holds and time is left;
+    an op whose model it leaves unchanged (its producer int8 anyway) or whose input is small
+    (SMALL_INPUT) is not measured. On ONNX Runtime a float head behind a residual Add then reads
+    one dequantized tensor instead of running the Add in float between layout transposes (the
+    real-size segmenter as an AVX2 CPU: docs/sensitivity.md). ``measure``: stages/sensitivity.py's
+    _MixedMeasure; ``step``: how its deadline names the next one."""
+    models, kept, tried = measure.models(table), [], []
+    for op in _largest_inputs_first(measure.prepared, float_ops):
+        trial = [*kept, op]
+        if len(models.build(float_ops, trial).graph.node) == len(models.build(float_ops, kept).graph.node):
+            continue
+        if measure.no_time(step):
+            break
+        result = measure(table, float_ops, trial)
+        tried.append({"op": op, "kept": measure.meets(result), **result})
+        if measure.meets(result):
+            kept, summary["mixed"] = trial, {k: result[k] for k in summary["mixed"]}
+    summary.update({"quantized_inputs": kept, "inputs_given_back": tried} if tried else {})
+    return kept
+
+
+def _largest_inputs_first(model: onnx.ModelProto, ops: List[str]) -> List[str]:
+    """``ops`` by the size of their first input (the model's recorded shapes), largest first,
+    without those SMALL_INPUT times smaller than the largest; an op of unknown size stays, last."""
+    dims = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in [*model.graph.value_info, *model.graph.input]}
+    first = {node.name: node.input[0] for node in model.graph.node if node.name in ops and node.input}
+    sizes = {op: int(np.prod(dims[first[op]])) if all(d > 0 for d in dims.get(first.get(op), [0])) else 0
+             for op in ops}
+    largest = max(sizes.values(), default=0)
+    return [op for op in sorted(ops, key=lambda op: -sizes[op]) if not sizes[op] or sizes[op] * SMALL_INPUT >= largest]
