@@ -93,3 +93,14 @@ def test_a_script_becomes_avx2_only_once(tmp_path):
     assert said.startswith("an AVX2-only CPU") and not set(MASKED) & set(flags.split())
     native = subprocess.run([sys.executable, str(script), "native"], capture_output=True, text=True, timeout=120)
     assert native.stdout.splitlines()[0].startswith("native ")
+
+
+def test_isa_avx2_falls_back_to_capping_openvino_only_where_the_cpu_cannot_be_presented(monkeypatch):
+    def unavailable():
+        raise avx2_only.Unavailable("no CPUID faulting here")
+
+    monkeypatch.setattr(avx2_only, "library", unavailable)
+    env, how = avx2_only.isa_environment("AVX2", {"PATH": "/bin"})
+    assert env["ONEDNN_MAX_CPU_ISA"] == env["OV_CPU_MAX_ISA"] == "AVX2" and "LD_PRELOAD" not in env
+    assert how == "OpenVINO's oneDNN capped to AVX2 only (no CPUID faulting here)"
+    assert avx2_only.isa_environment("native", {"PATH": "/bin"}) == ({"PATH": "/bin"}, "native")
