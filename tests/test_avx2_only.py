@@ -104,3 +104,18 @@ def test_isa_avx2_falls_back_to_capping_openvino_only_where_the_cpu_cannot_be_pr
     assert env["ONEDNN_MAX_CPU_ISA"] == env["OV_CPU_MAX_ISA"] == "AVX2" and "LD_PRELOAD" not in env
     assert how == "OpenVINO's oneDNN capped to AVX2 only (no CPUID faulting here)"
     assert avx2_only.isa_environment("native", {"PATH": "/bin"}) == ({"PATH": "/bin"}, "native")
+
+
+@needs_faulting
+def test_a_handler_installed_with_signal_keeps_cpuid_masked_and_still_runs(tmp_path):
+    """glibc's signal() reaches its own sigaction past the preload's: the preload takes it too,
+    so a CPUID after it is still answered (not a crash) and the program's handler still runs."""
+    source = tmp_path / "program.c"
+    source.write_text("#include <signal.h>\n#include <stdio.h>\n#include <unistd.h>\n#include <cpuid.h>\n"
+                      "static void on(int s) { printf(\"handled %d\\n\", s); fflush(stdout); _exit(7); }\n"
+                      "int main(void) { unsigned a, b, c, d; signal(SIGSEGV, on); __cpuid_count(7, 0, a, b, c, d);\n"
+                      "  printf(\"avx512f %u\\n\", (b >> 16) & 1); fflush(stdout); raise(SIGSEGV); return 0; }\n")
+    subprocess.run(["gcc", "-o", str(tmp_path / "program"), str(source)], check=True)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "avx2_only.py"), str(tmp_path / "program")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7 and done.stdout.split("\n")[:2] == ["avx512f 0", f"handled {int(signal.SIGSEGV)}"]

@@ -86,6 +86,17 @@ int sigaction(int sig, const struct sigaction *act, struct sigaction *old) {
     return 0;
 }
 
+/* glibc's signal() reaches its sigaction internally, past the one above */
+sighandler_t signal(int sig, sighandler_t handler) {
+    struct sigaction act, old;
+    memset(&act, 0, sizeof act);
+    act.sa_handler = handler;
+    act.sa_flags = SA_RESTART;
+    sigemptyset(&act.sa_mask);
+    sigaddset(&act.sa_mask, sig);
+    return sigaction(sig, &act, &old) == 0 ? old.sa_handler : SIG_ERR;
+}
+
 static int masked_flag(const char *flag, size_t n) {
     static const char *prefixes[] = {"avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10"};
     for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++)
