@@ -513,13 +513,7 @@ def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool, float_outp
     """Remove each activation's Q -> DQ pair unless an int8 op produces the activation (and
     outputs are quantized) or reads the pair's result, or an op of ``reads_quantized`` reads
     it; its readers get the float tensor."""
-    from collections import defaultdict
-
-    producer = {out: node for node in graph.node for out in node.output}
-    readers = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            readers[name].append(node)
+    producer, readers = producers_and_readers(graph)
     outputs = {o.name for o in graph.output}
     for quantize in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
         source = quantize.input[0]
@@ -527,13 +521,13 @@ def _drop_unneeded_pairs(graph, in_int8: set, quantize_outputs: bool, float_outp
         if quantize_outputs and made_by is not None and made_by.name in in_int8 \
                 and (made_by.op_type not in float_output_ops or quantize.name.endswith(REQUANTIZED)):
             continue
-        dequantized = [dq.output[0] for dq in readers[quantize.output[0]] if dq.op_type == "DequantizeLinear"]
+        dequantized = [dq.output[0] for dq in readers.get(quantize.output[0], []) if dq.op_type == "DequantizeLinear"]
         if any(name in outputs for name in dequantized) or \
                 any(reader.name in in_int8 or reader.name in reads_quantized
-                    for name in dequantized for reader in readers[name]):
+                    for name in dequantized for reader in readers.get(name, [])):
             continue
         for name in dequantized:
-            for reader in readers[name]:
+            for reader in readers.get(name, []):
                 for index, value in enumerate(reader.input):
                     if value == name:
                         reader.input[index] = source

@@ -361,16 +361,18 @@ def quantized_inputs_back(measure, table, float_ops: List[str], summary: dict, s
     real-size segmenter as an AVX2 CPU: docs/sensitivity.md). ``measure``: stages/sensitivity.py's
     _MixedMeasure; ``step``: how its deadline names the next one."""
     models, kept, tried = measure.models(table), [], []
+    nodes = len(models.build(float_ops).graph.node)  # the current model's: a trial that adds none changes nothing
     for op in _largest_inputs_first(measure.prepared, float_ops):
         trial = [*kept, op]
-        if len(models.build(float_ops, trial).graph.node) == len(models.build(float_ops, kept).graph.node):
+        trial_nodes = len(models.build(float_ops, trial).graph.node)
+        if trial_nodes == nodes:
             continue
         if measure.no_time(step):
             break
         result = measure(table, float_ops, trial)
         tried.append({"op": op, "kept": measure.meets(result), **result})
         if measure.meets(result):
-            kept, summary["mixed"] = trial, {k: result[k] for k in summary["mixed"]}
+            kept, nodes, summary["mixed"] = trial, trial_nodes, {k: result[k] for k in summary["mixed"]}
     summary.update({"quantized_inputs": kept, "inputs_given_back": tried} if tried else {})
     return kept
 
