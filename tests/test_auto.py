@@ -22,8 +22,9 @@ def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
     report = read_report(run_dir)
     section = report["auto"]
     rows = all_rows = {row["precision"]: row for row in section["candidates"]}
-    # ONNX Runtime's candidates (fp16 has no CPU kernels): int8 with static and with dynamic activation ranges
-    assert list(rows) == ["fp32", "int8", "int8_dynamic", "mixed"]
+    # ONNX Runtime's candidates (fp16 has no CPU kernels): int8 with static and with dynamic activation
+    # ranges; int8_dynamic last, as on every model whose quantizable ops are mostly convolutions (3 of 5)
+    assert list(rows) == ["fp32", "int8", "mixed", "int8_dynamic"]
     # each int8 build is timed against fp32 before it is verified: measurably slower (as
     # int8_dynamic, quantizing at run time) it is reported so and never verified, else it is verified
     for precision in ("int8", "int8_dynamic"):
@@ -136,10 +137,10 @@ def test_the_budget_cuts_the_candidates_not_started_and_names_them(tmp_path):
     section = read_report(run_dirs(tmp_path)[-1])["auto"]
     rows = {row["precision"]: row for row in section["candidates"]}
     assert section["chosen"] == "fp32" and rows["fp32"]["verdict"] == "pass"
-    assert section["budget"]["cut"] == ["int8", "int8_dynamic", "mixed"]
+    assert section["budget"]["cut"] == ["int8", "mixed", "int8_dynamic"]
     assert all(rows[p]["verdict"] == CUT and "precision.budget_s=0 s" in rows[p]["reasons"][0]
                for p in ("int8", "int8_dynamic", "mixed"))
-    assert "cut by precision.budget_s: int8, int8_dynamic, mixed" in section["why"]
+    assert "cut by precision.budget_s: int8, mixed, int8_dynamic" in section["why"]
     assert "cut by the budget" in result.stdout
 
 

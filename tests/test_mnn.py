@@ -30,8 +30,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
 DIGITS = ASSETS / "digits_cnn.onnx"
 DIGITS_INPUTS = [{"name": "input", "shape": [1, 1, 8, 8], "dtype": "float32"}]
 DIGITS_OUTPUTS = [{"name": "logits", "shape": [1, 10], "dtype": "float32"}]
-DIGITS_TENSORS = ["conv1_out", "relu1_out", "conv2_out", "relu2_out", "pool1_out", "flatten_out", "fc1_out",
-                  "relu3_out", "logits"]
+DIGITS_TENSORS = ["conv1_out", "relu1_out", "conv2_out", "relu2_out", "conv3_out", "relu3_out", "pool1_out",
+                  "flatten_out", "fc1_out", "relu4_out", "logits"]
 
 
 def target(device: str = "CPU", threads: int = 0, **options) -> MnnTarget:
@@ -93,7 +93,7 @@ def test_digits_cpu_fp32_matches_onnxruntime(tmp_path):
         session.run({})  # MNN itself would run on the last input again
     effective = session.effective()
     assert effective["device"] == "CPU" and effective["precision"] == "fp32"
-    assert effective["layers"] == "fp32: 4"  # conv1, conv2, fc1 and fc2 (MNN runs the Gemms as 1x1 convolutions)
+    assert effective["layers"] == "fp32: 5"  # conv1-3, fc1 and fc2 (MNN runs the Gemms as 1x1 convolutions)
     assert "note" not in effective
 
 
@@ -108,7 +108,8 @@ def test_converter_runs_without_network_or_console_script(tmp_path):
     script = Path(sys.executable).parent / "parity"
     done = subprocess.run([strace, "-f", "-qq", "-e", "trace=execve,socket,connect,openat", "-e", "signal=none",
                            "-o", str(trace), str(script), "target=mnn_cpu", "precision=fp32"],
-                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, env=cli_env({"PARITY_CACHE_DIR": str(tmp_path / "cache")}),  # converts
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     calls = trace.read_text().splitlines()
     programs = {line.split('execve("', 1)[1].split('"', 1)[0] for line in calls if 'execve("' in line}
@@ -311,7 +312,7 @@ def test_int8_through_mnns_quantizer_stays_close_to_fp32(int8_auto):
     expected = reference_outputs(DIGITS, ["logits"], feeds)
     assert cosine([session.run(f)["logits"] for f in feeds], [e["logits"] for e in expected]) > 0.99
     effective = session.effective()
-    assert effective["precision"] == "int8" and effective["layers"] == "int8: 4" and effective["device"] == "CPU"
+    assert effective["precision"] == "int8" and effective["layers"] == "int8: 5" and effective["device"] == "CPU"
 
 
 def test_int8_method_mapping_is_recorded(tmp_path):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not mnn.available()[0] and not os.environ.get("C
 
 ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
 DIGITS = ASSETS / "digits_cnn.onnx"
-DIGITS_COMPUTE = {"conv1", "conv2", "fc1", "fc2"}  # the digits model's Conv and Gemm nodes
+DIGITS_COMPUTE = {"conv1", "conv2", "conv3", "fc1", "fc2"}  # the digits model's Conv and Gemm nodes
 
 
 def calibration(count: int = 16):
@@ -42,13 +42,13 @@ def test_build_int8_keeps_the_named_onnx_op_float(tmp_path):
     files, settings = mnn.build_int8(DIGITS, tmp_path, target, samples, "kl", float_ops=["conv1"])
     quantization = settings["options"]["quantization"]
     assert quantization["float_ops"] == ["conv1"] and quantization["skip_quant_op_names"] == ["conv1_out"]
-    assert ran(tmp_path, samples[0]) == {"conv1": False, "conv2": True, "fc1": True, "fc2": True}
+    assert ran(tmp_path, samples[0]) == {"conv1": False, "conv2": True, "conv3": True, "fc1": True, "fc2": True}
     session = mnn.load(tmp_path, {**settings, "device": "CPU"})
     session.run(samples[1])
     effective = session.effective()
-    assert effective["precision"] == "mixed" and effective["layers"] == "fp32: 1, int8: 3"
+    assert effective["precision"] == "mixed" and effective["layers"] == "fp32: 1, int8: 4"
     assert effective["float_ops"] == {"conv1": "Convolution"}
-    assert sorted(effective["int8_ops"]) == ["conv2", "fc1", "fc2"]
+    assert sorted(effective["int8_ops"]) == ["conv2", "conv3", "fc1", "fc2"]
 
 
 def test_ema_cannot_keep_ops_float_and_is_left_out():

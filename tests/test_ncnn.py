@@ -56,7 +56,7 @@ def test_digits_cpu_fp32_matches_onnxruntime(digits_cpu):
     assert session.inputs == ["input"] and session.outputs == ["logits"]
     effective = session.effective()
     assert {key: effective[key] for key in ("device", "precision", "layers")} == {
-        "device": "CPU", "precision": "fp32", "layers": "cpu: 6"}
+        "device": "CPU", "precision": "fp32", "layers": "cpu: 7"}
     assert "device_name" not in effective  # named only for a Vulkan device
     for x in digits_inputs(20):
         expected = reference(DIGITS_MODEL, {"input": x})["logits"]
@@ -73,7 +73,7 @@ def test_digits_vulkan_fp32_matches_onnxruntime(tmp_path):
     session = backend.load(out, settings)
     effective = session.effective()
     assert effective["device"] == "VULKAN" and effective["precision"] == "fp32"
-    assert effective["layers"] == "vulkan: 6"
+    assert effective["layers"] == "vulkan: 7"
     import ncnn
 
     info = ncnn.get_gpu_info(0)  # what the device really is: Mesa's lavapipe is a CPU
@@ -173,7 +173,7 @@ def test_probe_exposes_intermediate_tensors_with_onnxruntime_values(digits_cpu):
     names = [t.name for t in graph.tensors]
     probe = session.probe(names)
     exposed = probe["exposed"]
-    assert {"relu1_out", "relu2_out", "pool1_out", "flatten_out", "relu3_out", "logits"} <= set(exposed)
+    assert {"relu1_out", "relu2_out", "pool1_out", "flatten_out", "relu3_out", "relu4_out", "logits"} <= set(exposed)
     assert "conv1_out" not in exposed  # fused into ncnn's Convolution with its Relu
     assert all(name in graph.by_name for name in probe["tensors"])  # every ncnn blob maps to an ONNX tensor
     for x in digits_inputs(3):

@@ -21,7 +21,7 @@ from pipeline.precision.quantize import ops_of_kinds
 
 pytest.importorskip("ncnn")
 
-QUANTIZED = {"conv1", "conv2", "fc1", "fc2"}  # the digits model's Conv and Gemm ops
+QUANTIZED = {"conv1", "conv2", "conv3", "fc1", "fc2"}  # the digits model's Conv and Gemm ops
 FAST = ["target.threads=1"]  # 2 OpenMP threads per ncnn worker stall on a busy 2-core machine
 
 
@@ -85,7 +85,7 @@ def test_int8_cli_passes_with_every_quantized_layer_read_back_as_int8(int8_run):
     assert effective["device"] == "CPU" and effective["precision"] == "int8"
     assert set(effective["int8_layers"].values()) == QUANTIZED
     assert effective["float_ops"] == {}
-    assert "int8: 4 of 4 compute layers" in effective["layers"]
+    assert "int8: 5 of 5 compute layers" in effective["layers"]
     assert report["verify"]["outputs"][0]["metrics"]["cosine"] > 0.999
     bundle = single_bundle(run_dir)
     assert set(int8_layers(bundle / "model.param")) == set(effective["int8_layers"])
@@ -229,7 +229,7 @@ def test_mixed_keeps_the_qtable_op_in_fp32_read_back(jobs):
     effective = report["verify"]["effective"]
     assert effective["precision"] == "mixed" and effective["float_ops"] == {}  # kept on purpose: no fallback
     assert set(effective["int8_layers"].values()) == QUANTIZED - {kept}
-    assert "int8: 3 of 4 compute layers" in effective["layers"]
+    assert "int8: 4 of 5 compute layers" in effective["layers"]
     layers = yaml.safe_load((run_dir / "stages" / "build" / "runtime.yaml").read_text())["options"]["layers"]
     assert layers[kept][0] not in int8_layers(single_bundle(run_dir) / "model.param")
 
@@ -240,7 +240,7 @@ def test_vulkan_runs_the_int8_layers_with_the_cpu_int8_numbers(jobs):
     assert result.returncode == 0, result.stdout + result.stderr
     effective = read_report(run_dir)["verify"]["effective"]
     assert effective["device"] == "VULKAN" and effective["precision"] == "int8"
-    assert set(effective["int8_layers"].values()) == QUANTIZED and "vulkan: 6;" in effective["layers"]
+    assert set(effective["int8_layers"].values()) == QUANTIZED and "vulkan: 7;" in effective["layers"]
     bundle = single_bundle(run_dir)
     settings = yaml.safe_load((bundle / "runtime.yaml").read_text())
     on_cpu = {**settings, "device": "CPU", "options": {**settings["options"], "use_vulkan": False, "threads": 1}}

@@ -17,9 +17,9 @@ from pipeline import environment
 from pipeline.release.sweep import recommend
 
 # the embedded digits CNN: node -> op type (the ReLUs are fused into the layer before them)
-DIGITS = {"conv1": "Conv", "relu1": "Relu", "conv2": "Conv", "relu2": "Relu", "pool1": "MaxPool",
-          "flatten": "Flatten", "fc1": "Gemm", "relu3": "Relu", "fc2": "Gemm"}
-COMPUTE = ("conv1", "conv2", "fc1", "fc2")
+DIGITS = {"conv1": "Conv", "relu1": "Relu", "conv2": "Conv", "relu2": "Relu", "conv3": "Conv", "relu3": "Relu",
+          "pool1": "MaxPool", "flatten": "Flatten", "fc1": "Gemm", "relu4": "Relu", "fc2": "Gemm"}
+COMPUTE = ("conv1", "conv2", "conv3", "fc1", "fc2")
 SWEEP_TARGETS = ("ort_cpu", "openvino_cpu", "ncnn_cpu", "ncnn_vulkan", "mnn_cpu", "mnn_opencl")
 # the stages a profile needs, for the jobs whose tests look at nothing else
 PROFILE_ONLY = stages("convert", "calibrate", "sensitivity", "build", "tune", "profile")

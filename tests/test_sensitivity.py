@@ -116,13 +116,14 @@ def test_search_runs_samples_one_by_one_when_axis_0_is_not_a_batch(tmp_path):
 
 @pytest.mark.parametrize("target", ["ort_cpu", "openvino_cpu"])
 def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
-    result = run_cli(["precision=mixed", f"target={target}", "sensitivity.expected_cos=0.99999",
+    # int8 alone reaches a cosine of 0.99999 on the digits model: the target is past it
+    result = run_cli(["precision=mixed", f"target={target}", "sensitivity.expected_cos=0.999997",
                       "sensitivity.heads_first=false"], tmp_path)  # the search itself
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]
     summary = sensitivity_summary(run_dir)
     assert summary["float_ops"] and "skipped" not in summary
-    assert summary["mixed"]["cosine"] >= 0.99999
+    assert summary["mixed"]["cosine"] >= 0.999997
     # latency-aware: each ranked op's cost measured on the target's own runtime, each float op's in the report
     costs = json.loads((run_dir / "stages" / "sensitivity" / "costs.json").read_text())
     assert set(costs["ops"]) == {r["op"] for r in summary["ranking"]}
@@ -187,7 +188,7 @@ def test_search_measures_verify_cosine_and_starts_from_the_better_table(tmp_path
     """The selection's cosine is the one verify gates on (all samples together): on the same
     samples it equals verify's int8 baseline; and the curve starts from whichever table, the
     per-op best methods or calibrate's, does better with no op in float."""
-    result = run_cli(["precision=mixed", "sensitivity.expected_cos=0.99999", "data.validation_size=30",
+    result = run_cli(["precision=mixed", "sensitivity.expected_cos=0.999997", "data.validation_size=30",
                       "sensitivity.samples=30"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = run_dirs(tmp_path)[-1]

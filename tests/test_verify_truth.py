@@ -205,7 +205,7 @@ def test_a_partial_float_fallback_is_a_warning_by_default_and_keep_float_must_be
 
 
 def test_a_mixed_build_with_an_empty_qtable_ran_int8_without_a_mismatch(tmp_path):
-    args = ["precision=mixed", "validation.min_cosine=0.99999", "validation.task_min_cosine=null",
+    args = ["precision=mixed", "validation.min_cosine=0.999997", "validation.task_min_cosine=null",
             "sensitivity.expected_cos=0.999",
             "validation.diagnosis_min_seconds=60",
             "pipeline.stages=[convert,calibrate,sensitivity,build,verify]"]

@@ -112,7 +112,7 @@ def test_int8_build_rounds_weights_by_default_and_records_them(digits_builds):
     rounding = summary["summary"]["quantization"]["weight_rounding"]
     assert rounding["enabled"] and rounding["applied"] and rounding["samples"] >= 8, rounding
     assert rounding["output_cosine"]["with"] > rounding["output_cosine"]["without"]
-    assert set(rounding["ops"]) == {"conv1", "conv2", "fc1", "fc2"}
+    assert set(rounding["ops"]) == {"conv1", "conv2", "conv3", "fc1", "fc2"}
     rounded, nearest = _int8_weights(digits_builds["true"]), _int8_weights(digits_builds["false"])
     for op, (values, scales, _) in rounded.items():
         assert not np.array_equal(values, nearest[op][0]), op
