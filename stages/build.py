@@ -373,8 +373,8 @@ def _quantize(ctx: StageContext):
     try:
         slower = _slower_in_int8(ctx, backend, calibrate.path("prepared"), table, settings, keep_float)
         keep_float = [*keep_float, *slower["ops"]]
-        refined = _from_refined_int8(ctx, table, settings, (keep_float, quantized_inputs), by_backend["ops"],
-                                     quantized) if searched else None
+        refined = _from_refined_int8(ctx, table, settings, keep_float, by_backend["ops"], quantized,
+                                     quantized_inputs) if searched else None
         if refined is None:
             build_qdq(calibrate.path("prepared"), table, quantized, settings, keep_float=keep_float)
     except QuantizerFailed as err:
@@ -399,10 +399,10 @@ def _quantize(ctx: StageContext):
     return quantized, settings
 
 
-def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, chosen: tuple,
-                       by_backend: List[str], quantized: Path) -> Optional[dict]:
+def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, keep_float: List[str],
+                       by_backend: List[str], quantized: Path, quantized_inputs: List[str]) -> Optional[dict]:
     """A mixed build keeping ops float, written to ``quantized``: the int8 build's refined
-    all-int8 model (refine_as_int8) with those ops back in float (``chosen``: the ops and those
+    all-int8 model (refine_as_int8) with those ops back in float (``quantized_inputs``: those
     of them reading their inputs quantized, keep_in_float), the very model the search
     measured and chose them on (stages/sensitivity.py), so that its refinements are not
     measured again on the mixed model (the real-size segmenter on AVX2: 100 s). Its
@@ -417,7 +417,7 @@ def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, ch
 
     prepared = onnx.load(str(ctx.results["calibrate"].path("prepared")))
     always = [*ctx.cfg.precision.keep_float, *by_backend]  # float in the search's all-int8 model too
-    onnx.save(MixedModels(prepared, table, settings, always, refine).build(*chosen), str(quantized))
+    onnx.save(MixedModels(prepared, table, settings, always, refine).build(keep_float, quantized_inputs), str(quantized))
     return {step: {**summary, "inherited": "the refined all-int8 model's, with the float ops restored"}
             for step, summary in found.get("summaries", {}).items()}
 

@@ -415,9 +415,11 @@ class _MixedMeasure:
         self.refinements = {step: bool(done.get("applied")) for step, done in summaries.items() if done.get("enabled")}
         return model
 
-    def __call__(self, table: Dict[str, dict], float_ops: List[str], quantized_inputs: List[str] = ()) -> dict:
+    def __call__(self, table: Dict[str, dict], float_ops: List[str], quantized_inputs: List[str] = (),
+                 model: Optional[onnx.ModelProto] = None) -> dict:
+        """``model``: these float ops' model where the caller built it already."""
         started = time.perf_counter()  # the build counts: on openvino_cpu it refines and compiles the model
-        model = self.models(table).build(float_ops, quantized_inputs)
+        model = self.models(table).build(float_ops, quantized_inputs) if model is None else model
         values = self._run(model, self.feeds, self.count)
         actual = [values[name] for name in self.outputs]
         # verify's cosine (all samples together), so that expected_cos means what the gate checks

@@ -541,7 +541,7 @@ class _ScriptedMeasure:
     def models(self, table):
         return self._models
 
-    def __call__(self, table, float_ops, quantized_inputs=()):
+    def __call__(self, table, float_ops, quantized_inputs=(), model=None):
         self.calls.append(list(quantized_inputs))
         return {"cosine": 0.999, "metric_drop": self.drops[tuple(quantized_inputs)]}
 

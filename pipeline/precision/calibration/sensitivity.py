@@ -364,12 +364,13 @@ def quantized_inputs_back(measure, table, float_ops: List[str], summary: dict, s
     nodes = len(models.build(float_ops).graph.node)  # the current model's: a trial that adds none changes nothing
     for op in _largest_inputs_first(measure.prepared, float_ops):
         trial = [*kept, op]
-        trial_nodes = len(models.build(float_ops, trial).graph.node)
+        built = models.build(float_ops, trial)
+        trial_nodes = len(built.graph.node)
         if trial_nodes == nodes:
             continue
         if measure.no_time(step):
             break
-        result = measure(table, float_ops, trial)
+        result = measure(table, float_ops, trial, built)
         tried.append({"op": op, "kept": measure.meets(result), **result})
         if measure.meets(result):
             kept, nodes, summary["mixed"] = trial, trial_nodes, {k: result[k] for k in summary["mixed"]}
