@@ -28,6 +28,9 @@ SOURCE = Path(__file__).resolve().parent / "native" / "avx2_only.c"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parity-benchmarks"
 
 
+PRESENTED = "an AVX2-only CPU as every process sees it (benchmarks/avx2_only.py)"
+
+
 class Unavailable(RuntimeError):
     """This machine cannot present an AVX2-only CPU: the reason and what would."""
 
@@ -71,10 +74,9 @@ def isa_environment(isa: str, base: dict | None = None) -> tuple:
     if isa == "native":
         return env, "native"
     try:
-        return environment(env), "an AVX2-only CPU as every process sees it (benchmarks/avx2_only.py)"
+        return environment(env), PRESENTED
     except Unavailable as error:
-        env.update(ONEDNN_MAX_CPU_ISA=isa, OV_CPU_MAX_ISA=isa)
-        return env, f"OpenVINO's oneDNN capped to {isa} only ({error})"
+        return env, _capped(env, isa, error)
 
 
 def become(isa: str) -> str:
@@ -86,11 +88,16 @@ def become(isa: str) -> str:
     try:
         preload = str(library())
     except Unavailable as error:
-        os.environ.update(ONEDNN_MAX_CPU_ISA=isa, OV_CPU_MAX_ISA=isa)
-        return f"OpenVINO's oneDNN capped to {isa} only ({error})"
+        return _capped(os.environ, isa, error)
     if preload not in os.environ.get("LD_PRELOAD", "").split():
         os.execvpe(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment())
-    return "an AVX2-only CPU as every process sees it (benchmarks/avx2_only.py)"
+    return PRESENTED
+
+
+def _capped(env, isa: str, error: Unavailable) -> str:
+    """The fallback where no AVX2-only CPU can be presented: OpenVINO's oneDNN capped in ``env``."""
+    env.update(ONEDNN_MAX_CPU_ISA=isa, OV_CPU_MAX_ISA=isa)
+    return f"OpenVINO's oneDNN capped to {isa} only ({error})"
 
 
 def seen_flags(env: dict) -> str:
