@@ -54,7 +54,7 @@ def pytest_sessionstart(session):
 # three short rounds and profiles two runs, unless the test passes quick=False (it reads the
 # timing or profile settings themselves) or sets a key itself.
 QUICK_TIMING = ["validation.timing_rounds=3", "validation.timing_round_ms=5", "validation.timing_runs=3",
-                "validation.timing_max_seconds=1"]
+                "validation.timing_max_seconds=1", "validation.timing_processes=1"]
 QUICK_PROFILE = ["profile.runs=2", "profile.warmup=1", "profile.startup_rounds=1"]
 _NOT_A_JOB = ("--help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
 
@@ -193,9 +193,11 @@ def auto_default_run(tmp_path_factory):
     model on ort_cpu), run once for the session: (cwd, completed process). With the default
     timing (not the suite's quick one): its test asserts what ships, and on a loaded 2-core
     AVX2 machine three 5 ms rounds left int8 (1.04-1.46x fp32 on a quiet one) undecided
-    against fp32, which then shipped. Its stdout goes to a pipe with no COLUMNS, as in a CI log."""
+    against fp32, which then shipped. Its stdout goes to a pipe with no COLUMNS, as in a CI log.
+    In a stage cache of its own, as a first job has: in the shared one, a `pytest -n` worker that
+    ran the same job first left every stage cached and nothing logged (a test reads the log)."""
     cwd = tmp_path_factory.mktemp("auto")
-    return cwd, run_cli([], cwd, default_precision=None, quick=False, env={"COLUMNS": ""})
+    return cwd, run_cli([], cwd, default_precision=None, quick=False, env={"COLUMNS": ""}, shared_cache=False)
 
 
 @pytest.fixture(scope="session")

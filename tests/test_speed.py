@@ -75,6 +75,44 @@ def test_interleaved_rounds_and_time_budget():
         assert budget["fp32"]["rounds"] == 3
 
 
+def test_short_builds_are_timed_in_as_many_processes_each_in_turn():
+    """processes=2: every build of a short run gets a second worker of the same build; the
+    rounds alternate between them (rounded up to as many in each) and the second workers are
+    gone when the timing ends, the first ones still serving."""
+    settings = {"model": "digits_cnn.onnx", "options": {}, "device": "CPU", "precision": "fp32"}
+    feeds = {"input": np.zeros((1, 1, 8, 8), np.float32)}
+    before = _worker_pids()
+    with BackendWorker("pipeline.backends.onnxruntime", ASSETS, settings, label="a") as first, \
+            BackendWorker("pipeline.backends.onnxruntime", ASSETS, settings, label="b") as second:
+        found = speed.interleaved({"fp32": first, "int8": second}, feeds, rounds=5, runs=4, max_seconds=60,
+                                  processes=2)
+        assert [found[n]["processes"] for n in ("fp32", "int8")] == [2, 2]
+        assert [found[n]["rounds"] for n in ("fp32", "int8")] == [6, 6]
+        assert len(_worker_pids() - before) == 2  # the two it was given
+        assert first.run(feeds)["logits"].shape == (1, 10)
+        slow = speed.interleaved({"fp32": first}, feeds, rounds=3, runs=2, max_seconds=60, processes=1)
+        assert slow["fp32"]["processes"] == 1 and slow["fp32"]["rounds"] == 3
+
+
+def _worker_pids() -> set:
+    import multiprocessing
+
+    return {child.pid for child in multiprocessing.active_children() if child.name.startswith("parity-worker")}
+
+
+def test_the_printed_interval_is_where_the_median_lies():
+    """Order statistics of the per-round ratios: 8 rounds give the second lowest to the second
+    highest (93 %), 3 rounds the lowest to the highest (75 %), one odd round does not move them."""
+    assert speed.median_interval([1.5, 1.6, 1.55, 1.2, 1.58, 1.57, 2.4, 1.56]) == \
+        pytest.approx((1.5, 1.6, 1 - 2 * 9 / 256))
+    assert speed.median_interval([1.0, 3.0, 2.0]) == pytest.approx((1.0, 3.0, 0.75))
+    timings = {"fp32": {"round_medians_ms": [2.0] * 8}, "int8": {"round_medians_ms": [1.0] * 7 + [0.5]}}
+    found = speed.speedups(timings)["int8"]
+    assert (found["speedup_low"], found["speedup"], found["speedup_high"]) == (2.0, 2.0, 2.0)
+    assert speed.speedup_text(found) == "2.00x (2.00-2.00)"
+    assert speed.interval({"speedup_p25": 1.1, "speedup_p75": 1.3}) == (1.1, 1.3)  # a report from before
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime

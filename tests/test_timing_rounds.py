@@ -224,7 +224,7 @@ def test_a_build_timed_alone_takes_the_fewest_rounds_in_their_share_of_the_time(
     """fp32 with nothing beside it has no ratio to resolve: its latency from MIN_ROUNDS rounds,
     within timing_max_seconds' share for them (the segmenter's fp32 verify: 7 rounds, 10 s)."""
     validation = SimpleNamespace(timing_rounds=7, timing_max_seconds=10.0, timing_round_ms=20.0,
-                                 timing_tight_spread=1.25, timing_runs=10)
+                                 timing_tight_spread=1.25, timing_runs=10, timing_processes=2)
     together, alone = speed.options(validation), speed.options(validation, alone=True)
     assert together["rounds"] == 7 and together["max_seconds"] == 10.0
     assert alone["rounds"] == speed.MIN_ROUNDS == 3 and alone["max_seconds"] == pytest.approx(10.0 * 3 / 7)

@@ -463,6 +463,9 @@ class ValidationConfig:
     timing_max_seconds: float = 10.0  # no new round after this (3 rounds at least)
     timing_round_ms: float = 20.0  # a build's round lasts at least this: 5 ms slices of as many runs as fit
     timing_tight_spread: float = 1.25  # per-round ratios within p75/p25 <= this: tight (a tie can be called)
+    # Builds of a short run (under 10 ms) are timed in this many processes each, rounds in turn:
+    # two processes of the same build differ by more than one process's rounds (docs/verify.md)
+    timing_processes: int = 2
     # Speed as served: when the validation samples differ in input shape, every build also
     # runs the first N of them in their order, one call each at its own shape (0: off)
     timing_stream_samples: int = 100

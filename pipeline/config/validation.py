@@ -177,6 +177,7 @@ RANGES = {
     "validation.diagnosis_budget": (0.0, None), "validation.diagnosis_min_seconds": (0.0, None),
     "validation.timing_stream_samples": (0, None), "validation.max_memory_mb": (1.0, None),
     "validation.timing_round_ms": (0.0, None), "validation.timing_tight_spread": (1.0, None),
+    "validation.timing_processes": (1, None),
     "calibration.min_samples": (1, None), "calibration.auto_samples": (1, None),
     "calibration.kl_max_clipped": (0.0, 1.0),
     "sensitivity.expected_cos": COSINE, "sensitivity.max_drop": DROP, "sensitivity.samples": (1, None), "sensitivity.max_ranked": (1, None),

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from pipeline.console import stdout_console
 from pipeline.precision import kinds
+from pipeline.verification import speed
 from pipeline.verification.memory import candidate_peak, line as memory_line
 from pipeline.verification.metrics import nonfinite_failure
 
@@ -94,7 +95,7 @@ def _auto_table(section: dict) -> Table:
     for row in rows:
         up = row.get("speedup")
         # fp32 is every speed-up's reference, a screening's too (fp32 then timed beside the candidate only)
-        speedup = (f"{up['speedup']:.2f}x ({up['speedup_p25']:.2f}-{up['speedup_p75']:.2f})" if up
+        speedup = (speed.speedup_text(up) if up
                    else "1.00x (reference)" if row["precision"] == kinds.REFERENCE and timed else "-")
         metric = "-" if row.get("metric_value") is None else f"{row['metric_value']:.4f}" if one_metric else \
             f"{row['metric']} {row['metric_value']:.4f}"
@@ -130,14 +131,16 @@ def _speed_line(verify: dict) -> str:
     parts = []
     for name, found in verify["speed"]["speedups"].items():
         mark = "" if found["faster"] else " [yellow](not faster)[/]"
-        parts.append(f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f}){mark}")
+        parts.append(f"{escape(name)} {speed.speedup_text(found)}{mark}")
     rounds = (verify["comparison"].get(kinds.REFERENCE) or {}).get("latency") or {}
-    return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds): " + ", ".join(parts)
+    processes = f", {rounds['processes']} processes a build" if rounds.get("processes", 1) > 1 else ""
+    sure = next((f"; {speed.how_sure(found)}" for found in verify["speed"]["speedups"].values()), "")
+    return f"speed vs fp32 ({rounds.get('rounds', '?')} interleaved rounds{processes}{sure}): " + ", ".join(parts)
 
 
 def _stream_line(stream: dict) -> str:
     """Speed as served: the validation samples in order, each at its own shape."""
-    parts = [f"{escape(name)} {found['speedup']:.2f}x ({found['speedup_p25']:.2f}-{found['speedup_p75']:.2f})"
+    parts = [f"{escape(name)} {speed.speedup_text(found)}"
              + ("" if found["faster"] else " [yellow](not faster)[/]") for name, found in stream["speedups"].items()]
     return (f"speed as served ({stream['samples']} samples in order, {stream['shapes']} shapes, "
             f"{stream['rounds']} interleaved rounds): " + (", ".join(parts) or "not measured"))

@@ -17,6 +17,7 @@ undecided pair makes the rounds longer, measured again within ``max_seconds``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -31,12 +32,15 @@ from pipeline.precision import kinds
 
 WARMUP = 3
 STREAM_MAX_BYTES = 64 << 20  # input data of the stream timing, held by every build's worker
-SLICE_MS = 5.0  # a slice: back-to-back runs of one build; a round alternates the builds slice by slice
+SLICE_MS = 20.0  # a slice: back-to-back runs of one build; a round alternates the builds slice by slice
+# (5 ms slices read a 0.1 ms model's int8 1.7-2.7 % faster against fp32 than the builds run alone do)
 TIGHT = 1.25  # a spread of per-round ratios (outer p75/p25) at most this is tight: a tie can be called
 MAX_PASSES = 32  # stream passes of one build a round (each pass is a call to its worker)
 MIN_ROUNDS = 3  # rounds timed whatever max_seconds says
 FIT_RUNS = 3  # runs of each build, after the warm-up, that fitted_runs sizes the rounds from
 MAX_LENGTHEN = 2  # an undecided pair doubles the round length at most this often (4x), within the time budget
+CONFIDENCE = 0.9  # the printed interval of a speed-up: where its median lies, at least this sure (median_interval)
+SHORT_RUN_MS = 10.0  # builds this quick are timed in validation.timing_processes processes each (``_more_processes``)
 
 
 def options(validation, stream: bool = False, alone: bool = False) -> dict:
@@ -47,7 +51,7 @@ def options(validation, stream: bool = False, alone: bool = False) -> dict:
              "round_ms": validation.timing_round_ms, "tight": validation.timing_tight_spread}
     if alone:
         found.update(rounds=min(MIN_ROUNDS, validation.timing_rounds), max_seconds=alone_max_seconds(validation))
-    return found if stream else {**found, "runs": validation.timing_runs}
+    return found if stream else {**found, "runs": validation.timing_runs, "processes": validation.timing_processes}
 
 
 def alone_max_seconds(validation) -> float:
@@ -144,36 +148,83 @@ def _resuming(timing: Callable) -> Callable:
 
 @_resuming
 def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int, max_seconds: float,
-                round_ms: float = 0.0, tight: Optional[float] = None, warm: bool = False) -> Dict[str, dict]:
+                round_ms: float = 0.0, tight: Optional[float] = None, warm: bool = False,
+                processes: int = 1) -> Dict[str, dict]:
     """Latency of every worker's build: ``rounds`` rounds (at least 3 once ``max_seconds``
     is spent), rotated order, each build's round lasting at least ``round_ms`` in slices
     alternating between the builds (``plan``; at least ``runs`` runs); with ``tight``, an
     undecided pair lengthens the rounds (``_interleave``). ``warm``: the workers ran these
-    feeds just before (no WARMUP runs). A worker that fails is reported as ``{"error": ...}``."""
+    feeds just before (no WARMUP runs). ``processes``: builds of a short run are timed in
+    that many processes each, round by round in turn (``_more_processes``). A worker that
+    fails is reported as ``{"error": ...}``."""
     order = list(workers)
     errors: Dict[str, str] = {}
+    pool = {name: [worker] for name, worker in workers.items()}
     fit_ms: Dict[str, float] = {}  # how long each build's fitting runs lasted
-    if runs > 1 or round_ms > 0:  # rounds of single runs need no fitting (a first look: one warm-up run)
-        # the median of FIT_RUNS: one run on a loaded 2-core machine took 100x its time and cut the rounds
-        first = {name: _latency(workers, name, feeds, 0 if warm else WARMUP, FIT_RUNS, 0.0, errors) for name in order}
-        fit_ms = {name: (FIT_RUNS + (0 if warm else WARMUP)) * found["median_ms"] for name, found in first.items()
-                  if found}
-        fitted = fitted_runs(runs, max_seconds, [found["median_ms"] for found in first.values() if found], rounds)
-        if fitted < runs:  # runs long enough to time one by one: rounds sized by count, within max_seconds
-            runs, round_ms = fitted, 0.0
-    for name in order:  # warm-up: with round_ms, a round's worth of runs, unless the fitting lasted that long
-        whole_round = round_ms > 0 and fit_ms.get(name, 0.0) < round_ms
-        _latency(workers, name, feeds, 0, runs if whole_round else 1, round_ms, errors)
-    slices, fewest = plan(runs, round_ms)
-    slice_ms = SLICE_MS if round_ms > 0 else 0.0
+    with contextlib.ExitStack() as stack:
+        if runs > 1 or round_ms > 0:  # rounds of single runs need no fitting (a first look: one warm-up run)
+            # the median of FIT_RUNS: one run on a loaded 2-core machine took 100x its time and cut the rounds
+            first = {name: _latency(pool, name, feeds, 0 if warm else WARMUP, FIT_RUNS, 0.0, errors)
+                     for name in order}
+            run_ms = [found["median_ms"] for found in first.values() if found]
+            fit_ms = {name: (FIT_RUNS + (0 if warm else WARMUP)) * found["median_ms"]
+                      for name, found in first.items() if found}
+            if processes > 1 and run_ms and max(run_ms) <= SHORT_RUN_MS:
+                _more_processes(pool, processes, stack, feeds, errors)
+                rounds = math.ceil(rounds / processes) * processes  # every process times as many rounds
+            fitted = fitted_runs(runs, max_seconds, run_ms, rounds)
+            if fitted < runs:  # runs long enough to time one by one: rounds sized by count, within max_seconds
+                runs, round_ms = fitted, 0.0
+        for name in order:  # warm-up: with round_ms, a round's worth of runs, unless the fitting lasted that long
+            whole_round = round_ms > 0 and fit_ms.get(name, 0.0) < round_ms
+            for index in range(len(pool[name])):
+                _latency(pool, name, feeds, 0, runs if whole_round else 1, round_ms, errors, index)
+        slices, fewest = plan(runs, round_ms)
+        slice_ms = SLICE_MS if round_ms > 0 else 0.0
 
-    def measure(name: str) -> Optional[Tuple[float, int]]:
-        found = _latency(workers, name, feeds, 0, fewest, slice_ms, errors)
-        return None if found is None else (found["median_ms"], int(found.get("runs", fewest)))
+        def measure(name: str, index: int) -> Optional[Tuple[float, int]]:
+            found = _latency(pool, name, feeds, 0, fewest, slice_ms, errors, index)
+            return None if found is None else (found["median_ms"], int(found.get("runs", fewest)))
 
-    medians, counts, how = _interleave(order, measure, slices, rounds, max_seconds, tight)
+        medians, counts, how = _interleave(order, measure, slices, rounds, max_seconds, tight)
+    how["processes"] = min(len(found) for found in pool.values())
     return {name: ({"error": errors[name]} if name in errors else _summary(medians[name], counts[name], how))
             for name in order}
+
+
+def _more_processes(pool: Dict[str, list], processes: int, stack: contextlib.ExitStack, feeds: dict,
+                    errors: Dict[str, str]) -> None:
+    """Each build's worker joined by ``processes - 1`` more of the same build (started side
+    by side, closed with ``stack``, warmed up): round ``i`` times every build in its
+    process ``i % processes``. Two processes of the same two builds differ by more than
+    one process's rounds do: the three-convolution digits model's int8 read 1.57-1.61x fp32
+    in six pairs of processes as an AVX2 CPU, each pair's p25-p75 often under 1 % wide;
+    rounds taken in turn by two processes put that difference inside the interval. Only
+    for short runs (SHORT_RUN_MS): another process costs a load and the build's memory
+    again. A worker that cannot be started again (a benchmark's own) keeps one process."""
+    from pipeline.worker import BackendWorker
+
+    if not all(isinstance(found[0], BackendWorker) for found in pool.values()):
+        return
+    started = {}
+    for name, found in pool.items():
+        first = found[0]
+        for number in range(2, processes + 1):
+            worker = BackendWorker(first.module, first.artifact_dir, first.settings, timeout_s=first.timeout_s,
+                                   label=f"{first.label}, timing process {number}", memory_mb=first.memory_mb)
+            stack.callback(_closed, worker)
+            worker.launch()
+            started.setdefault(name, []).append(worker)
+    for name, more in started.items():
+        try:
+            for worker in more:
+                worker.wait_loaded()
+        except BackendCrashed as err:
+            errors[name] = str(err)
+            continue
+        pool[name].extend(more)
+        for index in range(1, len(pool[name])):
+            _latency(pool, name, feeds, WARMUP, FIT_RUNS, 0.0, errors, index)
 
 
 @_resuming
@@ -188,16 +239,18 @@ def stream_interleaved(workers: Dict[str, object], samples: List[dict], rounds: 
     order = list(workers)
     errors: Dict[str, str] = {}
     pass_ms = {}
+    pool = {name: [worker] for name, worker in workers.items()}
     for name in order:
         try:
             workers[name].stream_load(samples)
         except BackendCrashed as err:
             errors[name] = str(err)
-        mean = _pass(workers, name, errors)
+        mean = _pass(pool, name, errors)
         if mean is not None:
             pass_ms[name] = mean * len(samples)
-    def measure(name: str) -> Optional[Tuple[float, int]]:
-        mean = _pass(workers, name, errors)
+
+    def measure(name: str, index: int) -> Optional[Tuple[float, int]]:
+        mean = _pass(pool, name, errors)
         return None if mean is None else (mean, len(samples))
 
     medians, counts, how = _interleave(order, measure, passes(pass_ms, round_ms), rounds, max_seconds, tight)
@@ -205,12 +258,12 @@ def stream_interleaved(workers: Dict[str, object], samples: List[dict], rounds: 
             for name in order}
 
 
-def _interleave(order: List[str], measure: Callable[[str], Optional[Tuple[float, int]]], slices: int, rounds: int,
+def _interleave(order: List[str], measure: Callable[[str, int], Optional[Tuple[float, int]]], slices: int, rounds: int,
                 max_seconds: float, tight: Optional[float]
                 ) -> Tuple[Dict[str, List[float]], Dict[str, List[int]], dict]:
     """Every build's round medians and runs per round: ``rounds`` rounds (at least 3 once
-    ``max_seconds`` is spent), each of ``slices`` slices per build (``measure``: one slice,
-    its median and runs), the builds taking turns slice by slice in an order rotated by
+    ``max_seconds`` is spent), each of ``slices`` slices per build (``measure``: one slice
+    of a build in round ``index``, its median and runs), the builds taking turns slice by slice in an order rotated by
     round and slice; a round's figure is the median of its slices. With ``tight``: while a
     pair of builds is ``undecided`` (their per-round ratios straddle 1 wider than ``tight``),
     the rounds are measured again twice as long (the shorter ones discarded), at most
@@ -229,7 +282,7 @@ def _interleave(order: List[str], measure: Callable[[str], Optional[Tuple[float,
             for part in range(slices):
                 shift = (index + part) % len(order)
                 for name in order[shift:] + order[:shift]:
-                    found = measure(name)
+                    found = measure(name, index)
                     if found is not None:
                         values[name].append(found)
             for name, found in values.items():
@@ -244,12 +297,17 @@ def _interleave(order: List[str], measure: Callable[[str], Optional[Tuple[float,
         slices, lengthened = slices * 2, lengthened + 1
 
 
-def _pass(workers, name, errors) -> Optional[float]:
+def _closed(worker) -> None:
+    worker.resume()  # a stopped process would not answer its close
+    worker.close()
+
+
+def _pass(pool, name, errors) -> Optional[float]:
     if name in errors:
         return None
-    _turn(workers, name)
+    _turn(pool, name, 0)
     try:
-        return workers[name].stream()["mean_ms"]
+        return pool[name][0].stream()["mean_ms"]
     except BackendCrashed as err:
         errors[name] = str(err)
         return None
@@ -268,14 +326,20 @@ def stream_samples(split, limit: int, max_bytes: int = STREAM_MAX_BYTES) -> List
     return samples
 
 
-def _turn(workers: Dict[str, object], name: str) -> None:
-    """Only ``name``'s worker may run while it is timed: the others are paused (their request
-    resumes them). An idle ONNX Runtime session's pool threads spin for tens of milliseconds
+def _turn(pool: Dict[str, list], name: str, index: int) -> None:
+    """Only ``name``'s worker of round ``index`` may run while it is timed: the others (every
+    process of every build) are paused (their request resumes them). An idle ONNX Runtime session's pool threads spin for tens of milliseconds
     after each run; side by side on 2 cores that took a core from the build being timed: the
     real-size segmenter's int8 read 1.63x fp32 against 1.73x each timed alone, 1.76x paused."""
-    for other, worker in workers.items():
-        if other != name and hasattr(worker, "pause") and _idle_threads_spin(worker):
+    timed = _in_turn(pool, name, index)
+    for worker in (worker for found in pool.values() for worker in found):
+        if worker is not timed and hasattr(worker, "pause") and _idle_threads_spin(worker):
             worker.pause()
+
+
+def _in_turn(pool: Dict[str, list], name: str, index: int):
+    """The process of ``name`` that times round ``index``."""
+    return pool[name][index % len(pool[name])]
 
 
 def _idle_threads_spin(worker) -> bool:
@@ -297,12 +361,12 @@ def _resume_all(workers: Dict[str, object]) -> None:
             worker.resume()
 
 
-def _latency(workers, name, feeds, warmup, runs, min_ms, errors) -> Optional[dict]:
+def _latency(pool, name, feeds, warmup, runs, min_ms, errors, index: int = 0) -> Optional[dict]:
     if name in errors:
         return None
-    _turn(workers, name)
+    _turn(pool, name, index)
     try:  # min_ms only where asked: a worker of a benchmark may take (feeds, warmup, runs) alone
-        worker = workers[name]
+        worker = _in_turn(pool, name, index)
         return worker.latency(feeds, warmup, runs, min_ms) if min_ms > 0 else worker.latency(feeds, warmup, runs)
     except BackendCrashed as err:  # a side-by-side build is information: its row shows the error
         errors[name] = str(err)
@@ -317,7 +381,8 @@ def _summary(medians: List[float], counts: List[int], how: dict) -> dict:
     return {"median_ms": median, "p25_ms": low, "p75_ms": high, "min_ms": min(medians), "max_ms": max(medians),
             "rounds": len(medians), "runs_per_round": int(np.median(counts)), "runs": int(sum(counts)),
             "slices_per_round": how["slices"], "lengthened": how["lengthened"],
-            "discarded_rounds": how["discarded_rounds"], "round_medians_ms": medians}
+            "discarded_rounds": how["discarded_rounds"], "processes": how.get("processes", 1),
+            "round_medians_ms": medians}
 
 
 def speedups(timings: Dict[str, dict], baseline: str = kinds.REFERENCE, tight: float = TIGHT) -> Dict[str, dict]:
@@ -331,9 +396,48 @@ def speedups(timings: Dict[str, dict], baseline: str = kinds.REFERENCE, tight: f
         ratios = [b / t for b, t in zip(base["round_medians_ms"], timing["round_medians_ms"]) if t > 0]
         if ratios:
             low, median, high = (float(v) for v in np.percentile(ratios, [25, 50, 75]))
+            lowest, highest, sure = median_interval(ratios)
             found[name] = {"speedup": median, "speedup_p25": low, "speedup_p75": high,
+                           "speedup_low": lowest, "speedup_high": highest, "confidence": sure,
                            "faster": low > 1.0, "spread": _finite(spread(ratios)), "call": judge(ratios, tight)}
     return found
+
+
+def median_interval(values: List[float], confidence: float = CONFIDENCE) -> Tuple[float, float, float]:
+    """(low, high, how sure): a distribution-free interval of the median of ``values``, the
+    order statistics x(k) and x(n+1-k) with the largest k that leaves the median inside with
+    probability 1 - 2 P(Binomial(n, 1/2) < k) of at least ``confidence`` (8 rounds: the second
+    lowest and second highest, 93 %); the lowest and highest where even they are less sure
+    (3 rounds: 75 %). What is printed beside a speed-up: the rounds' p25-p75 describes how
+    the rounds spread, and an independent timing of the same builds fell outside it in half
+    the runs (docs/verify.md, "Speed")."""
+    ordered, count = sorted(values), len(values)
+    outside = lambda k: sum(math.comb(count, i) for i in range(k)) / 2 ** count  # P(Binomial(n, 1/2) < k)
+    k = 1
+    while k < (count + 1) // 2 and 1 - 2 * outside(k + 1) >= confidence:
+        k += 1
+    return float(ordered[k - 1]), float(ordered[count - k]), max(0.0, 1 - 2 * outside(k))
+
+
+def interval(found: dict) -> Tuple[float, float]:
+    """The printed interval of a speed-up (``speedups``' entry): median_interval's, or the
+    rounds' p25-p75 in a report written before it existed."""
+    if "speedup_low" in found:
+        return found["speedup_low"], found["speedup_high"]
+    return found["speedup_p25"], found["speedup_p75"]
+
+
+def speedup_text(found: dict) -> str:
+    """A speed-up as printed: "1.57x (1.53-1.60)", the median and its interval."""
+    low, high = interval(found)
+    return f"{found['speedup']:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def how_sure(found: dict) -> str:
+    """The words for the printed interval of a speed-up, e.g. "the median's 93 % interval"."""
+    if "confidence" not in found:
+        return "rounds p25-p75"
+    return f"the median's {100 * found['confidence']:.0f} % interval"
 
 
 def _finite(value: float) -> Optional[float]:
