@@ -99,7 +99,6 @@ def _refines(cfg, backend, step: str) -> bool:
         and not cfg.precision.dynamic_ranges  # a static refinement: dynamic builds have no calibrated ranges
 
 
-
 def _own_int8(ctx: StageContext, backend) -> dict:
     """int8 through the backend's own offline quantizer, fed parity's calibration samples;
     mixed: the qtable's ops (and precision.keep_float) named to it as ops to keep float."""
@@ -178,8 +177,7 @@ def _preflight_block(ctx: StageContext) -> List[str]:
 def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str]) -> tuple:
     """``chosen`` plus precision.keep_float, limited to ops the prepared graph still has
     (BatchNorm folded into Conv, for one, no longer exists), and the names left out."""
-    names = {node.name for node in model.graph.node}
-    asked = list(ctx.cfg.precision.keep_float)
+    names, asked = {node.name for node in model.graph.node}, list(ctx.cfg.precision.keep_float)
     converted = {node.name for node in onnx.load(str(ctx.results["convert"].path("model")),
                                                  load_external_data=False).graph.node}
     typos = [name for name in asked if name not in converted and name not in names]
@@ -187,19 +185,21 @@ def _requested_float(ctx: StageContext, model: onnx.ModelProto, chosen: List[str
         raise ConfigError(f"precision.keep_float: the model has no op {typos[0]!r} (names are ONNX node names, "
                           "as the report's layerwise section and recommendations give them)")
     if kinds.quantized(ctx.cfg.precision.kind):
-        _only_quantized(model, asked, ctx.cfg.precision.quantize_ops)
+        _only_quantized(ctx, model, asked)
     merged = list(dict.fromkeys([*chosen, *[name for name in asked if name in names]]))
     return merged, [name for name in asked if name not in names]
 
 
-def _only_quantized(model: onnx.ModelProto, asked: List[str], quantize_ops: List[str]) -> None:
-    """An int8 build keeps in float only what it quantizes: naming another op would
-    rebuild the same model (exit 2, naming the quantized ops that feed it)."""
+def _only_quantized(ctx: StageContext, model: onnx.ModelProto, asked: List[str]) -> None:
+    """An int8 build keeps in float what it quantizes, or what the backend keeps float here anyway (a
+    sweep may name ONNX Runtime's ConvTransposes); another op rebuilds the same model: exit 2."""
     from pipeline.verification.recommend import QuantizedGraph
 
-    graph = QuantizedGraph(model, quantize_ops)
+    target, quantize_ops = ctx.cfg.target, ctx.cfg.precision.quantize_ops
+    by_backend = backend_float_ops(backends.spec(target.backend.value), target, model, quantize_ops)
+    graph = QuantizedGraph(model, quantize_ops, by_backend)
     for name in asked:
-        if name in graph.op_types and name not in graph.quantized:
+        if name in graph.op_types and name not in graph.quantized and name not in by_backend:
             raise ConfigError(f"precision.keep_float: {graph.not_quantized_line(name)}")
 
 
@@ -424,13 +424,13 @@ def _from_refined_int8(ctx: StageContext, table: dict, settings: QdqSettings, ke
 
 def _backend_float_ops(ctx: StageContext, backend, prepared: onnx.ModelProto, chosen: List[str]) -> dict:
     """The quantized ops the backend keeps in float on this target (Capabilities.float_op_kinds:
-    ncnn's depthwise convolutions on x86), beyond those already chosen."""
-    kinds = backends.float_op_kinds(backend, ctx.cfg.target)
-    ops = [name for name in backend_float_ops(backend, ctx.cfg.target, prepared, ctx.cfg.precision.quantize_ops)
+    ncnn's depthwise convolutions on x86, ONNX Runtime's ConvTransposes), beyond those chosen."""
+    kinds, target = backends.float_op_kinds(backend, ctx.cfg.target), ctx.cfg.target
+    ops = [name for name in backend_float_ops(backend, target, prepared, ctx.cfg.precision.quantize_ops)
            if name not in chosen]
     if ops:
-        log.info("build: %d %s op(s) kept in float: %s's int8 kernel for them is slower here (%s)",
-                 len(ops), "/".join(kinds), backend.NAME, "docs/targets.md")
+        log.info("build: %d %s op(s) kept in float: %s has no faster int8 kernel for them here (docs/targets.md)",
+                 len(ops), "/".join(kinds), backend.NAME)
     return {"kinds": kinds, "ops": ops}
 
 

@@ -21,7 +21,7 @@ CAPABILITIES = Capabilities(
     precisions=("fp32", "fp16", "int8", "mixed"), devices=("CPU",),
     qdq_placement="inputs_and_outputs", qdq_passthrough=("Relu", "MaxPool", "Resize", "Concat"), qdq_swish=True,
     qdq_latency=True, dynamic_int8=True, idle_threads_spin=True, qdq_conv_block=16, float_reads_int8=True,
-    compile_cache=True, tuning=True, profiler=True,
+    compile_cache=True, tuning=True, profiler=True, float_op_kinds=True,
     auto_candidates=("fp32", "int8", "mixed"))
 
 _ONNX_FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16"}
@@ -44,6 +44,14 @@ def versions() -> Dict[str, str]:
 
 def check_config(target, precision: str) -> Optional[str]:
     return None  # every combination validate accepts runs
+
+
+def float_op_kinds(target) -> List[str]:
+    """ConvTransposes stay float in int8 builds: ONNX Runtime's CPU provider has no int8
+    ConvTranspose kernel (onnxruntime issue 8988), so one between Q/DQ pairs runs float with
+    the activation and weights dequantized around it. A 256x192 pose estimator's three
+    ConvTransposes float: int8 1.25x fp32 against 1.09x as an AVX2 CPU (docs/model_families.md)."""
+    return ["conv_transpose"]
 
 
 def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precision: str) -> Tuple[List[str], dict]:

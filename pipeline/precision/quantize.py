@@ -213,8 +213,12 @@ def settings_float_ops(model, settings: QdqSettings) -> List[str]:
     return activation_matmuls(model)
 
 
+def _is_conv_transpose(node, weights) -> bool:
+    return node.op_type == "ConvTranspose"
+
+
 # op kinds a backend may keep in float in its int8 builds (Capabilities.float_op_kinds)
-OP_KINDS = {"depthwise": _is_depthwise}
+OP_KINDS = {"depthwise": _is_depthwise, "conv_transpose": _is_conv_transpose}
 
 
 def backend_float_ops(backend, target, model, quantize_ops) -> list:

@@ -62,10 +62,9 @@ class QuantizedGraph:
 
     def not_quantized_line(self, op: str) -> str:
         producers = self.producers(op)
-        feeds = (f"its quantized producers are {', '.join(producers)}" if producers
+        feeds = (f"its quantized producers are {', '.join(producers)} (keep those in float instead)" if producers
                  else "no quantized op feeds it")
-        return (f"{op} is not quantized in this build: quantize_ops=[{', '.join(self.quantize_ops)}]; {feeds} "
-                "(keep those in float instead)")
+        return f"{op} is not quantized in this build: quantize_ops=[{', '.join(self.quantize_ops)}]; {feeds}"
 
 
 def recommend(precision: str, backend: str, requested: dict, effective: dict,
