@@ -94,6 +94,19 @@ def test_short_builds_are_timed_in_as_many_processes_each_in_turn():
         assert slow["fp32"]["processes"] == 1 and slow["fp32"]["rounds"] == 3
 
 
+def test_a_second_process_that_fails_to_load_leaves_the_build_timed_in_one(tmp_path):
+    """A build whose second timing process cannot load (a memory limit, say) is timed in its
+    first alone, as a long build is; the build beside it still takes its rounds in two."""
+    once = {"behaviour": "load_once", "marker": str(tmp_path / "loaded")}
+    with BackendWorker("worker_backends", ".", once, label="a") as first, \
+            BackendWorker("worker_backends", ".", {"behaviour": "double"}, label="b") as second:
+        found = speed.interleaved({"fp32": first, "int8": second}, {"x": np.ones(4, np.float32)}, rounds=4, runs=2,
+                                  max_seconds=60, processes=2)
+    assert "error" not in found["fp32"] and "error" not in found["int8"], found
+    assert found["fp32"]["rounds"] == found["int8"]["rounds"] == 4
+    assert speed.speedups(found)["int8"]["speedup"] > 0
+
+
 def _worker_pids() -> set:
     import multiprocessing
 

@@ -66,4 +66,9 @@ def _spin() -> None:
 def load(artifact_dir: Path, settings: dict) -> Session:
     if settings["behaviour"] == "load_raise":
         raise RuntimeError(f"cannot read {Path(artifact_dir) / 'model.bin'}")
+    if settings["behaviour"] == "load_once":  # a second process of the same build fails to load
+        marker = Path(settings["marker"])
+        if marker.exists():
+            raise RuntimeError("loaded once already")
+        marker.touch()
     return Session(settings)

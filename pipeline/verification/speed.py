@@ -170,7 +170,7 @@ def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int,
             fit_ms = {name: (FIT_RUNS + (0 if warm else WARMUP)) * found["median_ms"]
                       for name, found in first.items() if found}
             if processes > 1 and run_ms and max(run_ms) <= SHORT_RUN_MS:
-                _more_processes(pool, processes, stack, feeds, errors)
+                _more_processes(pool, processes, stack, feeds)
                 rounds = math.ceil(rounds / processes) * processes  # every process times as many rounds
             fitted = fitted_runs(runs, max_seconds, run_ms, rounds)
             if fitted < runs:  # runs long enough to time one by one: rounds sized by count, within max_seconds
@@ -192,8 +192,7 @@ def interleaved(workers: Dict[str, object], feeds: dict, rounds: int, runs: int,
             for name in order}
 
 
-def _more_processes(pool: Dict[str, list], processes: int, stack: contextlib.ExitStack, feeds: dict,
-                    errors: Dict[str, str]) -> None:
+def _more_processes(pool: Dict[str, list], processes: int, stack: contextlib.ExitStack, feeds: dict) -> None:
     """Each build's worker joined by ``processes - 1`` more of the same build (started side
     by side, closed with ``stack``, warmed up): round ``i`` times every build in its
     process ``i % processes``. Two processes of the same two builds differ by more than
@@ -201,7 +200,8 @@ def _more_processes(pool: Dict[str, list], processes: int, stack: contextlib.Exi
     in six pairs of processes as an AVX2 CPU, each pair's p25-p75 often under 1 % wide;
     rounds taken in turn by two processes put that difference inside the interval. Only
     for short runs (SHORT_RUN_MS): another process costs a load and the build's memory
-    again. A worker that cannot be started again (a benchmark's own) keeps one process."""
+    again. A worker that cannot be started again (a benchmark's own), or whose second process
+    fails to load, keeps one process: the build's timing stands on its first."""
     from pipeline.worker import BackendWorker
 
     if not all(isinstance(found[0], BackendWorker) for found in pool.values()):
@@ -219,12 +219,10 @@ def _more_processes(pool: Dict[str, list], processes: int, stack: contextlib.Exi
         try:
             for worker in more:
                 worker.wait_loaded()
-        except BackendCrashed as err:
-            errors[name] = str(err)
+                worker.latency(feeds, WARMUP, FIT_RUNS)  # warmed up as the first process was
+        except BackendCrashed:
             continue
         pool[name].extend(more)
-        for index in range(1, len(pool[name])):
-            _latency(pool, name, feeds, WARMUP, FIT_RUNS, 0.0, errors, index)
 
 
 @_resuming
