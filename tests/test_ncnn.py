@@ -198,6 +198,81 @@ def test_unsupported_op_fails_the_build_naming_it(tmp_path):
     assert list(out.iterdir()) == []
 
 
+def _speech_front_end(path):
+    """wav2vec 2.0's feature encoder in small: Conv1d -> GroupNorm with a group per channel
+    (ONNX InstanceNormalization of a [N, C, L] tensor) -> Relu -> Conv1d, raw audio in."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {"w1": rng.normal(0, 0.3, (16, 1, 10)), "w2": rng.normal(0, 0.2, (8, 16, 3)),
+               "scale": rng.uniform(0.5, 1.5, 16), "bias": rng.normal(0, 0.1, 16)}
+    nodes = [helper.make_node("Conv", ["audio", "w1"], ["c1"], name="conv1", strides=[5]),
+             helper.make_node("InstanceNormalization", ["c1", "scale", "bias"], ["n1"], name="norm1"),
+             helper.make_node("Relu", ["n1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["features"], name="conv2", strides=[2])]
+    graph = helper.make_graph(nodes, "front_end", [helper.make_tensor_value_info("audio", TensorProto.FLOAT, [1, 1, 800])],
+                              [helper.make_tensor_value_info("features", TensorProto.FLOAT, [1, 8, 79])],
+                              [numpy_helper.from_array(value.astype(np.float32), name) for name, value in weights.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def _grouped_front_end(path):
+    """A Conv1d and GroupNorm(4 groups, 16 channels) as PyTorch exports it: Reshape to 4 groups,
+    InstanceNormalization, Reshape back, the per-channel Mul and Add."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    constants = {"w1": rng.normal(0, 0.3, (16, 1, 10)).astype(np.float32), "b1": np.zeros(16, np.float32),
+                 "gamma": rng.uniform(0.5, 1.5, (16, 1)).astype(np.float32),
+                 "beta": rng.normal(0, 0.1, (16, 1)).astype(np.float32)}
+    made = {"groups": np.array([0, 4, -1]), "ones": np.ones(4, np.float32), "zeros": np.zeros(4, np.float32)}
+    nodes = [helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(value))
+             for name, value in made.items()]
+    nodes += [helper.make_node("Conv", ["audio", "w1", "b1"], ["c1"], name="conv1", strides=[5]),
+             helper.make_node("Reshape", ["c1", "groups"], ["g1"], name="to_groups"),
+             helper.make_node("InstanceNormalization", ["g1", "ones", "zeros"], ["n1"], name="norm1"),
+             helper.make_node("Shape", ["c1"], ["shape1"], name="shape1"),
+             helper.make_node("Reshape", ["n1", "shape1"], ["n2"], name="to_channels"),
+             helper.make_node("Mul", ["n2", "gamma"], ["n3"], name="gamma1"),
+             helper.make_node("Add", ["n3", "beta"], ["features"], name="beta1")]
+    graph = helper.make_graph(nodes, "grouped", [helper.make_tensor_value_info("audio", TensorProto.FLOAT, [1, 1, 800])],
+                              [helper.make_tensor_value_info("features", TensorProto.FLOAT, [1, 16, 159])],
+                              [numpy_helper.from_array(value, name) for name, value in constants.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_an_instance_norm_of_a_1d_signal_converts_as_its_2d_form(tmp_path):
+    """pnnx stops at InstanceNorm1d ("cannot convert op nn.InstanceNorm1d"): the build converts
+    again with it run on [N, C, 1, L] between an Unsqueeze and a Squeeze, which pnnx converts to
+    ncnn's InstanceNorm, and ncnn's outputs match ONNX Runtime's on the original model. A
+    GroupNorm of fewer groups than channels, which pnnx converts (PyTorch's export of it: into
+    ncnn's GroupNorm), is converted as it was."""
+    model = _speech_front_end(tmp_path / "front_end.onnx")
+    rewritten = backend.conversion.instance_norms_as_2d(onnx.load(str(model)))
+    assert [n.op_type for n in rewritten.graph.node] == ["Conv", "Unsqueeze", "InstanceNormalization", "Squeeze",
+                                                          "Relu", "Conv"]
+    out, _, settings = build(tmp_path, model)
+    session = backend.load(out, settings)
+    for seed in range(3):
+        audio = np.random.default_rng(seed).normal(0, 0.3, (1, 1, 800)).astype(np.float32)
+        expected = reference(model, {"audio": audio})["features"]
+        actual = session.run({"audio": audio})["features"]
+        assert actual.shape == expected.shape == (1, 8, 79) and cosine(expected, actual) > 0.99999
+    assert "InstanceNorm " in (out / "model.param").read_text()
+    digits = onnx.load(str(DIGITS_MODEL))
+    assert backend.conversion.instance_norms_as_2d(digits) is digits  # nothing to rewrite: the model itself
+    grouped = _grouped_front_end(tmp_path / "grouped.onnx")
+    (tmp_path / "grouped").mkdir()
+    out, _, settings = build(tmp_path / "grouped", grouped)
+    layers = (out / "model.param").read_text()
+    assert "ExpandDims" not in layers and "Squeeze" not in layers, layers  # pnnx converted it as it was
+    audio = np.random.default_rng(3).normal(0, 0.3, (1, 1, 800)).astype(np.float32)
+    expected = reference(grouped, {"audio": audio})["features"]
+    assert cosine(expected, backend.load(out, settings).run({"audio": audio})["features"]) > 0.99999
+
+
 def test_not_installed_message(monkeypatch):
     real_import = builtins.__import__
 

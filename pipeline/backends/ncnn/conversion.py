@@ -33,10 +33,8 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
         model, quantized = ncnn_int8.split_qdq(model)
     inputs = _graph_inputs(model)
     with tempfile.TemporaryDirectory(prefix="parity-pnnx-") as scratch:
-        scratch = Path(scratch)
-        source = scratch / "model.onnx"
-        onnx.save(model, str(source))
-        param_path, bin_path = _convert(source, inputs, model)
+        source = Path(scratch) / "model.onnx"
+        param_path, bin_path, model = _converted(source, inputs, model)
         mapping = _map_isolated(source, param_path, bin_path, model)
         if quantized is not None:
             mapping["int8"] = ncnn_int8.write(param_path, bin_path, mapping.get("layers") or {}, quantized,
@@ -47,6 +45,73 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
         shutil.copyfile(bin_path, out_dir / BIN_FILE)
     options = {**runtime_options(target, precision), **mapping}
     return [PARAM_FILE, BIN_FILE], {"model": PARAM_FILE, "options": options}
+
+class UnconvertedOps(RuntimeError):
+    """pnnx left ops that ncnn has no layer for (``ops``: pnnx's names, e.g. nn.InstanceNorm1d)."""
+
+    def __init__(self, message: str, ops: List[str]):
+        super().__init__(message)
+        self.ops = ops
+
+
+def _converted(source: Path, inputs, model) -> tuple:
+    """(param, bin, the model they were converted from): ``model`` saved as ``source`` and
+    converted; where pnnx stops at InstanceNorm1d, again with instance_norms_as_2d. Only
+    then: pnnx fuses a GroupNorm of fewer groups than channels (Reshape, InstanceNormalization,
+    Reshape) into ncnn's GroupNorm, which the rewrite would break into three layers."""
+    import onnx
+
+    onnx.save(model, str(source))
+    try:
+        return (*_convert(source, inputs, model), model)
+    except UnconvertedOps as err:
+        widened = instance_norms_as_2d(model)
+        if "nn.InstanceNorm1d" not in err.ops or widened is model:
+            raise
+    onnx.save(widened, str(source))
+    return (*_convert(source, inputs, widened), widened)
+
+
+def instance_norms_as_2d(model):
+    """Each InstanceNormalization of a [N, C, L] tensor (GroupNorm with a group per channel, as
+    wav2vec 2.0's feature encoder has after its first Conv1d, or InstanceNorm1d) run on
+    [N, C, 1, L] between an Unsqueeze and a Squeeze: pnnx converts InstanceNorm2d to ncnn's
+    InstanceNorm and stops at InstanceNorm1d ("cannot convert op nn.InstanceNorm1d"); the
+    same normalization, in ONNX Runtime bit for bit. Returns ``model`` itself where it has none."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    norms = [node for node in model.graph.node if node.op_type == "InstanceNormalization"]
+    if not norms:
+        return model
+    typed = onnx.shape_inference.infer_shapes(model).graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*typed.value_info, *typed.input]
+             if v.type.tensor_type.HasField("shape")}
+    flat = [node for node in norms if ranks.get(node.input[0]) == 3]
+    if not flat:
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    axis = "parity_instance_norm_axis"
+    result.graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), axis))
+    names = {node.name for node in flat}
+    nodes = []
+    for node in result.graph.node:
+        if node.name not in names:
+            nodes.append(node)
+            continue
+        source, target = node.input[0], node.output[0]
+        widened = onnx.NodeProto()
+        widened.CopyFrom(node)
+        widened.input[0], widened.output[0] = f"{source}__2d", f"{target}__2d"
+        nodes += [helper.make_node("Unsqueeze", [source, axis], [widened.input[0]], name=f"{node.name}__to_2d"),
+                  widened,
+                  helper.make_node("Squeeze", [widened.output[0], axis], [target], name=f"{node.name}__to_1d")]
+    del result.graph.node[:]
+    result.graph.node.extend(nodes)
+    return result
+
 
 def _convert(source: Path, inputs, model) -> Tuple[Path, Path]:
     """pnnx in the scratch folder of ``source``; the ncnn param and bin it wrote."""
@@ -79,7 +144,8 @@ def _convert(source: Path, inputs, model) -> Tuple[Path, Path]:
         named = ", ".join(f"{layer.type} ({_onnx_node_for(layer, source, model)})" for layer in unknown)
         noun = "op" if len(unknown) == 1 else "ops"
         why = " with the input range's dynamic dims (a fixed model.input_shapes converts it static)" if largest else ""
-        raise RuntimeError(f"pnnx cannot convert {noun} {named}{why}: ncnn has no such layer")
+        raise UnconvertedOps(f"pnnx cannot convert {noun} {named}{why}: ncnn has no such layer",
+                             [layer.type for layer in unknown])
     return param_path, bin_path
 
 
