@@ -267,10 +267,31 @@ def test_an_instance_norm_of_a_1d_signal_converts_as_its_2d_form(tmp_path):
     (tmp_path / "grouped").mkdir()
     out, _, settings = build(tmp_path / "grouped", grouped)
     layers = (out / "model.param").read_text()
-    assert "ExpandDims" not in layers and "Squeeze" not in layers, layers  # pnnx converted it as it was
+    assert layers.count("ExpandDims") == 1, layers  # the Conv1d's 2-D form's: the norm converted as it was
     audio = np.random.default_rng(3).normal(0, 0.3, (1, 1, 800)).astype(np.float32)
     expected = reference(grouped, {"audio": audio})["features"]
     assert cosine(expected, backend.load(out, settings).run({"audio": audio})["features"]) > 0.99999
+
+
+def test_a_conv1d_runs_as_a_1_by_k_convolution_in_int8_too(tmp_path):
+    """ncnn's Convolution1D has no int8 kernel: a Conv1d is converted as a 1 x k Convolution
+    (conv1d_as_2d), so an int8 build runs every convolution int8, its name in the layer map
+    kept, and the fp32 build matches ONNX Runtime."""
+    from conftest import read_report, run_cli, run_dirs
+
+    model = _speech_front_end(tmp_path / "front_end.onnx")
+    out, _, settings = build(tmp_path, model)
+    layers = (out / "model.param").read_text()
+    assert "Convolution1D" not in layers and layers.count("Convolution ") == 2, layers
+    audio = np.random.default_rng(5).normal(0, 0.3, (1, 1, 800)).astype(np.float32)
+    expected = reference(model, {"audio": audio})["features"]
+    assert cosine(expected, backend.load(out, settings).run({"audio": audio})["features"]) > 0.99999
+    result = run_cli([f"model.path={model}", "data=random", "target=ncnn_cpu", "precision=int8", "metric=none",
+                      "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    effective = read_report(run_dirs(tmp_path)[-1])["verify"]["effective"]
+    assert effective["precision"] == "int8" and "int8: 2 of 2 compute layers" in effective["layers"], effective
+    assert set(effective["int8_layers"].values()) == {"conv1", "conv2"}
 
 
 def test_not_installed_message(monkeypatch):
