@@ -287,7 +287,8 @@ def test_a_conv1d_runs_as_a_1_by_k_convolution_in_int8_too(tmp_path):
     expected = reference(model, {"audio": audio})["features"]
     assert cosine(expected, backend.load(out, settings).run({"audio": audio})["features"]) > 0.99999
     result = run_cli([f"model.path={model}", "data=random", "target=ncnn_cpu", "precision=int8", "metric=none",
-                      "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path)
+                      "data.calibration_size=16", "data.validation_size=16", "pipeline.stages=[convert,calibrate,build,verify]"],
+                     tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     effective = read_report(run_dirs(tmp_path)[-1])["verify"]["effective"]
     assert effective["precision"] == "int8" and "int8: 2 of 2 compute layers" in effective["layers"], effective
