@@ -113,7 +113,7 @@ def test_int8_build_rounds_weights_by_default_and_records_them(digits_builds):
     assert rounding["enabled"] and rounding["applied"] and rounding["samples"] >= 8, rounding
     assert rounding["output_cosine"]["with"] > rounding["output_cosine"]["without"]
     assert set(rounding["ops"]) == {"conv1", "conv2", "conv3", "fc2"}
-    # fc1 reads 2048 columns, one row a sample: 32 rows, under a sixteenth of its columns
+    # fc1 reads 2048 columns, one row a sample: 32 rows, under a thirty-second of its columns
     assert rounding["skipped"]["fc1"] == "weight rounding: 32 input rows for 2048 columns (round to nearest kept)"
     rounded, nearest = _int8_weights(digits_builds["true"]), _int8_weights(digits_builds["false"])
     for op, (values, scales, _) in rounded.items():

@@ -38,7 +38,7 @@ DAMPING = 0.01  # of H's mean diagonal, added to its diagonal (GPTQ's default)
 BLOCK = 128  # columns rounded per block before the later columns are updated (GPTQ's)
 # a layer whose input rows on the calibration samples stay below this fraction of H's columns
 # keeps round to nearest (``_Layer.rounded``): H's rank is far below its size
-MIN_ROWS_PER_COLUMN = 1 / 16
+MIN_ROWS_PER_COLUMN = 1 / 32
 
 
 def unsupported(op) -> Optional[str]:
@@ -117,7 +117,7 @@ class _Layer:
         columns, one row a sample: 32 rows) took 1.2-1.7 s of a 2 s rounding for the same
         output cosine on the validation digits (0.99999374 with and without), where fc2 (256
         columns, 32 rows) is most of the rounding's gain (without it 0.99999166, round to
-        nearest 0.99999150)."""
+        nearest 0.99999150; docs/calibration.md, why not a sixteenth)."""
         if self.hessian is None or self.rows == 0:
             return None
         weights, scales = self.matrix(self.float_weight), self.row_scales()
