@@ -47,6 +47,7 @@ def build(onnx_path: Path, ir_dir: Optional[Path], out_dir: Path, target, precis
     options = {**runtime_options(target, precision), **mapping}
     return [PARAM_FILE, BIN_FILE], {"model": PARAM_FILE, "options": options}
 
+
 def conv1d_as_2d(model):
     """Each Conv of a 3-D weight (Conv1d) as a 1 x k Conv2d between an Unsqueeze and a Squeeze,
     its weight reshaped [O, I, 1, k], its name and output tensor kept: ncnn's Convolution has
@@ -55,8 +56,6 @@ def conv1d_as_2d(model):
     fp32 build (as an AVX2 CPU 1.67x and 2.03x). Unnamed nodes are named first as reports name
     them (fingerprints.node_key), so that their names do not move with the nodes added. Returns
     ``model`` itself where it has no Conv1d."""
-    import numpy as np
-    import onnx
     from onnx import helper, numpy_helper
 
     from pipeline.backends.ncnn.fingerprints import node_key
@@ -149,9 +148,8 @@ def instance_norms_as_2d(model):
     [N, C, 1, L] between an Unsqueeze and a Squeeze: pnnx converts InstanceNorm2d to ncnn's
     InstanceNorm and stops at InstanceNorm1d ("cannot convert op nn.InstanceNorm1d"); the
     same normalization, in ONNX Runtime bit for bit. Returns ``model`` itself where it has none."""
-    import numpy as np
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     norms = [node for node in model.graph.node if node.op_type == "InstanceNormalization"]
     if not norms:
