@@ -60,6 +60,7 @@ CASES = [
     (["validation.max_metric_drop=5"], ["validation.max_metric_drop=5.0", "[-1.0, 1.0]"]),
     (["validation.min_sqnr_db=nan"], ["validation.min_sqnr_db=nan", "not NaN"]),
     (["sensitivity.samples=0"], ["sensitivity.samples=0", ">= 1"]),
+    (["validation.timing_processes=0"], ["validation.timing_processes=0", "out of range", ">= 1"]),
     (["+validation.outputs={logits:{min_cosine:1.5}}"], ["validation.outputs.logits.min_cosine=1.5", "[-1.0, 1.0]"]),
 ]
 
