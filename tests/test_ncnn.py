@@ -295,6 +295,39 @@ def test_a_conv1d_runs_as_a_1_by_k_convolution_in_int8_too(tmp_path):
     assert set(effective["int8_layers"].values()) == {"conv1", "conv2"}
 
 
+def _conv1d_chain(path, gain_shape):
+    """Conv1d -> Relu -> Mul by ``gain`` -> Conv1d: a scalar gain (shape []) or one per channel."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    constants = {"w1": rng.normal(0, 0.3, (16, 1, 10)), "w2": rng.normal(0, 0.2, (8, 16, 3)),
+                 "gain": rng.uniform(0.5, 1.5, gain_shape)}
+    nodes = [helper.make_node("Conv", ["audio", "w1"], ["c1"], name="conv1", strides=[5]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Mul", ["r1", "gain"], ["g1"], name="gain1"),
+             helper.make_node("Conv", ["g1", "w2"], ["features"], name="conv2", strides=[2])]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("audio", TensorProto.FLOAT, [1, 1, 800])],
+                              [helper.make_tensor_value_info("features", TensorProto.FLOAT, [1, 8, 79])],
+                              [numpy_helper.from_array(np.asarray(v, np.float32), n) for n, v in constants.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+@pytest.mark.parametrize("gain_shape, kept_4d", [((), True), ((16, 1), False)])
+def test_elementwise_ops_between_two_conv1d_stay_4d(tmp_path, gain_shape, kept_4d):
+    """Between two Conv1d's 1 x k forms, a Relu and a Mul by a scalar run on the 4-D tensor (no
+    Squeeze and ExpandDims layer pair between them); a Mul by a per-channel gain, which would
+    broadcast otherwise in 4-D, keeps the pair. Either way ncnn matches ONNX Runtime."""
+    model = _conv1d_chain(tmp_path / "chain.onnx", gain_shape)
+    ops = [n.op_type for n in backend.conversion.conv1d_as_2d(onnx.load(str(model))).graph.node]
+    assert ops.count("Squeeze") == (1 if kept_4d else 2) and ops.count("Unsqueeze") == (1 if kept_4d else 2), ops
+    out, _, settings = build(tmp_path, model)
+    audio = np.random.default_rng(4).normal(0, 0.3, (1, 1, 800)).astype(np.float32)
+    expected = reference(model, {"audio": audio})["features"]
+    actual = backend.load(out, settings).run({"audio": audio})["features"]
+    assert actual.shape == expected.shape and cosine(expected, actual) > 0.99999
+
+
 def test_not_installed_message(monkeypatch):
     real_import = builtins.__import__
 
