@@ -203,8 +203,6 @@ def _converted(source: Path, inputs, model) -> tuple:
         widened = instance_norms_as_2d(model)
         if "nn.InstanceNorm1d" not in err.ops or widened is model:
             raise
-    for leftover in source.parent.iterdir():  # pnnx reads its own files of the first run back
-        leftover.unlink()
     onnx.save(widened, str(source))
     return (*_convert(source, inputs, widened), widened)
 
