@@ -37,6 +37,26 @@ def test_a_build_not_faster_than_fp32_is_never_a_silent_pass(default_run):
         assert warned[0] in (run_dir / "report.md").read_text()
 
 
+def test_a_short_build_is_timed_in_two_processes_each_and_printed_with_its_median_interval(tmp_path):
+    """The digits model runs in well under 10 ms: with the default timing, int8's verify times
+    fp32 and int8 in two processes each, rounds in turn (as many in each), and the printed
+    interval is where the median lies (the second lowest to the second highest of 8 rounds),
+    not the rounds' p25-p75."""
+    result = run_cli(["precision=int8", "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path, quick=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(run_dirs(tmp_path)[-1])
+    comparison, speed = report["verify"]["comparison"], report["verify"]["speed"]["speedups"]["int8"]
+    for build in ("fp32", "int8"):
+        latency = comparison[build]["latency"]
+        assert latency["processes"] == 2 and latency["rounds"] % 2 == 0 and latency["rounds"] >= 8
+    ratios = sorted(f / t for f, t in zip(comparison["fp32"]["latency"]["round_medians_ms"],
+                                          comparison["int8"]["latency"]["round_medians_ms"]))
+    assert (speed["speedup_low"], speed["speedup_high"]) == pytest.approx((ratios[1], ratios[-2]))
+    assert speed["confidence"] >= 0.9
+    printed = f"int8 {speed['speedup']:.2f}x ({speed['speedup_low']:.2f}-{speed['speedup_high']:.2f})"
+    assert f"2 processes a build; the median's {100 * speed['confidence']:.0f} % interval): {printed}" in result.stdout
+
+
 def test_min_speedup_fails_the_verdict_after_the_accuracy_checks(tmp_path):
     result = run_cli(["precision=int8", "validation.min_speedup=1000", "validation.timing_max_seconds=0"], tmp_path)
     assert result.returncode == 3, result.stderr

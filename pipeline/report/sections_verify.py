@@ -18,6 +18,7 @@ from pipeline.report.document import Banner, Charts, Heading, Items, KeyValues, 
 from pipeline.report.junit import uncertainty
 from pipeline.report.sections_memory import memory_section
 from pipeline.verification.memory import candidate_peak
+from pipeline.verification.speed import interval_keys
 from pipeline.report.formatting import (FIRST_NAMES, NA, STDERR_LINES, STDERR_WIDTH, as_dict, as_list,
                                         column_headers, finite, first_names, fmt_attribute, fmt_cells, fmt_cosine,
                                         fmt_error, fmt_interval, fmt_number, fmt_pass, fmt_ratio, fmt_seconds, fmt_sqnr,
@@ -186,7 +187,7 @@ def _comparison_blocks(comparison: dict, metric=None) -> list:
 
 
 def fmt_speedup(speedup: dict) -> str:
-    low, high = ("speedup_low", "speedup_high") if "speedup_low" in speedup else ("speedup_p25", "speedup_p75")
+    low, high = interval_keys(speedup)
     text = (f"{fmt_number(speedup.get('speedup'), '.2f')}x ({fmt_number(speedup.get(low), '.2f')} - "
             f"{fmt_number(speedup.get(high), '.2f')})")
     return text if speedup.get("faster") else f"{text} not faster"

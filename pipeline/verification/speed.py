@@ -417,12 +417,16 @@ def median_interval(values: List[float], confidence: float = CONFIDENCE) -> Tupl
     return float(ordered[k - 1]), float(ordered[count - k]), max(0.0, 1 - 2 * outside(k))
 
 
+def interval_keys(found: dict) -> Tuple[str, str]:
+    """The keys of a speed-up's printed interval (``speedups``' entry): median_interval's, or
+    the rounds' p25-p75 in a report written before it existed."""
+    return ("speedup_low", "speedup_high") if "speedup_low" in found else ("speedup_p25", "speedup_p75")
+
+
 def interval(found: dict) -> Tuple[float, float]:
-    """The printed interval of a speed-up (``speedups``' entry): median_interval's, or the
-    rounds' p25-p75 in a report written before it existed."""
-    if "speedup_low" in found:
-        return found["speedup_low"], found["speedup_high"]
-    return found["speedup_p25"], found["speedup_p75"]
+    """The printed interval of a speed-up (``interval_keys``)."""
+    low, high = interval_keys(found)
+    return found[low], found[high]
 
 
 def speedup_text(found: dict) -> str:

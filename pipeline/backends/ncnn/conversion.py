@@ -99,7 +99,7 @@ def _without_shapes_of(graph, tensors: set) -> None:
     graph.value_info.extend(kept)
 
 
-AXIS_2 = "parity_axis_2"
+AXIS_2 = "parity_axis_2"  # the axes of the Unsqueeze/Squeeze pairs the two rewrites put around a 1-D op
 # ops that compute each element alone: between two Conv1d's 2-D forms they run on the 4-D tensor
 ELEMENTWISE = {"Relu", "Sigmoid", "Tanh", "Erf", "Div", "Mul", "Add", "Sub", "Clip", "LeakyRelu", "HardSigmoid",
                "HardSwish", "Neg", "Abs", "Elu", "Selu", "Softplus", "Gelu", "Sqrt", "Exp", "Pow"}
@@ -115,9 +115,9 @@ def _kept_2d(nodes: list, graph) -> list:
     scalars = {t.name for t in graph.initializer if int(np.prod(t.dims)) == 1} | {
         node.output[0] for node in nodes if node.op_type == "Constant" and node.attribute
         and node.attribute[0].name == "value" and numpy_helper.to_array(node.attribute[0].t).size == 1}
-    outputs = {o.name for o in graph.output}
+    outputs, readers = {o.name for o in graph.output}, _readers(nodes)
     for squeeze in [n for n in nodes if n.op_type == "Squeeze" and list(n.input[1:]) == [AXIS_2]]:
-        region = _elementwise_region(nodes, squeeze.output[0], scalars, outputs)
+        region = _elementwise_region(readers, squeeze.output[0], scalars, outputs)
         if region is None:
             continue
         inner, unsqueezes = region
@@ -129,16 +129,22 @@ def _kept_2d(nodes: list, graph) -> list:
             node.input[:] = [renamed.get(name, name) for name in node.input]
         dropped = {id(squeeze), *map(id, unsqueezes)}
         nodes = [node for node in nodes if id(node) not in dropped]
+        readers = _readers(nodes)
     return nodes
 
 
-def _elementwise_region(nodes: list, start: str, scalars: set, outputs: set):
-    """(elementwise nodes reached from ``start``, the AXIS_2 Unsqueezes that end them), or None
-    where anything else reads a tensor of the region or a graph output is one."""
+def _readers(nodes: list) -> Dict[str, list]:
+    """Each tensor's reading nodes."""
     readers: Dict[str, list] = {}
     for node in nodes:
         for name in node.input:
             readers.setdefault(name, []).append(node)
+    return readers
+
+
+def _elementwise_region(readers: Dict[str, list], start: str, scalars: set, outputs: set):
+    """(elementwise nodes reached from ``start``, the AXIS_2 Unsqueezes that end them), or None
+    where anything else reads a tensor of the region or a graph output is one."""
     tensors, inner, ends, queue = {start}, [], [], [start]
     while queue:
         for node in readers.get(queue.pop(), []):
@@ -154,12 +160,11 @@ def _elementwise_region(nodes: list, start: str, scalars: set, outputs: set):
     reads_outside = any(name not in tensors and name not in scalars for node in inner for name in node.input if name)
     if not ends or reads_outside or tensors & outputs:
         return None
-    return inner, ends  # the axes of the Unsqueeze/Squeeze pairs the two rewrites put around a 1-D op
+    return inner, ends
 
 
 def _with_axis_2(model):
     """A copy of ``model`` with the initializer AXIS_2 ([2])."""
-    import numpy as np
     import onnx
     from onnx import numpy_helper
 

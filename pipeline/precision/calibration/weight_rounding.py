@@ -70,7 +70,7 @@ class _Layer:
         self.groups = int(self.attributes.get("group", 1)) if self.node.op_type == "Conv" else 1
         self.hessian: Optional[np.ndarray] = None
         self.rows = 0
-        self._pending: List[np.ndarray] = []  # input patches held while fewer rows than columns came
+        self._pending: List[np.ndarray] = []  # input patches held until the rows reach MIN_ROWS_PER_COLUMN
 
     def matrix(self, weight: np.ndarray) -> np.ndarray:
         """[groups, out per group, in per group] view of a weight."""
