@@ -165,15 +165,15 @@ def _plain(ctx: StageContext, measure: "_MixedMeasure", table, summary: dict) ->
 def _base_table(measure: "_MixedMeasure", prepared, calibrated: tuple, candidates, ranking: List[dict],
                 summary: dict):
     """The selection's base table: each op at its best method, or calibrate's table where
-    that measures better (each op's best was found with only that op in int8; together they
-    can do worse: measured on PP-OCR) or where the deadline leaves no time to measure it.
-    ``calibrated``: (calibrate's table, its measure)."""
+    that spends less of the target (`spent`; each op's best was found with only that op in
+    int8, and together they can do worse: measured on PP-OCR) or where the deadline leaves
+    no time to measure it. ``calibrated``: (calibrate's table, its measure)."""
     table, measured = calibrated
     best_table = search.best_method_table(prepared, table, candidates, ranking)
     why = measure.no_time("the mixed search's measure of the per-op methods' table")
     combined = measure(best_table, []) if why is None else {"cut": why}
     summary["per_op_methods"] = combined
-    if why is not None or combined["cosine"] < measured["cosine"]:
+    if why is not None or spent(combined, measure.goal) > spent(measured, measure.goal):
         best_table = table
     summary["table"] = "per-op methods" if best_table is not table else "calibrate"
     return best_table
@@ -467,6 +467,17 @@ class _MixedMeasure:
         drop = result["metric_drop"]
         return result["cosine"] >= cos and (drop is None or drop <= max_drop + 1e-12) \
             and result.get("ids_short", 0.0) <= 1e-12
+
+
+def spent(result: dict, goal: tuple) -> float:
+    """How much of the target's budget a whole-model measure spends, as badness counts it: the
+    cosine's loss over its budget plus the task metric's drop over the allowed drop, so that
+    two tables are compared by what the gate checks (the task metric first where one is scored)."""
+    cos, max_drop = goal
+    used = (1.0 - result["cosine"]) / max(1.0 - cos, 1e-9)
+    if result.get("metric_drop") is not None:
+        used += max(result["metric_drop"], 0.0) / max(max_drop, 1e-9)
+    return used
 
 
 def badness(loss: float, metric_drop: Optional[float], cfg) -> float:
