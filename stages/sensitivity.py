@@ -266,10 +266,10 @@ def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[di
         float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
         return float_ops, [{"float_ops": len(float_ops), **measure(table, float_ops)}], {}
     started = time.perf_counter()
-    costs = _costs(ctx, measure, table, ranking, summary)
+    costs, priced = _costs(ctx, measure, table, ranking, summary)
     seconds["costs"] = round(time.perf_counter() - started, 2)
     float_ops, curve = _select_for_target(measure, table, ranking, cfg.sensitivity.max_float_ops, costs,
-                                          latency.quantizable_neighbours(measure.prepared, costs))
+                                          latency.quantizable_neighbours(measure.prepared, costs), priced)
     seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
     return float_ops, curve, costs
 
@@ -309,16 +309,17 @@ def _latency_aware(cfg) -> bool:
     return cfg.sensitivity.latency_aware and backends.capabilities(cfg.target.backend.value).qdq_latency
 
 
-def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict) -> Dict[str, float]:
-    """Per-op latency cost (ms given back when the op stays float) on the target's own
-    runtime, when sensitivity.latency_aware and the target runs the Q/DQ model; {} else."""
+def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict):
+    """(per-op latency cost: ms given back when the op stays float, on the target's own
+    runtime, when sensitivity.latency_aware and the target runs the Q/DQ model, {} else;
+    the runtime's priced conversions, latency.Boundary, or None)."""
     cfg = ctx.cfg
     backend = cfg.target.backend.value
     if not _latency_aware(cfg):
         summary["latency"] = {"skipped": "sensitivity.latency_aware is false: selection by accuracy alone"
                               if not cfg.sensitivity.latency_aware else
                               f"{backend} builds its own int8 model, not this Q/DQ one: selection by accuracy alone"}
-        return {}
+        return {}, None
     ops = [r["op"] for r in ranking]
 
     def produce(folder: Path) -> None:
@@ -340,7 +341,10 @@ def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dic
         measured["reused"] = "timed by an earlier run on this machine (same model, placement and target)"
     write_json(ctx.out_dir / "costs.json", measured)
     summary["latency"] = {k: v for k, v in measured.items() if k != "ops"}
-    return {op: entry["cost_ms"] for op, entry in measured["ops"].items()}
+    priced = latency.boundary(measure.prepared, ops, measured, backends.capabilities(backend).conversion_passes)
+    summary["latency"]["conversions"] = (f"priced: {priced.ms_per_element * 1e6:.3f} ms a million elements crossing "
+                                         f"between int8 and float" if priced else "counted as edges")
+    return {op: entry["cost_ms"] for op, entry in measured["ops"].items()}, priced
 
 
 def _samples(ctx: StageContext, size: int):
@@ -506,7 +510,7 @@ def _ranking(trials, cfg) -> List[dict]:
 
 
 def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: int, costs: dict,
-                       neighbours: Dict[str, List[str]]):
+                       neighbours: Dict[str, List[str]], priced: Optional[latency.Boundary] = None):
     """The shortest prefix of the joining order that meets the target, then every op dropped
     whose removal keeps it. Without costs, ops join in rank order and the least sensitive go
     first in the prune. With per-op costs (latency-aware), the op joining next is the one
@@ -519,8 +523,9 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
     curve is not monotonic on this CPU): the prune removes what the search over-took, and
     when the target is never met the best point measured is kept. Returns (float ops,
     curve); a prune trial that had to keep its op records the op's measured gain (cosine
-    with the op float minus with it int8)."""
-    order = _joining_order(ranking, max_float_ops, costs, neighbours)
+    with the op float minus with it int8). ``priced``: the runtime's conversions, counted in
+    each op's cost where given (latency.Boundary), else new edges are."""
+    order = _joining_order(ranking, max_float_ops, costs, neighbours, priced)
     if not order or measure.no_time(NEXT):
         return [], []
     measured: Dict[int, dict] = {}
@@ -537,23 +542,25 @@ def _select_for_target(measure: _MixedMeasure, table, ranking, max_float_ops: in
         while length - failing > 1 and not measure.no_time(NEXT):
             middle = (failing + length) // 2
             failing, length = (failing, middle) if measure.meets(at(middle)) else (middle, length)
-    curve = [{"float_ops": k, "added": order[k - 1], "cost_ms": latency.estimate_ms(order[:k], costs), **measured[k]}
-             for k in sorted(measured)]
+    curve = [{"float_ops": k, "added": order[k - 1], "cost_ms": latency.estimate_ms(order[:k], costs, priced),
+              **measured[k]} for k in sorted(measured)]
     if not measure.meets(measured[length]):
         best = max(measured, key=lambda k: measured[k]["cosine"])
         curve.append({**measured[best], "float_ops": best, "added": None, "kept_best": True})
         return order[:best], curve
-    return _prune(measure, table, order[:length], measured[length], costs, curve)
+    return _prune(measure, table, order[:length], measured[length], costs, curve, priced=priced)
 
 
-def _joining_order(ranking, max_float_ops: int, costs: dict, neighbours: Dict[str, List[str]]) -> List[str]:
+def _joining_order(ranking, max_float_ops: int, costs: dict, neighbours: Dict[str, List[str]],
+                   priced: Optional[latency.Boundary] = None) -> List[str]:
     """The ops in the order they join the float set (at most max_float_ops)."""
     float_ops: List[str] = []
     remaining = list(ranking)
     edge_ms = EDGE_WEIGHT * statistics.median(costs.values()) if costs else 0.0
     floor_ms = FLOOR_SHARE * sum(costs.values())
     while remaining and len(float_ops) < max_float_ops:
-        row = max(remaining, key=lambda r: latency.value_per_ms(r, float_ops, costs, neighbours, edge_ms, floor_ms)) \
+        row = max(remaining, key=lambda r: latency.value_per_ms(r, float_ops, costs, neighbours, edge_ms, floor_ms,
+                                                                      priced)) \
             if costs else remaining[0]
         remaining.remove(row)
         float_ops.append(row["op"])
@@ -561,19 +568,22 @@ def _joining_order(ranking, max_float_ops: int, costs: dict, neighbours: Dict[st
 
 
 def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, costs: dict, curve: List[dict],
-           order: Optional[List[str]] = None):
+           order: Optional[List[str]] = None, priced: Optional[latency.Boundary] = None):
     """Drop every op whose removal still meets the target, one at a time (costliest first
     with costs, else the last joined first). With costs, an op whose int8 gain is under
     FLOOR_SHARE of all ops' is not tried: it stays float (PP-OCRv4 rec: 16 of 23 trials,
     2.6 % of int8's gain); an op slower in int8 is still tried, last. Removing halves at
     once was tried: on PP-OCRv4 rec most halves failed together and it took more
     measurements than this (42 vs 30, docs/sensitivity.md). ``order``: the ops to try, in
-    turn, instead. (float ops, curve)"""
-    order = order if order is not None else (sorted(float_ops, key=lambda op: -costs.get(op, 0.0)) if costs
+    turn, instead. An op's cost counts the conversions its leaving the set saves where they
+    are ``priced``. (float ops, curve)"""
+    own = {op: costs.get(op, 0.0) + (priced.ms(float_ops) - priced.ms([o for o in float_ops if o != op])
+                                     if priced else 0.0) for op in float_ops}
+    order = order if order is not None else (sorted(float_ops, key=lambda op: -own[op]) if costs
                                              else list(reversed(float_ops[:-1])))
     if costs and len(float_ops) < len(costs):  # with every op float each is tried, else the build is fp32
         floor_ms = FLOOR_SHARE * sum(costs.values())
-        order = [op for op in order if not 0.0 <= costs.get(op, 0.0) < floor_ms]
+        order = [op for op in order if not 0.0 <= own.get(op, 0.0) < floor_ms]
     for op in order:
         if measure.no_time(NEXT):
             break
@@ -581,8 +591,8 @@ def _prune(measure: _MixedMeasure, table, float_ops: List[str], current: dict, c
         result = measure(table, trial)
         if measure.meets(result):
             float_ops, current = trial, result
-            curve.append({"float_ops": len(float_ops), "removed": op, "cost_ms": latency.estimate_ms(float_ops, costs),
-                          **result})
+            curve.append({"float_ops": len(float_ops), "removed": op,
+                          "cost_ms": latency.estimate_ms(float_ops, costs, priced), **result})
         else:
             curve.append({"float_ops": len(float_ops), "kept": op, "gain": current["cosine"] - result["cosine"],
                           **{f"without_{k}": v for k, v in result.items()}})

@@ -97,6 +97,11 @@ class Capabilities:
     # reading it so (ONNX Runtime: the int8 region stays NHWC, one DequantizeLinear replaces a
     # float Add of two dequantized inputs): the mixed search tries it (stages/sensitivity.py)
     float_reads_int8: bool = False
+    # passes over a tensor's elements one conversion between its int8 and float regions
+    # takes, in units of its own QuantizeLinear pass (0: not priced; the mixed search then
+    # counts edges): ONNX Runtime dequantizes, transposes NHWC -> NCHW and reorders to NCHWc
+    # (pipeline/precision/calibration/latency.py)
+    conversion_passes: int = 0
     # names what a GPU device of its targets resolves to on this machine now, without
     # loading a model (a stage cache key's part) [device_identity(device) -> str]
     device_identity: bool = False

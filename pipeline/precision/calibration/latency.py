@@ -9,6 +9,12 @@ int8's gain when that op stays float (negative where the op is slower in int8 he
 selection then takes it first, as it buys accuracy and speed). Conversions and reorders the runtime inserts around
 a float island are not anyone's op: the selection accounts for them by preferring float
 sets that do not split int8 chains (``island_edges``), and verify times the result.
+Where the runtime's conversions are priced (``Boundary``: ONNX Runtime), a float op's
+tensors that cross to an int8 neighbour cost their elements at the int8 run's own
+quantize/dequantize price times the passes one conversion takes (a float head reading a
+64 x 320 x 320 tensor: dequantize, layout transpose, NCHWc reorder: 9.3 ms where the kernel
+difference the profiles show is 2.9 ms; the first convolution float, -2.2 ms by the
+kernels, made the segmenter's int8 graph 17 ms slower: docs/sensitivity.md).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -26,6 +33,7 @@ from pipeline.errors import first_line
 
 log = logging.getLogger("parity")
 RUNS, WARMUP, BUDGET_S = 10, 2, 5.0  # per model; the profile stops early once the budget is spent
+SMALL_CONSTANT = 64  # elements: a constant shape inference may need the values of (a Reshape's shape)
 
 
 def op_costs(fp32_model, int8_model, backend, target, feeds: Dict[str, np.ndarray], ops: Iterable[str]) -> dict:
@@ -41,10 +49,68 @@ def op_costs(fp32_model, int8_model, backend, target, feeds: Dict[str, np.ndarra
                     first_line(err))
         return {"error": first_line(err), "ops": {}}
     by_fp32, by_int8 = _by_node(fp32["layers"]), _by_node(int8["layers"])
+    sizes = tensor_sizes(fp32_model, feeds)
+    nodes = {node.name: node for node in fp32_model.graph.node}
     costs = {op: {"fp32_ms": round(by_fp32[op], 4), "int8_ms": round(by_int8[op], 4),
-                  "cost_ms": round(by_fp32[op] - by_int8[op], 4)} for op in ops}
+                  "cost_ms": round(by_fp32[op] - by_int8[op], 4),
+                  "elements": [sizes.get(nodes[op].input[0]), sizes.get(nodes[op].output[0])] if op in nodes else None}
+             for op in ops}
     return {"ops": costs, "fp32_ms": fp32["run_ms"], "int8_ms": int8["run_ms"], "measured_by": fp32["measured_by"],
-            "device": fp32.get("device"), "runs": fp32["runs"]}
+            "device": fp32.get("device"), "runs": fp32["runs"],
+            "quantize_ms_per_melement": quantize_price(int8["layers"], sizes)}
+
+
+def tensor_sizes(model, feeds: Dict[str, np.ndarray]) -> Dict[str, int]:
+    """Elements of each tensor whose shape ONNX shape inference finds with the graph inputs at
+    the sample's shapes ({} where inference fails)."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    # weights become typed inputs (their shapes are what inference needs, and a large model
+    # stays cheap to copy); small constants (shapes, scales) keep their values
+    large = [t for t in copy.graph.initializer if int(np.prod(t.dims)) > SMALL_CONSTANT]
+    for tensor in large:
+        copy.graph.initializer.remove(tensor)
+    declared = {v.name for v in copy.graph.input}
+    copy.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                            for t in large if t.name not in declared)
+    for value in copy.graph.input:
+        if value.name in feeds:
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            for size in np.shape(feeds[value.name]):
+                dims.add().dim_value = int(size)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(copy)
+    except Exception:  # noqa: BLE001 - an op inference does not know: sizes unknown, the selection counts edges
+        return {}
+    sizes = {}
+    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+            sizes[value.name] = int(np.prod([d.dim_value for d in dims]))
+    return sizes
+
+
+def quantize_price(layers: List[dict], sizes: Dict[str, int]) -> Optional[float]:
+    """ms per million elements of the int8 run's own QuantizeLinear and DequantizeLinear layers
+    (ONNX Runtime names each after its tensor: x_QuantizeLinear), where their tensors' sizes
+    are known; None without any."""
+    ms, elements = 0.0, 0
+    for layer in layers:
+        if layer.get("type") not in _QDQ_TYPES:
+            continue
+        tensor = layer["name"].removesuffix("/duplicated")
+        for suffix in _QDQ_SUFFIXES:
+            tensor = tensor.removesuffix(suffix)
+        if tensor in sizes:
+            ms, elements = ms + layer["ms"], elements + sizes[tensor]
+    return round(1e6 * ms / elements, 6) if elements else None
+
+
+_QDQ_TYPES = ("QuantizeLinear", "DequantizeLinear")
+_QDQ_SUFFIXES = ("_QuantizeLinear", "_DequantizeLinear")
 
 
 def _profile(model, precision: str, scratch: Path, backend, target, feeds) -> dict:
@@ -80,6 +146,12 @@ def island_edges(float_ops: Iterable[str], neighbours: Dict[str, List[str]]) -> 
 def quantizable_neighbours(model, ops: Iterable[str]) -> Dict[str, List[str]]:
     """For each quantizable op, the nearest quantizable ops up- and downstream, through the
     ops between them that do not compute much (activations, adds, reshapes, pools)."""
+    up, down = neighbours_each_way(model, ops)
+    return {op: sorted(set(up[op]) | set(down[op])) for op in up}
+
+
+def neighbours_each_way(model, ops: Iterable[str]) -> Tuple[Dict[str, List[str]], Dict[str, List[str]]]:
+    """(upstream, downstream): quantizable_neighbours's, apart."""
     ops = set(ops)
     producers = {out: node for node in model.graph.node for out in node.output}
     consumers: Dict[str, list] = {}
@@ -107,21 +179,67 @@ def quantizable_neighbours(model, ops: Iterable[str]) -> Dict[str, List[str]]:
         return [c for name in node.output for c in consumers.get(name, [])]
 
     nodes = {node.name: node for node in model.graph.node}
-    return {op: sorted(walk(nodes[op], up) | walk(nodes[op], down)) for op in ops if op in nodes}
+    present = [op for op in ops if op in nodes]
+    return ({op: sorted(walk(nodes[op], up)) for op in present}, {op: sorted(walk(nodes[op], down)) for op in present})
 
 
-def estimate_ms(float_ops: Iterable[str], costs: Dict[str, float]) -> Optional[float]:
-    """The latency the float ops add to plain int8, by their measured costs (None without costs)."""
+@dataclass
+class Boundary:
+    """What the runtime's conversions between int8 and float cost a float set: each float op's
+    input (output) that an int8 op upstream (downstream) makes (reads) is converted once, its
+    elements at ``ms_per_element``: the int8 run's quantize price times the conversion's
+    passes (Capabilities.conversion_passes). ``elements``: op -> (input, output) elements."""
+    up: Dict[str, List[str]]
+    down: Dict[str, List[str]]
+    elements: Dict[str, Tuple[int, int]]
+    ms_per_element: float
+    memo: Dict[frozenset, float] = field(default_factory=dict, repr=False)
+
+    def ms(self, float_ops: Iterable[str]) -> float:
+        chosen = frozenset(float_ops)
+        if chosen not in self.memo:
+            self.memo[chosen] = self.ms_per_element * sum(
+                inputs * any(n not in chosen for n in self.up.get(op, ())) +
+                outputs * any(n not in chosen for n in self.down.get(op, ()))
+                for op in chosen for inputs, outputs in [self.elements.get(op, (0, 0))])
+        return self.memo[chosen]
+
+    def added_ms(self, float_ops: Iterable[str], op: str) -> float:
+        """The conversions' ms that ``op`` joining ``float_ops`` adds (negative: it closes more)."""
+        return self.ms([*float_ops, op]) - self.ms(float_ops)
+
+
+def boundary(model, ops: Iterable[str], measured: dict, passes: int) -> Optional[Boundary]:
+    """The Boundary of op_costs's measure, or None where the runtime's conversions are not
+    priced (``passes`` 0), the int8 run had no quantize layer to price them by, or no op's
+    tensor sizes are known."""
+    price = measured.get("quantize_ms_per_melement")
+    elements = {op: tuple(entry["elements"]) for op, entry in measured.get("ops", {}).items()
+                if entry.get("elements") and None not in entry["elements"]}
+    if not passes or not price or not elements:
+        return None
+    up, down = neighbours_each_way(model, ops)
+    return Boundary(up, down, elements, passes * price / 1e6)
+
+
+def estimate_ms(float_ops: Iterable[str], costs: Dict[str, float], priced: Optional[Boundary] = None) -> Optional[float]:
+    """The latency the float ops add to plain int8, by their measured costs and, where priced,
+    their conversions (None without costs)."""
     if not costs:
         return None
-    return round(sum(costs.get(op, 0.0) for op in float_ops), 4)
+    float_ops = list(float_ops)
+    return round(sum(costs.get(op, 0.0) for op in float_ops) + (priced.ms(float_ops) if priced else 0.0), 4)
 
 
 def value_per_ms(row: dict, float_ops: List[str], costs: Dict[str, float], neighbours: Dict[str, List[str]],
-                 edge_ms: float, floor_ms: float) -> float:
+                 edge_ms: float, floor_ms: float, priced: Optional[Boundary] = None) -> float:
     """Loss per millisecond given back when the op joins the float set: its measured cost,
-    plus ``edge_ms`` (a typical op's cost) for every new edge between the float set and an
-    int8 neighbour (minus one for every such edge it closes), never below ``floor_ms``."""
-    edges = island_edges([*float_ops, row["op"]], neighbours) - island_edges(float_ops, neighbours)
-    spent = costs.get(row["op"], 0.0) + edge_ms * edges
+    plus the conversions it adds where they are priced, else ``edge_ms`` (a typical op's cost)
+    for every new edge between the float set and an int8 neighbour (minus one for every such
+    edge it closes), never below ``floor_ms``."""
+    if priced is not None:
+        spent = costs.get(row["op"], 0.0) + priced.added_ms(float_ops, row["op"])
+    else:
+        edges = island_edges([*float_ops, row["op"]], neighbours) - island_edges(float_ops, neighbours)
+        spent = costs.get(row["op"], 0.0) + edge_ms * edges
     return row.get("badness", row["loss"]) / max(spent, floor_ms, 1e-9)
