@@ -131,6 +131,14 @@ def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
     assert all(c["fp32_ms"] > 0 for c in costs["ops"].values())  # every op found in the fp32 profile
     # timed as the build runs it: on ONNX Runtime its pass-through Relus folded (narrow Convs widened)
     assert (costs["int8_as_built"]["relus_folded"] > 0) == (target == "ort_cpu"), costs["int8_as_built"]
+    # each op's input and output elements at the sample's shape; ONNX Runtime's conversions
+    # priced by its own int8 run's quantize layers (OpenVINO's: counted as edges)
+    assert all(isinstance(n, int) and n > 0 for c in costs["ops"].values() for n in c["elements"]), costs["ops"]
+    priced = summary["latency"]["conversions"]
+    if target == "ort_cpu":
+        assert costs["quantize_ms_per_melement"] > 0 and priced.startswith("priced"), (costs, priced)
+    else:
+        assert priced == "counted as edges"
     details = summary["float_op_details"]
     assert [d["op"] for d in details] == summary["float_ops"]
     assert all(d["cost_ms"] == costs["ops"][d["op"]]["cost_ms"] for d in details)
@@ -505,3 +513,40 @@ def test_the_base_table_is_the_one_that_spends_less_of_the_task_metric(monkeypat
                 cosine_goal) == "calibrate"
     assert base({"cosine": 0.99991, "metric_drop": None}, {"cosine": 0.99990, "metric_drop": None},
                 cosine_goal) == "per-op methods"
+
+
+def test_priced_conversions_count_each_crossing_tensor_once():
+    """latency.Boundary: a float op's input counts where an int8 op upstream makes it, its
+    output where an int8 op downstream reads it; a neighbour joining the float set closes that
+    crossing. Chain A -> B -> C: B float alone converts its input and output."""
+    from pipeline.precision.calibration.latency import Boundary
+
+    up = {"A": [], "B": ["A"], "C": ["B"]}
+    down = {"A": ["B"], "B": ["C"], "C": []}
+    priced = Boundary(up, down, {"A": (10, 100), "B": (100, 1000), "C": (1000, 1)}, ms_per_element=0.001)
+    assert priced.ms(["B"]) == pytest.approx(1.1)  # B's 100 inputs (A is int8) and its 1000 outputs (C is)
+    assert priced.ms(["A", "B"]) == pytest.approx(1.0)  # A reads the graph input: only B's output crosses
+    assert priced.ms(["A", "B", "C"]) == 0.0  # all float: nothing converts
+    assert priced.added_ms(["B"], "C") == pytest.approx(-1.1 + 0.1)  # closes B's output, opens C's input
+
+
+def test_priced_selection_prefers_the_op_whose_tensors_are_small():
+    """Two ops of equal loss and kernel cost: counting edges they are alike (rank order
+    decides), priced by the elements their conversions move, the one on small tensors joins
+    first and alone meets the target (the real-size segmenter: the first convolution, -2.2 ms
+    by its kernels, made int8 17 ms slower through its 64 x 320 x 320 output)."""
+    from pipeline.precision.calibration.latency import Boundary
+    from stages.sensitivity import _joining_order, _select_for_target
+
+    losses = {"big": 0.04, "small": 0.04}
+    ranking = [{"op": op, "loss": loss} for op, loss in losses.items()]
+    costs = {"big": 0.1, "small": 0.1}
+    neighbours = {"big": ["x"], "small": ["y"]}
+    priced = Boundary({"big": ["x"], "small": ["y"]}, {"big": ["x"], "small": ["y"]},
+                      {"big": (6_553_600, 6_553_600), "small": (25_600, 25_600)}, ms_per_element=1.4e-6)
+    assert _joining_order(ranking, 8, costs, neighbours) == ["big", "small"]
+    assert _joining_order(ranking, 8, costs, neighbours, priced) == ["small", "big"]
+    float_ops, curve = _select_for_target(_SumOfLosses(losses, goal=1 - 0.045), {}, ranking, 8, costs, neighbours,
+                                          priced)
+    assert float_ops == ["small"]
+    assert curve[0]["cost_ms"] == pytest.approx(0.1 + 2 * 25_600 * 1.4e-6, abs=1e-4)  # its kernel and conversions
