@@ -274,19 +274,19 @@ class _Measured:
 
 
 def test_the_selection_stops_at_the_deadline_with_the_best_set_measured():
-    from stages.sensitivity import _select_for_target
+    from pipeline.precision.calibration.selection import select_for_target
 
     ranking = [{"op": f"op{i}"} for i in range(16)]
     measure = _Measured()
-    float_ops, _ = _select_for_target(measure, {}, ranking, 16, {}, {})
+    float_ops, _ = select_for_target(measure, {}, ranking, 16, {}, {})
     assert len(float_ops) == 5 and len(measure.calls) > 3  # doubled to 8, halved to 5, pruned
     late = _Measured()  # past the deadline: no measure is started
     with deadline.until(time.monotonic() - 1.0, run_s=0.1):
-        assert _select_for_target(late, {}, ranking, 16, {}, {}) == ([], [])
+        assert select_for_target(late, {}, ranking, 16, {}, {}) == ([], [])
     assert late.calls == []
     stopped = _Measured()  # the deadline passes after the first measure: the best set measured stands
     stopped.no_time = lambda step: "cut" if stopped.calls else None
-    float_ops, curve = _select_for_target(stopped, {}, ranking, 16, {}, {})
+    float_ops, curve = select_for_target(stopped, {}, ranking, 16, {}, {})
     assert stopped.calls == [1] and float_ops == ["op0"] and curve[-1]["kept_best"]
 
 

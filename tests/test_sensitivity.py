@@ -169,18 +169,18 @@ class _SumOfLosses:
 def test_latency_aware_selection_keeps_the_cheap_op_that_is_enough():
     """A (most sensitive, 5 ms) or B (0.1 ms) alone meets the target: by accuracy alone A
     stays float, latency-aware B does; with both, the prune drops the costlier first."""
-    from stages.sensitivity import _select_for_target
+    from pipeline.precision.calibration.selection import select_for_target
 
     losses = {"A": 0.05, "B": 0.04, "C": 0.001}
     ranking = [{"op": op, "loss": loss} for op, loss in losses.items()]
     costs = {"A": 5.0, "B": 0.1, "C": 0.1}
     measure = _SumOfLosses(losses, goal=1 - 0.052)
-    assert _select_for_target(measure, {}, ranking, 8, {}, {})[0] == ["A"]
-    float_ops, curve = _select_for_target(measure, {}, ranking, 8, costs, {})
+    assert select_for_target(measure, {}, ranking, 8, {}, {})[0] == ["A"]
+    float_ops, curve = select_for_target(measure, {}, ranking, 8, costs, {})
     assert float_ops == ["B"] and curve[0]["cost_ms"] == 0.1
     # a tighter goal needs A and B; starting from both, nothing can go
     measure = _SumOfLosses(losses, goal=1 - 0.0015)
-    float_ops, curve = _select_for_target(measure, {}, ranking, 8, costs, {})
+    float_ops, curve = select_for_target(measure, {}, ranking, 8, costs, {})
     assert sorted(float_ops) == ["A", "B"] and [p.get("kept") for p in curve if p.get("kept")] == ["A", "B"]
     assert {p["kept"]: round(p["gain"], 6) for p in curve if p.get("kept")} == {"A": 0.05, "B": 0.04}
     # an op next to a float op closes an island: it is preferred to an equal one that opens another
@@ -188,7 +188,7 @@ def test_latency_aware_selection_keeps_the_cheap_op_that_is_enough():
     losses = {"A": 0.01, "B": 0.05, "C": 0.01, "D": 0.0}
     ranking = [{"op": op, "loss": loss} for op, loss in losses.items()]
     measure = _SumOfLosses(losses, goal=1 - 0.015)
-    float_ops, _ = _select_for_target(measure, {}, ranking, 8, {"A": 1.0, "B": 1.0, "C": 1.0, "D": 1.0}, neighbours)
+    float_ops, _ = select_for_target(measure, {}, ranking, 8, {"A": 1.0, "B": 1.0, "C": 1.0, "D": 1.0}, neighbours)
     assert float_ops[:2] == ["B", "C"]
 
 
@@ -338,17 +338,17 @@ def test_heads_that_met_are_given_back_to_int8_one_at_a_time_while_the_target_ho
     kept float only where the target fails without it (the real-size segmenter on an AMX Xeon:
     7 heads float, mixed at 1.40x fp32; 3 after the give-back, 1.47x); the deadline stops it
     with the set measured so far."""
-    from stages.sensitivity import _prune
+    from pipeline.precision.calibration.selection import prune
 
     heads = ["side5", "side4", "side3", "side2", "side1", "side0", "fuse"]
     measure = _MeetsWith(["side0", "fuse"])
-    kept, given = _prune(measure, {}, heads, {"cosine": 1.0}, {}, [], order=heads[:-1])
+    kept, given = prune(measure, {}, heads, {"cosine": 1.0}, {}, [], order=heads[:-1])
     assert kept == ["side0", "fuse"]
     assert [g.get("removed") or g.get("kept") for g in given] == ["side5", "side4", "side3", "side2", "side1", "side0"]
     assert [g["float_ops"] for g in given if "removed" in g] == [6, 5, 4, 3, 2]
     measure = _MeetsWith(["side0", "fuse"])
     measure.no_time = lambda step: f"cut by precision.budget_s: {step}" if len(measure.measured) >= 2 else None
-    kept, given = _prune(measure, {}, heads, {"cosine": 1.0}, {}, [], order=heads[:-1])
+    kept, given = prune(measure, {}, heads, {"cosine": 1.0}, {}, [], order=heads[:-1])
     assert kept == ["side3", "side2", "side1", "side0", "fuse"] and len(given) == 2
 
 
@@ -536,7 +536,7 @@ def test_priced_selection_prefers_the_op_whose_tensors_are_small():
     first and alone meets the target (the real-size segmenter: the first convolution, -2.2 ms
     by its kernels, made int8 17 ms slower through its 64 x 320 x 320 output)."""
     from pipeline.precision.calibration.latency import Boundary
-    from stages.sensitivity import _joining_order, _select_for_target
+    from pipeline.precision.calibration.selection import joining_order, select_for_target
 
     losses = {"big": 0.04, "small": 0.04}
     ranking = [{"op": op, "loss": loss} for op, loss in losses.items()]
@@ -544,9 +544,9 @@ def test_priced_selection_prefers_the_op_whose_tensors_are_small():
     neighbours = {"big": ["x"], "small": ["y"]}
     priced = Boundary({"big": ["x"], "small": ["y"]}, {"big": ["x"], "small": ["y"]},
                       {"big": (6_553_600, 6_553_600), "small": (25_600, 25_600)}, ms_per_element=1.4e-6)
-    assert _joining_order(ranking, 8, costs, neighbours) == ["big", "small"]
-    assert _joining_order(ranking, 8, costs, neighbours, priced) == ["small", "big"]
-    float_ops, curve = _select_for_target(_SumOfLosses(losses, goal=1 - 0.045), {}, ranking, 8, costs, neighbours,
+    assert joining_order(ranking, 8, costs, neighbours) == ["big", "small"]
+    assert joining_order(ranking, 8, costs, neighbours, priced) == ["small", "big"]
+    float_ops, curve = select_for_target(_SumOfLosses(losses, goal=1 - 0.045), {}, ranking, 8, costs, neighbours,
                                           priced)
     assert float_ops == ["small"]
     assert curve[0]["cost_ms"] == pytest.approx(0.1 + 2 * 25_600 * 1.4e-6, abs=1e-4)  # its kernel and conversions

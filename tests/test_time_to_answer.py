@@ -205,18 +205,18 @@ class _Accuracy:
 def test_the_selection_finds_the_float_set_in_a_few_measurements():
     """32 ranked ops, three of which (ranked 5th, 17th and 30th) reach the target together:
     the prefix is found by doubling and halving (10 measurements, not 30), then pruned."""
-    from stages.sensitivity import _select_for_target
+    from pipeline.precision.calibration.selection import select_for_target
 
     ranking = [{"op": f"op{i}", "loss": 1.0 / (i + 1)} for i in range(32)]
     measure = _Accuracy({"op4": 0.002, "op16": 0.002, "op29": 0.002}, base=0.990, target=0.9959)
-    float_ops, curve = _select_for_target(measure, {}, ranking, 32, {}, {})
+    float_ops, curve = select_for_target(measure, {}, ranking, 32, {}, {})
     assert sorted(float_ops) == ["op16", "op29", "op4"]
     assert measure.meets(measure({}, float_ops))
     added = [p["float_ops"] for p in curve if p.get("added")]
     assert added[:5] == [1, 2, 4, 8, 16] and len(added) <= 11 and max(added) == 32
     # never met: the best point measured is kept
     measure = _Accuracy({"op4": 0.001}, base=0.990, target=0.999)
-    float_ops, curve = _select_for_target(measure, {}, ranking, 32, {}, {})
+    float_ops, curve = select_for_target(measure, {}, ranking, 32, {}, {})
     assert "op4" in float_ops and curve[-1].get("kept_best")
 
 
@@ -224,18 +224,18 @@ def test_the_prune_tries_only_ops_whose_int8_gain_is_measurable():
     """With costs, the prune skips ops giving back under 1 % of all ops' int8 gain (each
     trial is a whole-model run): they stay float. An op slower in int8 is still tried, and
     with every op float each one is."""
-    from stages.sensitivity import _select_for_target
+    from pipeline.precision.calibration.selection import select_for_target
 
     ranking = [{"op": op, "loss": 0.01} for op in ("big", "tiny", "slow", "needed")]
     costs = {"big": 5.0, "tiny": 0.01, "slow": -0.2, "needed": 1.0}
     # equal losses: the cheapest join first (slow, tiny, needed); "needed" alone meets the target
     measure = _Accuracy({"needed": 0.01}, base=0.99, target=0.9999)
-    float_ops, curve = _select_for_target(measure, {}, ranking, 4, costs, {})
+    float_ops, curve = select_for_target(measure, {}, ranking, 4, costs, {})
     tried = [p.get("kept") or p.get("removed") for p in curve if p.get("kept") or p.get("removed")]
     assert tried == ["needed", "slow"]  # tiny (0.01 ms of 5.81) is not worth a whole-model run
     assert sorted(float_ops) == ["needed", "tiny"]
     # with every op float, each one is tried (else the mixed build would be the fp32 model)
     measure = _Accuracy({"needed": 0.01}, base=0.99, target=0.9999)
     three = {op: costs[op] for op in ("tiny", "slow", "needed")}
-    float_ops, curve = _select_for_target(measure, {}, ranking[1:], 3, three, {})
+    float_ops, curve = select_for_target(measure, {}, ranking[1:], 3, three, {})
     assert float_ops == ["needed"]

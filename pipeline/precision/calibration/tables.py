@@ -36,7 +36,7 @@ import math
 import numbers
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import List, Mapping
 
 import numpy as np
 

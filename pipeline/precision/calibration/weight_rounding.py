@@ -29,7 +29,6 @@ from pipeline.precision.calibration import bias_correction
 from pipeline.precision.calibration.input_means import PatchMeans, conv_geometry, weight_matrix, weight_transposed
 from pipeline.precision.calibration.statistics import BatchRunner
 from pipeline.console import progress_bar
-from pipeline.data import pack
 
 MAX_SAMPLES = 32  # calibration samples whose activations make H
 MAX_ROWS = 1024  # input rows (output positions) per sample and op, evenly strided
