@@ -266,6 +266,8 @@ class _Measured:
         self.calls.append(len(float_ops))
         return {"cosine": 0.9 + 0.01 * len(float_ops), "metric_drop": None}
 
+    goal = (0.95, 0.01)  # (cosine, task-metric drop)
+
     def meets(self, result):
         return result["cosine"] >= 0.95
 

@@ -38,7 +38,7 @@ def select_for_target(measure, table, ranking, max_float_ops: int, costs: dict,
     measurements instead of one per op: each compiles and runs the model on every validation
     sample). Real int8 kernels do not always improve as ops go back to float (measured: the
     curve is not monotonic on this CPU): the prune removes what the search over-took, and
-    when the target is never met the best point measured is kept. Returns (float ops,
+    when the target is never met the point measured closest to it (``spent``) is kept. Returns (float ops,
     curve); a prune trial that had to keep its op records the op's measured gain (cosine
     with the op float minus with it int8). ``priced``: the runtime's conversions, counted in
     each op's cost where given (latency.Boundary), else new edges are."""
@@ -62,7 +62,7 @@ def select_for_target(measure, table, ranking, max_float_ops: int, costs: dict,
     curve = [{"float_ops": k, "added": order[k - 1], "cost_ms": latency.estimate_ms(order[:k], costs, priced),
               **measured[k]} for k in sorted(measured)]
     if not measure.meets(measured[length]):
-        best = max(measured, key=lambda k: measured[k]["cosine"])
+        best = min(measured, key=lambda k: spent(measured[k], measure.goal))
         curve.append({**measured[best], "float_ops": best, "added": None, "kept_best": True})
         return order[:best], curve
     return prune(measure, table, order[:length], measured[length], costs, curve, priced=priced)
