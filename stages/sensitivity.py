@@ -127,10 +127,11 @@ def run(ctx: StageContext) -> StageResult:
     trials, ranking = ranked
     seconds = {"per_layer": round(time.perf_counter() - started, 2)}
     best_table = _base_table(measure, prepared, (table, plain), candidates, ranking, summary)
-    float_ops, curve, costs = _select(ctx, measure, best_table, ranking, summary, seconds)
+    float_ops, curve, costs, priced = _select(ctx, measure, best_table, ranking, summary, seconds)
     summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
                     "measured": sum(t.loss is not None for t in trials),
-                    "float_op_details": search.float_op_rows(float_ops, ranking, curve, costs), "seconds": seconds})
+                    "float_op_details": search.float_op_rows(float_ops, ranking, curve, costs, priced),
+                    "seconds": seconds})
     final = [p for p in curve if not p.get("kept")]
     summary["mixed"] = final[-1] if final else plain
     if deadline.passed() or measure.stopped:
@@ -255,19 +256,20 @@ def _skipped(ctx: StageContext, why: str) -> StageResult:
 
 def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict,
             seconds: dict):
-    """(float ops, curve, per-op latency costs): the ranking's top_n, or the fewest float
-    ops that meet the target (latency-aware where the target's costs were measured)."""
+    """(float ops, curve, per-op latency costs, priced conversions or None): the ranking's
+    top_n, or the fewest float ops that meet the target (latency-aware where the target's
+    costs were measured)."""
     cfg = ctx.cfg
     if cfg.sensitivity.select.value == "top_n":
         float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
-        return float_ops, [{"float_ops": len(float_ops), **measure(table, float_ops)}], {}
+        return float_ops, [{"float_ops": len(float_ops), **measure(table, float_ops)}], {}, None
     started = time.perf_counter()
     costs, priced = _costs(ctx, measure, table, ranking, summary)
     seconds["costs"] = round(time.perf_counter() - started, 2)
     float_ops, curve = selection.select_for_target(measure, table, ranking, cfg.sensitivity.max_float_ops, costs,
-                                          latency.quantizable_neighbours(measure.prepared, costs), priced)
+                                                   latency.quantizable_neighbours(measure.prepared, costs), priced)
     seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
-    return float_ops, curve, costs
+    return float_ops, curve, costs, priced
 
 
 def ranked_ops(cfg) -> int:

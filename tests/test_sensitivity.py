@@ -143,6 +143,9 @@ def test_mixed_bundle_passes_on_both_targets(tmp_path, target):
     assert [d["op"] for d in details] == summary["float_ops"]
     assert all(d["cost_ms"] == costs["ops"][d["op"]]["cost_ms"] for d in details)
     assert "Ops kept in float" in (run_dir / "report.md").read_text()
+    # priced conversions: each float op's share in the report's table (ONNX Runtime only)
+    assert all(("conversions_ms" in d) == (target == "ort_cpu") for d in details), details
+    assert ("conversions ms" in (run_dir / "report.md").read_text()) == (target == "ort_cpu")
     verify = read_report(run_dir)["verify"]
     assert verify["verdict"] == "pass" and verify["effective"]["precision"] == "mixed"
     assert "float_ops" in read_report(run_dir)["build"]["quantization"]

@@ -64,13 +64,18 @@ def sensitivity_section(sensitivity: dict) -> list:
     details = [d for d in as_list(sensitivity.get("float_op_details")) if isinstance(d, dict)]
     if details:
         latency = as_dict(sensitivity.get("latency"))
+        priced = any("conversions_ms" in d for d in details)  # the runtime's conversions priced
         about = (f"cost: ms given back when the op stays float ({latency.get('measured_by')}; fp32 "
                  f"{fmt_number(latency.get('fp32_ms'), '.2f')} ms, int8 {fmt_number(latency.get('int8_ms'), '.2f')} "
-                 "ms a run); gain: cosine lost when the prune put it back to int8")
+                 "ms a run); gain: cosine lost when the prune put it back to int8"
+                 + ("; conversions: ms of int8/float conversions its staying float costs in this set, negative "
+                    f"where it saves them ({latency.get('conversions')})" if priced else ""))
         blocks += [Heading(3, "Ops kept in float"),
-                   Table(["op", "loss alone (1 - cos)", "gain (cosine)", "cost ms"],
+                   Table(["op", "loss alone (1 - cos)", "gain (cosine)", "cost ms",
+                          *(["conversions ms"] if priced else [])],
                          [[str(d.get("op")), fmt_error(d.get("loss")), fmt_error(d.get("gain")),
-                           fmt_number(d.get("cost_ms"), '.3f')] for d in details]),
+                           fmt_number(d.get("cost_ms"), '.3f'),
+                           *([fmt_number(d.get("conversions_ms"), '.3f')] if priced else [])] for d in details]),
                    Para(about if latency.get("measured_by") else str(latency.get("skipped") or latency.get("error")
                                                                       or "no latency costs"))]
     curve = [p for p in as_list(sensitivity.get("curve")) if isinstance(p, dict)]

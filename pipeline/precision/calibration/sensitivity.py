@@ -340,13 +340,19 @@ def best_method_table(model: onnx.ModelProto, table: Dict[str, dict], candidates
     return updated
 
 
-def float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], costs: dict) -> List[dict]:
+def float_op_rows(float_ops: List[str], ranking: List[dict], curve: List[dict], costs: dict,
+                  priced=None) -> List[dict]:
     """Each float op with its accuracy (loss when only it is int8; gain: what putting it
-    back to int8 cost the final set, where the prune measured it) and latency cost."""
+    back to int8 cost the final set, where the prune measured it) and latency cost: its
+    kernels', and where the runtime's conversions are priced (latency.Boundary) what its
+    staying float costs in conversions in the final set (negative where it saves some)."""
     losses = {r["op"]: r["loss"] for r in ranking}
     gains = {p["kept"]: p["gain"] for p in curve if p.get("kept")}
-    return [{"op": op, "loss": losses.get(op), "gain": gains.get(op),
-             "cost_ms": costs.get(op)} for op in float_ops]
+    rows = [{"op": op, "loss": losses.get(op), "gain": gains.get(op), "cost_ms": costs.get(op)} for op in float_ops]
+    if priced is not None:
+        for row in rows:
+            row["conversions_ms"] = round(priced.ms(float_ops) - priced.ms([o for o in float_ops if o != row["op"]]), 4)
+    return rows
 
 
 SMALL_INPUT = 8  # a float op reading 8x fewer values than the largest one's saves too little to measure
