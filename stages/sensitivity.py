@@ -129,9 +129,8 @@ def run(ctx: StageContext) -> StageResult:
     best_table = _base_table(measure, prepared, (table, plain), candidates, ranking, summary)
     float_ops, curve, costs, priced = _select(ctx, measure, best_table, ranking, summary, seconds)
     summary.update({"ranking": ranking, "float_ops": float_ops, "curve": curve, "trials": len(trials),
-                    "measured": sum(t.loss is not None for t in trials),
-                    "float_op_details": search.float_op_rows(float_ops, ranking, curve, costs, priced),
-                    "seconds": seconds})
+                    "measured": sum(t.loss is not None for t in trials), "seconds": seconds,
+                    "float_op_details": search.float_op_rows(float_ops, ranking, curve, costs, priced)})
     final = [p for p in curve if not p.get("kept")]
     summary["mixed"] = final[-1] if final else plain
     if deadline.passed() or measure.stopped:
