@@ -44,7 +44,7 @@ FUSABLE = {"Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "
 # the activations ONNX Runtime's FusedConv / FusedGemm / FusedMatMul compute after their op
 ACTIVATIONS = {"Relu", "Clip", "Sigmoid", "HardSigmoid", "LeakyRelu", "Tanh"}
 _MAX_FUSED = 6
-_QDQ = ("QuantizeLinear", "DequantizeLinear")
+QDQ = ("QuantizeLinear", "DequantizeLinear")
 # ORT's quantizer names a Q node after the tensor it quantizes (x_QuantizeLinear: x's producer ran
 # before it, often in the same fused layer); a DQ node (x_DequantizeLinear) reads x, it does not make it
 _NODE_SUFFIXES = ("_QuantizeLinear",)
@@ -132,8 +132,8 @@ class Nodes:
     def layer(self, name: str, runtime_type: str, kernel: Optional[str], ms: float,
               candidates: Iterable[str]) -> dict:
         nodes = self.resolve(candidates)
-        if runtime_type in _QDQ:  # a quantizer's Q/DQ op, named after the tensor it converts
-            nodes = [node for node in nodes if self.types[node] in _QDQ]
+        if runtime_type in QDQ:  # a quantizer's Q/DQ op, named after the tensor it converts
+            nodes = [node for node in nodes if self.types[node] in QDQ]
         primary = self._primary(nodes, runtime_type)
         if primary is not None and primary not in nodes:
             nodes = sorted({*nodes, *self._chain(nodes[0], primary)}, key=self.order.get)

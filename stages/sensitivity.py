@@ -263,10 +263,15 @@ def _select(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[di
         float_ops = [r["op"] for r in ranking[:cfg.sensitivity.top_n]]
         return float_ops, [{"float_ops": len(float_ops), **measure(table, float_ops)}], {}, None
     started = time.perf_counter()
-    costs, priced = _costs(ctx, measure, table, ranking, summary)
+    costs, measured = _costs(ctx, measure, table, ranking, summary)
     seconds["costs"] = round(time.perf_counter() - started, 2)
+    up, down = latency.neighbours_each_way(measure.prepared, costs)
+    priced = latency.boundary(up, down, measured, backends.capabilities(cfg.target.backend.value).conversion_passes)
+    if costs:
+        summary["latency"]["conversions"] = (f"priced: {priced.ms_per_element * 1e6:.3f} ms a million elements "
+                                             "crossing between int8 and float" if priced else "counted as edges")
     float_ops, curve = selection.select_for_target(measure, table, ranking, cfg.sensitivity.max_float_ops, costs,
-                                                   latency.quantizable_neighbours(measure.prepared, costs), priced)
+                                                   latency.either_way(up, down), priced)
     seconds["selection"] = round(time.perf_counter() - started - seconds["costs"], 2)
     return float_ops, curve, costs, priced
 
@@ -309,14 +314,14 @@ def _latency_aware(cfg) -> bool:
 def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dict], summary: dict):
     """(per-op latency cost: ms given back when the op stays float, on the target's own
     runtime, when sensitivity.latency_aware and the target runs the Q/DQ model, {} else;
-    the runtime's priced conversions, latency.Boundary, or None)."""
+    costs.json's whole measure, {} else)."""
     cfg = ctx.cfg
     backend = cfg.target.backend.value
     if not _latency_aware(cfg):
         summary["latency"] = {"skipped": "sensitivity.latency_aware is false: selection by accuracy alone"
                               if not cfg.sensitivity.latency_aware else
                               f"{backend} builds its own int8 model, not this Q/DQ one: selection by accuracy alone"}
-        return {}, None
+        return {}, {}
     ops = [r["op"] for r in ranking]
 
     def produce(folder: Path) -> None:
@@ -338,10 +343,7 @@ def _costs(ctx: StageContext, measure: "_MixedMeasure", table, ranking: List[dic
         measured["reused"] = "timed by an earlier run on this machine (same model, placement and target)"
     write_json(ctx.out_dir / "costs.json", measured)
     summary["latency"] = {k: v for k, v in measured.items() if k != "ops"}
-    priced = latency.boundary(measure.prepared, ops, measured, backends.capabilities(backend).conversion_passes)
-    summary["latency"]["conversions"] = (f"priced: {priced.ms_per_element * 1e6:.3f} ms a million elements crossing "
-                                         f"between int8 and float" if priced else "counted as edges")
-    return {op: entry["cost_ms"] for op, entry in measured["ops"].items()}, priced
+    return {op: entry["cost_ms"] for op, entry in measured["ops"].items()}, measured
 
 
 def _samples(ctx: StageContext, size: int):

@@ -134,13 +134,14 @@ class Graph:
 
 
 def element_counts(model: onnx.ModelProto) -> Dict[str, int]:
-    """Element counts of the tensors whose shapes ONNX shape inference knows."""
+    """Element counts of the tensors (graph inputs included) whose shapes ONNX shape
+    inference knows."""
     try:
         inferred = shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - sizes only steer chunking
+    except Exception:  # noqa: BLE001 - sizes only steer chunking and pricing
         return {}
     counts = {}
-    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+    for info in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         dims = info.type.tensor_type.shape.dim
         if dims and all(d.HasField("dim_value") for d in dims):
             counts[info.name] = int(np.prod([d.dim_value for d in dims]))

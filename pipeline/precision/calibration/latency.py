@@ -30,6 +30,7 @@ import numpy as np
 
 from pipeline import profiling
 from pipeline.errors import first_line
+from pipeline.verification.layerwise import element_counts
 
 log = logging.getLogger("parity")
 RUNS, WARMUP, BUDGET_S = 10, 2, 5.0  # per model; the profile stops early once the budget is spent
@@ -61,8 +62,8 @@ def op_costs(fp32_model, int8_model, backend, target, feeds: Dict[str, np.ndarra
 
 
 def tensor_sizes(model, feeds: Dict[str, np.ndarray]) -> Dict[str, int]:
-    """Elements of each tensor whose shape ONNX shape inference finds with the graph inputs at
-    the sample's shapes ({} where inference fails)."""
+    """layerwise.element_counts with the graph inputs at the sample's shapes ({} where
+    inference fails: the selection then counts edges)."""
     import onnx
 
     copy = onnx.ModelProto()
@@ -81,16 +82,7 @@ def tensor_sizes(model, feeds: Dict[str, np.ndarray]) -> Dict[str, int]:
             del dims[:]
             for size in np.shape(feeds[value.name]):
                 dims.add().dim_value = int(size)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(copy)
-    except Exception:  # noqa: BLE001 - an op inference does not know: sizes unknown, the selection counts edges
-        return {}
-    sizes = {}
-    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        dims = value.type.tensor_type.shape.dim
-        if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
-            sizes[value.name] = int(np.prod([d.dim_value for d in dims]))
-    return sizes
+    return element_counts(copy)
 
 
 def quantize_price(layers: List[dict], sizes: Dict[str, int]) -> Optional[float]:
@@ -99,18 +91,15 @@ def quantize_price(layers: List[dict], sizes: Dict[str, int]) -> Optional[float]
     are known; None without any."""
     ms, elements = 0.0, 0
     for layer in layers:
-        if layer.get("type") not in _QDQ_TYPES:
+        if layer.get("type") not in profiling.QDQ:
             continue
         tensor = layer["name"].removesuffix("/duplicated")
-        for suffix in _QDQ_SUFFIXES:
-            tensor = tensor.removesuffix(suffix)
+        for op_type in profiling.QDQ:
+            tensor = tensor.removesuffix(f"_{op_type}")
         if tensor in sizes:
             ms, elements = ms + layer["ms"], elements + sizes[tensor]
     return round(1e6 * ms / elements, 6) if elements else None
 
-
-_QDQ_TYPES = ("QuantizeLinear", "DequantizeLinear")
-_QDQ_SUFFIXES = ("_QuantizeLinear", "_DequantizeLinear")
 
 
 def _profile(model, precision: str, scratch: Path, backend, target, feeds) -> dict:
@@ -143,15 +132,15 @@ def island_edges(float_ops: Iterable[str], neighbours: Dict[str, List[str]]) -> 
     return sum(1 for op in chosen for other in neighbours.get(op, ()) if other not in chosen)
 
 
-def quantizable_neighbours(model, ops: Iterable[str]) -> Dict[str, List[str]]:
-    """For each quantizable op, the nearest quantizable ops up- and downstream, through the
-    ops between them that do not compute much (activations, adds, reshapes, pools)."""
-    up, down = neighbours_each_way(model, ops)
+def either_way(up: Dict[str, List[str]], down: Dict[str, List[str]]) -> Dict[str, List[str]]:
+    """Each op's neighbours_each_way, up- and downstream together."""
     return {op: sorted(set(up[op]) | set(down[op])) for op in up}
 
 
 def neighbours_each_way(model, ops: Iterable[str]) -> Tuple[Dict[str, List[str]], Dict[str, List[str]]]:
-    """(upstream, downstream): quantizable_neighbours's, apart."""
+    """(upstream, downstream): for each quantizable op, the nearest quantizable ops up- and
+    downstream, through the ops between them that do not compute much (activations, adds,
+    reshapes, pools)."""
     ops = set(ops)
     producers = {out: node for node in model.graph.node for out in node.output}
     consumers: Dict[str, list] = {}
@@ -209,16 +198,15 @@ class Boundary:
         return self.ms([*float_ops, op]) - self.ms(float_ops)
 
 
-def boundary(model, ops: Iterable[str], measured: dict, passes: int) -> Optional[Boundary]:
-    """The Boundary of op_costs's measure, or None where the runtime's conversions are not
-    priced (``passes`` 0), the int8 run had no quantize layer to price them by, or no op's
-    tensor sizes are known."""
+def boundary(up: Dict[str, List[str]], down: Dict[str, List[str]], measured: dict, passes: int) -> Optional[Boundary]:
+    """The Boundary of op_costs's measure (``up``, ``down``: neighbours_each_way's), or None
+    where the runtime's conversions are not priced (``passes`` 0), the int8 run had no quantize
+    layer to price them by, or no op's tensor sizes are known."""
     price = measured.get("quantize_ms_per_melement")
     elements = {op: tuple(entry["elements"]) for op, entry in measured.get("ops", {}).items()
                 if entry.get("elements") and None not in entry["elements"]}
     if not passes or not price or not elements:
         return None
-    up, down = neighbours_each_way(model, ops)
     return Boundary(up, down, elements, passes * price / 1e6)
 
 
