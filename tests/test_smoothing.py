@@ -326,7 +326,7 @@ def test_the_resolved_settings_follow_the_config():
     from pipeline.config.validation import validate
 
     ort_settings = QdqSettings.resolve(validate(composed(*bert)).precision, "onnxruntime")
-    assert ort_settings.float_output_ops == ("MatMul",) and not ort_settings.activation_matmuls
+    assert ort_settings.float_output_ops == ("MatMul", "Gemm") and not ort_settings.activation_matmuls
     assert ort_settings.quantizes_output("Conv") and not ort_settings.quantizes_output("MatMul")
     every = QdqSettings.resolve(validate(composed(*bert, "precision.quantize_outputs=true",
                                                   "precision.quantize_activation_matmuls=true")).precision, "onnxruntime")
@@ -351,5 +351,5 @@ def test_cli_smooths_the_tiny_bert_and_records_it(tiny_bert_tensors, tmp_path):
         assert not muls
     quantization = report["build"]["quantization"]
     attention = [name for name in quantization["float_ops"] if name.endswith(("self/MatMul", "self/MatMul_1"))]
-    assert len(attention) == 4 and quantization["float_outputs"] == ["MatMul"]
+    assert len(attention) == 4 and quantization["float_outputs"] == ["MatMul", "Gemm"]
     assert report["verify"]["verdict"] == "pass" and "int8 ran partly" not in done.stdout
