@@ -1,5 +1,6 @@
-"""ONNX Runtime's placement around a transformer's Gemms: their outputs stay float
-(pipeline/precision/quantize.py FLOAT_OUTPUT_OPS), checked on ONNX Runtime's own optimized graph."""
+"""ONNX Runtime's placement around Gemms (pipeline/precision/gemm_outputs.py): a Gemm's output
+stays float where int8 does not flow on from it (a transformer's FFN), and keeps its Q/DQ pair
+where it does (a classifier's MLP head); checked on ONNX Runtime's own optimized graph."""
 
 from __future__ import annotations
 
@@ -40,27 +41,71 @@ def _ffn_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_a_gemm_output_stays_float_on_onnx_runtimes_placement_and_the_gelu_after_it_fuses(tmp_path):
-    """ONNX Runtime's placement leaves Gemm outputs float, as MatMul's (FLOAT_OUTPUT_OPS): DQ ->
-    Gemm runs as QGemm with a float output, and the GELU after it stays one pattern ONNX Runtime
+def _ort_settings() -> QdqSettings:
+    return QdqSettings.resolve(SimpleNamespace(
+        activations=SimpleNamespace(value="uint8"), per_channel=True, reduce_range=True, quantize_ops=["Gemm"],
+        quantize_outputs=None, quantize_activation_matmuls=False, passthrough_ops=None, quantize_swish=None),
+        "onnxruntime")
+
+
+def _optimized(model: onnx.ModelProto, folder) -> tuple:
+    """(ONNX Runtime's session of the model, the op types of its optimized graph)."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(folder / "optimized.onnx")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session, [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+
+
+def test_a_gemm_output_stays_float_where_int8_does_not_flow_on_and_the_gelu_after_it_fuses(tmp_path):
+    """The FFN's Gemms feed a reshape (then a GELU) and the output: their outputs stay float,
+    DQ -> Gemm runs as QGemm with a float output, and the GELU stays one pattern ONNX Runtime
     fuses (with a Q/DQ pair there it copied the DequantizeLinear for each GELU reader and left
     Div, Erf, Add, Mul, Mul unfused: a ViT-tiny at 224 ran 1.08x fp32 instead of 1.28x)."""
     model = _ffn_model()
     feeds = {"x": np.random.default_rng(4).normal(0, 1, (1, 8, 16)).astype(np.float32)}
-    settings = QdqSettings.resolve(SimpleNamespace(
-        activations=SimpleNamespace(value="uint8"), per_channel=True, reduce_range=True, quantize_ops=["Gemm"],
-        quantize_outputs=None, quantize_activation_matmuls=False, passthrough_ops=None, quantize_swish=None),
-        "onnxruntime")
-    assert not settings.quantizes_output("Gemm") and settings.quantizes_output("Conv")
-    built = MixedModels(model, _table(model, feeds), settings).build()
+    built = MixedModels(model, _table(model, feeds), _ort_settings()).build()
     quantized = {n.input[0] for n in built.graph.node if n.op_type == "QuantizeLinear"}
     assert quantized == {"x2", "g2"}  # the Gemms' inputs; their outputs h2 and y2 float
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    session = ort.InferenceSession(built.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    kinds = [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+    session, kinds = _optimized(built, tmp_path)
     assert kinds.count("QGemm") == 2 and "Gelu" in kinds and "Erf" not in kinds, kinds
     expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     actual = session.run(None, feeds)[0]
     assert float(np.dot(actual.ravel(), expected.ravel()) /
                  (np.linalg.norm(actual) * np.linalg.norm(expected))) > 0.99
+
+
+def test_a_gemm_feeding_a_relu_before_the_next_gemm_keeps_its_quantized_output(tmp_path):
+    """A classifier's MLP head (Gemm -> Relu -> Gemm): int8 flows on through the Relu, so the
+    first Gemm's output keeps its Q/DQ pair and ONNX Runtime folds the Relu away."""
+    rng = np.random.default_rng(7)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+             for name, shape in (("w1", (16, 32)), ("b1", (32,)), ("w2", (32, 10)), ("b2", (10,)))]
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": rng.normal(0, 1, (1, 16)).astype(np.float32)}
+    built = MixedModels(model, _table(model, feeds), _ort_settings()).build()
+    assert {n.input[0] for n in built.graph.node if n.op_type == "QuantizeLinear"} >= {"x", "h"}
+    kinds = _optimized(built, tmp_path)[1]
+    assert kinds.count("QGemm") == 2 and "Relu" not in kinds, kinds
+
+
+def test_the_build_simulations_follow_the_same_rule():
+    """Fake quantization (calibration, smoothing and the mixed search judge with it) rounds a
+    Gemm's output only where the build keeps its pair: not the FFN's, the MLP head's fc1 yes."""
+    from pipeline.precision.calibration.fake_quant import _quantized_tensors
+    from pipeline.precision.gemm_outputs import float_output_gemms
+
+    ffn = _ffn_model()
+    everything = {value.name for value in ffn.graph.input} | {o for node in ffn.graph.node for o in node.output}
+    assert float_output_gemms(ffn, _ort_settings()) == {"fc1", "fc2"}
+    assert set(_quantized_tensors(ffn, everything, _ort_settings(), set())) == {"x2", "g2"}
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2")]
+    mlp = helper.make_model(helper.make_graph(nodes, "mlp", [], []))
+    assert float_output_gemms(mlp, _ort_settings()) == {"fc2"}
+    assert set(_quantized_tensors(mlp, {"x", "h", "r", "y"}, _ort_settings(), set())) == {"x", "h", "r"}

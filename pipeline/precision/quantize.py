@@ -14,6 +14,7 @@ import numpy as np
 from pipeline import backends
 from pipeline.precision.narrow_convs import widen_narrow_convs
 from pipeline.precision.gemm_bias import flatten_gemm_bias, gemm_bias_fixes  # noqa: F401 - re-exported
+from pipeline.precision import gemm_outputs
 from pipeline.precision.passthrough import (SWISH_OPS, float_neighbours, fold_relus, int8_after, passthrough_for,
                                            producers_and_readers, quantizer_inputs, swish_ops)
 from pipeline.errors import InputError, first_line
@@ -80,13 +81,11 @@ def needs_reduce_range(backend: Optional[str] = None) -> bool:
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 # Where outputs are quantized (ONNX Runtime's placement) these ops' outputs stay float unless
 # precision.quantize_outputs=true: ONNX Runtime runs DQ -> MatMul without a Q after it as
-# MatMulIntegerToFloat and DQ -> Gemm as QGemm with a float output, int8 all the same, and a
-# transformer's MatMul outputs (the FFN's before the residual Add) hold outliers one
-# per-tensor range cannot: all-MiniLM-L6-v2 embedding cosine 0.944 -> 0.989 (docs/calibration.md,
-# "Transformers"). A Gemm is such a MatMul where the shapes are fixed (the prepare step's
-# MatMul + Add fusion); its output Q/DQ also kept ONNX Runtime from fusing the GELU after it
-# (the DequantizeLinear is copied for each reader): a ViT-tiny at 224, 1.08x -> 1.28x fp32.
-FLOAT_OUTPUT_OPS = ("MatMul", "Gemm")
+# MatMulIntegerToFloat, int8 all the same, and a transformer's MatMul outputs (the FFN's
+# before the residual Add) hold outliers one per-tensor range cannot: all-MiniLM-L6-v2
+# embedding cosine 0.944 -> 0.989 (docs/calibration.md, "Transformers"). A Gemm's output
+# stays float where int8 does not flow on from it (gemm_outputs.py).
+FLOAT_OUTPUT_OPS = ("MatMul",)
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ class QdqSettings:
         outputs = precision.quantize_outputs
         if outputs is None:
             outputs = backends.capabilities(backend).qdq_placement != "inputs"
-        # null: MatMul and Gemm outputs float (FLOAT_OUTPUT_OPS); true: every quantized op's output
+        # null: MatMul outputs float (FLOAT_OUTPUT_OPS); true: every quantized op's output
         float_outputs = FLOAT_OUTPUT_OPS if precision.quantize_outputs is None and outputs else ()
         swish = precision.quantize_swish
         if swish is None:
@@ -346,6 +345,8 @@ def quantize_static_qdq(prepared, table: Dict[str, dict], settings: QdqSettings,
         raise _explain_failure(source, table, settings, keep_float, err) from err
     if settings.quantize_outputs and "MatMul" in settings.float_output_ops:
         requantize_unfused_matmuls(model, table, settings.activations)
+    if gemm_outputs.applies(settings):
+        gemm_outputs.float_gemm_outputs(model, gemm_outputs.flowing_into(settings))
     strip_output_qdq(model)
     return model
 

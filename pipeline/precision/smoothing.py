@@ -15,9 +15,11 @@ activation side, 1 everything.
 
 Every reader of one activation that is such an op forms a group and shares one s (the
 weights' maxima taken over all of them). X / s is folded into the LayerNormalization that
-makes X when the group's ops are its only readers (its scale and bias divided by s: free);
-otherwise a Mul by 1/s is inserted in front of the group (a post-norm BERT's LayerNorm
-output also feeds the residual Add). ``choose`` measures each alpha of a grid, and no
+makes X when the group's ops are its only readers (its scale and bias divided by s: free),
+also through the reshapes and transposes that keep the channel axis last (a fixed-shape
+transformer's Gemm reads its 2-D view: the prepare step fuses MatMul + Add into Reshape ->
+Gemm -> Reshape); otherwise a Mul by 1/s is inserted in front of the group (a post-norm
+BERT's LayerNorm output also feeds the residual Add). ``choose`` measures each alpha of a grid, and no
 smoothing, at the network outputs on calibration samples, each with its own
 recalibrated table, as calibration=auto measures tables (docs/calibration.md,
 "Transformers")."""
@@ -25,8 +27,8 @@ recalibrated table, as calibration=auto measures tables (docs/calibration.md,
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -71,6 +73,7 @@ class Group:
     ops: List[str]  # MatMul/Gemm nodes reading X as their first input with a constant weight
     weights: List[Tuple[str, int]]  # (weight initializer, its input-channel axis) per op
     fold: Optional[str] = None  # the normalization node X is scaled in, when it can be
+    views: List[str] = field(default_factory=list)  # with fold: the tensors between its output and X (scaled too)
     after_norm: bool = False  # X is made by a normalization (LayerNorm, RMSNorm)
     scale: Optional[np.ndarray] = field(default=None, repr=False)
 
@@ -115,12 +118,47 @@ def groups(model: onnx.ModelProto, op_types: Iterable[str] = SMOOTHED_OPS, keep_
         group.weights.append((node.input[1], axis))
     outputs = {o.name for o in graph.output}
     for group in by_source.values():
-        made_by = producer.get(group.source)
-        only_readers = {n.name for n in readers[group.source]} == set(group.ops) and group.source not in outputs
-        if made_by is not None and made_by.op_type in NORMS and only_readers and \
-                all(name in initializers and len(readers[name]) == 1 for name in made_by.input[1:] if name):
-            group.fold = made_by.name
+        group.fold, group.views = _foldable_norm(group, producer, readers, initializers, outputs)
     return list(by_source.values())
+
+
+def _foldable_norm(group: Group, producer, readers, initializers, outputs) -> Tuple[Optional[str], List[str]]:
+    """(the normalization X / s can be folded into, the tensors between its output and X) or
+    (None, []): X made by a normalization over its last axis, directly or through reshapes and
+    transposes that keep the channel axis last, each tensor on the way read by the next node
+    alone and no graph output."""
+    weight, axis = group.weights[0]
+    channels = initializers[weight].dims[axis]
+    name, expected, views = group.source, set(group.ops), []
+    while name not in outputs and {n.name for n in readers[name]} == expected and name in producer:
+        node = producer[name]
+        if node.op_type in NORMS:
+            return (node.name, views[::-1]) if _folds_into(node, initializers, channels) else (None, [])
+        if not _keeps_channels_last(node, initializers, channels):
+            break
+        name, expected = node.input[0], {node.name}
+        views.append(name)
+    return None, []
+
+
+def _folds_into(norm, initializers, channels: int) -> bool:
+    """The normalization is over the last axis and its scale and bias are constants of one
+    value a channel."""
+    attributes = {a.name: a.i for a in norm.attribute if a.type == onnx.AttributeProto.INT}
+    return attributes.get("axis", -1) == -1 and \
+        all(name in initializers and list(initializers[name].dims) == [channels] for name in norm.input[1:] if name)
+
+
+def _keeps_channels_last(node, initializers, channels: int) -> bool:
+    """A transpose that leaves the last axis last, or a reshape whose target ends in the
+    channels (its input ends in them too: the walk starts at a normalization over them)."""
+    if node.op_type == "Transpose":
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        return perm is not None and perm[-1] == len(perm) - 1
+    if node.op_type == "Reshape" and node.input[1] in initializers:
+        shape = numpy_helper.to_array(initializers[node.input[1]])
+        return shape.size > 0 and int(shape[-1]) == channels
+    return False
 
 
 def _made_by_norm(name: str, producer: Dict[str, onnx.NodeProto], depth: int = 6) -> bool:
@@ -176,8 +214,7 @@ def with_scales(model: onnx.ModelProto, found: Sequence[Group], maxima: Dict[str
         weight = weight_maxima(model, group)
         if activation is None or activation.shape != weight.shape:
             continue
-        ready.append(Group(group.source, group.ops, group.weights, group.fold, group.after_norm,
-                           scales(activation, weight, alpha)))
+        ready.append(replace(group, scale=scales(activation, weight, alpha)))
     return ready
 
 
@@ -194,6 +231,7 @@ def smoothed(model: onnx.ModelProto, ready: Sequence[Group]) -> onnx.ModelProto:
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | \
         {i.name for i in graph.input} | set(nodes)
     inserted: Dict[str, onnx.NodeProto] = {}  # first reader's name -> the Mul to place before it
+    uses = Counter(name for node in graph.node for name in node.input)
     for group in ready:
         s = group.scale
         for name, axis in group.weights:
@@ -201,10 +239,17 @@ def smoothed(model: onnx.ModelProto, ready: Sequence[Group]) -> onnx.ModelProto:
             shaped = s.reshape((-1, 1) if axis == 0 else (1, -1))
             initializers[name].CopyFrom(numpy_helper.from_array((weight * shaped).astype(np.float32), name))
         if group.fold is not None:
-            for name in nodes[group.fold].input[1:]:
-                if name:
-                    values = numpy_helper.to_array(initializers[name]).astype(np.float64)
-                    initializers[name].CopyFrom(numpy_helper.from_array((values / s).astype(np.float32), name))
+            norm = nodes[group.fold]
+            for index, name in enumerate(norm.input[1:], start=1):
+                if not name:
+                    continue
+                values = (numpy_helper.to_array(initializers[name]).astype(np.float64) / s).astype(np.float32)
+                if uses[name] > 1:  # another node reads it too (an exporter shares equal constants): a copy of its own
+                    uses[name] -= 1
+                    norm.input[index] = _fresh(f"{name}_smoothed", taken)
+                    graph.initializer.append(numpy_helper.from_array(values, norm.input[index]))
+                else:
+                    initializers[name].CopyFrom(numpy_helper.from_array(values, name))
             continue
         inverse = _fresh(f"{group.source}_smooth_scale", taken)
         result = _fresh(f"{group.source}_smoothed", taken)
@@ -312,7 +357,8 @@ class Judge:
         table = dict(self.base)
         for group, smoothed_name in zip(ready, smoothed_tensors(model, ready)):  # the source when folded, else the Mul's
             low, high = self.ranges[group.source]
-            table[smoothed_name] = range_entry(float((low / group.scale).min()), float((high / group.scale).max()))
+            entry = range_entry(float((low / group.scale).min()), float((high / group.scale).max()))
+            table.update({name: entry for name in (smoothed_name, *group.views)})  # a view holds the same values
         return table
 
     def loss(self, model: onnx.ModelProto, ready: Sequence[Group] = ()) -> dict:
@@ -407,7 +453,7 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
         ready = with_scales(prepared, found, maxima, float(setting))
         model = smoothed(prepared, ready)
         return model, {"setting": setting, "applied": True, "alpha": float(setting), "groups": describe(ready),
-                       "smoothed_tensors": smoothed_tensors(model, ready), "seconds": seconds()}
+                       "smoothed_tensors": changed_tensors(model, ready), "seconds": seconds()}
     judged_on = list(islice(samples, JUDGE_SAMPLES)) if judged_on is None else list(judged_on)
     judge = Judge(prepared, judged_on, settings, keep_float, make_table,
                   [g.source for g in with_scales(prepared, found, maxima, 0.5)], shared=shared)
@@ -423,7 +469,7 @@ def choose(prepared: onnx.ModelProto, samples: Sequence, setting: Setting, setti
         return prepared, {**summary, "seconds": seconds()}
     ready = with_scales(prepared, found, maxima, best)
     model = smoothed(prepared, ready)
-    return model, {**summary, "groups": describe(ready), "smoothed_tensors": smoothed_tensors(model, ready),
+    return model, {**summary, "groups": describe(ready), "smoothed_tensors": changed_tensors(model, ready),
                    "seconds": seconds()}
 
 
@@ -433,6 +479,12 @@ def smoothed_tensors(model: onnx.ModelProto, ready: Sequence[Group]) -> List[str
     the inserted Mul's). Every other tensor computes the same values."""
     nodes = {node.name: node for node in model.graph.node}
     return [nodes[group.ops[0]].input[0] for group in ready]  # one a group: each group has its own source
+
+
+def changed_tensors(model: onnx.ModelProto, ready: Sequence[Group]) -> List[str]:
+    """smoothed_tensors and, where a group is folded through reshapes or transposes, the
+    tensors on the way (its normalization's output first): every tensor whose values differ."""
+    return [*smoothed_tensors(model, ready), *(view for group in ready for view in group.views)]
 
 
 def search(loss: Callable[[Optional[float]], dict], alphas: Sequence[float] = ALPHAS) -> Tuple[Optional[float], dict]:

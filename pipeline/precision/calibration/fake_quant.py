@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.backends.onnxruntime import run_each
 from pipeline.precision.calibration.sensitivity import fake_quantize_weight
+from pipeline.precision.gemm_outputs import float_output_gemms
 from pipeline.precision.quantize import scale_and_zero_point, settings_float_ops
 
 
@@ -86,12 +87,14 @@ def _quantized_tensors(model: onnx.ModelProto, in_table: set, settings, keep_flo
     outputs where the backend quantizes outputs) that the table holds."""
     initializers = {t.name for t in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
+    float_gemms = float_output_gemms(model, settings)
     found = []
     for node in model.graph.node:
         if node.op_type not in settings.quantize_ops or node.name in keep_float:
             continue
         names = [i for i in node.input[:2] if i and i not in initializers]
-        if settings.quantizes_output(node.op_type):  # not a graph output: the build strips what only rounds the user's output
+        # not a graph output: the build strips what only rounds the user's output
+        if settings.quantizes_output(node.op_type) and node.name not in float_gemms:
             names += [o for o in node.output[:1] if o and o not in graph_outputs]
         found += [n for n in names if n in in_table]
     return list(dict.fromkeys(found))

@@ -30,6 +30,7 @@ from pipeline.precision.calibration.single_node import elem_type, node_session, 
 from pipeline.precision.calibration.statistics import BatchRunner, free_reshape_batch
 from pipeline.data import unpack
 from pipeline.environment import own_threads
+from pipeline.precision.gemm_outputs import float_output_gemms
 from pipeline.precision.quantize import WEIGHTED_OPS, QdqSettings, settings_float_ops
 
 WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": 1}
@@ -203,6 +204,7 @@ def _op_trials(model, node, candidates, floats, methods, settings: QdqSettings) 
     float_feeds = {name: floats[name] if name in floats else numpy_helper.to_array(initializers[name])
                    for name in _node_inputs(node)}
     expected = floats[node.output[0]]
+    float_gemms = float_output_gemms(model, settings) if node.op_type == "Gemm" else set()
     trials = []
     for method in methods:
         quantized_feeds = dict(float_feeds)
@@ -212,7 +214,8 @@ def _op_trials(model, node, candidates, floats, methods, settings: QdqSettings) 
             elif name in initializers and _is_weight(node, name):
                 quantized_feeds[name] = fake_quantize_weight(float_feeds[name], node, settings)
         output = single.run(None, quantized_feeds)[0]
-        if settings.quantizes_output(node.op_type) and node.output[0] in candidates and node.output[0] not in graph_outputs:
+        if settings.quantizes_output(node.op_type) and node.output[0] in candidates and \
+                node.output[0] not in graph_outputs and node.name not in float_gemms:
             output = fake_quantize(output, candidates[node.output[0]][method], settings.activations)
         trials.append((Trial(node.name, node.op_type, method, _sqnr(expected, output)), output))
     return trials
