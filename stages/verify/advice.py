@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import onnx
 
 from pipeline import backends
-from pipeline.verification import layerwise, trials, truth as float64, verdict
+from pipeline.verification import diagnosis, layerwise, trials, truth as float64, verdict
 from pipeline.artifacts import read_json
 from pipeline.config.schemas import Layerwise
 from pipeline.precision import kinds
