@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import read_report, run_cli, run_dirs
 from pipeline.precision.quantize import MixedModels, QdqSettings
 from test_quantize import _table
 
@@ -109,3 +110,60 @@ def test_the_build_simulations_follow_the_same_rule():
     mlp = helper.make_model(helper.make_graph(nodes, "mlp", [], []))
     assert float_output_gemms(mlp, _ort_settings()) == {"fc2"}
     assert set(_quantized_tensors(mlp, {"x", "h", "r", "y"}, _ort_settings(), set())) == {"x", "h", "r"}
+
+
+def _tokens_model(path) -> None:
+    """A ViT-like classifier at a fixed token count, as torch exports one: 8 x 8 patches of a
+    32 x 32 image -> 16 tokens of 32 channels -> LayerNorm -> MatMul + Add -> GELU (erf) ->
+    MatMul + Add -> residual Add -> LayerNorm -> mean over tokens -> MatMul + Add -> 10 logits."""
+    rng = np.random.default_rng(11)
+
+    def weight(name, *shape, spread=0.2):
+        return numpy_helper.from_array(rng.normal(0, spread, shape).astype(np.float32), name)
+
+    inits = [weight("patch_w", 32, 3, 8, 8, spread=0.05), weight("patch_b", 32), weight("w1", 32, 64), weight("b1", 64),
+             weight("w2", 64, 32), weight("b2", 32), weight("wh", 32, 10), weight("bh", 10),
+             numpy_helper.from_array(np.linspace(0.5, 4.0, 32).astype(np.float32), "gamma"),
+             weight("beta", 32, spread=0.1), numpy_helper.from_array(np.ones(32, np.float32), "gamma2"),
+             numpy_helper.from_array(np.zeros(32, np.float32), "beta2"),
+             numpy_helper.from_array(np.array([1, 32, 16], np.int64), "tokens_shape")]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("sqrt2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
+    nodes = [helper.make_node("Conv", ["image", "patch_w", "patch_b"], ["p"], name="patch", strides=[8, 8]),
+             helper.make_node("Reshape", ["p", "tokens_shape"], ["pt"], name="to_tokens"),
+             helper.make_node("Transpose", ["pt"], ["t"], name="tokens_last", perm=[0, 2, 1]),
+             helper.make_node("LayerNormalization", ["t", "gamma", "beta"], ["n"], name="norm1", axis=-1),
+             helper.make_node("MatMul", ["n", "w1"], ["m1"], name="fc1"),
+             helper.make_node("Add", ["m1", "b1"], ["h"], name="fc1_bias"),
+             helper.make_node("Div", ["h", "sqrt2"], ["d"], name="gelu_div"),
+             helper.make_node("Erf", ["d"], ["e"], name="gelu_erf"),
+             helper.make_node("Add", ["e", "one"], ["a"], name="gelu_add"),
+             helper.make_node("Mul", ["h", "a"], ["g0"], name="gelu_mul"),
+             helper.make_node("Mul", ["g0", "half"], ["g"], name="gelu_half"),
+             helper.make_node("MatMul", ["g", "w2"], ["m2"], name="fc2"),
+             helper.make_node("Add", ["m2", "b2"], ["f"], name="fc2_bias"),
+             helper.make_node("Add", ["t", "f"], ["r"], name="residual"),
+             helper.make_node("LayerNormalization", ["r", "gamma2", "beta2"], ["n2"], name="norm2", axis=-1),
+             helper.make_node("ReduceMean", ["n2"], ["pooled"], name="pool", axes=[1], keepdims=0),
+             helper.make_node("MatMul", ["pooled", "wh"], ["mh"], name="head"),
+             helper.make_node("Add", ["mh", "bh"], ["logits"], name="head_bias")]
+    graph = helper.make_graph(nodes, "tokens", [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 32, 32])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(onnx.shape_inference.infer_shapes(model), str(path))
+
+
+def test_the_cli_builds_a_fixed_token_transformer_with_its_gelu_fused_and_smoothing_folded(tmp_path):
+    """The user's path: `parity ... precision=int8` on a ViT-like model. The prepare step makes
+    its FFN a Reshape -> Gemm -> Reshape; the built model runs both FFN Gemms as QGemm with the
+    GELU between them fused, and smoothing's scale for the first lives in the LayerNorm
+    (through the Gemm's reshape), not in a Mul."""
+    _tokens_model(tmp_path / "tokens.onnx")
+    result = run_cli([f"model.path={tmp_path / 'tokens.onnx'}", "data=random", "metric=none", "target=ort_cpu",
+                      "precision=int8", "precision.smoothing=0.5", "pipeline.stages=[convert,calibrate,build,verify]"],
+                     tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = run_dirs(tmp_path)[-1]
+    groups = read_report(run_dir)["calibration"]["smoothing"]["groups"]
+    assert {g["folded_into"] for g in groups if "fc1" in " ".join(g["ops"])} == {"norm1"}, groups
+    kinds = _optimized(onnx.load(str(run_dir / "stages" / "build" / "model.onnx")), tmp_path)[1]
+    assert kinds.count("QGemm") >= 2 and "Gelu" in kinds and "Erf" not in kinds, kinds
