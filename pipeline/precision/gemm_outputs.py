@@ -40,13 +40,13 @@ def float_output_gemms(model, settings) -> Set[str]:
             and not any(reader.op_type in into for reader in readers.get(node.output[0], []))}
 
 
-def float_gemm_outputs(model, flowing_into: Iterable[str]) -> List[str]:
+def float_gemm_outputs(model, into: Iterable[str]) -> List[str]:
     """Remove the output Q -> DQ pair of each int8 Gemm none of whose readers is of an op type
-    in ``flowing_into`` (the quantized and pass-through op types) or a graph output; its readers
-    get the float tensor. Returns the Gemms changed."""
+    in ``into`` (flowing_into's) or a graph output; its readers get the float tensor. Returns
+    the Gemms changed."""
     graph = model.graph
     producer, readers = producers_and_readers(graph)
-    outputs, flowing_into, changed = {o.name for o in graph.output}, set(flowing_into), []
+    outputs, into, changed = {o.name for o in graph.output}, set(into), []
     for gemm in [n for n in graph.node if n.op_type == "Gemm"]:
         if getattr(producer.get(gemm.input[0]), "op_type", None) != "DequantizeLinear":
             continue  # a Gemm kept in float
@@ -57,7 +57,7 @@ def float_gemm_outputs(model, flowing_into: Iterable[str]) -> List[str]:
         pairs = readers.get(quantize.output[0], [])
         if not pairs or any(dq.op_type != "DequantizeLinear" or dq.output[0] in outputs for dq in pairs):
             continue
-        if any(reader.op_type in flowing_into for dq in pairs for reader in readers.get(dq.output[0], [])):
+        if any(reader.op_type in into for dq in pairs for reader in readers.get(dq.output[0], [])):
             continue
         for dq in pairs:
             for reader in readers.get(dq.output[0], []):
