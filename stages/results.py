@@ -143,7 +143,7 @@ class Quantization(Shape):
     slower_in_int8: Optional[dict] = None  # precision.int8_where_faster's finding
     weight_rounding: Optional[dict] = None  # pipeline/precision/calibration/weight_rounding.py's summary
     bias_correction: Optional[dict] = None  # pipeline/precision/calibration/bias_correction.py's summary
-    relus_folded: Optional[int] = None  # pass-through Relus folded into the Q before them (passthrough.fold_relus)
+    relus_folded: Optional[int] = None  # pass-through Relus and Clips folded into the Q before them (passthrough.fold_relus)
     convs_widened: Optional[List[str]] = None  # narrow int8 Convs widened to the kernel block (narrow_convs)
 
     def refinements(self) -> List[Tuple[str, dict]]:

@@ -218,7 +218,7 @@ def test_only_conv_and_gemm_inputs_are_quantized(int8_run, tmp_path):
     assert {"conv1_out", "pool1_out", "flatten_out"} <= quantized
     quantization = read_report(run_dir)["build"]["quantization"]
     assert quantization["quantized"] == "inputs and outputs" and quantization["relus_folded"] >= 2
-    assert quantization["passthrough_ops"] == ["Relu", "MaxPool", "Resize", "Concat"]
+    assert quantization["passthrough_ops"] == ["Relu", "Clip", "MaxPool", "Resize", "Concat"]
     calibrate = run_dir / "stages" / "calibrate"
     table = json.loads((calibrate / "calibration.json").read_text())["tensors"]
     build_qdq(calibrate / "prepared.onnx", table, tmp_path / "inputs_only.onnx", QdqSettings(quantize_outputs=False))

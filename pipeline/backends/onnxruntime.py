@@ -19,7 +19,7 @@ from pipeline.precision import kinds
 NAME = "onnxruntime"
 CAPABILITIES = Capabilities(
     precisions=("fp32", "fp16", "int8", "mixed"), devices=("CPU",),
-    qdq_placement="inputs_and_outputs", qdq_passthrough=("Relu", "MaxPool", "Resize", "Concat"), qdq_swish=True,
+    qdq_placement="inputs_and_outputs", qdq_passthrough=("Relu", "Clip", "MaxPool", "Resize", "Concat"), qdq_swish=True,
     qdq_latency=True, dynamic_int8=True, idle_threads_spin=True, qdq_conv_block=16, float_reads_int8=True, conversion_passes=4,
     compile_cache=True, tuning=True, profiler=True, float_op_kinds=True,
     auto_candidates=("fp32", "int8", "mixed"))

@@ -294,7 +294,7 @@ class PrecisionConfig:
     # Also quantize those ops' outputs. null: per backend (ONNX Runtime yes: it fuses
     # DQ -> op -> Q into its int8 kernels; OpenVINO no: it quantizes from the inputs).
     quantize_outputs: Optional[bool] = None
-    # Op types that only move or clamp values (Relu, MaxPool, Resize, Concat), given Q/DQ
+    # Op types that only move or clamp values (Relu, Clip, MaxPool, Resize, Concat), given Q/DQ
     # around them too so that int8 flows through them from one quantized op to the next
     # instead of dequantizing and requantizing at each; never a decision of the mixed search.
     # null: per backend (ONNX Runtime with uint8 activations: those four; docs/calibration.md).

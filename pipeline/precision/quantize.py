@@ -15,7 +15,7 @@ from pipeline import backends
 from pipeline.precision.narrow_convs import widen_narrow_convs
 from pipeline.precision.gemm_bias import flatten_gemm_bias, gemm_bias_fixes  # noqa: F401 - re-exported
 from pipeline.precision import gemm_outputs
-from pipeline.precision.passthrough import (SWISH_OPS, float_neighbours, fold_relus, int8_after, passthrough_for,
+from pipeline.precision.passthrough import (CLAMPS, SWISH_OPS, float_neighbours, fold_relus, int8_after, passthrough_for,
                                            producers_and_readers, quantizer_inputs, swish_ops)
 from pipeline.errors import InputError, first_line
 
@@ -149,8 +149,8 @@ class QdqSettings:
 
     @property
     def folds_relus(self) -> bool:
-        """The int8 build folds each quantized Relu into the Q before it (passthrough.fold_relus)."""
-        return "Relu" in self.passthrough_ops
+        """The int8 build folds each quantized Relu or Clip into the Q before it (passthrough.fold_relus)."""
+        return any(op_type in self.passthrough_ops for op_type in CLAMPS)
 
     @property
     def rewrites_for_runtime(self) -> bool:

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -163,7 +163,8 @@ class Comparison:
     stopped: Optional[dict] = None  # where compare stopped at the first divergence (stop_at_divergence)
     cut: Optional[str] = None  # what the diagnosis budget's deadline left out
     rescaled: List[str] = field(default_factory=list)  # scaled on purpose by the build (equalization): not compared
-    clamped: Set[str] = field(default_factory=set)  # held clamped at 0 by the build (a folded Relu): vs relu(reference)
+    # held clamped by the build (a folded Relu or Clip): tensor -> (low, high), vs the reference clamped alike
+    clamped: Dict[str, Tuple[float, float]] = field(default_factory=dict)
 
     def metrics(self, name: str) -> dict:
         result = self.stats[name].result()
@@ -296,7 +297,8 @@ def _json_default(value):
 
 def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold: float,
             budget: int = CHUNK_BYTES, progress=None, stop_at_divergence: bool = False,
-            deadline: Optional[float] = None, rescaled: Sequence[str] = (), clamped: Sequence[str] = ()) -> Comparison:
+            deadline: Optional[float] = None, rescaled: Sequence[str] = (),
+            clamped: Optional[Dict[str, Tuple[float, float]]] = None) -> Comparison:
     """Run every sample through both sides chunk by chunk (network order) and accumulate
     per-tensor stats. ``reference`` and ``target`` answer ``call("probe", names)`` and
     ``call("run_probe", feeds)``; they run side by side, the next sample while this one's
@@ -307,9 +309,10 @@ def compare(reference, target, graph: Graph, samples: Sequence[dict], threshold:
     flight stops at the sample it reached; ``cut`` says what was left out. ``rescaled``:
     tensors the build scaled per channel on purpose (equalization: the consumers undo it),
     which would read as diverging; not compared. ``clamped``: tensors the build holds
-    clamped at zero (a Relu folded into their Q), compared with the reference's clamped too."""
+    clamped (a Relu or Clip folded into their Q) and the bounds, compared with the reference's
+    clamped too."""
     started = time.perf_counter()
-    comparison = Comparison(graph, threshold, samples=len(samples), rescaled=list(rescaled), clamped=set(clamped))
+    comparison = Comparison(graph, threshold, samples=len(samples), rescaled=list(rescaled), clamped=dict(clamped or {}))
     probing = _Probing(reference, target, graph, comparison, samples)
     probing.deadline = deadline
     wanted = [t.name for t in graph.tensors if t.name not in set(rescaled)]
@@ -396,7 +399,8 @@ def _compare_chunk(pool, reference, target, samples, names, comparison, progress
             if name in comparison.errors:
                 continue
             try:
-                wanted = np.maximum(expected[name], 0) if name in comparison.clamped else expected[name]
+                wanted = np.clip(expected[name], *comparison.clamped[name]) if name in comparison.clamped \
+                    else expected[name]
                 accumulate(comparison.stats.setdefault(name, OutputStats()), wanted, actual[name])
             except ValueError as err:  # e.g. a backend that keeps a different layout
                 comparison.errors[name] = str(err)

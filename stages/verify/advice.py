@@ -22,6 +22,7 @@ from pipeline.errors import BackendCrashed, ExitCode, first_line
 from pipeline.task_metrics import load_metric
 from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.calibration import bias_correction, weight_rounding
+from pipeline.precision.passthrough import CLAMPS, clip_bounds
 from pipeline.precision.quantize import QdqSettings, build_qdq, keep_in_float
 from pipeline.verification.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
@@ -46,7 +47,8 @@ def run_layerwise(ctx, live: Live, dataset, progress, budget: "diagnosis.Budget"
     validation = ctx.cfg.validation
     mode = validation.layerwise.value
     reason = "always (validation.layerwise=always)" if mode == "always" else "the verdict failed"
-    graph = layerwise.Graph(onnx.load(str(ctx.results["convert"].path("model"))))
+    model = onnx.load(str(ctx.results["convert"].path("model")))
+    graph = layerwise.Graph(model)
     samples = [sample.feeds for _, sample in zip(range(validation.layerwise_samples), dataset.validation)]
     always = mode == "always"  # every tensor, whatever the budget (the user asked for the whole table)
     try:
@@ -54,7 +56,7 @@ def run_layerwise(ctx, live: Live, dataset, progress, budget: "diagnosis.Budget"
         result = layerwise.compare(reference, target, graph, samples, validation.layer_min_cosine,
                                    progress=progress, stop_at_divergence=not always,
                                    deadline=None if always else budget.deadline, rescaled=_rescaled(ctx),
-                                   clamped=_clamped(ctx, graph))
+                                   clamped=_clamped(ctx, graph, model))
     except BackendCrashed as err:
         return {"mode": mode, "ran": False, "reason": f"layerwise probing failed: {err}"}
     budget.spent("layerwise", result.seconds, cut=result.cut)
@@ -70,18 +72,27 @@ def _rescaled(ctx) -> List[str]:
     return calibrate.summary.rescaled if calibrate else []
 
 
-def _clamped(ctx, graph: layerwise.Graph) -> List[str]:
-    """The tensors an int8 build holds clamped at zero: an int8 op's output whose only reader is
-    a pass-through Relu, folded into that output's Q (docs/calibration.md, "Pass-through ops");
-    compared with the reference's through the same Relu, not as a divergence."""
+def _clamped(ctx, graph: layerwise.Graph, model) -> Dict[str, tuple]:
+    """The tensors an int8 build holds clamped, and the bounds: an int8 op's output whose only
+    reader is a pass-through Relu or Clip, folded into that output's Q (docs/calibration.md,
+    "Pass-through ops"); compared with the reference's through the same clamp, not as a
+    divergence."""
     build = ctx.results.get("build")
     quantization = build.summary.quantization if build else None
-    if quantization is None or "Relu" not in (quantization.passthrough_ops or []):
-        return []
+    folding = set(CLAMPS) & set((quantization.passthrough_ops or []) if quantization else [])
+    if not folding:
+        return {}
     int8_types, float_ops = set(quantization.quantized_ops or []), set(quantization.float_ops or [])
-    return [tensor.name for tensor in graph.tensors
-            if tensor.op_type in int8_types and tensor.op not in float_ops
-            and [graph.nodes[op].op_type for op in graph.consumers(tensor.name)] == ["Relu"]]
+    found = {}
+    for tensor in graph.tensors:
+        readers = [graph.nodes[op] for op in graph.consumers(tensor.name)]
+        if tensor.op_type not in int8_types or tensor.op in float_ops or len(readers) != 1 \
+                or readers[0].op_type not in folding:
+            continue
+        bounds = (0.0, float("inf")) if readers[0].op_type == "Relu" else clip_bounds(readers[0], model)
+        if bounds is not None:
+            found[tensor.name] = bounds
+    return found
 
 
 ACCURACY_CHECKS = ("accuracy", "task", "nan_inf")
