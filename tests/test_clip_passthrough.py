@@ -112,3 +112,20 @@ def test_the_cli_int8_build_of_a_relu6_net_folds_its_clips(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quantization = read_report(run_dirs(tmp_path)[-1])["build"]["quantization"]
     assert "Clip" in quantization["passthrough_ops"] and quantization["relus_folded"] == 2, quantization
+
+
+def test_layerwise_compares_a_folded_clips_input_with_the_reference_clamped_alike():
+    """Verify's layerwise probe: a convolution's output whose only reader is a folded pass-through
+    Relu or Clip is held clamped by the build, so it is compared with the reference clamped to
+    the same bounds (the Clip's from its Constant nodes in the converted model), not as a divergence."""
+    from pipeline.verification import layerwise
+    from stages.verify.advice import _clamped
+
+    model = _relu6_net()
+    quantization = SimpleNamespace(passthrough_ops=["Relu", "Clip", "MaxPool"], quantized_ops=["Conv"], float_ops=[])
+    ctx = SimpleNamespace(results={"build": SimpleNamespace(summary=SimpleNamespace(quantization=quantization))})
+    assert _clamped(ctx, layerwise.Graph(model), model) == {"c1": (0.0, 6.0), "c2": (0.0, 6.0)}
+    quantization.float_ops = ["conv2"]  # a float op's output is not held by any Q
+    assert _clamped(ctx, layerwise.Graph(model), model) == {"c1": (0.0, 6.0)}
+    quantization.passthrough_ops = ["MaxPool"]
+    assert _clamped(ctx, layerwise.Graph(model), model) == {}
