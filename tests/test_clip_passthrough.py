@@ -13,9 +13,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import read_report, run_cli, run_dirs
-from pipeline.precision.passthrough import _derive, clip_bounds, fold_relus
-from pipeline.precision.quantize import MixedModels, QdqSettings
+from conftest import ort_qdq_settings, read_report, run_cli, run_dirs
+from pipeline.precision.passthrough import _derive, clip_bounds, constants, fold_relus
+from pipeline.precision.quantize import MixedModels
 from test_quantize import _table
 
 
@@ -38,21 +38,14 @@ def _relu6_net() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def _settings() -> QdqSettings:
-    return QdqSettings.resolve(SimpleNamespace(
-        activations=SimpleNamespace(value="uint8"), per_channel=True, reduce_range=True, quantize_ops=["Conv"],
-        quantize_outputs=None, quantize_activation_matmuls=False, passthrough_ops=None, quantize_swish=None),
-        "onnxruntime")
-
-
 def test_clip_bounds_come_from_initializers_constant_nodes_or_attributes():
     model = _relu6_net()
-    clips = {n.name: n for n in model.graph.node if n.op_type == "Clip"}
-    assert clip_bounds(clips["relu6_1"], model) == clip_bounds(clips["relu6_2"], model) == (0.0, 6.0)
+    clips, known = {n.name: n for n in model.graph.node if n.op_type == "Clip"}, constants(model)
+    assert clip_bounds(clips["relu6_1"], known) == clip_bounds(clips["relu6_2"], known) == (0.0, 6.0)
     old = helper.make_node("Clip", ["c"], ["r"], min=-1.0, max=1.0)  # opset 6: attributes
-    assert clip_bounds(old, model) == (-1.0, 1.0)
-    assert clip_bounds(helper.make_node("Clip", ["c", "zero"], ["r"]), model) == (0.0, np.inf)
-    assert clip_bounds(helper.make_node("Clip", ["c", "computed", "six"], ["r"]), model) is None
+    assert clip_bounds(old, known) == (-1.0, 1.0)
+    assert clip_bounds(helper.make_node("Clip", ["c", "zero"], ["r"]), known) == (0.0, np.inf)
+    assert clip_bounds(helper.make_node("Clip", ["c", "computed", "six"], ["r"]), known) is None
     table = {"c": {"threshold": 9.0, "min": -3.0, "max": 9.0}}
     assert _derive(clips["relu6_1"], {"c1": table["c"]}, (0.0, 6.0))
     clips["relu6_1"].output[0] = "out"
@@ -67,7 +60,7 @@ def test_relu6_is_a_pass_through_op_and_folds_into_the_q_before_it(tmp_path):
     last writes the user's float output: the build strips its output pair)."""
     model = _relu6_net()
     feeds = {"x": np.random.default_rng(22).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)}
-    settings = _settings()
+    settings = ort_qdq_settings("Conv")
     assert "Clip" in settings.passthrough_ops and settings.folds_relus
     built = MixedModels(model, _table(model, feeds), settings).build()
     assert settings.rewrite_for_runtime(built)["relus_folded"] == 2

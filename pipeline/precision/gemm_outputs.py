@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Set
 
-from pipeline.precision.passthrough import SWISH_OPS, producers_and_readers
+from pipeline.precision.passthrough import SWISH_OPS, producers_and_readers, remove_nodes
 
 
 def flowing_into(settings) -> List[str]:
@@ -62,16 +62,6 @@ def float_gemm_outputs(model, into: Iterable[str]) -> List[str]:
         for dq in pairs:
             for reader in readers.get(dq.output[0], []):
                 reader.input[:] = [gemm.output[0] if name == dq.output[0] else name for name in reader.input]
-        _remove(graph, [quantize, *pairs])
+        remove_nodes(graph, [quantize, *pairs])
         changed.append(gemm.name)
     return changed
-
-
-def _remove(graph, nodes) -> None:
-    """The nodes, and the initializers only they read."""
-    names = {name for node in nodes for name in node.input}
-    for node in nodes:
-        graph.node.remove(node)
-    still_read = {name for node in graph.node for name in node.input}
-    for tensor in [t for t in graph.initializer if t.name in names and t.name not in still_read]:
-        graph.initializer.remove(tensor)

@@ -22,6 +22,16 @@ def passthrough_for(precision, capabilities, outputs_quantized: bool) -> Tuple[s
     return tuple(capabilities.qdq_passthrough) if outputs_quantized and unsigned else ()
 
 
+def remove_nodes(graph, nodes) -> None:
+    """The nodes, and the initializers only they read (their Q/DQ scales and zero points)."""
+    names = {name for node in nodes for name in node.input}
+    for node in nodes:
+        graph.node.remove(node)
+    still_read = {name for node in graph.node for name in node.input}
+    for tensor in [t for t in graph.initializer if t.name in names and t.name not in still_read]:
+        graph.initializer.remove(tensor)
+
+
 def producers_and_readers(graph) -> Tuple[Dict[str, object], Dict[str, list]]:
     """({tensor: the node writing it}, {tensor: the nodes reading it}) of an ONNX graph."""
     producer = {out: node for node in graph.node for out in node.output}
@@ -48,40 +58,43 @@ def swish_ops(model, made_by: Iterable[str], table: Optional[Dict[str, dict]] = 
     if not made_by:
         return []
     producer = {out: node for node in model.graph.node for out in node.output}
+    gated = list(_gated_muls(model, producer))
     found: List[str] = []
-    for mul in model.graph.node:
-        if mul.op_type != "Mul" or len(mul.input) != 2:
-            continue
-        for x, gate in (tuple(mul.input), tuple(mul.input)[::-1]):
-            sigmoid, made = producer.get(gate), producer.get(x)
-            if sigmoid is not None and sigmoid.op_type in GATES and sigmoid.input[0] == x \
-                    and made is not None and made.op_type in made_by \
-                    and (table is None or all(name in table for name in (x, gate, mul.output[0]))):
-                found += [sigmoid.name, mul.name]
-                break
-    return found + _excite_gates(model, producer, made_by, set(found), table)
+    for mul, x, gate in gated:
+        made = producer.get(x)
+        if mul.name not in found and gate.input[0] == x and made is not None and made.op_type in made_by \
+                and (table is None or all(name in table for name in (x, gate.output[0], mul.output[0]))):
+            found += [gate.name, mul.name]
+    return found + _excite_gates(gated, producer, made_by, set(found), table)
 
 
-def _excite_gates(model, producer, made_by: set, swish: set, table: Optional[Dict[str, dict]]) -> List[str]:
-    """The Sigmoid and the Mul of each squeeze-excite gate x * Sigmoid(g): g made by an op of
-    the types ``made_by`` (the excite convolution), x by one of them or by a SiLU of ``swish``
-    (EfficientNet's blocks), with ranges for g, the gate and the product where ``table`` is
-    given. ONNX Runtime runs them as QLinearSigmoid and QLinearMul; left float, the gate costs a
-    dequantize and a quantize of the block's whole tensor (an EfficientNet-B0-like classifier:
-    int8 0.99x fp32, ONNX Runtime's own quantizer 1.15x). HardSigmoid gates (PP-LCNet,
-    MobileNetV3) stay float: ONNX Runtime has no int8 HardSigmoid."""
-    found: List[str] = []
+def _gated_muls(model, producer):
+    """(Mul, x, gate node) for each reading of a two-input Mul as x times what a gate (GATES)
+    makes: both ways round where both inputs are gated."""
     for mul in model.graph.node:
-        if mul.op_type != "Mul" or len(mul.input) != 2 or mul.name in swish:
-            continue
-        for x, gate in (tuple(mul.input), tuple(mul.input)[::-1]):
-            sigmoid, made = producer.get(gate), producer.get(x)
-            excite = producer.get(sigmoid.input[0]) if sigmoid is not None and sigmoid.op_type == "Sigmoid" else None
-            if excite is not None and excite.op_type in made_by and sigmoid.name not in swish and made is not None \
-                    and (made.op_type in made_by or made.name in swish) \
-                    and (table is None or all(name in table for name in (sigmoid.input[0], gate, mul.output[0]))):
-                found += [sigmoid.name, mul.name]
-                break
+        if mul.op_type == "Mul" and len(mul.input) == 2:
+            for x, gate in (tuple(mul.input), tuple(mul.input)[::-1]):
+                made = producer.get(gate)
+                if made is not None and made.op_type in GATES:
+                    yield mul, x, made
+
+
+def _excite_gates(gated, producer, made_by: set, swish: set, table: Optional[Dict[str, dict]]) -> List[str]:
+    """The Sigmoid and the Mul of each squeeze-excite gate x * Sigmoid(g) of ``gated``
+    (_gated_muls): g made by an op of the types ``made_by`` (the excite convolution), x by one
+    of them or by a SiLU of ``swish`` (EfficientNet's blocks), with ranges for g, the gate and
+    the product where ``table`` is given. ONNX Runtime runs them as QLinearSigmoid and
+    QLinearMul; left float, the gate costs a dequantize and a quantize of the block's whole
+    tensor (an EfficientNet-B0-like classifier: int8 0.99x fp32, ONNX Runtime's own quantizer
+    1.15x). HardSigmoid gates (PP-LCNet, MobileNetV3) stay float: ONNX Runtime has no int8
+    HardSigmoid."""
+    found: List[str] = []
+    for mul, x, gate in gated:
+        excite, made = producer.get(gate.input[0]), producer.get(x)
+        if mul.name not in swish and mul.name not in found and gate.op_type == "Sigmoid" \
+                and excite is not None and excite.op_type in made_by and made is not None and (made.op_type in made_by or made.name in swish) \
+                and (table is None or all(name in table for name in (gate.input[0], gate.output[0], mul.output[0]))):
+            found += [gate.name, mul.name]
     return found
 
 
@@ -195,7 +208,8 @@ def passthrough_ranges(model, table: Dict[str, dict], op_types: Iterable[str]) -
     table = dict(table)
     op_types = set(op_types)
     nodes = [node for node in model.graph.node if node.op_type in op_types]
-    bounds = {node.name: clip_bounds(node, model) for node in nodes if node.op_type == "Clip"}
+    known = constants(model) if any(node.op_type == "Clip" for node in nodes) else {}
+    bounds = {node.name: clip_bounds(node, known) for node in nodes if node.op_type == "Clip"}
     for _ in range(len(nodes) + 1):  # forward and backward until nothing changes
         if not any([_derive(node, table, bounds.get(node.name)) for node in nodes] +
                    [_derive_back(node, table) for node in nodes]):
@@ -209,22 +223,28 @@ def _data_inputs(node) -> List[str]:
     return [name for name in (node.input if node.op_type == "Concat" else node.input[:1]) if name]
 
 
-def clip_bounds(node, model) -> Optional[Tuple[float, float]]:
-    """A Clip's (min, max) where they are constants (inputs since opset 11: initializers or
-    Constant nodes; attributes before; absent: unbounded), else None."""
+def constants(model) -> Dict[str, object]:
+    """Every constant tensor by name: the initializers and the Constant nodes' values."""
+    from onnx import helper
+
+    found: Dict[str, object] = {t.name: t for t in model.graph.initializer}
+    found.update({n.output[0]: helper.get_attribute_value(n.attribute[0]) for n in model.graph.node
+                  if n.op_type == "Constant" and not n.input and n.attribute and n.attribute[0].name == "value"})
+    return found
+
+
+def clip_bounds(node, known: Dict[str, object]) -> Optional[Tuple[float, float]]:
+    """A Clip's (min, max) where they are constants (inputs since opset 11, in ``known``:
+    constants(model); attributes before; absent: unbounded), else None."""
     from onnx import helper, numpy_helper
 
-    constants = {t.name: t for t in model.graph.initializer}
-    constants.update({n.output[0]: helper.get_attribute_value(n.attribute[0]) for n in model.graph.node
-                      if n.op_type == "Constant" and n.input == [] and n.attribute and n.attribute[0].name == "value"
-                      and n.output[0] in node.input[1:]})
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     found = []
     for index, (key, unbounded) in enumerate((("min", -np.inf), ("max", np.inf)), start=1):
         name = node.input[index] if len(node.input) > index else ""
-        if name and name not in constants:
+        if name and name not in known:
             return None
-        found.append(float(numpy_helper.to_array(constants[name])) if name else float(attributes.get(key, unbounded)))
+        found.append(float(numpy_helper.to_array(known[name])) if name else float(attributes.get(key, unbounded)))
     return found[0], found[1]
 
 
@@ -264,12 +284,12 @@ def _derive_back(node, table: Dict[str, dict]) -> bool:
     return bool(missing)
 
 
-def _inside(clamp, model, scale, zero) -> bool:
+def _inside(clamp, known: Dict[str, object], scale, zero) -> bool:
     """A Relu (zero point 0 already checked), or a Clip whose bounds hold every value the Q
     before it can give: then the clamp changes none of them."""
     if clamp.op_type == "Relu":
         return True
-    bounds = clip_bounds(clamp, model)
+    bounds = clip_bounds(clamp, known)
     if bounds is None or np.size(scale) != 1:
         return False
     low, high = bounds
@@ -289,6 +309,7 @@ def fold_relus(model) -> int:
 
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
+    known = constants(model)
 
     def constant(name: str):  # a Q/DQ parameter as an array (not every weight converted)
         return numpy_helper.to_array(initializers[name]) if name in initializers else None
@@ -305,15 +326,10 @@ def fold_relus(model) -> int:
         params = [constant(name) for name in (*dq.input[1:3], *after[0].input[1:3])]
         if len(params) != 4 or any(p is None for p in params) or np.any(params[1] != 0) \
                 or not all(np.array_equal(a, b) for a, b in zip(params[:2], params[2:])) \
-                or not _inside(relu, model, params[0], params[1]):
+                or not _inside(relu, known, params[0], params[1]):
             continue
         for reader in readers.get(after[0].output[0], []):
             reader.input[:] = [dq.input[0] if name == after[0].output[0] else name for name in reader.input]
         folded += [dq, relu, after[0]]
-    params = {name for node in folded for name in node.input[1:]}
-    for node in folded:
-        graph.node.remove(node)
-    read = {name for node in graph.node for name in node.input}
-    for init in [t for t in graph.initializer if t.name in params and t.name not in read]:
-        graph.initializer.remove(init)
+    remove_nodes(graph, folded)
     return len(folded) // 3
