@@ -168,6 +168,19 @@ def model_copy(model):
     return copy
 
 
+def ort_qdq_settings(*quantize_ops: str):
+    """QdqSettings as an int8 build resolves them for ONNX Runtime with the config's defaults
+    (uint8 activations, per-channel 7-bit weights, pass-through ops and SiLUs per backend)."""
+    from types import SimpleNamespace
+
+    from pipeline.precision.quantize import QdqSettings
+
+    return QdqSettings.resolve(SimpleNamespace(
+        activations=SimpleNamespace(value="uint8"), per_channel=True, reduce_range=True, quantize_ops=list(quantize_ops),
+        quantize_outputs=None, quantize_activation_matmuls=False, passthrough_ops=None, quantize_swish=None),
+        "onnxruntime")
+
+
 def run_with_outputs(model, names, samples) -> list:
     """Each sample's feeds through a copy of ``model`` whose graph outputs are ``names``
     (intermediate tensors too), on ONNX Runtime's CPU provider: one {name: array} a sample."""

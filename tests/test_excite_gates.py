@@ -6,15 +6,14 @@ CPU: int8 0.99x -> 1.06-1.08x fp32 (ONNX Runtime's own quantizer 1.11-1.16x in t
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import ort_qdq_settings
 from pipeline.precision.passthrough import float_neighbours, swish_ops
-from pipeline.precision.quantize import MixedModels, QdqSettings
+from pipeline.precision.quantize import MixedModels
 from test_quantize import _table
 
 
@@ -53,10 +52,7 @@ def test_the_gate_is_found_with_the_silus_and_a_float_excite_conv_takes_it_along
 def test_onnx_runtime_runs_the_gate_in_int8(tmp_path):
     model = _se_block()
     feeds = {"x": np.random.default_rng(32).normal(0, 1, (1, 8, 16, 16)).astype(np.float32)}
-    settings = QdqSettings.resolve(SimpleNamespace(
-        activations=SimpleNamespace(value="uint8"), per_channel=True, reduce_range=True, quantize_ops=["Conv"],
-        quantize_outputs=None, quantize_activation_matmuls=False, passthrough_ops=None, quantize_swish=None),
-        "onnxruntime")
+    settings = ort_qdq_settings("Conv")
     built = MixedModels(model, _table(model, feeds), settings).build()
     settings.rewrite_for_runtime(built)
     options = ort.SessionOptions()

@@ -4,15 +4,13 @@ where it does (a classifier's MLP head); checked on ONNX Runtime's own optimized
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import read_report, run_cli, run_dirs
-from pipeline.precision.quantize import MixedModels, QdqSettings
+from conftest import ort_qdq_settings, read_report, run_cli, run_dirs
+from pipeline.precision.quantize import MixedModels
 from test_quantize import _table
 
 
@@ -42,13 +40,6 @@ def _ffn_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def _ort_settings() -> QdqSettings:
-    return QdqSettings.resolve(SimpleNamespace(
-        activations=SimpleNamespace(value="uint8"), per_channel=True, reduce_range=True, quantize_ops=["Gemm"],
-        quantize_outputs=None, quantize_activation_matmuls=False, passthrough_ops=None, quantize_swish=None),
-        "onnxruntime")
-
-
 def _optimized(model: onnx.ModelProto, folder) -> tuple:
     """(ONNX Runtime's session of the model, the op types of its optimized graph)."""
     options = ort.SessionOptions()
@@ -64,7 +55,7 @@ def test_a_gemm_output_stays_float_where_int8_does_not_flow_on_and_the_gelu_afte
     Div, Erf, Add, Mul, Mul unfused: a ViT-tiny at 224 ran 1.08x fp32 instead of 1.28x)."""
     model = _ffn_model()
     feeds = {"x": np.random.default_rng(4).normal(0, 1, (1, 8, 16)).astype(np.float32)}
-    built = MixedModels(model, _table(model, feeds), _ort_settings()).build()
+    built = MixedModels(model, _table(model, feeds), ort_qdq_settings("Gemm")).build()
     quantized = {n.input[0] for n in built.graph.node if n.op_type == "QuantizeLinear"}
     assert quantized == {"x2", "g2"}  # the Gemms' inputs; their outputs h2 and y2 float
     session, kinds = _optimized(built, tmp_path)
@@ -88,7 +79,7 @@ def test_a_gemm_feeding_a_relu_before_the_next_gemm_keeps_its_quantized_output(t
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     feeds = {"x": rng.normal(0, 1, (1, 16)).astype(np.float32)}
-    built = MixedModels(model, _table(model, feeds), _ort_settings()).build()
+    built = MixedModels(model, _table(model, feeds), ort_qdq_settings("Gemm")).build()
     assert {n.input[0] for n in built.graph.node if n.op_type == "QuantizeLinear"} >= {"x", "h"}
     kinds = _optimized(built, tmp_path)[1]
     assert kinds.count("QGemm") == 2 and "Relu" not in kinds, kinds
@@ -102,14 +93,14 @@ def test_the_build_simulations_follow_the_same_rule():
 
     ffn = _ffn_model()
     everything = {value.name for value in ffn.graph.input} | {o for node in ffn.graph.node for o in node.output}
-    assert float_output_gemms(ffn, _ort_settings()) == {"fc1", "fc2"}
-    assert set(_quantized_tensors(ffn, everything, _ort_settings(), set())) == {"x2", "g2"}
+    assert float_output_gemms(ffn, ort_qdq_settings("Gemm")) == {"fc1", "fc2"}
+    assert set(_quantized_tensors(ffn, everything, ort_qdq_settings("Gemm"), set())) == {"x2", "g2"}
     nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
              helper.make_node("Relu", ["h"], ["r"], name="relu"),
              helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2")]
     mlp = helper.make_model(helper.make_graph(nodes, "mlp", [], []))
-    assert float_output_gemms(mlp, _ort_settings()) == {"fc2"}
-    assert set(_quantized_tensors(mlp, {"x", "h", "r", "y"}, _ort_settings(), set())) == {"x", "h", "r"}
+    assert float_output_gemms(mlp, ort_qdq_settings("Gemm")) == {"fc2"}
+    assert set(_quantized_tensors(mlp, {"x", "h", "r", "y"}, ort_qdq_settings("Gemm"), set())) == {"x", "h", "r"}
 
 
 def _tokens_model(path) -> None:
