@@ -471,3 +471,47 @@ def test_a_tensor_turning_non_finite_is_named_with_its_sample_whenever_its_histo
     with pytest.raises(InputError, match=f"tensor 'y' holds non-finite values for samples s{bad}..s{bad}"):
         statistics.collect(model, samples, len(samples), batch_size=1)
     assert statistics.collect(model, samples[bad + 1:] or samples[:bad], 3, batch_size=1).histograms["y"].count > 0
+
+
+@pytest.mark.parametrize("activations", ["uint8", "int8"])
+def test_fake_quantization_equals_onnx_runtimes_quantize_and_dequantize(activations):
+    """The search's fake quantization, a block at a time, gives what ONNX Runtime's
+    QuantizeLinear -> DequantizeLinear give, value for value, ties at half a step included,
+    on a tensor larger than a block and not a multiple of it."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.precision.calibration.auto import BLOCK_VALUES, fake_quantize
+    from pipeline.precision.quantize import scale_and_zero_point
+
+    entry = {"threshold": 3.0, "min": -1.7, "max": 4.2, "method": "max"}
+    scale, zero = scale_and_zero_point(entry, activations)
+    zero_type = np.uint8 if activations == "uint8" else np.int8
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+        "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(np.array(scale, np.float32), "s"),
+                     numpy_helper.from_array(np.array(zero, zero_type), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    values = (np.random.default_rng(1).standard_normal((3, 5, 111, 97)) * 3).astype(np.float32)
+    values.ravel()[:1000] = (np.arange(1000) - 500) * scale * np.float32(0.5)  # exact halves of a step
+    assert values.size > BLOCK_VALUES and values.size % BLOCK_VALUES
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(None, {"x": values})[0]
+    assert np.array_equal(fake_quantize(values, entry, activations), expected)
+    assert fake_quantize(values.astype(np.float64), entry, activations).dtype == np.float64
+
+
+def test_the_op_screen_runs_a_large_inputs_first_samples_and_a_small_ones_all():
+    """The op screen's samples (sensitivity.screen_samples): a 320 x 320 image a sample, 4 of
+    8 (the packed form's first slices); a small model's samples, all of them."""
+    from pipeline.precision.calibration.sensitivity import SCREEN_SAMPLES, first_samples, screen_samples
+
+    large = {"input": np.zeros((8, 3, 320, 320), np.float32)}
+    assert screen_samples(large, 8) == SCREEN_SAMPLES == 4
+    assert first_samples(large, 8, 4)["input"].shape == (4, 3, 320, 320)
+    small = {"x": np.zeros((8, 1, 8, 8), np.float32), "rate": np.full(8, 16000, np.int64)}
+    assert screen_samples(small, 8) == 8
+    assert first_samples(small, 8, 2)["rate"].shape == (2,)
