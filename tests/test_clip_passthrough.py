@@ -14,7 +14,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import ort_qdq_settings, read_report, run_cli, run_dirs
-from pipeline.precision.passthrough import _derive, clip_bounds, constants, fold_relus
+from pipeline.precision.passthrough import _derive, clamp_bounds, constants, fold_relus
 from pipeline.precision.quantize import MixedModels
 from test_quantize import _table
 
@@ -38,14 +38,14 @@ def _relu6_net() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_clip_bounds_come_from_initializers_constant_nodes_or_attributes():
+def test_clamp_bounds_come_from_initializers_constant_nodes_or_attributes():
     model = _relu6_net()
     clips, known = {n.name: n for n in model.graph.node if n.op_type == "Clip"}, constants(model)
-    assert clip_bounds(clips["relu6_1"], known) == clip_bounds(clips["relu6_2"], known) == (0.0, 6.0)
+    assert clamp_bounds(clips["relu6_1"], known) == clamp_bounds(clips["relu6_2"], known) == (0.0, 6.0)
     old = helper.make_node("Clip", ["c"], ["r"], min=-1.0, max=1.0)  # opset 6: attributes
-    assert clip_bounds(old, known) == (-1.0, 1.0)
-    assert clip_bounds(helper.make_node("Clip", ["c", "zero"], ["r"]), known) == (0.0, np.inf)
-    assert clip_bounds(helper.make_node("Clip", ["c", "computed", "six"], ["r"]), known) is None
+    assert clamp_bounds(old, known) == (-1.0, 1.0)
+    assert clamp_bounds(helper.make_node("Clip", ["c", "zero"], ["r"]), known) == (0.0, np.inf)
+    assert clamp_bounds(helper.make_node("Clip", ["c", "computed", "six"], ["r"]), known) is None
     table = {"c": {"threshold": 9.0, "min": -3.0, "max": 9.0}}
     assert _derive(clips["relu6_1"], {"c1": table["c"]}, (0.0, 6.0))
     clips["relu6_1"].output[0] = "out"

@@ -14,6 +14,16 @@ from pipeline.precision.quantize import MixedModels
 from test_quantize import _table
 
 
+def _erf_gelu(x: str, out: str) -> list:
+    """GELU in the erf form torch exports, x * (1 + erf(x / sqrt 2)) * 0.5 (constants `sqrt2`,
+    `one`, `half`): the pattern ONNX Runtime fuses into one Gelu."""
+    return [helper.make_node("Div", [x, "sqrt2"], ["gelu_d"], name="gelu_div"),
+            helper.make_node("Erf", ["gelu_d"], ["gelu_e"], name="gelu_erf"),
+            helper.make_node("Add", ["gelu_e", "one"], ["gelu_a"], name="gelu_add"),
+            helper.make_node("Mul", [x, "gelu_a"], ["gelu_m"], name="gelu_mul"),
+            helper.make_node("Mul", ["gelu_m", "half"], [out], name="gelu_half")]
+
+
 def _ffn_model() -> onnx.ModelProto:
     """A transformer FFN at a fixed token count as the prepare step leaves it (MatMul + Add
     fused into Reshape -> Gemm -> Reshape), the GELU between its two Gemms in the erf form
@@ -27,11 +37,7 @@ def _ffn_model() -> onnx.ModelProto:
     nodes = [helper.make_node("Reshape", ["x", "flat16"], ["x2"], name="r1"),
              helper.make_node("Gemm", ["x2", "w1", "b1"], ["h2"], name="fc1"),
              helper.make_node("Reshape", ["h2", "tokens32"], ["h"], name="r2"),
-             helper.make_node("Div", ["h", "sqrt2"], ["d"], name="div"),
-             helper.make_node("Erf", ["d"], ["e"], name="erf"),
-             helper.make_node("Add", ["e", "one"], ["a"], name="add"),
-             helper.make_node("Mul", ["h", "a"], ["m"], name="mul"),
-             helper.make_node("Mul", ["m", "half"], ["g"], name="mul_half"),
+             *_erf_gelu("h", "g"),
              helper.make_node("Reshape", ["g", "flat32"], ["g2"], name="r3"),
              helper.make_node("Gemm", ["g2", "w2", "b2"], ["y2"], name="fc2"),
              helper.make_node("Reshape", ["y2", "tokens16"], ["y"], name="r4")]
@@ -125,11 +131,7 @@ def _tokens_model(path) -> None:
              helper.make_node("LayerNormalization", ["t", "gamma", "beta"], ["n"], name="norm1", axis=-1),
              helper.make_node("MatMul", ["n", "w1"], ["m1"], name="fc1"),
              helper.make_node("Add", ["m1", "b1"], ["h"], name="fc1_bias"),
-             helper.make_node("Div", ["h", "sqrt2"], ["d"], name="gelu_div"),
-             helper.make_node("Erf", ["d"], ["e"], name="gelu_erf"),
-             helper.make_node("Add", ["e", "one"], ["a"], name="gelu_add"),
-             helper.make_node("Mul", ["h", "a"], ["g0"], name="gelu_mul"),
-             helper.make_node("Mul", ["g0", "half"], ["g"], name="gelu_half"),
+             *_erf_gelu("h", "g"),
              helper.make_node("MatMul", ["g", "w2"], ["m2"], name="fc2"),
              helper.make_node("Add", ["m2", "b2"], ["f"], name="fc2_bias"),
              helper.make_node("Add", ["t", "f"], ["r"], name="residual"),

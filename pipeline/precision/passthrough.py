@@ -209,7 +209,7 @@ def passthrough_ranges(model, table: Dict[str, dict], op_types: Iterable[str]) -
     op_types = set(op_types)
     nodes = [node for node in model.graph.node if node.op_type in op_types]
     known = constants(model) if any(node.op_type == "Clip" for node in nodes) else {}
-    bounds = {node.name: clip_bounds(node, known) for node in nodes if node.op_type == "Clip"}
+    bounds = {node.name: clamp_bounds(node, known) for node in nodes if node.op_type == "Clip"}
     for _ in range(len(nodes) + 1):  # forward and backward until nothing changes
         if not any([_derive(node, table, bounds.get(node.name)) for node in nodes] +
                    [_derive_back(node, table) for node in nodes]):
@@ -233,11 +233,14 @@ def constants(model) -> Dict[str, object]:
     return found
 
 
-def clip_bounds(node, known: Dict[str, object]) -> Optional[Tuple[float, float]]:
-    """A Clip's (min, max) where they are constants (inputs since opset 11, in ``known``:
-    constants(model); attributes before; absent: unbounded), else None."""
+def clamp_bounds(node, known: Dict[str, object]) -> Optional[Tuple[float, float]]:
+    """A clamp's (min, max) (CLAMPS): a Relu's (0, inf); a Clip's where they are constants
+    (inputs since opset 11, in ``known``: constants(model); attributes before; absent:
+    unbounded), else None."""
     from onnx import helper, numpy_helper
 
+    if node.op_type == "Relu":
+        return 0.0, np.inf
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     found = []
     for index, (key, unbounded) in enumerate((("min", -np.inf), ("max", np.inf)), start=1):
@@ -285,14 +288,16 @@ def _derive_back(node, table: Dict[str, dict]) -> bool:
 
 
 def _inside(clamp, known: Dict[str, object], scale, zero) -> bool:
-    """A Relu (zero point 0 already checked), or a Clip whose bounds hold every value the Q
-    before it can give: then the clamp changes none of them."""
-    if clamp.op_type == "Relu":
-        return True
-    bounds = clip_bounds(clamp, known)
-    if bounds is None or np.size(scale) != 1:
+    """The clamp's bounds hold every value the Q before it can give (zero point 0 already
+    checked, so a clamp unbounded above, a Relu, always does): it changes none of them."""
+    bounds = clamp_bounds(clamp, known)
+    if bounds is None:
         return False
     low, high = bounds
+    if high == np.inf:
+        return low <= 0.0
+    if np.size(scale) != 1:
+        return False
     top = float(scale) * (np.iinfo(np.asarray(zero).dtype).max - float(zero))
     return low <= 0.0 and top <= high * (1 + 1e-6) + 1e-12
 

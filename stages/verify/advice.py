@@ -22,7 +22,7 @@ from pipeline.errors import BackendCrashed, ExitCode, first_line
 from pipeline.task_metrics import load_metric
 from pipeline.verification.scoring import TaskScorer
 from pipeline.precision.calibration import bias_correction, weight_rounding
-from pipeline.precision.passthrough import CLAMPS, clip_bounds, constants
+from pipeline.precision.passthrough import CLAMPS, clamp_bounds, constants
 from pipeline.precision.quantize import QdqSettings, build_qdq, keep_in_float
 from pipeline.verification.recommend import QuantizedGraph, recommend
 from pipeline.worker import BackendWorker
@@ -89,7 +89,7 @@ def _clamped(ctx, graph: layerwise.Graph, model) -> Dict[str, tuple]:
         if tensor.op_type not in int8_types or tensor.op in float_ops or len(readers) != 1 \
                 or readers[0].op_type not in folding:
             continue
-        bounds = (0.0, float("inf")) if readers[0].op_type == "Relu" else clip_bounds(readers[0], known)
+        bounds = clamp_bounds(readers[0], known)
         if bounds is not None:
             found[tensor.name] = bounds
     return found
