@@ -3,16 +3,24 @@ fastest passing one shipped (pipeline/app/auto.py)."""
 
 from __future__ import annotations
 
-from conftest import composed, cpu_note, read_report, run_cli, run_dirs, single_bundle
-from pipeline.artifacts import read_json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from conftest import composed, cpu_note, read_report, run_cli, run_dirs, single_bundle
+from pipeline.artifacts import read_json
+from pipeline.verification import speed
+
 from pipeline.app.auto import CUT, SLOWER, UNVERIFIED, _fp32_could_ship, _timed_by_verify, choose
 from pipeline.app.screening import SCREEN_SLOWER
 from stages.results import VerifySummary
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_default_ships_the_fastest_passing_candidate(auto_default_run):
@@ -117,6 +125,37 @@ def test_a_ci_log_holds_each_log_record_on_one_line(auto_default_run):
     log = (run_dirs(cwd)[-1] / "parity.log").read_text()
     assert all(f"] {line.split(maxsplit=1)[1]}" in log for line in records)
     assert any(len(line) > 80 for line in records), records  # one at least that rich wrapped
+
+
+def test_the_gain_benchmark_times_the_default_jobs_builds_again_from_a_ci_log(auto_default_run, tmp_path):
+    """Issue 57, item 4: benchmarks/default_gain.py, as CI runs it (CI=true, stdout to a file),
+    times the shipped bundle and fp32's build again, each in its own process through its
+    runtime.yaml, and prints that figure beside the one the job printed and whether it lies in
+    the printed interval. What it reads on a given CPU is the benchmark's figure
+    (docs/benchmarks.md): here, on whatever CPU runs the suite, the tool itself is checked."""
+    cwd, result = auto_default_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_dirs(cwd)[0]  # the job's own run (a later test reruns it)
+    row = {r["precision"]: r for r in read_report(run_dir)["auto"]["candidates"]}
+    shipped = read_report(run_dir)["auto"]["chosen"]
+    log = tmp_path / "gain.txt"
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "default_gain.py"), "--run", str(run_dir),
+                               "--rounds", "3", "--images", "20"], stdout=out, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "CI": "true"}, cwd=tmp_path)
+    text = log.read_text()
+    assert done.returncode == 0, text + done.stderr
+    assert text.startswith("CPU: ") and "; flags: " in text.splitlines()[0], text  # the flags the figure holds for
+    assert f"shipped: {shipped}" in text and "cold default job" not in text
+    if shipped == "fp32":  # a loaded machine's timing can ship fp32 (test_the_default_ships_...)
+        assert "fp32 shipped with no speed-up measured" in text
+        return
+    assert f"printed speed-up vs fp32:   {speed.speedup_text(row[shipped]['speedup'])} (the next round's 90 % range" \
+        in text, text
+    independent = re.search(r"independent timing: +(\d+\.\d+)x \((\d+\.\d+)-(\d+\.\d+)\); fp32 (\d+\.\d+) ms, "
+                            + shipped + r" (\d+\.\d+) ms a call, 3 rounds x 20 calls", text)
+    assert independent and all(float(v) > 0 for v in independent.groups()), text
+    assert re.search(r"inside the printed interval: (yes|no); the intervals overlap: (yes|no)", text), text
 
 
 def test_a_rerun_starts_no_process_ahead_of_a_full_reference_store(auto_default_run):

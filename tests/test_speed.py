@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import read_report, run_cli, run_dirs
-from pipeline.verification import speed
+from pipeline.verification import confidence, speed
 from pipeline.worker import BackendWorker
 
 ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
@@ -37,24 +37,24 @@ def test_a_build_not_faster_than_fp32_is_never_a_silent_pass(default_run):
         assert warned[0] in (run_dir / "report.md").read_text()
 
 
-def test_a_short_build_is_timed_in_two_processes_each_and_printed_with_its_median_interval(tmp_path):
+def test_a_short_build_is_timed_in_two_processes_each_and_printed_with_its_round_interval(tmp_path):
     """The digits model runs in well under 10 ms: with the default timing, int8's verify times
     fp32 and int8 in two processes each, rounds in turn (as many in each), and the printed
-    interval is where the median lies (the second lowest to the second highest of 8 rounds),
-    not the rounds' p25-p75."""
+    interval is where the next round falls (speed.round_interval of the report's rounds), as
+    the speed line names it."""
     result = run_cli(["precision=int8", "pipeline.stages=[convert,calibrate,build,verify]"], tmp_path, quick=False)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(run_dirs(tmp_path)[-1])
-    comparison, speed = report["verify"]["comparison"], report["verify"]["speed"]["speedups"]["int8"]
+    comparison, found = report["verify"]["comparison"], report["verify"]["speed"]["speedups"]["int8"]
     for build in ("fp32", "int8"):
         latency = comparison[build]["latency"]
         assert latency["processes"] == 2 and latency["rounds"] % 2 == 0 and latency["rounds"] >= 8
-    ratios = sorted(f / t for f, t in zip(comparison["fp32"]["latency"]["round_medians_ms"],
-                                          comparison["int8"]["latency"]["round_medians_ms"]))
-    assert (speed["speedup_low"], speed["speedup_high"]) == pytest.approx((ratios[1], ratios[-2]))
-    assert speed["confidence"] >= 0.9
-    printed = f"int8 {speed['speedup']:.2f}x ({speed['speedup_low']:.2f}-{speed['speedup_high']:.2f})"
-    assert f"2 processes a build; the median's {100 * speed['confidence']:.0f} % interval): {printed}" in result.stdout
+    ratios = [f / t for f, t in zip(comparison["fp32"]["latency"]["round_medians_ms"],
+                                    comparison["int8"]["latency"]["round_medians_ms"])]
+    assert (found["speedup_low"], found["speedup_high"]) == pytest.approx(speed.round_interval(ratios))
+    assert found["level"] == 0.9 and found["speedup_low"] <= found["speedup"] <= found["speedup_high"]
+    printed = f"int8 {found['speedup']:.2f}x ({found['speedup_low']:.2f}-{found['speedup_high']:.2f})"
+    assert f"2 processes a build; the next round's 90 % range): {printed}" in result.stdout
 
 
 def test_min_speedup_fails_the_verdict_after_the_accuracy_checks(tmp_path):
@@ -133,17 +133,36 @@ def _worker_pids() -> set:
     return {child.pid for child in multiprocessing.active_children() if child.name.startswith("parity-worker")}
 
 
-def test_the_printed_interval_is_where_the_median_lies():
-    """Order statistics of the per-round ratios: 8 rounds give the second lowest to the second
-    highest (93 %), 3 rounds the lowest to the highest (75 %), one odd round does not move them."""
-    assert speed.median_interval([1.5, 1.6, 1.55, 1.2, 1.58, 1.57, 2.4, 1.56]) == \
-        pytest.approx((1.5, 1.6, 1 - 2 * 9 / 256))
-    assert speed.median_interval([1.0, 3.0, 2.0]) == pytest.approx((1.0, 3.0, 0.75))
+def test_the_printed_interval_is_where_the_next_round_falls():
+    """A prediction interval of one more round's ratio in log space, around the median: median
+    times or over exp(t(n-1) s sqrt(1 + 1/n)), t Student's (checked against scipy), s the
+    robust standard deviation of the log ratios; one odd round does not widen it, more rounds
+    do not shrink it to nothing, one round is the ratio alone."""
+    from scipy import stats
+
+    ratios = [1.5, 1.6, 1.55, 1.2, 1.58, 1.57, 2.4, 1.56]
+    logs = np.log(ratios)
+    scale = 1.4826 * np.median(np.abs(logs - np.log(np.median(ratios))))
+    half = stats.t.ppf(0.95, 7) * scale * np.sqrt(1 + 1 / 8)
+    low, high = speed.round_interval(ratios)
+    assert (low, high) == pytest.approx((np.median(ratios) / np.exp(half), np.median(ratios) * np.exp(half)))
+    assert low < 1.5 and 1.6 < high < 1.7  # 1.2 and 2.4 leave it where the other six put it
+    many = speed.round_interval(ratios * 8)
+    assert many[0] > low and many[1] < high and many[1] / many[0] > 1.06  # narrower with 64 rounds, not a point
+    assert speed.round_interval([1.3]) == pytest.approx((1.3, 1.3))
     timings = {"fp32": {"round_medians_ms": [2.0] * 8}, "int8": {"round_medians_ms": [1.0] * 7 + [0.5]}}
     found = speed.speedups(timings)["int8"]
     assert (found["speedup_low"], found["speedup"], found["speedup_high"]) == (2.0, 2.0, 2.0)
-    assert speed.speedup_text(found) == "2.00x (2.00-2.00)"
+    assert speed.speedup_text(found) == "2.00x (2.00-2.00)" and speed.how_sure(found) == "the next round's 90 % range"
     assert speed.interval({"speedup_p25": 1.1, "speedup_p75": 1.3}) == (1.1, 1.3)  # a report from before
+    assert speed.how_sure({"speedup_low": 1.1, "speedup_high": 1.3, "confidence": 0.93}) == "the median's 93 % interval"
+
+
+def test_t_quantile_is_students():
+    from scipy import stats
+
+    for level, df in [(0.9, 1), (0.9, 2), (0.9, 7), (0.95, 30), (0.5, 4)]:
+        assert confidence.t_quantile(level, df) == pytest.approx(stats.t.ppf((1 + level) / 2, df), rel=1e-9)
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -107,6 +107,13 @@ def clopper_pearson(count: float, samples: float, level: float = LEVEL) -> list:
     return [float(low), float(high)]
 
 
+def t_quantile(level: float, df: int) -> float:
+    """t with P(|T| <= t) = ``level`` for Student's t of ``df`` degrees of freedom: from
+    P(|T| > t) = I_{df / (df + t^2)}(df / 2, 1 / 2)."""
+    x = beta_quantile(1.0 - level, df / 2, 0.5)
+    return math.sqrt(df * (1.0 - x) / x)
+
+
 def beta_quantile(q: float, a: float, b: float) -> float:
     """x with I_x(a, b) = q, by bisection (I rises with x) to 1e-14."""
     low, high = 0.0, 1.0

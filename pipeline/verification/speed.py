@@ -29,6 +29,7 @@ import numpy as np
 from pipeline.environment import VNNI_FLAGS
 from pipeline.errors import BackendCrashed
 from pipeline.precision import kinds
+from pipeline.verification.confidence import t_quantile
 
 WARMUP = 3
 STREAM_MAX_BYTES = 64 << 20  # input data of the stream timing, held by every build's worker
@@ -39,7 +40,8 @@ MAX_PASSES = 32  # stream passes of one build a round (each pass is a call to it
 MIN_ROUNDS = 3  # rounds timed whatever max_seconds says
 FIT_RUNS = 3  # runs of each build, after the warm-up, that fitted_runs sizes the rounds from
 MAX_LENGTHEN = 2  # an undecided pair doubles the round length at most this often (4x), within the time budget
-CONFIDENCE = 0.9  # the printed interval of a speed-up: where its median lies, at least this sure (median_interval)
+LEVEL = 0.9  # the printed interval of a speed-up: where one more round's ratio falls, this sure (round_interval)
+MAD_TO_SD = 1.4826  # a normal sample's standard deviation over its median absolute deviation
 SHORT_RUN_MS = 10.0  # builds this quick are timed in validation.timing_processes processes each (``_more_processes``)
 
 
@@ -394,32 +396,33 @@ def speedups(timings: Dict[str, dict], baseline: str = kinds.REFERENCE, tight: f
         ratios = [b / t for b, t in zip(base["round_medians_ms"], timing["round_medians_ms"]) if t > 0]
         if ratios:
             low, median, high = (float(v) for v in np.percentile(ratios, [25, 50, 75]))
-            lowest, highest, sure = median_interval(ratios)
+            lowest, highest = round_interval(ratios)
             found[name] = {"speedup": median, "speedup_p25": low, "speedup_p75": high,
-                           "speedup_low": lowest, "speedup_high": highest, "confidence": sure,
+                           "speedup_low": lowest, "speedup_high": highest, "level": LEVEL,
                            "faster": low > 1.0, "spread": _finite(spread(ratios)), "call": judge(ratios, tight)}
     return found
 
 
-def median_interval(values: List[float], confidence: float = CONFIDENCE) -> Tuple[float, float, float]:
-    """(low, high, how sure): a distribution-free interval of the median of ``values``, the
-    order statistics x(k) and x(n+1-k) with the largest k that leaves the median inside with
-    probability 1 - 2 P(Binomial(n, 1/2) < k) of at least ``confidence`` (8 rounds: the second
-    lowest and second highest, 93 %); the lowest and highest where even they are less sure
-    (3 rounds: 75 %). What is printed beside a speed-up: the rounds' p25-p75 describes how
-    the rounds spread, and an independent timing of the same builds fell outside it in half
-    the runs (docs/verify.md, "Speed")."""
-    ordered, count = sorted(values), len(values)
-    outside = lambda k: sum(math.comb(count, i) for i in range(k)) / 2 ** count  # P(Binomial(n, 1/2) < k)
-    k = 1
-    while k < (count + 1) // 2 and 1 - 2 * outside(k + 1) >= confidence:
-        k += 1
-    return float(ordered[k - 1]), float(ordered[count - k]), max(0.0, 1 - 2 * outside(k))
+def round_interval(ratios: List[float], level: float = LEVEL) -> Tuple[float, float]:
+    """(low, high): where one more round's ratio falls, ``level`` sure, the interval printed
+    beside a speed-up. A prediction interval in log space around the median ratio: median
+    times or over exp(t(n - 1) s sqrt(1 + 1/n)), s the rounds' robust standard deviation
+    (MAD_TO_SD times their median absolute deviation: one odd round does not widen it). What
+    a user who times the two builds again (other processes, a minute later) compares with:
+    the median's own interval shrinks with every round, the next timing's offset does not
+    (docs/verify.md, "The interval printed beside a speed-up"). One round: the ratio alone."""
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    center = math.log(float(np.median(ratios)))
+    if logs.size < 2:
+        return math.exp(center), math.exp(center)
+    scale = MAD_TO_SD * float(np.median(np.abs(logs - center)))
+    half = t_quantile(level, logs.size - 1) * scale * math.sqrt(1.0 + 1.0 / logs.size)
+    return math.exp(center - half), math.exp(center + half)
 
 
 def interval_keys(found: dict) -> Tuple[str, str]:
-    """The keys of a speed-up's printed interval (``speedups``' entry): median_interval's, or
-    the rounds' p25-p75 in a report written before it existed."""
+    """The keys of a speed-up's printed interval (``speedups``' entry): round_interval's (the
+    median's interval in a report of 2026-12-04), or the rounds' p25-p75 in one from before."""
     return ("speedup_low", "speedup_high") if "speedup_low" in found else ("speedup_p25", "speedup_p75")
 
 
@@ -436,10 +439,12 @@ def speedup_text(found: dict) -> str:
 
 
 def how_sure(found: dict) -> str:
-    """The words for the printed interval of a speed-up, e.g. "the median's 93 % interval"."""
-    if "confidence" not in found:
-        return "rounds p25-p75"
-    return f"the median's {100 * found['confidence']:.0f} % interval"
+    """The words for the printed interval of a speed-up, e.g. "the next round's 90 % range"."""
+    if "level" in found:
+        return f"the next round's {100 * found['level']:.0f} % range"
+    if "confidence" in found:  # a report of 2026-12-04
+        return f"the median's {100 * found['confidence']:.0f} % interval"
+    return "rounds p25-p75"
 
 
 def _finite(value: float) -> Optional[float]:
