@@ -351,3 +351,38 @@ def test_another_candidates_verify_is_set_aside_as_the_slowest_so_far():
     budget.deferred.add("bf16")
     assert budget.reserve() == pytest.approx(closing + budget.verify_estimate())
     assert budget.deadline(own_verify=True) == pytest.approx(budget.deadline() - budget.verify_estimate())
+
+
+def test_a_tables_refinement_counts_only_in_the_estimate_of_a_step_that_measures_a_new_table():
+    """The mixed search estimates its next whole-model measure from the slowest so far; a
+    table's refinement (weight rounding, bias correction) runs once a table, so it is left out
+    of that figure and added, at the refinement's own seconds (also when they came from the
+    cache), only where a step measures a new table. On PP-OCRv4 det a 20 s refinement inside
+    the per-op methods' measure cut the selection's 7 s measures with 23 s left."""
+    from pipeline.config.validation import validate
+    from pipeline.data import pack
+    from stages.sensitivity import _MixedMeasure
+    from test_quantize import _branchy_model, _table
+
+    model = _branchy_model()
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)} for _ in range(4)]
+
+    def refine(quantized):
+        time.sleep(0.5)  # a refinement computed here, its steps' own seconds from a cache
+        return quantized, {"weight_rounding": {"enabled": True, "applied": True, "seconds": 20.0},
+                           "bias_correction": {"enabled": False}}
+
+    measure = _MixedMeasure(model, pack(samples), None, 4, validate(composed("precision=mixed")), refine)
+    table = _table(model, samples[0])
+    started = time.perf_counter()
+    measure(table, [])  # the table's first model: refined
+    took = time.perf_counter() - started
+    assert measure.refine_s == 20.0 and measure.refinements == {"weight_rounding": True}
+    assert 0 < measure.seconds <= took - 0.5
+    measure(table, ["E"])  # the same table: derived from its refined model, no refinement
+    with deadline.until(time.monotonic() + 15.0, run_s=0.001):
+        assert measure.no_time("the selection's next measure") is None
+        why = measure.no_time("the per-op methods' measure", new_table=True)
+    assert why.startswith("cut by precision.budget_s: the per-op methods' measure estimated 20 s (the slowest "
+                          "measure so far and the last table's refinement), "), why

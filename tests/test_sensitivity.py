@@ -497,7 +497,7 @@ def test_the_base_table_is_the_one_that_spends_less_of_the_task_metric(monkeypat
     def base(per_op: dict, calibrated: dict, goal: tuple) -> str:
         class Measure:
             def __init__(self):
-                self.goal, self.no_time = goal, (lambda step: None)
+                self.goal, self.no_time = goal, (lambda step, new_table=False: None)
 
             def __call__(self, table, float_ops):
                 return per_op
