@@ -55,6 +55,7 @@ def test_a_short_build_is_timed_in_two_processes_each_and_printed_with_its_round
     assert found["level"] == 0.9 and found["speedup_low"] <= found["speedup"] <= found["speedup_high"]
     printed = f"int8 {found['speedup']:.2f}x ({found['speedup_low']:.2f}-{found['speedup_high']:.2f})"
     assert f"2 processes a build; the next round's 90 % range): {printed}" in result.stdout
+    assert "in brackets where one more round's ratio falls, 90 % sure" in (run_dirs(tmp_path)[-1] / "report.md").read_text()
 
 
 def test_min_speedup_fails_the_verdict_after_the_accuracy_checks(tmp_path):

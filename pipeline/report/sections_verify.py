@@ -18,7 +18,7 @@ from pipeline.report.document import Banner, Charts, Heading, Items, KeyValues, 
 from pipeline.report.junit import uncertainty
 from pipeline.report.sections_memory import memory_section
 from pipeline.verification.memory import candidate_peak
-from pipeline.verification.speed import interval_keys
+from pipeline.verification.speed import how_sure, interval_keys
 from pipeline.report.formatting import (FIRST_NAMES, NA, STDERR_LINES, STDERR_WIDTH, as_dict, as_list,
                                         column_headers, finite, first_names, fmt_attribute, fmt_cells, fmt_cosine,
                                         fmt_error, fmt_interval, fmt_number, fmt_pass, fmt_ratio, fmt_seconds, fmt_sqnr,
@@ -177,13 +177,21 @@ def _comparison_blocks(comparison: dict, metric=None) -> list:
     first = as_dict(next(iter(comparison.values()), None)).get("latency") or {}
     how = (f"latency: one sample, {first.get('runs_per_round', '?')} runs a round, {first.get('rounds', '?')} "
            "rounds with every build timed in turn (order rotated); median of round medians. Speed-up: median of "
-           "the per-round ratios, in brackets the interval its median lies in (at least 90 % sure where the rounds "
-           "allow: 8 rounds, the second lowest to the second highest ratio); a build counts as faster only when "
+           f"the per-round ratios, in brackets {_bracket(comparison)}; a build counts as faster only when "
            "its rounds' p25 is above 1.00x (three rounds in four).")
     if not all(as_dict(row).get("compared", True) for row in comparison.values()):
         how += (" Not compared: a baseline only timed and run on one sample per input shape for its memory "
                 "(validation.baselines=timed, precision=auto's default: fp32 is verified only when it could ship).")
     return [Heading(3, title), Table(headers, rows), Para(how)]
+
+
+def _bracket(comparison: dict) -> str:
+    """What the brackets beside a speed-up hold, in the words of the report's own figures."""
+    found = next((as_dict(row).get("speedup") for row in comparison.values() if as_dict(row).get("speedup")), {})
+    if "level" in found:
+        return (f"where one more round's ratio falls, {100 * found['level']:.0f} % sure (a prediction interval: a "
+                "timing of the same builds of your own lands inside it about as often)")
+    return how_sure(found) if found else "the rounds' spread"
 
 
 def fmt_speedup(speedup: dict) -> str:
