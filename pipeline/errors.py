@@ -59,6 +59,12 @@ class BackendUnavailable(ParityError):
     label = "backend unavailable"
 
 
+class ReferenceUnavailable(BackendUnavailable):
+    """ONNX Runtime, the fp32 reference, cannot load the model: no job can verify anything."""
+
+    label = "reference unavailable"
+
+
 class BackendCrashed(ParityError):
     """A backend session that crashed, hung, ran out of memory or raised in its worker
     process (pipeline/worker.py). ``kind``: "crashed", "hung", "error" or "memory"."""

@@ -4,6 +4,7 @@ inferred), a numeric pre-flight of its weights, and OpenVINO IR for OpenVINO tar
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -14,7 +15,7 @@ from onnx import numpy_helper, version_converter
 
 from pipeline import backends, shapes
 from pipeline.artifacts import sha256_file
-from pipeline.errors import ConfigError, InputError, first_line, target_cannot
+from pipeline.errors import ConfigError, InputError, ReferenceUnavailable, first_line, target_cannot
 from pipeline.model import batch_axes, check, external_data_files, load_onnx, record_batch_axes, signature
 from stages import StageContext, StageResult
 from stages.results import ConvertSummary
@@ -54,6 +55,7 @@ def run(ctx: StageContext) -> StageResult:
     record_batch_axes(model, axes)
     check(model)
     onnx.save(model, str(ctx.out_dir / "model.onnx"))
+    output_shapes = output_shape_check(reference_session(ctx.out_dir / "model.onnx"), model)  # the session freed
     files = {"model": "model.onnx"}
     backend = backends.spec(ctx.cfg.target.backend.value)
     if backend.CAPABILITIES.ir:  # the runtime's own IR of the float model, for build
@@ -75,7 +77,7 @@ def run(ctx: StageContext) -> StageResult:
         "initializers_in_inputs": constants,
         "dynamic_shapes": {name: r.to_json() if r else "data" for name, r in shapes.recorded(model).items()},
         "preflight": preflight(model),
-        "output_shapes": output_shape_check(ctx.out_dir / "model.onnx", model),
+        "output_shapes": output_shapes,
     }
     return StageResult(ctx.out_dir, files, ConvertSummary.from_json(summary))
 
@@ -234,12 +236,42 @@ def _finding(tensor: str, check_name: str, count: int, detail: str, severity: st
     return {"tensor": tensor, "check": check_name, "count": count, "detail": detail, "severity": severity}
 
 
-def output_shape_check(path: Path, model: onnx.ModelProto) -> dict:
-    """Each output's declared static dims against the shape ONNX Runtime returns for
-    all-zero inputs. Runtimes accept a wrong declaration silently (ONNX Runtime only logs
-    it), and a loader that trusts runtime.yaml's shapes would misread the output."""
+def reference_session(path: Path):
+    """ONNX Runtime's session of the converted model, unoptimized: the fp32 reference every
+    build is compared against. A model it cannot load (an op of a custom domain, an opset newer
+    than it knows, a kernel it lacks) stops every job: said here in one line (exit 4), not as an
+    internal error in the first later step that loads it (the int8 quantizer's, under auto)."""
     import onnxruntime as ort
 
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3  # ONNX Runtime's own "Error merging shape info" line: reported by output_shape_check
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - ONNX Runtime raises its own Fail, InvalidGraph, NotImplemented...
+        raise ReferenceUnavailable(_cannot_load(str(err), f"ONNX Runtime {ort.__version__}")) from err
+
+
+def _cannot_load(message: str, runtime: str) -> str:
+    """What the reference runtime's refusal to load a model means, and what to do."""
+    reference = f"{runtime}, the fp32 reference every build is compared against,"
+    unknown = re.search(r"([\w.]+:\w+|\w+)\(-?\d+\) is not a registered function/op", message)
+    if unknown:
+        return (f"{reference} does not know the op {unknown.group(1)}: export the model with standard ONNX ops "
+                "(a custom op has no reference to verify against)")
+    newer = re.search(r"Opset (\d+) is under development.*?support for domain (\S*) is till opset (\d+)", message, re.S)
+    if newer:
+        return (f"{reference} reads opset {newer.group(3)} of domain {newer.group(2)} at most and the model is stamped "
+                f"{newer.group(1)}: export it with opset {newer.group(3)} or lower (or install a newer onnxruntime)")
+    found = message.split("failed:", 1)[-1].strip().splitlines()
+    return f"{reference} cannot load this model: {found[0] if found else message}"
+
+
+def output_shape_check(session, model: onnx.ModelProto) -> dict:
+    """Each output's declared static dims against the shape ONNX Runtime returns for
+    all-zero inputs (``session``: reference_session's). Runtimes accept a wrong declaration
+    silently (ONNX Runtime only logs it), and a loader that trusts runtime.yaml's shapes
+    would misread the output."""
     declared = {o.name: [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else "?"
                          for d in o.type.tensor_type.shape.dim]
                 for o in model.graph.output if o.type.tensor_type.HasField("shape")}
@@ -248,11 +280,7 @@ def output_shape_check(path: Path, model: onnx.ModelProto) -> dict:
         return {"checked": False, "reason": "dynamic inputs without a range: verify checks the outputs at each "
                                             "sample's own shape", "mismatches": []}
     feeds = {spec.name: np.zeros(spec.range["opt"] if spec.dynamic else spec.shape, spec.dtype) for spec in specs}
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3  # ONNX Runtime's own "Error merging shape info" line: reported here instead
     try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         returned = dict(zip((o.name for o in session.get_outputs()), session.run(None, feeds)))
     except Exception as err:  # noqa: BLE001 - zeros are not every model's valid input
         return {"checked": False, "reason": f"ONNX Runtime could not run the model on all-zero inputs: "

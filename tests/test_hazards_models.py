@@ -6,6 +6,8 @@ op, and the target that runs it."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -162,6 +164,29 @@ def test_a_runtime_that_cannot_load_the_model_says_so_in_one_line(tmp_path):
     assert len(lines) == 1 and "Could not find an implementation for Det(11) node with name 'det'" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted({*before, "outputs"})
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("domain, opset, said", [
+    ("com.acme", 17, r"does not know the op com\.acme:Fancy: export the model with standard ONNX ops"),
+    ("", 30, r"reads opset (\d+) of domain ai\.onnx at most and the model is stamped 30: export it with opset \1 or lower"),
+])
+def test_a_model_the_reference_cannot_load_is_one_line_from_convert_under_auto(tmp_path, domain, opset, said):
+    """A custom op, an opset newer than ONNX Runtime knows: under precision=auto this was an
+    internal error (exit 1) from the int8 quantizer's own session; now convert loads the
+    reference first and says it once, exit 4, for every candidate it stops."""
+    node = helper.make_node("Fancy" if domain else "Relu", ["x"], ["y"], domain=domain, name="op")
+    graph = helper.make_graph([node], "unloadable", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    *([helper.make_opsetid(domain, 1)] if domain else [])])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "unloadable.onnx"))
+    result = run_cli([f"model.path={tmp_path / 'unloadable.onnx'}", "data=random", "metric=none"], tmp_path,
+                     default_precision=None)
+    assert result.returncode == 4, result.stdout + result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("parity:")]
+    assert line.startswith("parity: reference unavailable: ONNX Runtime ") and re.search(said, line), line
+    assert "no candidate could be built" not in line and "Traceback" not in result.stderr
 
 
 def quantized_digits(path):

@@ -52,7 +52,8 @@ from pipeline.config.validation import validate
 from pipeline.precision import kinds
 from pipeline.verification import speed
 from pipeline.verification.verdict import ACCURACY_CHECKS
-from pipeline.errors import BackendUnavailable, ConfigError, ExitCode, InputError, ParityError, first_line
+from pipeline.errors import (BackendUnavailable, ConfigError, ExitCode, InputError, ParityError, ReferenceUnavailable,
+                             first_line)
 from pipeline.app import int8_preview
 from pipeline.app.budget import CUT, Budget
 from pipeline.app.candidate_order import PRECISION_FILES, candidates, deferrable, ordered
@@ -475,13 +476,15 @@ def _none_built(target: str, tried: Dict[str, dict]) -> ParityError:
     exit 4 when the target could not make fp32, the model as given (pnnx crashing on a
     transformer, a quantized model MNN's converter crashes on while the others are refused
     as quantized already), else a config error. One input error stopping them
-    all (a model path that does not exist) is that error alone."""
+    all (a model path that does not exist), or the reference that cannot load the model, is
+    that error alone."""
     stopped: Dict[str, List[str]] = {}
     for precision, row in tried.items():
         stopped.setdefault(first_line(row["reasons"][0] if row["reasons"] else "no reason given"), []).append(precision)
     (only, *others) = stopped
-    if not others and only.startswith(InputError.label + ": "):  # the user's model or data file: said as it is
-        return InputError(only.removeprefix(InputError.label + ": "))
+    for alone in (InputError, ReferenceUnavailable) if not others else ():  # the user's model or data file, or a
+        if only.startswith(alone.label + ": "):  # model the reference cannot load: said as it is
+            return alone(only.removeprefix(alone.label + ": "))
     text = (f"precision=auto: no candidate could be built for target {target}: "
             + "; ".join(f"{', '.join(precisions)}: {reason}" for reason, precisions in stopped.items()))
     fp32_impossible = tried.get(REFERENCE, {}).get("exit_code") == int(ExitCode.BACKEND)  # fp32 is always tried
