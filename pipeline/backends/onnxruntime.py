@@ -180,6 +180,11 @@ def write_compile_cache(artifact_dir: Path, settings: dict, folder: Path) -> Non
 
     options = session_options(settings.get("options", {}), folder / CACHED_MODEL)
     ort.InferenceSession(str(Path(artifact_dir) / settings["model"]), options, providers=["CPUExecutionProvider"])
+    # read back as Session reads it: ONNX Runtime 1.31 writes an If whose two branches both got
+    # an NCHWc reorder as one it cannot load ("not in SSA form": 'reorder_token_0' twice); a
+    # cache that fails here is never made (compile_cache.write: the artifact loads without one)
+    again = session_options({**settings.get("options", {}), "graph_optimization_level": "disabled"})
+    ort.InferenceSession(str(folder / CACHED_MODEL), again, providers=["CPUExecutionProvider"])
 
 
 class Session:
