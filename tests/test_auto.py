@@ -194,6 +194,15 @@ def test_fp32_is_verified_only_when_it_could_ship():
     failing = {**fast_int8, "verdict": "fail"}
     assert _fp32_could_ship({"fp32": fp32, "int8": failing}, ["fp32", "int8"], 1.25)
     assert not _fp32_could_ship({"fp32": fp32, "int8": slow_int8}, ["int8"], 1.25)  # not a candidate
+    # a timing that crashed (ONNX Runtime refusing its own optimized graph): the passing builds have
+    # no latency, nothing is known faster, so fp32 is verified and, passing too, ships as the closest
+    untimed = {**fast_int8, "latency": {"error": "backend crashed"}}
+    assert _fp32_could_ship({"fp32": fp32, "int8_dynamic": untimed}, ["fp32", "int8_dynamic"], 1.25)
+    rows = {"fp32": {**fp32, "verdict": "pass", "latency": {"error": "backend crashed"}}, "int8_dynamic": untimed,
+            "int8": {**untimed, "verdict": "fail", "reasons": ["requested precision int8 but fp32 ran"]}}
+    winner, why = choose(rows)
+    assert winner == "fp32" and why.startswith("fp32: fp32, int8_dynamic pass and none has a timing"), why
+    assert "failed: int8" in why
 
 
 def test_one_candidate_against_fp32_takes_its_verify_timing_instead_of_a_second_one():

@@ -9,7 +9,6 @@ exit 2 when the cast would change values), and a compile cache ONNX Runtime cann
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

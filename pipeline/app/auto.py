@@ -465,8 +465,9 @@ def _fp32_could_ship(tried: Dict[str, dict], requested: List[str], tight: float)
     fp32 is paid for only then (it is every candidate's speed reference either way)."""
     if tried.get(REFERENCE, {}).get("verdict") != UNVERIFIED or REFERENCE not in requested:
         return False
-    if not any(row["verdict"] == "pass" for p, row in tried.items() if p in requested and p != REFERENCE):
-        return True
+    if not any(row["verdict"] == "pass" and "median_ms" in (row.get("latency") or {})
+               for p, row in tried.items() if p in requested and p != REFERENCE):
+        return True  # nothing else passes, or nothing that passes was timed (a timing that crashed)
     hoped = {p: {**row, "verdict": "pass"} if p == REFERENCE else row for p, row in tried.items() if p in requested}
     return choose(hoped, tight)[0] == REFERENCE
 

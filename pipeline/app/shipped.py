@@ -32,9 +32,13 @@ def choose(rows: Dict[str, dict], tight: float = speed.TIGHT) -> Tuple[Optional[
         if not built:
             return None, "no candidate was built"
         best = max(built, key=lambda p: rows[p]["cosine"])
-        if len([p for p, r in rows.items() if r["verdict"] == "pass"]) == 1:  # one passing build, nothing timed
-            only = next(p for p, r in rows.items() if r["verdict"] == "pass")
-            return only, f"{only} is the only candidate that passes" + _not_passing(rows)
+        untimed = [p for p, r in rows.items() if r["verdict"] == "pass"]
+        if len(untimed) == 1:  # one passing build, nothing timed
+            return untimed[0], f"{untimed[0]} is the only candidate that passes" + _not_passing(rows)
+        if untimed:  # a timing that did not complete (a worker crashed): nothing is known to be faster
+            winner = min(untimed, key=kinds.FIDELITY.index)
+            return winner, (f"{winner}: {', '.join(untimed)} pass and none has a timing, so the build closest to the "
+                            "model's numbers ships" + _not_passing(rows))
         if _fails_alike(rows, best):
             return kinds.REFERENCE, (f"no candidate passes, fp32 included: the precisions fail alike (output cosine "
                                      f"fp32 {rows[kinds.REFERENCE]['cosine']:.6f}, {best} {rows[best]['cosine']:.6f}), "
