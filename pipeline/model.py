@@ -158,3 +158,25 @@ def record_batch_axes(model: onnx.ModelProto, axes: Dict[str, Optional[int]]) ->
     """Keep the batch axes in the model (convert fixes the symbolic dims they come from)."""
     props = {p.key: p.value for p in model.metadata_props}
     onnx.helper.set_model_props(model, {**props, BATCH_AXES_KEY: json.dumps(axes)})  # replaces them all
+
+
+def ops_in_control_flow(model: onnx.ModelProto, op_types) -> Dict[str, List[str]]:
+    """Per control-flow node of the main graph (If, Loop, Scan: "Loop 'loop'"), the ``op_types``
+    its bodies hold, nested bodies included; only nodes that hold some."""
+    wanted, found = set(op_types), {}
+    for node in model.graph.node:
+        inside = sorted({inner.op_type for body in _bodies(node) for inner in _walk(body)} & wanted)
+        if inside:
+            found[f"{node.op_type} '{node.name}'"] = inside
+    return found
+
+
+def _bodies(node: onnx.NodeProto) -> List[onnx.GraphProto]:
+    return [attribute.g for attribute in node.attribute if attribute.type == onnx.AttributeProto.GRAPH]
+
+
+def _walk(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for body in _bodies(node):
+            yield from _walk(body)

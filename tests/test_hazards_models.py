@@ -189,6 +189,44 @@ def test_a_model_the_reference_cannot_load_is_one_line_from_convert_under_auto(t
     assert "no candidate could be built" not in line and "Traceback" not in result.stderr
 
 
+def _looped_conv(path):
+    """A Conv + Relu applied three times by a Loop whose body reads the weights from the main
+    graph (a scripted export's loop), nothing quantizable outside it."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(0, 0.2, (3, 3, 3, 3)).astype(np.float32), "w")
+    state = [1, 3, 16, 16]
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Conv", ["state_in", "w"], ["c"], pads=[1, 1, 1, 1], name="body_conv"),
+         helper.make_node("Relu", ["c"], ["state_out"], name="body_relu")], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("state_in", TensorProto.FLOAT, state)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("state_out", TensorProto.FLOAT, state)])
+    graph = helper.make_graph([helper.make_node("Loop", ["trip", "cond", "x"], ["y"], body=body, name="loop")], "loopy",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, state)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, state)],
+                              [weight, numpy_helper.from_array(np.array(3, np.int64), "trip"),
+                               numpy_helper.from_array(np.array(True), "cond")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_int8_of_a_model_whose_convs_are_all_inside_a_loop_says_where_they_are(tmp_path):
+    """Nothing to quantize in the main graph: the int8 build is the fp32 model and the verdict
+    fails it (exit 3), naming the Loop whose body holds the Conv (it said only "no Conv")."""
+    from pipeline.model import ops_in_control_flow
+
+    model = onnx.load(str(_looped_conv(tmp_path / "loopy.onnx")))
+    assert ops_in_control_flow(model, ["Conv", "MatMul"]) == {"Loop 'loop'": ["Conv"]}
+    result = run_cli([f"model.path={tmp_path / 'loopy.onnx'}", "data=random", "metric=none", "precision=int8"], tmp_path)
+    assert result.returncode == 3, result.stdout + result.stderr
+    (verdict,) = [line for line in result.stdout.splitlines() if line.startswith("verdict:")]
+    assert "the model has no op parity quantizes" in verdict and \
+        "Conv ops inside Loop 'loop' are not quantized (parity quantizes the main graph, not If, Loop or Scan " \
+        "bodies)" in verdict, verdict
+
+
 def quantized_digits(path):
     """The default digits CNN through ONNX Runtime's own quantize_static (QDQ, per channel),
     fed 16 of its calibration samples: a model quantized before parity sees it."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import onnx
 import yaml
 from threadpoolctl import threadpool_limits
 
@@ -25,6 +26,7 @@ from pipeline import backends, environment, shapes
 from pipeline.verification import diagnosis, float_noise, speed, verdict
 from pipeline.artifacts import hash_files, read_json, write_json, write_npz
 from pipeline.config.schemas import plain
+from pipeline.model import ops_in_control_flow
 from pipeline.precision import kinds
 from pipeline.console import progress_bar
 from pipeline.errors import BackendCrashed, BackendUnavailable, ConfigError, ExitCode
@@ -372,6 +374,12 @@ def _nothing_int8(ctx) -> dict:
     count, kind = len(quantization.float_ops or []), ctx.cfg.precision.kind
     if not count:
         why = "the model has no op parity quantizes (no Conv, MatMul, Gemm, ...): the build is the fp32 model"
+        inside = ops_in_control_flow(onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False),
+                                     ctx.cfg.precision.quantize_ops)
+        if inside:
+            ops = ", ".join(sorted({op for found in inside.values() for op in found}))
+            why += (f"; {ops} ops inside {', '.join(inside)} are not quantized (parity quantizes the main graph, not "
+                    "If, Loop or Scan bodies)")
     elif quantization.none_slower_in_int8:
         why = (f"no quantized op is faster in int8 than in fp32 on this machine (precision.int8_where_faster "
                f"kept all {count} in float) and the build runs fp32: ship fp32 (precision=auto chooses it)")
