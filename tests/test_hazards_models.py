@@ -189,6 +189,41 @@ def test_a_model_the_reference_cannot_load_is_one_line_from_convert_under_auto(t
     assert "no candidate could be built" not in line and "Traceback" not in result.stderr
 
 
+def conv_if_model(path):
+    """An If choosing between two Conv branches that read a stem Conv's output from the main
+    graph (a scripted export's branch), [1, 3, 16, 16] in, [1, 4, 16, 16] out."""
+    rng = np.random.default_rng(0)
+
+    def weight(name: str, out: int) -> onnx.TensorProto:
+        return numpy_helper.from_array(rng.normal(0, 0.3, (out, 3, 3, 3)).astype(np.float32), name)
+
+    def branch(name: str) -> onnx.GraphProto:  # each reads the stem's output, as an If body reads the graph's
+        return helper.make_graph([helper.make_node("Conv", ["feat", f"{name}_w"], [f"{name}_y"], pads=[1, 1, 1, 1])],
+                                 name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)],
+                                 initializer=[weight(f"{name}_w", 4)])
+
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "stem_w"], ["feat"], pads=[1, 1, 1, 1], name="stem"),
+         helper.make_node("ReduceMean", ["x"], ["m"], keepdims=0, name="mean"),
+         helper.make_node("Greater", ["m", "zero"], ["c"], name="gt"),
+         helper.make_node("If", ["c"], ["y"], then_branch=branch("then"), else_branch=branch("else"), name="branch")],
+        "conv_if", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
+        initializer=[weight("stem_w", 3), numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_int8_of_a_model_with_convs_in_an_if_says_they_stay_float(tmp_path):
+    """The branches' Convs are not quantized and the stem's Conv, whose output they read, does
+    not fuse: fp32 runs, exit 4, and the verdict says why (it said only "int8 but fp32 ran")."""
+    model = conv_if_model(tmp_path / "conv_if.onnx")
+    result = run_cli([f"model.path={model}", "data=random", "metric=none", "precision=int8"], tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    (verdict,) = [line for line in result.stdout.splitlines() if line.startswith("verdict:")]
+    assert "requested precision int8 but fp32 ran; Conv ops inside If 'branch' are not quantized" in verdict, verdict
+
+
 def _looped_conv(path):
     """A Conv + Relu applied three times by a Loop whose body reads the weights from the main
     graph (a scripted export's loop), nothing quantizable outside it."""

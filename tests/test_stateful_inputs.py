@@ -193,26 +193,9 @@ def test_compile_cache_that_onnxruntime_cannot_read_back_is_left_out(tmp_path):
     from pipeline.environment import cpu
     from pipeline.release import compile_cache
 
-    rng = np.random.default_rng(0)
+    from test_hazards_models import conv_if_model
 
-    def weight(name: str, out: int) -> onnx.TensorProto:
-        return numpy_helper.from_array(rng.normal(0, 0.3, (out, 3, 3, 3)).astype(np.float32), name)
-
-    def branch(name: str) -> onnx.GraphProto:  # each reads the stem's output, as an If body reads the graph's
-        return helper.make_graph([helper.make_node("Conv", ["feat", f"{name}_w"], [f"{name}_y"], pads=[1, 1, 1, 1])],
-                                 name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)],
-                                 initializer=[weight(f"{name}_w", 4)])
-
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "stem_w"], ["feat"], pads=[1, 1, 1, 1]),
-         helper.make_node("ReduceMean", ["x"], ["m"], keepdims=0),
-         helper.make_node("Greater", ["m", "zero"], ["c"]),
-         helper.make_node("If", ["c"], ["y"], then_branch=branch("then"), else_branch=branch("else"))], "conv_if",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
-        initializer=[weight("stem_w", 3), numpy_helper.from_array(np.array(0, np.float32), "zero")])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
-              str(tmp_path / "model.onnx"))
+    conv_if_model(tmp_path / "model.onnx")
     settings = {"model": "model.onnx", "files": ["model.onnx"], "options": {"graph_optimization_level": "all"}}
     written = compile_cache.write(backend, tmp_path, settings)
     if written is not None:  # a CPU without the NCHWc layout: the cache holds, and loads as a bundle loads it
@@ -221,7 +204,7 @@ def test_compile_cache_that_onnxruntime_cannot_read_back_is_left_out(tmp_path):
         assert "avx2" not in cpu().get("flags", []) and session is not None
         return
     assert compile_cache.CACHE_FIELD not in settings and not (tmp_path / compile_cache.FOLDER).exists()
-    feeds = {"x": rng.uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)}
+    feeds = {"x": np.random.default_rng(0).uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)}
     assert backend.Session(tmp_path / "model.onnx").run(feeds)["y"].shape == (1, 4, 16, 16)  # loads without one
 
 

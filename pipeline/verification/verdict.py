@@ -149,6 +149,7 @@ def _ran(requested: dict, effective: dict, fail_on_float_fallback: bool, intende
     partly_int8 = kinds.ran_partly(requested["precision"], ran)  # int8 asked, mixed ran
     if ran not in accepted and not partly_int8:
         text = f"requested precision {requested['precision']} but {effective.get('precision')} ran"
+        text += f"; {requested['control_flow']}" if requested.get("control_flow") else ""
         return found + [_check("precision", f"{text}: {note}" if note else text)]
     fallback = partial_fallback(effective, intended_float)
     if kinds.quantized(requested["precision"]) and (fallback["ops"] or (partly_int8 and not fallback["reported"])):

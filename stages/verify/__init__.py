@@ -69,11 +69,12 @@ def run(ctx: StageContext) -> StageResult:
     metric, task_output = _task_output(cfg, output_names)
     limits = {"timeout_s": cfg.validation.worker_timeout_s, "memory_mb": cfg.validation.worker_memory_mb}
     files = {"reproduce": "reproduce.npz"}
+    flow = _control_flow(ctx)
     requested = {"device": str(deployed[2].get("device", cfg.target.device)).upper(),
                  "precision": cfg.precision.kind,
                  "accepted_precisions": _accepted_precisions(cfg.precision, _build_float_ops(ctx),
                                                              ctx.results["convert"].summary.quantized),
-                 **_nothing_int8(ctx)}
+                 **_nothing_int8(ctx, flow), **({"control_flow": flow} if flow else {})}
     layers = None
     with contextlib.ExitStack() as stack, progress_bar() as progress:
         live = Live(ctx, deployed, (stack, limits))
@@ -364,7 +365,7 @@ def _latency_curve(rows: dict, curve: Dict[str, dict], ran: _Ran, validation) ->
     return found
 
 
-def _nothing_int8(ctx) -> dict:
+def _nothing_int8(ctx, control_flow: str = "") -> dict:
     """A build left with no int8 op runs fp32 as built: not a runtime's fallback but no int8
     build meeting the thresholds (mixed: the search kept every op float) or none faster than
     fp32 here (precision.int8_where_faster); pipeline.verification.verdict fails it with this line."""
@@ -374,12 +375,7 @@ def _nothing_int8(ctx) -> dict:
     count, kind = len(quantization.float_ops or []), ctx.cfg.precision.kind
     if not count:
         why = "the model has no op parity quantizes (no Conv, MatMul, Gemm, ...): the build is the fp32 model"
-        inside = ops_in_control_flow(onnx.load(str(ctx.results["convert"].path("model")), load_external_data=False),
-                                     ctx.cfg.precision.quantize_ops)
-        if inside:
-            ops = ", ".join(sorted({op for found in inside.values() for op in found}))
-            why += (f"; {ops} ops inside {', '.join(inside)} are not quantized (parity quantizes the main graph, not "
-                    "If, Loop or Scan bodies)")
+        why += f"; {control_flow}" if control_flow else ""
     elif quantization.none_slower_in_int8:
         why = (f"no quantized op is faster in int8 than in fp32 on this machine (precision.int8_where_faster "
                f"kept all {count} in float) and the build runs fp32: ship fp32 (precision=auto chooses it)")
@@ -389,6 +385,19 @@ def _nothing_int8(ctx) -> dict:
     else:
         why = f"precision.keep_float and the backend keep all {count} quantized ops in float: the build runs fp32"
     return {"accepted_precisions": [kinds.REFERENCE], "nothing_int8": f"precision {kind}: {why}"}
+
+
+def _control_flow(ctx) -> str:
+    """For an int8 or mixed build: the quantizable ops inside If, Loop or Scan bodies, which
+    stay float, in the words a verdict gives them ("" where the model has none)."""
+    convert = ctx.results["convert"]
+    if not kinds.quantized(ctx.cfg.precision.kind) or not {"If", "Loop", "Scan"} & set(convert.summary.op_types):
+        return ""
+    inside = ops_in_control_flow(onnx.load(str(convert.path("model")), load_external_data=False),
+                                 ctx.cfg.precision.quantize_ops)
+    ops = ", ".join(sorted({op for found in inside.values() for op in found}))
+    return (f"{ops} ops inside {', '.join(inside)} are not quantized (parity quantizes the main graph, not If, Loop "
+            "or Scan bodies)") if inside else ""
 
 
 def _build_float_ops(ctx) -> List[str]:
