@@ -165,18 +165,20 @@ def ops_in_control_flow(model: onnx.ModelProto, op_types) -> Dict[str, List[str]
     its bodies hold, nested bodies included; only nodes that hold some."""
     wanted, found = set(op_types), {}
     for node in model.graph.node:
-        inside = sorted({inner.op_type for body in _bodies(node) for inner in _walk(body)} & wanted)
+        inside = sorted({inner.op_type for body in bodies(node) for inner in _walk(body)} & wanted)
         if inside:
             found[f"{node.op_type} '{node.name}'"] = inside
     return found
 
 
-def _bodies(node: onnx.NodeProto) -> List[onnx.GraphProto]:
-    return [attribute.g for attribute in node.attribute if attribute.type == onnx.AttributeProto.GRAPH]
+def bodies(node: onnx.NodeProto) -> List[onnx.GraphProto]:
+    """The graphs a node holds as attributes: an If's branches, a Loop's or Scan's body."""
+    return [body for attribute in node.attribute
+            for body in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs))]
 
 
 def _walk(graph: onnx.GraphProto):
     for node in graph.node:
         yield node
-        for body in _bodies(node):
+        for body in bodies(node):
             yield from _walk(body)

@@ -15,7 +15,8 @@ from onnx import numpy_helper, version_converter
 
 from pipeline import backends, shapes
 from pipeline.artifacts import sha256_file
-from pipeline.errors import ConfigError, InputError, ReferenceUnavailable, first_line, target_cannot
+from pipeline.errors import (ConfigError, InputError, ReferenceUnavailable, first_line, meaningful_line,
+                             target_cannot)
 from pipeline.model import batch_axes, check, external_data_files, load_onnx, record_batch_axes, signature
 from stages import StageContext, StageResult
 from stages.results import ConvertSummary
@@ -249,12 +250,12 @@ def reference_session(path: Path):
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as err:  # noqa: BLE001 - ONNX Runtime raises its own Fail, InvalidGraph, NotImplemented...
-        raise ReferenceUnavailable(_cannot_load(str(err), f"ONNX Runtime {ort.__version__}")) from err
+        raise ReferenceUnavailable(_cannot_load(err, f"ONNX Runtime {ort.__version__}")) from err
 
 
-def _cannot_load(message: str, runtime: str) -> str:
+def _cannot_load(err: Exception, runtime: str) -> str:
     """What the reference runtime's refusal to load a model means, and what to do."""
-    reference = f"{runtime}, the fp32 reference every build is compared against,"
+    message, reference = str(err), f"{runtime}, the fp32 reference every build is compared against,"
     unknown = re.search(r"([\w.]+:\w+|\w+)\(-?\d+\) is not a registered function/op", message)
     if unknown:
         return (f"{reference} does not know the op {unknown.group(1)}: export the model with standard ONNX ops "
@@ -263,8 +264,7 @@ def _cannot_load(message: str, runtime: str) -> str:
     if newer:
         return (f"{reference} reads opset {newer.group(3)} of domain {newer.group(2)} at most and the model is stamped "
                 f"{newer.group(1)}: export it with opset {newer.group(3)} or lower (or install a newer onnxruntime)")
-    found = message.split("failed:", 1)[-1].strip().splitlines()
-    return f"{reference} cannot load this model: {found[0] if found else message}"
+    return f"{reference} cannot load this model: {meaningful_line(err).split('failed:', 1)[-1].strip()}"
 
 
 def output_shape_check(session, model: onnx.ModelProto) -> dict:

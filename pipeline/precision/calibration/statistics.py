@@ -18,7 +18,7 @@ from pipeline.precision.calibration.histogram import AbsHistogram
 from pipeline.data import Sample, pack, stack, unpack
 from pipeline.environment import own_threads
 from pipeline.errors import InputError
-from pipeline.model import signature
+from pipeline.model import bodies, signature
 from pipeline.shapes import elements, shape_key
 
 ACTIVATION_BUDGET = 256 << 20  # bytes of activations held per group of samples
@@ -513,12 +513,11 @@ class BatchRunner:
 def _forget_subgraph_shapes(graph: onnx.GraphProto) -> None:
     """Drop the shapes inside If/Loop/Scan bodies: inferred for batch 1, they would pin it."""
     for node in graph.node:
-        for attribute in node.attribute:
-            for body in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-                del body.value_info[:]
-                for output in body.output:
-                    output.type.tensor_type.ClearField("shape")
-                _forget_subgraph_shapes(body)
+        for body in bodies(node):
+            del body.value_info[:]
+            for output in body.output:
+                output.type.tensor_type.ClearField("shape")
+            _forget_subgraph_shapes(body)
 
 
 def _batch_axes(batched: Dict[str, np.ndarray], alone: Dict[str, np.ndarray], count: int) -> Optional[Dict[str, int]]:
